@@ -1,0 +1,178 @@
+//! The generic cell rate algorithm.
+//!
+//! GCRA keeps one integer per key, the *theoretical arrival time* (TAT): the instant at
+//! which the key would be back to full capacity if nothing else arrived. A grant of cost
+//! `c` moves it to `max(tat, now) + c*T`, where `T` is the emission interval; it is
+//! allowed when the result is no further than the tolerance `burst*T` ahead of `now`. So
+//! the debt `max(tat, now) - now` never exceeds `burst*T`, which gives the rate cap: over
+//! any window of length `W`, the admitted cost is at most `W/T + burst`.
+
+use std::time::Duration;
+
+use super::{Algorithm, Refusal, Snapshot};
+use crate::policy::PolicyError;
+use crate::rate::Rate;
+use crate::time::Instant;
+
+/// GCRA: a rate with a burst, one integer of state per key.
+///
+/// ```
+/// use tower_limits_core::algorithm::{Algorithm, Gcra, Refusal};
+/// use tower_limits_core::{Instant, Rate};
+/// use std::time::Duration;
+///
+/// let gcra = Gcra::new(Rate::per_second(10), 5).unwrap();
+/// let mut state = gcra.fresh();
+/// let now = Instant::ZERO;
+/// for _ in 0..5 {
+///     gcra.acquire(&mut state, now, 1).unwrap();
+/// }
+/// assert_eq!(
+///     gcra.acquire(&mut state, now, 1),
+///     Err(Refusal::NotYet { retry_after: Some(Duration::from_millis(100)) })
+/// );
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gcra {
+    rate: Rate,
+    burst: u64,
+    interval: u64,
+    tolerance: u64,
+}
+
+/// The state of one key under [`Gcra`]: the theoretical arrival time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcraState {
+    tat: Instant,
+}
+
+impl GcraState {
+    /// The theoretical arrival time: when the key is back to full capacity.
+    #[must_use]
+    pub fn theoretical_arrival(&self) -> Instant {
+        self.tat
+    }
+}
+
+impl Gcra {
+    /// GCRA with `rate` and room for `burst` units at once.
+    ///
+    /// # Errors
+    /// A zero or unrepresentable rate, a zero burst, or a burst whose duration (`burst`
+    /// emission intervals) does not fit in 2^62 nanoseconds.
+    pub fn new(rate: Rate, burst: u64) -> Result<Self, PolicyError> {
+        let interval = rate.interval_nanos()?;
+        let tolerance = tolerance(interval, burst)?;
+        Ok(Gcra { rate, burst, interval, tolerance })
+    }
+
+    /// The rate.
+    #[must_use]
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The burst: the most that can be granted at once.
+    #[must_use]
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The emission interval in nanoseconds (rounded up).
+    #[must_use]
+    pub fn interval_nanos(&self) -> u64 {
+        self.interval
+    }
+
+    #[inline]
+    fn cost_nanos(&self, cost: u64) -> u64 {
+        // cost <= burst is checked first, and burst * interval fits (see `tolerance`).
+        cost.saturating_mul(self.interval)
+    }
+}
+
+pub(super) fn tolerance(interval: u64, burst: u64) -> Result<u64, PolicyError> {
+    if burst == 0 {
+        return Err(PolicyError::new("burst", "must be at least 1"));
+    }
+    match interval.checked_mul(burst) {
+        Some(t) if t <= 1 << 62 => Ok(t),
+        _ => Err(PolicyError::new(
+            "burst",
+            format!("{burst} units at {interval}ns each is longer than the 146 years a limit can span"),
+        )),
+    }
+}
+
+impl Algorithm for Gcra {
+    type State = GcraState;
+
+    fn fresh(&self) -> GcraState {
+        GcraState::default()
+    }
+
+    fn capacity(&self) -> u64 {
+        self.burst
+    }
+
+    #[inline]
+    fn check(&self, state: &GcraState, now: Instant, cost: u64) -> Result<(), Refusal> {
+        if cost > self.burst {
+            return Err(Refusal::Never { capacity: self.burst });
+        }
+        let base = state.tat.max(now).as_nanos();
+        let new_tat = base.saturating_add(self.cost_nanos(cost));
+        let ahead = new_tat - now.as_nanos();
+        if ahead > self.tolerance {
+            Err(Refusal::NotYet { retry_after: Some(Duration::from_nanos(ahead - self.tolerance)) })
+        } else {
+            Ok(())
+        }
+    }
+
+    #[inline]
+    fn commit(&self, state: &mut GcraState, now: Instant, cost: u64) {
+        let base = state.tat.max(now).as_nanos();
+        state.tat = Instant::from_nanos(base.saturating_add(self.cost_nanos(cost)));
+    }
+
+    #[inline]
+    fn acquire(&self, state: &mut GcraState, now: Instant, cost: u64) -> Result<(), Refusal> {
+        if cost > self.burst {
+            return Err(Refusal::Never { capacity: self.burst });
+        }
+        let base = state.tat.max(now).as_nanos();
+        let new_tat = base.saturating_add(self.cost_nanos(cost));
+        let ahead = new_tat - now.as_nanos();
+        if ahead > self.tolerance {
+            return Err(Refusal::NotYet { retry_after: Some(Duration::from_nanos(ahead - self.tolerance)) });
+        }
+        state.tat = Instant::from_nanos(new_tat);
+        Ok(())
+    }
+
+    /// Moves the TAT back by the refunded cost, never before `now` (which is full
+    /// capacity): a refund cannot raise the key above its burst. Exact at any time.
+    fn refund(&self, state: &mut GcraState, now: Instant, _granted_at: Instant, amount: u64) {
+        let back = state.tat.as_nanos().saturating_sub(amount.saturating_mul(self.interval));
+        state.tat = Instant::from_nanos(back).max(now.min(state.tat));
+    }
+
+    fn charge(&self, state: &mut GcraState, now: Instant, _granted_at: Instant, amount: u64) {
+        let base = state.tat.max(now).as_nanos();
+        state.tat = Instant::from_nanos(base.saturating_add(amount.saturating_mul(self.interval)));
+    }
+
+    fn peek(&self, state: &GcraState, now: Instant) -> Snapshot {
+        let debt = state.tat.nanos_since(now);
+        Snapshot {
+            quota: self.burst,
+            remaining: self.tolerance.saturating_sub(debt) / self.interval,
+            reset: Duration::from_nanos(debt),
+        }
+    }
+
+    fn is_idle(&self, state: &GcraState, now: Instant) -> bool {
+        state.tat <= now
+    }
+}

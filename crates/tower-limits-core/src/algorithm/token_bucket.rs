@@ -1,0 +1,139 @@
+//! The token bucket.
+//!
+//! The bucket holds up to `burst` tokens and gains one every emission interval. To keep
+//! it exact in integers the level is kept in nanoseconds of credit (`tokens * T`), so
+//! refilling is adding elapsed time and a grant of cost `c` removes `c*T`. With the same
+//! rate and burst it makes exactly the decisions of [`Gcra`](super::Gcra) (a law test
+//! checks it): the two are the same algorithm seen from opposite ends, GCRA storing when
+//! the debt ends, the bucket storing the credit and when it was last updated.
+
+use std::time::Duration;
+
+use super::gcra::tolerance;
+use super::{Algorithm, Refusal, Snapshot};
+use crate::policy::PolicyError;
+use crate::rate::Rate;
+use crate::time::Instant;
+
+/// A token bucket: `burst` tokens, refilled at `rate`.
+///
+/// ```
+/// use tower_limits_core::algorithm::{Algorithm, TokenBucket};
+/// use tower_limits_core::{Instant, Rate};
+///
+/// let bucket = TokenBucket::new(Rate::per_second(100), 100).unwrap();
+/// let mut state = bucket.fresh();
+/// bucket.acquire(&mut state, Instant::ZERO, 60).unwrap();
+/// assert_eq!(bucket.peek(&state, Instant::ZERO).remaining, 40);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenBucket {
+    rate: Rate,
+    burst: u64,
+    interval: u64,
+    capacity: i64,
+}
+
+/// The state of one key under [`TokenBucket`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenBucketState {
+    /// Credit in nanoseconds (tokens × interval) at `last`. Negative after a charge beyond
+    /// what was available: the debt is paid back by refill before anything passes.
+    level: i64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// A bucket of `burst` tokens refilled at `rate`.
+    ///
+    /// # Errors
+    /// A zero or unrepresentable rate, or a zero or too large burst.
+    pub fn new(rate: Rate, burst: u64) -> Result<Self, PolicyError> {
+        let interval = rate.interval_nanos()?;
+        let capacity = tolerance(interval, burst)? as i64;
+        Ok(TokenBucket { rate, burst, interval, capacity })
+    }
+
+    /// The refill rate.
+    #[must_use]
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The size of the bucket in tokens.
+    #[must_use]
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The level at `now` in nanoseconds of credit, refilled and capped.
+    #[inline]
+    fn level_at(&self, state: &TokenBucketState, now: Instant) -> i64 {
+        let elapsed = now.nanos_since(state.last).min(1 << 62) as i64;
+        state.level.saturating_add(elapsed).min(self.capacity)
+    }
+
+    #[inline]
+    fn nanos(&self, amount: u64) -> i64 {
+        amount.saturating_mul(self.interval).min(1 << 62) as i64
+    }
+}
+
+impl Algorithm for TokenBucket {
+    type State = TokenBucketState;
+
+    fn fresh(&self) -> TokenBucketState {
+        TokenBucketState { level: self.capacity, last: Instant::ZERO }
+    }
+
+    fn capacity(&self) -> u64 {
+        self.burst
+    }
+
+    #[inline]
+    fn check(&self, state: &TokenBucketState, now: Instant, cost: u64) -> Result<(), Refusal> {
+        if cost > self.burst {
+            return Err(Refusal::Never { capacity: self.burst });
+        }
+        let level = self.level_at(state, now);
+        let need = self.nanos(cost);
+        if need > level {
+            Err(Refusal::NotYet { retry_after: Some(Duration::from_nanos((need - level) as u64)) })
+        } else {
+            Ok(())
+        }
+    }
+
+    #[inline]
+    fn commit(&self, state: &mut TokenBucketState, now: Instant, cost: u64) {
+        let level = self.level_at(state, now);
+        state.level = level - self.nanos(cost);
+        state.last = now.max(state.last);
+    }
+
+    /// Puts the tokens back, never above the bucket's size. Exact at any time.
+    fn refund(&self, state: &mut TokenBucketState, now: Instant, _granted_at: Instant, amount: u64) {
+        let level = self.level_at(state, now);
+        state.level = level.saturating_add(self.nanos(amount)).min(self.capacity);
+        state.last = now.max(state.last);
+    }
+
+    fn charge(&self, state: &mut TokenBucketState, now: Instant, _granted_at: Instant, amount: u64) {
+        let level = self.level_at(state, now);
+        state.level = level.saturating_sub(self.nanos(amount));
+        state.last = now.max(state.last);
+    }
+
+    fn peek(&self, state: &TokenBucketState, now: Instant) -> Snapshot {
+        let level = self.level_at(state, now);
+        Snapshot {
+            quota: self.burst,
+            remaining: (level.max(0) as u64) / self.interval,
+            reset: Duration::from_nanos((self.capacity - level) as u64),
+        }
+    }
+
+    fn is_idle(&self, state: &TokenBucketState, now: Instant) -> bool {
+        self.level_at(state, now) == self.capacity
+    }
+}

@@ -1,0 +1,74 @@
+//! The backend seam: where the state of a limit set lives.
+//!
+//! The layers acquire through [`Backend`]. The in-memory [`LimitSet`] is one backend;
+//! the Redis backend (crate `tower-limits-redis`) is another, evaluating the same
+//! algorithms in one server-side script per acquisition. Both must pass the same
+//! conformance suite.
+//!
+//! # The contract
+//!
+//! An implementation must guarantee, for every acquisition:
+//!
+//! 1. **All or nothing.** Either every limit of the set is charged, or none is. A denied
+//!    acquisition leaves every limit's state as it was.
+//! 2. **Linearizable per key.** Acquisitions, settles and releases touching the same
+//!    (limit, key) states take effect in one total order consistent with real time; no
+//!    two acquisitions both see the same remaining capacity.
+//! 3. **One clock.** Every decision about one state uses one monotonic time source
+//!    (the process clock in memory, the server's `TIME` on Redis), never the clocks of
+//!    several callers.
+//! 4. **Nothing lost.** A permit's concurrency comes back exactly once: on drop, on
+//!    cancel, and, for backends that can lose contact with a holder, when its lease
+//!    expires. Settling twice applies the difference once.
+//! 5. **Exact refusals.** `CostAboveCapacity` is returned for a cost no state could
+//!    ever grant; `Denied` carries the wait after which the same request would pass if
+//!    nothing else happened, to the backend's clock resolution.
+
+use std::future::Future;
+
+use crate::error::AcquireError;
+use crate::key::TenantKey;
+use crate::set::{LimitSet, OwnedPermit};
+use crate::time::Instant;
+
+/// Where the state of a limit set lives: in memory, or shared by a fleet.
+///
+/// See the [module docs](self) for the atomicity every implementation guarantees.
+pub trait Backend: Clone + Send + Sync + 'static {
+    /// What a grant holds until it is dropped.
+    type Permit: BackendPermit;
+    /// The pending acquisition.
+    type Acquire: Future<Output = Result<Self::Permit, AcquireError>> + Send + 'static;
+
+    /// Acquires every limit of the set for `key`, all or nothing. `now` is the caller's
+    /// clock; a shared backend may use its own instead (see the contract).
+    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire;
+}
+
+/// A grant from a [`Backend`]. Dropping it releases its concurrency.
+pub trait BackendPermit: Send + 'static {
+    /// Corrects limits that count cost to the real usage.
+    fn settle(&mut self, actual: u64, now: Instant);
+    /// Gives back everything, for a request that did not happen.
+    fn cancel(self, now: Instant);
+}
+
+impl Backend for LimitSet {
+    type Permit = OwnedPermit;
+    type Acquire = std::future::Ready<Result<OwnedPermit, AcquireError>>;
+
+    #[inline]
+    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
+        std::future::ready(self.acquire_owned(key, cost, now))
+    }
+}
+
+impl BackendPermit for OwnedPermit {
+    fn settle(&mut self, actual: u64, now: Instant) {
+        OwnedPermit::settle(self, actual, now);
+    }
+
+    fn cancel(self, now: Instant) {
+        OwnedPermit::cancel(self, now);
+    }
+}

@@ -1,0 +1,247 @@
+//! What an acquisition can answer besides a grant.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::Snapshot;
+use crate::limit::Config;
+
+/// Why a [`LimitSet`](crate::LimitSet) acquisition was not granted.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AcquireError {
+    /// Not now: a limit is exhausted. Carries which one and when to retry.
+    Denied(Denial),
+    /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
+    CostAboveCapacity(CostAboveCapacity),
+    /// The tenant key lacks a tier that a limit is keyed by.
+    MissingKey(MissingKey),
+    /// The bound on tracked keys is reached and no tracked key is idle.
+    KeyTableFull(KeyTableFull),
+    /// The backend holding the limits' state could not answer.
+    Unavailable(Unavailable),
+}
+
+impl AcquireError {
+    /// The denial, if this is one.
+    #[must_use]
+    pub fn as_denial(&self) -> Option<&Denial> {
+        match self {
+            AcquireError::Denied(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for AcquireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AcquireError::Denied(e) => e.fmt(f),
+            AcquireError::CostAboveCapacity(e) => e.fmt(f),
+            AcquireError::MissingKey(e) => e.fmt(f),
+            AcquireError::KeyTableFull(e) => e.fmt(f),
+            AcquireError::Unavailable(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for AcquireError {}
+
+/// A limit is exhausted for now.
+///
+/// Names the limit that blocked (when several did, the one that frees last) and carries
+/// the exact wait after which every limit of the set would pass if nothing else happened.
+#[derive(Clone)]
+pub struct Denial {
+    pub(crate) config: Arc<Config>,
+    pub(crate) limit: usize,
+    pub(crate) retry_after: Duration,
+    pub(crate) needs_release: bool,
+    pub(crate) snapshot: Snapshot,
+}
+
+impl Denial {
+    /// The name of the limit that blocked.
+    #[must_use]
+    pub fn limit(&self) -> &str {
+        &self.config.limits[self.limit].name
+    }
+
+    /// The index of the limit that blocked, in the order of the policy.
+    #[must_use]
+    pub fn limit_index(&self) -> usize {
+        self.limit
+    }
+
+    /// The tier the blocking limit is keyed by; `None` for a global limit.
+    #[must_use]
+    pub fn tier(&self) -> Option<&str> {
+        self.config.limits[self.limit].tier.map(|t| &*self.config.tiers[t])
+    }
+
+    /// Whether the blocking limit is shared by every tenant (a global limit): shared
+    /// overload rather than the tenant's own quota.
+    #[must_use]
+    pub fn is_global(&self) -> bool {
+        self.config.limits[self.limit].tier.is_none()
+    }
+
+    /// The exact wait after which every rate limit of the set would pass the same
+    /// request, if nothing else happened. Zero when only concurrency blocked.
+    #[must_use]
+    pub fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
+    /// Whether a concurrency limit (a semaphore) also has to release capacity before the
+    /// request can pass; its timing is unknown.
+    #[must_use]
+    pub fn needs_release(&self) -> bool {
+        self.needs_release
+    }
+
+    /// The blocking limit's quota, remaining capacity and reset time, for headers.
+    #[must_use]
+    pub fn snapshot(&self) -> Snapshot {
+        self.snapshot
+    }
+}
+
+impl fmt::Debug for Denial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Denial")
+            .field("limit", &self.limit())
+            .field("tier", &self.tier())
+            .field("retry_after", &self.retry_after)
+            .field("needs_release", &self.needs_release)
+            .field("snapshot", &self.snapshot)
+            .finish()
+    }
+}
+
+impl fmt::Display for Denial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rate limited by {:?}", self.limit())?;
+        if let Some(tier) = self.tier() {
+            write!(f, " (tier {tier})")?;
+        }
+        if self.retry_after > Duration::ZERO {
+            write!(f, ", retry after {:?}", self.retry_after)?;
+        }
+        if self.needs_release {
+            f.write_str(", waiting for concurrency to be released")?;
+        }
+        Ok(())
+    }
+}
+
+/// A cost above what a limit can ever grant at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CostAboveCapacity {
+    pub(crate) limit: Arc<str>,
+    pub(crate) tier: Option<Arc<str>>,
+    pub(crate) cost: u64,
+    pub(crate) capacity: u64,
+}
+
+impl CostAboveCapacity {
+    /// The name of the limit.
+    #[must_use]
+    pub fn limit(&self) -> &str {
+        &self.limit
+    }
+
+    /// The tier it is keyed by; `None` for a global limit.
+    #[must_use]
+    pub fn tier(&self) -> Option<&str> {
+        self.tier.as_deref()
+    }
+
+    /// The cost asked for.
+    #[must_use]
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// The most the limit can grant at once.
+    #[must_use]
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+}
+
+impl fmt::Display for CostAboveCapacity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cost {} is above the capacity {} of limit {:?}, so it can never be granted",
+            self.cost, self.capacity, self.limit
+        )
+    }
+}
+
+/// The tenant key lacks a tier some limit is keyed by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingKey {
+    pub(crate) tier: Arc<str>,
+}
+
+impl MissingKey {
+    /// The first tier the key lacks.
+    #[must_use]
+    pub fn tier(&self) -> &str {
+        &self.tier
+    }
+}
+
+impl fmt::Display for MissingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the tenant key has no {:?} tier, which a limit is keyed by", self.tier)
+    }
+}
+
+/// The bound on tracked keys is reached and none of them is idle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyTableFull {
+    pub(crate) max_keys: usize,
+}
+
+impl KeyTableFull {
+    /// The configured bound.
+    #[must_use]
+    pub fn max_keys(&self) -> usize {
+        self.max_keys
+    }
+}
+
+impl fmt::Display for KeyTableFull {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "too many active keys: the table of at most {} keys has no idle key to evict", self.max_keys)
+    }
+}
+
+/// The backend holding the state could not answer (for example Redis is unreachable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unavailable {
+    message: Arc<str>,
+}
+
+impl Unavailable {
+    /// An unavailability with a message for operators.
+    pub fn new(message: impl Into<Arc<str>>) -> Self {
+        Unavailable { message: message.into() }
+    }
+
+    /// The message.
+    #[must_use]
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "limit backend unavailable: {}", self.message)
+    }
+}

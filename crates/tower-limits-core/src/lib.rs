@@ -1,0 +1,49 @@
+//! The sans-IO core of tower-limits.
+//!
+//! Everything here is plain data and pure decisions: no async runtime, no tower, no HTTP.
+//! The `tower-limits` crate turns it into middleware; `tower-limits-redis` shares it
+//! across a fleet.
+//!
+//! - [`time`]: monotonic time as integer nanoseconds, a [`Clock`] trait, a
+//!   [`ManualClock`] for tests and a [`SystemClock`].
+//! - [`algorithm`]: GCRA, token bucket, sliding-window log and counter, fixed window and
+//!   a resource semaphore, each a state machine deciding `acquire(state, now, cost)`.
+//! - [`LimitSet`]: named limits, global or keyed by a tier of a [`TenantKey`], acquired
+//!   all or nothing, granting a [`Permit`] that settles and releases.
+//! - [`policy`]: limits as data, loadable from TOML and JSON, validated with errors that
+//!   name the field.
+//! - [`backend`]: the seam through which a set's state can live elsewhere.
+//!
+//! ```
+//! use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+//!
+//! let set = LimitSet::new(
+//!     LimitSetPolicy::new()
+//!         .tiers(["tenant"])
+//!         .limit(LimitPolicy::gcra("rps", Rate::per_second(5), 5).per("tenant")),
+//! )
+//! .unwrap();
+//! let key = TenantKey::single("acme").unwrap();
+//! let granted = (0..10).filter(|_| set.acquire(&key, 1, Instant::ZERO).is_ok()).count();
+//! assert_eq!(granted, 5);
+//! ```
+
+pub mod algorithm;
+pub mod backend;
+mod error;
+mod key;
+mod limit;
+pub mod policy;
+mod rate;
+mod set;
+pub mod time;
+
+pub use algorithm::{Refusal, Snapshot};
+pub use backend::{Backend, BackendPermit};
+pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
+pub use key::{KeyError, MAX_TIERS, TenantKey};
+pub use limit::{Limit, LimitState};
+pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
+pub use rate::Rate;
+pub use set::{LimitSet, LimitSetStats, LimitSnapshot, LimitStats, OwnedPermit, Permit};
+pub use time::{Clock, Instant, ManualClock, SystemClock};

@@ -1,0 +1,903 @@
+//! The LimitSet engine: named limits acquired together, all or nothing.
+//!
+//! # How it fits together
+//!
+//! A [`LimitSet`] holds a validated policy and the state of every (limit, key) pair it
+//! tracks. Global limits keep one state each; a limit scoped to a tier keeps one state
+//! per key path at that tier (see [`TenantKey`]).
+//!
+//! **Sharding and locks.** Keyed states live in shards chosen by the key's *root*, its
+//! broadest tier. All the tiers of one tenant therefore share a shard, so an acquisition
+//! takes at most two locks: the tenant's shard, then the global states, always in that
+//! order (which is why it cannot deadlock). Shards are padded to their own cache lines.
+//!
+//! **All or nothing.** Under those locks an acquisition first *checks* every limit
+//! without writing anything ([`Algorithm::check`](crate::algorithm::Algorithm::check)),
+//! and commits only if all of them pass. A denial therefore changes no state: it names
+//! the limit that frees last and the exact wait after which all of them would pass. A
+//! cost above some limit's capacity is refused at once as
+//! [`AcquireError::CostAboveCapacity`]: it can never pass, so it is never waited on.
+//!
+//! **Time.** `now` is passed in. Under the locks it is raised to the latest instant the
+//! shard has seen, so two callers whose clock reads raced never move a state backwards.
+//!
+//! **Permits.** A grant is a [`Permit`]. Dropping it releases what the set's semaphores
+//! hold; [`Permit::settle`] corrects cost-counted limits to the real usage (refunding or
+//! charging the difference); [`Permit::cancel`] gives back everything, for a request
+//! that did not happen. Rate limits need nothing on drop, so for a set without
+//! semaphores a permit is plain data.
+//!
+//! **Bounded memory.** The number of tracked (limit, key) states is bounded by the
+//! policy's `max_keys`, split evenly over the shards. When a shard is full, its idle
+//! states (those that decide exactly as a fresh state would, see
+//! [`Algorithm::is_idle`](crate::algorithm::Algorithm::is_idle)) are evicted, which
+//! changes no decision; if none is idle the acquisition fails with
+//! [`AcquireError::KeyTableFull`] rather than forget a key that still matters.
+//!
+//! **Policy changes.** [`LimitSet::replace_policy`] swaps the policy of a running set
+//! under all of its locks. A limit that keeps its name, algorithm and scope keeps every
+//! key's state; others start fresh. Permits granted under the old policy still release
+//! their semaphores; a settle that races a policy change is applied to limits that
+//! survived it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+use crate::algorithm::{Refusal, Snapshot};
+use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
+use crate::key::{MAX_TIERS, TenantKey};
+use crate::limit::{Config, LimitDef, LimitState};
+use crate::policy::{Counts, LimitSetPolicy, MAX_LIMITS, PolicyError};
+use crate::time::Instant;
+
+/// The most shards a set spreads its keys over.
+const MAX_SHARDS: usize = 32;
+
+/// Keeps each lock on its own cache line, so that shards do not slow each other down.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+struct Entry {
+    key: Box<str>,
+    state: LimitState,
+}
+
+/// Keyed states of the tenants whose root hashes here.
+struct Shard {
+    config: Arc<Config>,
+    keyed: Keyed,
+}
+
+struct Keyed {
+    /// One table per limit of the config (empty for global limits).
+    tables: Vec<HashTable<Entry>>,
+    len: usize,
+    cap: usize,
+    latest: Instant,
+    counters: Counters,
+}
+
+/// The states of the global limits.
+struct Global {
+    config: Arc<Config>,
+    states: GlobalStates,
+}
+
+struct GlobalStates {
+    /// One state per limit of the config (unused for keyed limits).
+    states: Vec<LimitState>,
+    latest: Instant,
+    counters: Counters,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Counters {
+    admitted: u64,
+    denied: [u64; MAX_LIMITS],
+    impossible: [u64; MAX_LIMITS],
+}
+
+struct Shared {
+    shards: Box<[Padded<Mutex<Shard>>]>,
+    global: Padded<Mutex<Global>>,
+    hasher: DefaultHashBuilder,
+    mask: usize,
+    /// Whether the current config has keyed limits; read without a lock to decide which
+    /// locks to take, and confirmed under them.
+    tiered: AtomicBool,
+    replacing: Mutex<()>,
+}
+
+/// Named limits acquired together, all or nothing, in memory.
+///
+/// Cloning a `LimitSet` is cheap and every clone shares the same state.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+///
+/// let set = LimitSet::new(
+///     LimitSetPolicy::new()
+///         .tiers(["org", "user"])
+///         .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 2).per("user"))
+///         .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(10_000), 1_000).per("org").counting_cost())
+///         .limit(LimitPolicy::semaphore("concurrent", 8).per("org")),
+/// )
+/// .unwrap();
+/// let alice = TenantKey::new(["acme", "alice"]).unwrap();
+/// let now = Instant::ZERO;
+///
+/// // 812 estimated tokens: one request, 812 tokens, one concurrent slot.
+/// let mut permit = set.acquire(&alice, 812, now).unwrap();
+/// permit.settle(640, now); // the real usage: 172 tokens come back
+///
+/// let _second = set.acquire(&alice, 100, now).unwrap();
+/// match set.acquire(&alice, 100, now) {
+///     Err(AcquireError::Denied(d)) => {
+///         assert_eq!(d.limit(), "requests");
+///         assert_eq!(d.tier(), Some("user"));
+///         assert_eq!(d.retry_after(), Duration::from_secs(1));
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+#[derive(Clone)]
+pub struct LimitSet {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for LimitSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let g = self.shared.lock_global();
+        f.debug_struct("LimitSet")
+            .field("limits", &g.config.limits.iter().map(|l| &*l.name).collect::<Vec<_>>())
+            .field("shards", &self.shared.shards.len())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while a lock is held; if something did, the state is still whole.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl LimitSet {
+    /// A set enforcing `policy`, with no key tracked yet.
+    ///
+    /// # Errors
+    /// The first problem with the policy, naming its field.
+    pub fn new(policy: LimitSetPolicy) -> Result<Self, PolicyError> {
+        let config = Arc::new(Config::build(&policy)?);
+        let shards = shard_count(config.max_keys);
+        let cap = shard_cap(config.max_keys, shards);
+        let shard = |config: &Arc<Config>| Shard {
+            config: config.clone(),
+            keyed: Keyed {
+                tables: (0..config.limits.len()).map(|_| HashTable::new()).collect(),
+                len: 0,
+                cap,
+                latest: Instant::ZERO,
+                counters: Counters::default(),
+            },
+        };
+        Ok(LimitSet {
+            shared: Arc::new(Shared {
+                shards: (0..shards).map(|_| Padded(Mutex::new(shard(&config)))).collect(),
+                global: Padded(Mutex::new(Global {
+                    states: GlobalStates {
+                        states: config.fresh.clone(),
+                        latest: Instant::ZERO,
+                        counters: Counters::default(),
+                    },
+                    config: config.clone(),
+                })),
+                hasher: DefaultHashBuilder::default(),
+                mask: shards - 1,
+                tiered: AtomicBool::new(config.has_tiered),
+                replacing: Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Acquires every limit of the set for `key` at `now`, all or nothing.
+    ///
+    /// Each limit is charged one (limits that count requests) or `cost` (limits that
+    /// count cost).
+    ///
+    /// # Errors
+    /// [`AcquireError::Denied`] when some limit is exhausted (no state changed),
+    /// [`AcquireError::CostAboveCapacity`] when it never could pass,
+    /// [`AcquireError::MissingKey`] when `key` lacks a tier some limit is keyed by, and
+    /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
+    pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
+        let grant = self.shared.acquire(Cow::Borrowed(key), Costs::Uniform(cost), now)?;
+        Ok(Permit { set: self, grant: Some(grant) })
+    }
+
+    /// Like [`LimitSet::acquire`], but with one cost per limit, in the order of the
+    /// policy (a request can cost 1 against one limit and 812 against another).
+    ///
+    /// # Errors
+    /// As [`LimitSet::acquire`]; a `costs` slice whose length is not the number of limits
+    /// is refused as [`AcquireError::CostAboveCapacity`] of the first unmatched limit.
+    pub fn acquire_each<'a>(
+        &'a self,
+        key: &'a TenantKey,
+        costs: &[u64],
+        now: Instant,
+    ) -> Result<Permit<'a>, AcquireError> {
+        let grant = self.shared.acquire(Cow::Borrowed(key), Costs::Each(costs.into()), now)?;
+        Ok(Permit { set: self, grant: Some(grant) })
+    }
+
+    /// Like [`LimitSet::acquire`], with a permit that owns a handle to the set and a copy
+    /// of the key, to keep across an `await` or move into a response future.
+    ///
+    /// # Errors
+    /// As [`LimitSet::acquire`].
+    pub fn acquire_owned(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<OwnedPermit, AcquireError> {
+        let grant = self.shared.acquire(Cow::Owned(key.clone()), Costs::Uniform(cost), now)?;
+        Ok(OwnedPermit { set: self.clone(), grant: Some(grant) })
+    }
+
+    /// Remaining capacity and reset time of every limit for `key` at `now`, without
+    /// consuming anything (limits keyed by a tier the key lacks are left out).
+    #[must_use]
+    pub fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        self.shared.peek(key, now)
+    }
+
+    /// Forgets every idle state (one that decides exactly as a fresh one would). Idle
+    /// states are also evicted automatically when a shard is full; call this to return
+    /// memory sooner.
+    pub fn evict_idle(&self, now: Instant) -> usize {
+        let mut evicted = 0;
+        for shard in self.shared.shards.iter() {
+            let mut s = lock(&shard.0);
+            let Shard { config, keyed } = &mut *s;
+            let now = now.max(keyed.latest);
+            evicted += keyed.sweep(config, now);
+        }
+        evicted
+    }
+
+    /// How many (limit, key) states are tracked now.
+    #[must_use]
+    pub fn tracked_keys(&self) -> usize {
+        self.shared.shards.iter().map(|s| lock(&s.0).keyed.len).sum()
+    }
+
+    /// Counters and current holdings, per limit.
+    #[must_use]
+    pub fn stats(&self) -> LimitSetStats {
+        self.shared.stats()
+    }
+
+    /// The names of the limits, in the order of the policy.
+    #[must_use]
+    pub fn limit_names(&self) -> Vec<String> {
+        self.shared.lock_global().config.limits.iter().map(|l| l.name.to_string()).collect()
+    }
+
+    /// Replaces the policy of the running set.
+    ///
+    /// Limits that keep their name, algorithm and scope keep the state of every key they
+    /// track; the others start fresh. The change is atomic: no acquisition sees part of
+    /// the old policy and part of the new.
+    ///
+    /// # Errors
+    /// The new policy's first problem; the set then keeps its current policy.
+    pub fn replace_policy(&self, policy: LimitSetPolicy) -> Result<(), PolicyError> {
+        let new = Arc::new(Config::build(&policy)?);
+        let _serial = lock(&self.shared.replacing);
+        let mut shards: Vec<_> = self.shared.shards.iter().map(|s| lock(&s.0)).collect();
+        let mut global = lock(&self.shared.global.0);
+        let old = global.config.clone();
+        let moves: Vec<Option<usize>> = (0..old.limits.len()).map(|i| new.successor(&old, i)).collect();
+        let cap = shard_cap(new.max_keys, shards.len());
+        for shard in &mut shards {
+            let k = &mut shard.keyed;
+            let mut tables: Vec<HashTable<Entry>> = (0..new.limits.len()).map(|_| HashTable::new()).collect();
+            let mut counters = Counters { admitted: k.counters.admitted, ..Counters::default() };
+            for (i, table) in std::mem::take(&mut k.tables).into_iter().enumerate() {
+                if let Some(j) = moves[i] {
+                    tables[j] = table;
+                    counters.denied[j] = k.counters.denied[i];
+                    counters.impossible[j] = k.counters.impossible[i];
+                }
+            }
+            k.len = tables.iter().map(HashTable::len).sum();
+            k.tables = tables;
+            k.counters = counters;
+            k.cap = cap;
+            shard.config = new.clone();
+        }
+        let g = &mut global.states;
+        let mut states = new.fresh.clone();
+        let mut counters = Counters { admitted: g.counters.admitted, ..Counters::default() };
+        for (i, state) in std::mem::take(&mut g.states).into_iter().enumerate() {
+            if let Some(j) = moves[i] {
+                states[j] = state;
+                counters.denied[j] = g.counters.denied[i];
+                counters.impossible[j] = g.counters.impossible[i];
+            }
+        }
+        g.states = states;
+        g.counters = counters;
+        global.config = new.clone();
+        self.shared.tiered.store(new.has_tiered, Ordering::Release);
+        Ok(())
+    }
+}
+
+fn shard_count(max_keys: usize) -> usize {
+    let mut n = MAX_SHARDS;
+    while n > 1 && n > max_keys {
+        n /= 2;
+    }
+    n
+}
+
+fn shard_cap(max_keys: usize, shards: usize) -> usize {
+    (max_keys / shards).max(1)
+}
+
+/// Per-limit costs of one acquisition.
+#[derive(Debug, Clone)]
+enum Costs {
+    /// One per request for limits counting requests, this for limits counting cost.
+    Uniform(u64),
+    /// Explicit, per limit.
+    Each(Box<[u64]>),
+}
+
+impl Costs {
+    #[inline]
+    fn of(&self, i: usize, def: &LimitDef) -> u64 {
+        match self {
+            Costs::Uniform(cost) => match def.counts {
+                Counts::Requests => 1,
+                Counts::Cost => *cost,
+            },
+            Costs::Each(costs) => costs.get(i).copied().unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// What a grant remembers to settle and release later.
+struct Grant<'k> {
+    key: Cow<'k, TenantKey>,
+    granted_at: Instant,
+    version: u64,
+    /// Kept only when the policy has semaphores, so that a release after a policy change
+    /// can still find them by name.
+    config: Option<Arc<Config>>,
+    /// The costs as they stand: the acquired costs, then the settled ones.
+    costs: Costs,
+    /// The request cost at acquisition (for semaphores counting cost).
+    acquired: u64,
+}
+
+impl Shared {
+    fn lock_global(&self) -> MutexGuard<'_, Global> {
+        lock(&self.global.0)
+    }
+
+    #[inline]
+    fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
+        let h = self.hasher.hash_one(key.root());
+        // The high bits: the table uses the low ones.
+        &self.shards[(h >> 40) as usize & self.mask].0
+    }
+
+    fn acquire<'k>(&self, key: Cow<'k, TenantKey>, costs: Costs, now: Instant) -> Result<Grant<'k>, AcquireError> {
+        if key.depth() > 0 && self.tiered.load(Ordering::Acquire) {
+            let mut shard = lock(self.shard_of(&key));
+            let Shard { config, keyed } = &mut *shard;
+            if config.has_global {
+                let mut global = self.lock_global();
+                self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now)
+            } else {
+                self.decide(config, Some(keyed), None, key, costs, now)
+            }
+        } else {
+            let mut global = self.lock_global();
+            if global.config.has_tiered && key.depth() > 0 {
+                // The policy gained keyed limits since the hint was read: take the locks
+                // in order.
+                drop(global);
+                let mut shard = lock(self.shard_of(&key));
+                let Shard { config, keyed } = &mut *shard;
+                let mut global = self.lock_global();
+                return self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+            }
+            let Global { config, states } = &mut *global;
+            self.decide(config, None, Some(states), key, costs, now)
+        }
+    }
+
+    /// The decision, under the locks the caller took.
+    #[allow(clippy::too_many_lines)]
+    fn decide<'k>(
+        &self,
+        config: &Arc<Config>,
+        mut shard: Option<&mut Keyed>,
+        mut global: Option<&mut GlobalStates>,
+        key: Cow<'k, TenantKey>,
+        costs: Costs,
+        now: Instant,
+    ) -> Result<Grant<'k>, AcquireError> {
+        let cfg: &Config = config;
+        if cfg.depth_needed > key.depth() {
+            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()].clone() }));
+        }
+        let mut now = now;
+        if let Some(s) = &shard {
+            now = now.max(s.latest);
+        }
+        if let Some(g) = &global {
+            now = now.max(g.latest);
+        }
+
+        // One hash per tier the policy uses.
+        let mut hashes = [0u64; MAX_TIERS];
+        for def in &cfg.limits {
+            if let Some(t) = def.tier {
+                if hashes[t] == 0 {
+                    hashes[t] = self.hasher.hash_one(key.prefix(t + 1).unwrap_or("")) | 1;
+                }
+            }
+        }
+
+        // Phase 1: check everything, write nothing.
+        let mut blocked: Option<(usize, Option<Duration>)> = None;
+        let mut retry = Duration::ZERO;
+        let mut needs_release = false;
+        let mut new_entries = 0usize;
+        for (i, def) in cfg.limits.iter().enumerate() {
+            let cost = costs.of(i, def);
+            let result = match def.tier {
+                None => def.limit.check(&global.as_deref().map(|g| &g.states[i]).unwrap_or(&cfg.fresh[i]), now, cost),
+                Some(t) => {
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let found = shard.as_deref().and_then(|s| s.tables[i].find(hashes[t], |e| &*e.key == prefix));
+                    if found.is_none() {
+                        new_entries += 1;
+                    }
+                    def.limit.check(found.map_or(&cfg.fresh[i], |e| &e.state), now, cost)
+                }
+            };
+            match result {
+                Ok(()) => {}
+                Err(Refusal::Never { capacity }) => {
+                    counters(&mut shard, &mut global).impossible[i] += 1;
+                    return Err(AcquireError::CostAboveCapacity(CostAboveCapacity {
+                        limit: def.name.clone(),
+                        tier: def.tier.map(|t| cfg.tiers[t].clone()),
+                        cost,
+                        capacity,
+                    }));
+                }
+                Err(Refusal::NotYet { retry_after }) => {
+                    match retry_after {
+                        Some(wait) if wait >= retry => {
+                            retry = wait;
+                            blocked = Some((i, Some(wait)));
+                        }
+                        Some(_) => {}
+                        None => {
+                            needs_release = true;
+                            if blocked.is_none() {
+                                blocked = Some((i, None));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        if let Some((i, _)) = blocked {
+            counters(&mut shard, &mut global).denied[i] += 1;
+            let def = &cfg.limits[i];
+            let snapshot = match def.tier {
+                None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
+                Some(t) => {
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let found = shard.as_deref().and_then(|s| s.tables[i].find(hashes[t], |e| &*e.key == prefix));
+                    def.limit.peek(found.map_or(&cfg.fresh[i], |e| &e.state), now)
+                }
+            };
+            return Err(AcquireError::Denied(Denial {
+                config: config.clone(),
+                limit: i,
+                retry_after: retry,
+                needs_release,
+                snapshot,
+            }));
+        }
+
+        // Room for the states this grant creates.
+        if let Some(s) = shard.as_deref_mut() {
+            if new_entries > 0 && s.len + new_entries > s.cap {
+                s.sweep(cfg, now);
+                if s.len + new_entries > s.cap {
+                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                }
+            }
+        }
+
+        // Phase 2: everything passed; commit everything.
+        for (i, def) in cfg.limits.iter().enumerate() {
+            let cost = costs.of(i, def);
+            match def.tier {
+                None => {
+                    if let Some(g) = global.as_deref_mut() {
+                        def.limit.commit(&mut g.states[i], now, cost);
+                    }
+                }
+                Some(t) => {
+                    let Some(s) = shard.as_deref_mut() else { continue };
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let table = &mut s.tables[i];
+                    if let Some(e) = table.find_mut(hashes[t], |e| &*e.key == prefix) {
+                        def.limit.commit(&mut e.state, now, cost);
+                    } else {
+                        let mut state = cfg.fresh[i].clone();
+                        def.limit.commit(&mut state, now, cost);
+                        let hasher = &self.hasher;
+                        table.insert_unique(hashes[t], Entry { key: prefix.into(), state }, |e| {
+                            hasher.hash_one(&*e.key) | 1
+                        });
+                        s.len += 1;
+                    }
+                }
+            }
+        }
+        if let Some(s) = shard.as_deref_mut() {
+            s.latest = now;
+        }
+        if let Some(g) = global.as_deref_mut() {
+            g.latest = now;
+        }
+        counters(&mut shard, &mut global).admitted += 1;
+
+        let acquired = match &costs {
+            Costs::Uniform(c) => *c,
+            Costs::Each(_) => 0,
+        };
+        Ok(Grant {
+            key,
+            granted_at: now,
+            version: cfg.version,
+            config: cfg.has_semaphore.then(|| config.clone()),
+            costs,
+            acquired,
+        })
+    }
+
+    /// Runs `f` on each limit of the current config that grant-limit `i` maps to, with
+    /// its state for the grant's key, under the locks that needs.
+    fn with_states(
+        &self,
+        grant: &Grant<'_>,
+        now: Instant,
+        mut f: impl FnMut(usize, &LimitDef, Option<usize>, &mut LimitState, Instant),
+    ) {
+        let key: &TenantKey = &grant.key;
+        let mut shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
+        let mut global = self.lock_global();
+        let current = global.config.clone();
+        let mut now = now.max(global.states.latest);
+        if let Some(s) = &shard {
+            now = now.max(s.keyed.latest);
+        }
+        // Map the grant's limits to the current ones.
+        let n = current.limits.len();
+        for j in 0..n {
+            let from = if current.version == grant.version {
+                Some(j)
+            } else if let Some(old) = &grant.config {
+                (0..old.limits.len()).find(|&i| current.successor(old, i) == Some(j))
+            } else {
+                None
+            };
+            let Some(i) = from else { continue };
+            let def = &current.limits[j];
+            match def.tier {
+                None => f(i, def, None, &mut global.states.states[j], now),
+                Some(t) => {
+                    let Some(s) = shard.as_deref_mut().map(|s| &mut s.keyed) else { continue };
+                    let Some(prefix) = key.prefix(t + 1) else { continue };
+                    let h = self.hasher.hash_one(prefix) | 1;
+                    if let Some(e) = s.tables[j].find_mut(h, |e| &*e.key == prefix) {
+                        f(i, def, Some(t), &mut e.state, now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn release(&self, grant: &Grant<'_>) {
+        let Some(config) = &grant.config else { return };
+        self.with_states(grant, grant.granted_at, |i, def, _, state, _| {
+            if def.limit.is_semaphore() {
+                let amount = match &grant.costs {
+                    Costs::Uniform(_) => Costs::Uniform(grant.acquired).of(i, &config.limits[i]),
+                    each => each.of(i, def),
+                };
+                def.limit.release(state, amount);
+            }
+        });
+    }
+
+    fn settle(&self, grant: &mut Grant<'_>, actual: Costs, now: Instant) {
+        let granted_at = grant.granted_at;
+        let before = grant.costs.clone();
+        self.with_states(grant, now, |i, def, _, state, now| {
+            if def.limit.is_semaphore() {
+                return;
+            }
+            let (was, is) = (before.of(i, def), actual.of(i, def));
+            if is > was {
+                def.limit.charge(state, now, granted_at, is - was);
+            } else if was > is {
+                def.limit.refund(state, now, granted_at, was - is);
+            }
+        });
+        grant.costs = actual;
+    }
+
+    fn cancel(&self, grant: &Grant<'_>, now: Instant) {
+        let granted_at = grant.granted_at;
+        self.with_states(grant, now, |i, def, _, state, now| {
+            if !def.limit.is_semaphore() {
+                def.limit.refund(state, now, granted_at, grant.costs.of(i, def));
+            }
+        });
+    }
+
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        let shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
+        let global = self.lock_global();
+        let cfg = global.config.clone();
+        let now = now.max(global.states.latest);
+        let mut out = Vec::with_capacity(cfg.limits.len());
+        for (i, def) in cfg.limits.iter().enumerate() {
+            let state = match def.tier {
+                None => &global.states.states[i],
+                Some(t) => {
+                    let (Some(s), Some(prefix)) = (shard.as_deref().map(|s| &s.keyed), key.prefix(t + 1)) else {
+                        continue;
+                    };
+                    let h = self.hasher.hash_one(prefix) | 1;
+                    s.tables[i].find(h, |e| &*e.key == prefix).map_or(&cfg.fresh[i], |e| &e.state)
+                }
+            };
+            out.push(LimitSnapshot {
+                name: def.name.to_string(),
+                tier: def.tier.map(|t| cfg.tiers[t].to_string()),
+                snapshot: def.limit.peek(state, now),
+            });
+        }
+        out
+    }
+
+    fn stats(&self) -> LimitSetStats {
+        let global = self.lock_global();
+        let cfg = global.config.clone();
+        let mut limits: Vec<LimitStats> = cfg
+            .limits
+            .iter()
+            .enumerate()
+            .map(|(i, def)| LimitStats {
+                name: def.name.to_string(),
+                tier: def.tier.map(|t| cfg.tiers[t].to_string()),
+                denied: global.states.counters.denied[i],
+                cost_above_capacity: global.states.counters.impossible[i],
+                held: match (&global.states.states[i], def.tier) {
+                    (LimitState::Semaphore(s), None) => s.held(),
+                    _ => 0,
+                },
+                tracked_keys: 0,
+            })
+            .collect();
+        let mut admitted = global.states.counters.admitted;
+        drop(global);
+        for shard in self.shared_shards() {
+            let s = lock(shard);
+            if !Arc::ptr_eq(&s.config, &cfg) {
+                continue; // replaced since: its numbers belong to the new policy
+            }
+            let s = &s.keyed;
+            admitted += s.counters.admitted;
+            for (i, stats) in limits.iter_mut().enumerate() {
+                stats.denied += s.counters.denied[i];
+                stats.cost_above_capacity += s.counters.impossible[i];
+                stats.tracked_keys += s.tables[i].len();
+                if cfg.limits[i].limit.is_semaphore() {
+                    stats.held += s.tables[i]
+                        .iter()
+                        .map(|e| match &e.state {
+                            LimitState::Semaphore(st) => st.held(),
+                            _ => 0,
+                        })
+                        .sum::<u64>();
+                }
+            }
+        }
+        LimitSetStats { admitted, limits }
+    }
+
+    fn shared_shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {
+        self.shards.iter().map(|s| &s.0)
+    }
+}
+
+fn counters<'a>(shard: &'a mut Option<&mut Keyed>, global: &'a mut Option<&mut GlobalStates>) -> &'a mut Counters {
+    match (shard, global) {
+        (Some(s), _) => &mut s.counters,
+        (None, Some(g)) => &mut g.counters,
+        (None, None) => unreachable!("an acquisition holds at least one lock"),
+    }
+}
+
+impl Keyed {
+    /// Drops every idle state; returns how many.
+    fn sweep(&mut self, config: &Config, now: Instant) -> usize {
+        let before = self.len;
+        for (i, table) in self.tables.iter_mut().enumerate() {
+            let limit = &config.limits[i].limit;
+            table.retain(|e| !limit.is_idle(&e.state, now));
+        }
+        self.len = self.tables.iter().map(HashTable::len).sum();
+        before - self.len
+    }
+}
+
+/// One limit's remaining capacity for one key, from [`LimitSet::peek`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitSnapshot {
+    /// The limit's name.
+    pub name: String,
+    /// The tier it is keyed by; `None` for a global limit.
+    pub tier: Option<String>,
+    /// Quota, remaining and reset.
+    pub snapshot: Snapshot,
+}
+
+/// Counters of a set, from [`LimitSet::stats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitSetStats {
+    /// Acquisitions granted.
+    pub admitted: u64,
+    /// Per limit, in the order of the policy.
+    pub limits: Vec<LimitStats>,
+}
+
+/// Counters of one limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitStats {
+    /// The limit's name.
+    pub name: String,
+    /// The tier it is keyed by; `None` for a global limit.
+    pub tier: Option<String>,
+    /// Acquisitions this limit blocked.
+    pub denied: u64,
+    /// Acquisitions refused because their cost was above this limit's capacity.
+    pub cost_above_capacity: u64,
+    /// Permits held now (semaphores; zero for rate limits).
+    pub held: u64,
+    /// Keys this limit tracks now.
+    pub tracked_keys: usize,
+}
+
+/// A grant from [`LimitSet::acquire`], borrowing the set and the key.
+///
+/// Dropping it releases the concurrency it holds (rate limits hold nothing).
+#[must_use = "dropping a permit releases its concurrency at once"]
+pub struct Permit<'a> {
+    set: &'a LimitSet,
+    grant: Option<Grant<'a>>,
+}
+
+/// A grant from [`LimitSet::acquire_owned`]: like [`Permit`], but `'static`.
+#[must_use = "dropping a permit releases its concurrency at once"]
+pub struct OwnedPermit {
+    set: LimitSet,
+    grant: Option<Grant<'static>>,
+}
+
+macro_rules! permit_methods {
+    () => {
+        /// The instant the grant was made at (after raising `now` to the latest instant
+        /// the set had seen).
+        #[must_use]
+        pub fn granted_at(&self) -> Instant {
+            self.grant.as_ref().map_or(Instant::ZERO, |g| g.granted_at)
+        }
+
+        /// The key the grant was made for.
+        #[must_use]
+        pub fn key(&self) -> &TenantKey {
+            match &self.grant {
+                Some(g) => &g.key,
+                None => unreachable!("a permit holds its grant until it is consumed"),
+            }
+        }
+
+        /// Corrects limits that count cost to the real usage `actual`: the difference
+        /// with the cost acquired (or last settled) is refunded, or charged when the real
+        /// usage is higher (recorded, never refused: the work is done; later requests
+        /// wait for it). Limits counting requests and semaphores are unchanged; the
+        /// concurrency is still held until the permit is dropped.
+        pub fn settle(&mut self, actual: u64, now: Instant) {
+            if let Some(grant) = self.grant.as_mut() {
+                self.set.shared.settle(grant, Costs::Uniform(actual), now);
+            }
+        }
+
+        /// Like [`settle`](Self::settle), with one actual cost per limit in the order of
+        /// the policy (semaphores' entries are ignored).
+        pub fn settle_each(&mut self, actual: &[u64], now: Instant) {
+            if let Some(grant) = self.grant.as_mut() {
+                self.set.shared.settle(grant, Costs::Each(actual.into()), now);
+            }
+        }
+
+        /// Gives back everything: refunds every rate limit as far as each can (see
+        /// [`Algorithm::refund`](crate::algorithm::Algorithm::refund)) and releases the
+        /// concurrency. For a request that did not happen.
+        pub fn cancel(mut self, now: Instant) {
+            if let Some(grant) = self.grant.take() {
+                self.set.shared.cancel(&grant, now);
+                self.set.shared.release(&grant);
+            }
+        }
+
+        /// Keeps what was charged and releases the concurrency now; the same as dropping
+        /// the permit, spelled out.
+        pub fn release(self) {}
+    };
+}
+
+impl Permit<'_> {
+    permit_methods!();
+}
+
+impl OwnedPermit {
+    permit_methods!();
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if let Some(grant) = self.grant.take() {
+            self.set.shared.release(&grant);
+        }
+    }
+}
+
+impl Drop for OwnedPermit {
+    fn drop(&mut self) {
+        if let Some(grant) = self.grant.take() {
+            self.set.shared.release(&grant);
+        }
+    }
+}
+
+impl fmt::Debug for Permit<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
+    }
+}
+
+impl fmt::Debug for OwnedPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedPermit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
+    }
+}

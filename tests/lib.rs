@@ -1,0 +1,1 @@
+//! Shared support for the integration tests in `tests/tests/`.
