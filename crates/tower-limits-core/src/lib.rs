@@ -31,6 +31,7 @@
 pub mod algorithm;
 pub mod backend;
 mod error;
+pub mod fair_queue;
 mod key;
 mod limit;
 pub mod policy;

@@ -1,0 +1,1 @@
+//! Weighted-fair tenant queue (start-time fair queuing). Work in progress.
