@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::Snapshot;
-use crate::limit::Config;
 
 /// Why a [`LimitSet`](crate::LimitSet) acquisition was not granted.
 #[derive(Debug, Clone)]
@@ -52,9 +51,10 @@ impl std::error::Error for AcquireError {}
 ///
 /// Names the limit that blocked (when several did, the one that frees last) and carries
 /// the exact wait after which every limit of the set would pass if nothing else happened.
-#[derive(Clone)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Denial {
-    pub(crate) config: Arc<Config>,
+    pub(crate) name: &'static str,
+    pub(crate) tier: Option<&'static str>,
     pub(crate) limit: usize,
     pub(crate) retry_after: Duration,
     pub(crate) needs_release: bool,
@@ -65,7 +65,7 @@ impl Denial {
     /// The name of the limit that blocked.
     #[must_use]
     pub fn limit(&self) -> &str {
-        &self.config.limits[self.limit].name
+        self.name
     }
 
     /// The index of the limit that blocked, in the order of the policy.
@@ -77,14 +77,14 @@ impl Denial {
     /// The tier the blocking limit is keyed by; `None` for a global limit.
     #[must_use]
     pub fn tier(&self) -> Option<&str> {
-        self.config.limits[self.limit].tier.map(|t| &*self.config.tiers[t])
+        self.tier
     }
 
     /// Whether the blocking limit is shared by every tenant (a global limit): shared
     /// overload rather than the tenant's own quota.
     #[must_use]
     pub fn is_global(&self) -> bool {
-        self.config.limits[self.limit].tier.is_none()
+        self.tier.is_none()
     }
 
     /// The exact wait after which every rate limit of the set would pass the same
@@ -139,8 +139,8 @@ impl fmt::Display for Denial {
 /// A cost above what a limit can ever grant at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CostAboveCapacity {
-    pub(crate) limit: Arc<str>,
-    pub(crate) tier: Option<Arc<str>>,
+    pub(crate) limit: &'static str,
+    pub(crate) tier: Option<&'static str>,
     pub(crate) cost: u64,
     pub(crate) capacity: u64,
 }
@@ -149,13 +149,13 @@ impl CostAboveCapacity {
     /// The name of the limit.
     #[must_use]
     pub fn limit(&self) -> &str {
-        &self.limit
+        self.limit
     }
 
     /// The tier it is keyed by; `None` for a global limit.
     #[must_use]
     pub fn tier(&self) -> Option<&str> {
-        self.tier.as_deref()
+        self.tier
     }
 
     /// The cost asked for.
@@ -184,14 +184,14 @@ impl fmt::Display for CostAboveCapacity {
 /// The tenant key lacks a tier some limit is keyed by.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MissingKey {
-    pub(crate) tier: Arc<str>,
+    pub(crate) tier: &'static str,
 }
 
 impl MissingKey {
     /// The first tier the key lacks.
     #[must_use]
     pub fn tier(&self) -> &str {
-        &self.tier
+        self.tier
     }
 }
 

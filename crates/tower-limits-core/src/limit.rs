@@ -1,12 +1,13 @@
 //! A validated limit of any algorithm, and the validated configuration of a set.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use crate::algorithm::{
     Algorithm, FixedWindow, FixedWindowState, Gcra, GcraState, Refusal, Semaphore, SemaphoreState,
-    SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, Snapshot,
-    TokenBucket, TokenBucketState,
+    SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, Snapshot, TokenBucket,
+    TokenBucketState,
 };
 use crate::key::MAX_TIERS;
 use crate::policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, MAX_LIMITS, PolicyError, Scope};
@@ -70,11 +71,7 @@ impl Limit {
     pub fn from_policy(p: &LimitPolicy) -> Result<Limit, PolicyError> {
         let kind = p.algorithm;
         let unused = |field: &str, present: bool| {
-            if present {
-                Err(PolicyError::new(field, format!("is not used by {}", kind.as_str())))
-            } else {
-                Ok(())
-            }
+            if present { Err(PolicyError::new(field, format!("is not used by {}", kind.as_str()))) } else { Ok(()) }
         };
         let required = |field: &str| PolicyError::new(field, format!("is required by {}", kind.as_str()));
         match kind {
@@ -219,7 +216,7 @@ impl Limit {
 /// One limit of a validated set.
 #[derive(Debug, Clone)]
 pub(crate) struct LimitDef {
-    pub(crate) name: Arc<str>,
+    pub(crate) name: &'static str,
     /// `None` for global, else the tier index: the key is the path of `tier + 1` parts.
     pub(crate) tier: Option<usize>,
     pub(crate) counts: Counts,
@@ -230,7 +227,7 @@ pub(crate) struct LimitDef {
 #[derive(Debug)]
 pub(crate) struct Config {
     pub(crate) version: u64,
-    pub(crate) tiers: Vec<Arc<str>>,
+    pub(crate) tiers: Vec<&'static str>,
     pub(crate) limits: Vec<LimitDef>,
     pub(crate) max_keys: usize,
     pub(crate) has_global: bool,
@@ -243,6 +240,21 @@ pub(crate) struct Config {
 }
 
 static VERSIONS: AtomicU64 = AtomicU64::new(1);
+
+/// Limit and tier names live as long as the process, so that a denial can name its limit
+/// without a reference count on the hot path. Each distinct name is stored once, so the
+/// memory this takes is bounded by the vocabulary of names a process ever uses: keep
+/// tenants in keys, not in limit names.
+fn intern(name: &str) -> &'static str {
+    static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
+    let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(known) = names.get(name) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
 
 impl Config {
     pub(crate) fn build(policy: &LimitSetPolicy) -> Result<Config, PolicyError> {
@@ -280,8 +292,9 @@ impl Config {
                 return Err(PolicyError::new("name", "a limit needs a name").within(&at));
             }
             if let Some(j) = policy.limits[..i].iter().position(|q| q.name == p.name) {
-                return Err(PolicyError::new("name", format!("{:?} is already the name of limits[{j}]", p.name))
-                    .within(&at));
+                return Err(
+                    PolicyError::new("name", format!("{:?} is already the name of limits[{j}]", p.name)).within(&at)
+                );
             }
             let tier = match &p.scope {
                 Scope::Global => None,
@@ -295,11 +308,11 @@ impl Config {
                 })?),
             };
             let limit = Limit::from_policy(p).map_err(|e| e.within(&at))?;
-            limits.push(LimitDef { name: Arc::from(p.name.as_str()), tier, counts: p.counts, limit });
+            limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit });
         }
         Ok(Config {
             version: VERSIONS.fetch_add(1, Ordering::Relaxed),
-            tiers: policy.tiers.iter().map(|t| Arc::from(t.as_str())).collect(),
+            tiers: policy.tiers.iter().map(|t| intern(t)).collect(),
             has_global: limits.iter().any(|l| l.tier.is_none()),
             has_tiered: limits.iter().any(|l| l.tier.is_some()),
             has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
@@ -317,7 +330,7 @@ impl Config {
         self.limits.iter().position(|l| {
             l.name == old.name
                 && l.limit.kind() == old.limit.kind()
-                && l.tier.map(|t| &self.tiers[t]) == old.tier.map(|t| &other.tiers[t])
+                && l.tier.map(|t| self.tiers[t]) == old.tier.map(|t| other.tiers[t])
                 && l.tier == old.tier
         })
     }

@@ -384,11 +384,8 @@ impl LimitSetPolicy {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| LoadError::Io(path.to_owned(), e))?;
-        let result = if path.extension().is_some_and(|e| e == "json") {
-            Self::from_json(&text)
-        } else {
-            Self::from_toml(&text)
-        };
+        let result =
+            if path.extension().is_some_and(|e| e == "json") { Self::from_json(&text) } else { Self::from_toml(&text) };
         result.map_err(|e| match e {
             LoadError::Parse(msg) => LoadError::Parse(format!("{}: {msg}", path.display())),
             other => other,
@@ -459,7 +456,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             other => return Err(format!("unknown unit {other:?} in duration {text:?} (use ns, us, ms, s, m, h or d)")),
         };
         rest = &rest[unit_len..];
-        total = value.checked_mul(nanos).and_then(|v| total.checked_add(v)).ok_or_else(|| format!("duration {text:?} is too long"))?;
+        total = value
+            .checked_mul(nanos)
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(|| format!("duration {text:?} is too long"))?;
     }
     u64::try_from(total).map(Duration::from_nanos).map_err(|_| format!("duration {text:?} is too long"))
 }
@@ -469,10 +469,13 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// # Errors
 /// A message saying what was expected.
 pub fn parse_rate(text: &str) -> Result<Rate, String> {
-    let (amount, period) = text
-        .split_once('/')
-        .ok_or_else(|| format!("expected a rate such as \"600/1m\" or \"10/s\", got {text:?}"))?;
-    let amount: u64 = amount.trim().replace('_', "").parse().map_err(|_| format!("expected a whole number before '/' in rate {text:?}"))?;
+    let (amount, period) =
+        text.split_once('/').ok_or_else(|| format!("expected a rate such as \"600/1m\" or \"10/s\", got {text:?}"))?;
+    let amount: u64 = amount
+        .trim()
+        .replace('_', "")
+        .parse()
+        .map_err(|_| format!("expected a whole number before '/' in rate {text:?}"))?;
     let period = match period.trim() {
         "s" | "sec" | "second" => Duration::from_secs(1),
         "m" | "min" | "minute" => Duration::from_secs(60),
@@ -559,11 +562,13 @@ mod tests {
 
     #[test]
     fn parse_errors_carry_the_line() {
-        let err = LimitSetPolicy::from_toml("[[limit]]\nname = \"x\"\nalgorithm = \"gcra\"\nrate = \"fast\"\n").unwrap_err();
+        let err =
+            LimitSetPolicy::from_toml("[[limit]]\nname = \"x\"\nalgorithm = \"gcra\"\nrate = \"fast\"\n").unwrap_err();
         let text = err.to_string();
         assert!(text.contains("line 4"), "{text}");
         assert!(text.contains("expected a rate"), "{text}");
-        let err = LimitSetPolicy::from_toml("[[limit]]\nname = \"x\"\nalgorithm = \"gcra\"\nrat = \"1/s\"\n").unwrap_err();
+        let err =
+            LimitSetPolicy::from_toml("[[limit]]\nname = \"x\"\nalgorithm = \"gcra\"\nrat = \"1/s\"\n").unwrap_err();
         assert!(err.to_string().contains("unknown field `rat`"), "{err}");
     }
 }

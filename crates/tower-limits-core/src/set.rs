@@ -40,7 +40,6 @@
 //! their semaphores; a settle that races a policy change is applied to limits that
 //! survived it.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -156,7 +155,7 @@ impl fmt::Debug for LimitSet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let g = self.shared.lock_global();
         f.debug_struct("LimitSet")
-            .field("limits", &g.config.limits.iter().map(|l| &*l.name).collect::<Vec<_>>())
+            .field("limits", &g.config.limits.iter().map(|l| l.name).collect::<Vec<_>>())
             .field("shards", &self.shared.shards.len())
             .finish()
     }
@@ -215,9 +214,11 @@ impl LimitSet {
     /// [`AcquireError::CostAboveCapacity`] when it never could pass,
     /// [`AcquireError::MissingKey`] when `key` lacks a tier some limit is keyed by, and
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
+    #[inline]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
-        let grant = self.shared.acquire(Cow::Borrowed(key), Costs::Uniform(cost), now)?;
-        Ok(Permit { set: self, grant: Some(grant) })
+        let costs = Costs::Uniform(cost);
+        let granted = self.shared.acquire(key, &costs, now)?;
+        Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
     }
 
     /// Like [`LimitSet::acquire`], but with one cost per limit, in the order of the
@@ -232,8 +233,9 @@ impl LimitSet {
         costs: &[u64],
         now: Instant,
     ) -> Result<Permit<'a>, AcquireError> {
-        let grant = self.shared.acquire(Cow::Borrowed(key), Costs::Each(costs.into()), now)?;
-        Ok(Permit { set: self, grant: Some(grant) })
+        let costs = Costs::Each(costs.into());
+        let granted = self.shared.acquire(key, &costs, now)?;
+        Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
     }
 
     /// Like [`LimitSet::acquire`], with a permit that owns a handle to the set and a copy
@@ -242,8 +244,9 @@ impl LimitSet {
     /// # Errors
     /// As [`LimitSet::acquire`].
     pub fn acquire_owned(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<OwnedPermit, AcquireError> {
-        let grant = self.shared.acquire(Cow::Owned(key.clone()), Costs::Uniform(cost), now)?;
-        Ok(OwnedPermit { set: self.clone(), grant: Some(grant) })
+        let costs = Costs::Uniform(cost);
+        let granted = self.shared.acquire(key, &costs, now)?;
+        Ok(OwnedPermit { set: self.clone(), key: key.clone(), grant: Grant::new(costs, granted), done: false })
     }
 
     /// Remaining capacity and reset time of every limit for `key` at `now`, without
@@ -371,8 +374,7 @@ impl Costs {
 }
 
 /// What a grant remembers to settle and release later.
-struct Grant<'k> {
-    key: Cow<'k, TenantKey>,
+struct Grant {
     granted_at: Instant,
     version: u64,
     /// Kept only when the policy has semaphores, so that a release after a policy change
@@ -382,6 +384,24 @@ struct Grant<'k> {
     costs: Costs,
     /// The request cost at acquisition (for semaphores counting cost).
     acquired: u64,
+}
+
+/// What the engine answers on a grant; the caller adds the key and costs it already has.
+struct Granted {
+    granted_at: Instant,
+    version: u64,
+    config: Option<Arc<Config>>,
+}
+
+impl Grant {
+    #[inline]
+    fn new(costs: Costs, g: Granted) -> Self {
+        let acquired = match &costs {
+            Costs::Uniform(c) => *c,
+            Costs::Each(_) => 0,
+        };
+        Grant { granted_at: g.granted_at, version: g.version, config: g.config, costs, acquired }
+    }
 }
 
 impl Shared {
@@ -396,9 +416,10 @@ impl Shared {
         &self.shards[(h >> 40) as usize & self.mask].0
     }
 
-    fn acquire<'k>(&self, key: Cow<'k, TenantKey>, costs: Costs, now: Instant) -> Result<Grant<'k>, AcquireError> {
+    #[inline]
+    fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
         if key.depth() > 0 && self.tiered.load(Ordering::Acquire) {
-            let mut shard = lock(self.shard_of(&key));
+            let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
                 let mut global = self.lock_global();
@@ -412,7 +433,7 @@ impl Shared {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
                 drop(global);
-                let mut shard = lock(self.shard_of(&key));
+                let mut shard = lock(self.shard_of(key));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();
                 return self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
@@ -424,18 +445,19 @@ impl Shared {
 
     /// The decision, under the locks the caller took.
     #[allow(clippy::too_many_lines)]
-    fn decide<'k>(
+    #[inline]
+    fn decide(
         &self,
         config: &Arc<Config>,
         mut shard: Option<&mut Keyed>,
         mut global: Option<&mut GlobalStates>,
-        key: Cow<'k, TenantKey>,
-        costs: Costs,
+        key: &TenantKey,
+        costs: &Costs,
         now: Instant,
-    ) -> Result<Grant<'k>, AcquireError> {
+    ) -> Result<Granted, AcquireError> {
         let cfg: &Config = config;
         if cfg.depth_needed > key.depth() {
-            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()].clone() }));
+            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
         }
         let mut now = now;
         if let Some(s) = &shard {
@@ -443,6 +465,10 @@ impl Shared {
         }
         if let Some(g) = &global {
             now = now.max(g.latest);
+        }
+
+        if cfg.limits.len() == 1 {
+            return self.decide_one(config, shard, global, key, costs, now);
         }
 
         // One hash per tier the policy uses.
@@ -477,28 +503,21 @@ impl Shared {
                 Ok(()) => {}
                 Err(Refusal::Never { capacity }) => {
                     counters(&mut shard, &mut global).impossible[i] += 1;
-                    return Err(AcquireError::CostAboveCapacity(CostAboveCapacity {
-                        limit: def.name.clone(),
-                        tier: def.tier.map(|t| cfg.tiers[t].clone()),
-                        cost,
-                        capacity,
-                    }));
+                    return Err(cost_above_capacity(cfg, i, cost, capacity));
                 }
-                Err(Refusal::NotYet { retry_after }) => {
-                    match retry_after {
-                        Some(wait) if wait >= retry => {
-                            retry = wait;
-                            blocked = Some((i, Some(wait)));
-                        }
-                        Some(_) => {}
-                        None => {
-                            needs_release = true;
-                            if blocked.is_none() {
-                                blocked = Some((i, None));
-                            }
+                Err(Refusal::NotYet { retry_after }) => match retry_after {
+                    Some(wait) if wait >= retry => {
+                        retry = wait;
+                        blocked = Some((i, Some(wait)));
+                    }
+                    Some(_) => {}
+                    None => {
+                        needs_release = true;
+                        if blocked.is_none() {
+                            blocked = Some((i, None));
                         }
                     }
-                }
+                },
             }
         }
 
@@ -513,13 +532,7 @@ impl Shared {
                     def.limit.peek(found.map_or(&cfg.fresh[i], |e| &e.state), now)
                 }
             };
-            return Err(AcquireError::Denied(Denial {
-                config: config.clone(),
-                limit: i,
-                retry_after: retry,
-                needs_release,
-                snapshot,
-            }));
+            return Err(denied(cfg, i, retry, needs_release, snapshot));
         }
 
         // Room for the states this grant creates.
@@ -567,29 +580,89 @@ impl Shared {
         }
         counters(&mut shard, &mut global).admitted += 1;
 
-        let acquired = match &costs {
-            Costs::Uniform(c) => *c,
-            Costs::Each(_) => 0,
+        Ok(Granted { granted_at: now, version: cfg.version, config: cfg.has_semaphore.then(|| config.clone()) })
+    }
+
+    /// The decision for a set of one limit: one lookup, check and commit together.
+    #[inline]
+    fn decide_one(
+        &self,
+        config: &Arc<Config>,
+        shard: Option<&mut Keyed>,
+        global: Option<&mut GlobalStates>,
+        key: &TenantKey,
+        costs: &Costs,
+        now: Instant,
+    ) -> Result<Granted, AcquireError> {
+        let cfg: &Config = config;
+        let def = &cfg.limits[0];
+        let cost = costs.of(0, def);
+        let (result, counters) = match (def.tier, shard, global) {
+            (None, _, Some(g)) => {
+                let result =
+                    def.limit.acquire(&mut g.states[0], now, cost).map_err(|r| (r, def.limit.peek(&g.states[0], now)));
+                if result.is_ok() {
+                    g.latest = now;
+                }
+                (result, &mut g.counters)
+            }
+            (Some(t), Some(s), _) => {
+                let prefix = key.prefix(t + 1).unwrap_or("");
+                let h = self.hasher.hash_one(prefix) | 1;
+                let result = if let Some(e) = s.tables[0].find_mut(h, |e| &*e.key == prefix) {
+                    def.limit.acquire(&mut e.state, now, cost).map_err(|r| (r, def.limit.peek(&e.state, now)))
+                } else {
+                    let mut state = cfg.fresh[0].clone();
+                    match def.limit.acquire(&mut state, now, cost) {
+                        Err(r) => Err((r, def.limit.peek(&state, now))),
+                        Ok(()) => {
+                            if s.len >= s.cap {
+                                s.sweep(cfg, now);
+                                if s.len >= s.cap {
+                                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                                }
+                            }
+                            let hasher = &self.hasher;
+                            s.tables[0].insert_unique(h, Entry { key: prefix.into(), state }, |e| {
+                                hasher.hash_one(&*e.key) | 1
+                            });
+                            s.len += 1;
+                            Ok(())
+                        }
+                    }
+                };
+                if result.is_ok() {
+                    s.latest = now;
+                }
+                (result, &mut s.counters)
+            }
+            _ => unreachable!("the caller locks what the limit's scope needs"),
         };
-        Ok(Grant {
-            key,
-            granted_at: now,
-            version: cfg.version,
-            config: cfg.has_semaphore.then(|| config.clone()),
-            costs,
-            acquired,
-        })
+        match result {
+            Ok(()) => {
+                counters.admitted += 1;
+                Ok(Granted { granted_at: now, version: cfg.version, config: cfg.has_semaphore.then(|| config.clone()) })
+            }
+            Err((Refusal::Never { capacity }, _)) => {
+                counters.impossible[0] += 1;
+                Err(cost_above_capacity(cfg, 0, cost, capacity))
+            }
+            Err((Refusal::NotYet { retry_after }, snapshot)) => {
+                counters.denied[0] += 1;
+                Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
+            }
+        }
     }
 
     /// Runs `f` on each limit of the current config that grant-limit `i` maps to, with
     /// its state for the grant's key, under the locks that needs.
     fn with_states(
         &self,
-        grant: &Grant<'_>,
+        key: &TenantKey,
+        grant: &Grant,
         now: Instant,
         mut f: impl FnMut(usize, &LimitDef, Option<usize>, &mut LimitState, Instant),
     ) {
-        let key: &TenantKey = &grant.key;
         let mut shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
         let mut global = self.lock_global();
         let current = global.config.clone();
@@ -623,9 +696,9 @@ impl Shared {
         }
     }
 
-    fn release(&self, grant: &Grant<'_>) {
+    fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(config) = &grant.config else { return };
-        self.with_states(grant, grant.granted_at, |i, def, _, state, _| {
+        self.with_states(key, grant, grant.granted_at, |i, def, _, state, _| {
             if def.limit.is_semaphore() {
                 let amount = match &grant.costs {
                     Costs::Uniform(_) => Costs::Uniform(grant.acquired).of(i, &config.limits[i]),
@@ -636,10 +709,10 @@ impl Shared {
         });
     }
 
-    fn settle(&self, grant: &mut Grant<'_>, actual: Costs, now: Instant) {
+    fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
         let granted_at = grant.granted_at;
         let before = grant.costs.clone();
-        self.with_states(grant, now, |i, def, _, state, now| {
+        self.with_states(key, grant, now, |i, def, _, state, now| {
             if def.limit.is_semaphore() {
                 return;
             }
@@ -653,9 +726,9 @@ impl Shared {
         grant.costs = actual;
     }
 
-    fn cancel(&self, grant: &Grant<'_>, now: Instant) {
+    fn cancel(&self, key: &TenantKey, grant: &Grant, now: Instant) {
         let granted_at = grant.granted_at;
-        self.with_states(grant, now, |i, def, _, state, now| {
+        self.with_states(key, grant, now, |i, def, _, state, now| {
             if !def.limit.is_semaphore() {
                 def.limit.refund(state, now, granted_at, grant.costs.of(i, def));
             }
@@ -739,6 +812,32 @@ impl Shared {
     }
 }
 
+#[cold]
+#[inline(never)]
+fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> AcquireError {
+    let def = &cfg.limits[limit];
+    AcquireError::Denied(Denial {
+        name: def.name,
+        tier: def.tier.map(|t| cfg.tiers[t]),
+        limit,
+        retry_after,
+        needs_release,
+        snapshot,
+    })
+}
+
+#[cold]
+#[inline(never)]
+fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> AcquireError {
+    let def = &cfg.limits[limit];
+    AcquireError::CostAboveCapacity(CostAboveCapacity {
+        limit: def.name,
+        tier: def.tier.map(|t| cfg.tiers[t]),
+        cost,
+        capacity,
+    })
+}
+
 fn counters<'a>(shard: &'a mut Option<&mut Keyed>, global: &'a mut Option<&mut GlobalStates>) -> &'a mut Counters {
     match (shard, global) {
         (Some(s), _) => &mut s.counters,
@@ -803,14 +902,18 @@ pub struct LimitStats {
 #[must_use = "dropping a permit releases its concurrency at once"]
 pub struct Permit<'a> {
     set: &'a LimitSet,
-    grant: Option<Grant<'a>>,
+    key: &'a TenantKey,
+    grant: Grant,
+    done: bool,
 }
 
 /// A grant from [`LimitSet::acquire_owned`]: like [`Permit`], but `'static`.
 #[must_use = "dropping a permit releases its concurrency at once"]
 pub struct OwnedPermit {
     set: LimitSet,
-    grant: Option<Grant<'static>>,
+    key: TenantKey,
+    grant: Grant,
+    done: bool,
 }
 
 macro_rules! permit_methods {
@@ -819,16 +922,13 @@ macro_rules! permit_methods {
         /// the set had seen).
         #[must_use]
         pub fn granted_at(&self) -> Instant {
-            self.grant.as_ref().map_or(Instant::ZERO, |g| g.granted_at)
+            self.grant.granted_at
         }
 
         /// The key the grant was made for.
         #[must_use]
         pub fn key(&self) -> &TenantKey {
-            match &self.grant {
-                Some(g) => &g.key,
-                None => unreachable!("a permit holds its grant until it is consumed"),
-            }
+            &self.key
         }
 
         /// Corrects limits that count cost to the real usage `actual`: the difference
@@ -837,27 +937,22 @@ macro_rules! permit_methods {
         /// wait for it). Limits counting requests and semaphores are unchanged; the
         /// concurrency is still held until the permit is dropped.
         pub fn settle(&mut self, actual: u64, now: Instant) {
-            if let Some(grant) = self.grant.as_mut() {
-                self.set.shared.settle(grant, Costs::Uniform(actual), now);
-            }
+            self.set.shared.settle(&self.key, &mut self.grant, Costs::Uniform(actual), now);
         }
 
         /// Like [`settle`](Self::settle), with one actual cost per limit in the order of
         /// the policy (semaphores' entries are ignored).
         pub fn settle_each(&mut self, actual: &[u64], now: Instant) {
-            if let Some(grant) = self.grant.as_mut() {
-                self.set.shared.settle(grant, Costs::Each(actual.into()), now);
-            }
+            self.set.shared.settle(&self.key, &mut self.grant, Costs::Each(actual.into()), now);
         }
 
         /// Gives back everything: refunds every rate limit as far as each can (see
         /// [`Algorithm::refund`](crate::algorithm::Algorithm::refund)) and releases the
         /// concurrency. For a request that did not happen.
         pub fn cancel(mut self, now: Instant) {
-            if let Some(grant) = self.grant.take() {
-                self.set.shared.cancel(&grant, now);
-                self.set.shared.release(&grant);
-            }
+            self.set.shared.cancel(&self.key, &self.grant, now);
+            self.set.shared.release(&self.key, &self.grant);
+            self.done = true;
         }
 
         /// Keeps what was charged and releases the concurrency now; the same as dropping
@@ -875,17 +970,19 @@ impl OwnedPermit {
 }
 
 impl Drop for Permit<'_> {
+    #[inline]
     fn drop(&mut self) {
-        if let Some(grant) = self.grant.take() {
-            self.set.shared.release(&grant);
+        if !self.done && self.grant.config.is_some() {
+            self.set.shared.release(self.key, &self.grant);
         }
     }
 }
 
 impl Drop for OwnedPermit {
+    #[inline]
     fn drop(&mut self) {
-        if let Some(grant) = self.grant.take() {
-            self.set.shared.release(&grant);
+        if !self.done && self.grant.config.is_some() {
+            self.set.shared.release(&self.key, &self.grant);
         }
     }
 }

@@ -198,13 +198,7 @@ impl Algorithm for SlidingWindowCounter {
 }
 
 impl SlidingWindowCounter {
-    fn adjust(
-        &self,
-        state: &mut SlidingWindowCounterState,
-        now: Instant,
-        granted_at: Instant,
-        f: impl Fn(u64) -> u64,
-    ) {
+    fn adjust(&self, state: &mut SlidingWindowCounterState, now: Instant, granted_at: Instant, f: impl Fn(u64) -> u64) {
         let v = self.view(state, now);
         let granted = granted_at.as_nanos() - granted_at.as_nanos() % self.window;
         let (mut prev, mut curr) = (v.prev, v.curr);
