@@ -202,7 +202,12 @@ impl Limit {
             self,
             state,
             |a, s| a.peek(s, now),
-            Snapshot { quota: self.capacity(), remaining: self.capacity(), reset: std::time::Duration::ZERO }
+            Snapshot {
+                quota: self.capacity(),
+                remaining: self.capacity(),
+                reset: std::time::Duration::ZERO,
+                window: std::time::Duration::ZERO,
+            }
         )
     }
 

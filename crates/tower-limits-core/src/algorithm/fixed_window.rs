@@ -124,7 +124,12 @@ impl Algorithm for FixedWindow {
     fn peek(&self, state: &FixedWindowState, now: Instant) -> Snapshot {
         let (start, count, now) = self.view(state, now);
         let reset = if count > 0 { start + self.window - now } else { 0 };
-        Snapshot { quota: self.limit, remaining: self.limit.saturating_sub(count), reset: Duration::from_nanos(reset) }
+        Snapshot {
+            quota: self.limit,
+            remaining: self.limit.saturating_sub(count),
+            reset: Duration::from_nanos(reset),
+            window: Duration::from_nanos(self.window),
+        }
     }
 
     fn is_idle(&self, state: &FixedWindowState, now: Instant) -> bool {

@@ -169,6 +169,7 @@ impl Algorithm for Gcra {
             quota: self.burst,
             remaining: self.tolerance.saturating_sub(debt) / self.interval,
             reset: Duration::from_nanos(debt),
+            window: Duration::from_nanos(self.tolerance),
         }
     }
 

@@ -73,6 +73,10 @@ pub struct Snapshot {
     pub remaining: u64,
     /// How long until the limit is back to its full quota if nothing else happens.
     pub reset: Duration,
+    /// The time over which the full quota replenishes: the window of a windowed limit,
+    /// the time to refill a whole burst for GCRA and the token bucket, zero for a
+    /// semaphore (concurrency has no window).
+    pub window: Duration,
 }
 
 /// A limit algorithm: parameters here, state per key elsewhere.

@@ -94,7 +94,12 @@ impl Algorithm for Semaphore {
     }
 
     fn peek(&self, state: &SemaphoreState, _now: Instant) -> Snapshot {
-        Snapshot { quota: self.capacity, remaining: self.capacity.saturating_sub(state.held), reset: Duration::ZERO }
+        Snapshot {
+            quota: self.capacity,
+            remaining: self.capacity.saturating_sub(state.held),
+            reset: Duration::ZERO,
+            window: Duration::ZERO,
+        }
     }
 
     fn is_idle(&self, state: &SemaphoreState, _now: Instant) -> bool {

@@ -192,7 +192,12 @@ impl Algorithm for SlidingWindowLog {
             Some(&(at, _)) if self.live(at, now) => at.as_nanos() + self.window - now.as_nanos(),
             _ => 0,
         };
-        Snapshot { quota: self.limit, remaining: self.limit.saturating_sub(sum), reset: Duration::from_nanos(reset) }
+        Snapshot {
+            quota: self.limit,
+            remaining: self.limit.saturating_sub(sum),
+            reset: Duration::from_nanos(reset),
+            window: Duration::from_nanos(self.window),
+        }
     }
 
     fn is_idle(&self, state: &SlidingWindowLogState, now: Instant) -> bool {

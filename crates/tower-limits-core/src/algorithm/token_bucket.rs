@@ -130,6 +130,7 @@ impl Algorithm for TokenBucket {
             quota: self.burst,
             remaining: (level.max(0) as u64) / self.interval,
             reset: Duration::from_nanos((self.capacity - level) as u64),
+            window: Duration::from_nanos(self.capacity as u64),
         }
     }
 
