@@ -28,7 +28,7 @@ use std::future::Future;
 
 use crate::error::AcquireError;
 use crate::key::TenantKey;
-use crate::set::{LimitSet, OwnedPermit};
+use crate::set::{LimitSet, LimitSnapshot, OwnedPermit};
 use crate::time::Instant;
 
 /// Where the state of a limit set lives: in memory, or shared by a fleet.
@@ -37,12 +37,20 @@ use crate::time::Instant;
 pub trait Backend: Clone + Send + Sync + 'static {
     /// What a grant holds until it is dropped.
     type Permit: BackendPermit;
-    /// The pending acquisition.
-    type Acquire: Future<Output = Result<Self::Permit, AcquireError>> + Send + 'static;
+    /// The pending acquisition. In memory it is ready at once; callers poll it once
+    /// before deciding to wait.
+    type Acquire: Future<Output = Result<Self::Permit, AcquireError>> + Send + Unpin + 'static;
 
     /// Acquires every limit of the set for `key`, all or nothing. `now` is the caller's
     /// clock; a shared backend may use its own instead (see the contract).
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire;
+
+    /// Every limit's remaining capacity for `key`, as far as the backend knows it without
+    /// waiting (a shared backend may answer from its last reply, or nothing).
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        let _ = (key, now);
+        Vec::new()
+    }
 }
 
 /// A grant from a [`Backend`]. Dropping it releases its concurrency.
@@ -60,6 +68,10 @@ impl Backend for LimitSet {
     #[inline]
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
         std::future::ready(self.acquire_owned(key, cost, now))
+    }
+
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        LimitSet::peek(self, key, now)
     }
 }
 

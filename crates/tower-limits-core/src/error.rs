@@ -62,9 +62,9 @@ pub struct Denial {
 }
 
 impl Denial {
-    /// The name of the limit that blocked.
+    /// The name of the limit that blocked (names live as long as the process).
     #[must_use]
-    pub fn limit(&self) -> &str {
+    pub fn limit(&self) -> &'static str {
         self.name
     }
 
@@ -76,7 +76,7 @@ impl Denial {
 
     /// The tier the blocking limit is keyed by; `None` for a global limit.
     #[must_use]
-    pub fn tier(&self) -> Option<&str> {
+    pub fn tier(&self) -> Option<&'static str> {
         self.tier
     }
 
@@ -148,13 +148,13 @@ pub struct CostAboveCapacity {
 impl CostAboveCapacity {
     /// The name of the limit.
     #[must_use]
-    pub fn limit(&self) -> &str {
+    pub fn limit(&self) -> &'static str {
         self.limit
     }
 
     /// The tier it is keyed by; `None` for a global limit.
     #[must_use]
-    pub fn tier(&self) -> Option<&str> {
+    pub fn tier(&self) -> Option<&'static str> {
         self.tier
     }
 

@@ -489,7 +489,7 @@ impl Shared {
         for (i, def) in cfg.limits.iter().enumerate() {
             let cost = costs.of(i, def);
             let result = match def.tier {
-                None => def.limit.check(&global.as_deref().map(|g| &g.states[i]).unwrap_or(&cfg.fresh[i]), now, cost),
+                None => def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost),
                 Some(t) => {
                     let prefix = key.prefix(t + 1).unwrap_or("");
                     let found = shard.as_deref().and_then(|s| s.tables[i].find(hashes[t], |e| &*e.key == prefix));
@@ -753,8 +753,10 @@ impl Shared {
                 }
             };
             out.push(LimitSnapshot {
-                name: def.name.to_string(),
-                tier: def.tier.map(|t| cfg.tiers[t].to_string()),
+                name: def.name,
+                tier: def.tier.map(|t| cfg.tiers[t]),
+                counts: def.counts,
+                is_semaphore: def.limit.is_semaphore(),
                 snapshot: def.limit.peek(state, now),
             });
         }
@@ -863,9 +865,13 @@ impl Keyed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitSnapshot {
     /// The limit's name.
-    pub name: String,
+    pub name: &'static str,
     /// The tier it is keyed by; `None` for a global limit.
-    pub tier: Option<String>,
+    pub tier: Option<&'static str>,
+    /// Whether it counts requests or cost.
+    pub counts: Counts,
+    /// Whether it is a concurrency limit.
+    pub is_semaphore: bool,
     /// Quota, remaining and reset.
     pub snapshot: Snapshot,
 }

@@ -1,0 +1,43 @@
+//! [`ServiceBuilder`] methods for the limit layers.
+
+use tower::ServiceBuilder;
+use tower::layer::util::Stack;
+
+use crate::limit_set::LimitSetLayer;
+
+/// Adds the limit layers to [`ServiceBuilder`], so that
+/// `ServiceBuilder::new().limit_set(layer)` reads like the rest of the stack.
+///
+/// ```
+/// use tower::ServiceBuilder;
+/// use tower_limits::{LimitSetLayer, Rate, ServiceBuilderExt};
+///
+/// let svc = ServiceBuilder::new()
+///     .limit_set(LimitSetLayer::gcra(Rate::per_second(100), 20).unwrap())
+///     .service_fn(|req: String| async move { Ok::<_, std::convert::Infallible>(req) });
+/// # drop(svc);
+/// ```
+pub trait ServiceBuilderExt<L>: sealed::Sealed {
+    /// Adds a [`LimitSetLayer`].
+    fn limit_set<K, C, U, R, B>(
+        self,
+        layer: LimitSetLayer<K, C, U, R, B>,
+    ) -> WithLimits<LimitSetLayer<K, C, U, R, B>, L>;
+}
+
+/// A [`ServiceBuilder`] with one more layer on top.
+pub type WithLimits<T, L> = ServiceBuilder<Stack<T, L>>;
+
+mod sealed {
+    pub trait Sealed {}
+    impl<L> Sealed for tower::ServiceBuilder<L> {}
+}
+
+impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
+    fn limit_set<K, C, U, R, B>(
+        self,
+        layer: LimitSetLayer<K, C, U, R, B>,
+    ) -> WithLimits<LimitSetLayer<K, C, U, R, B>, L> {
+        self.layer(layer)
+    }
+}

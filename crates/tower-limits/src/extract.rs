@@ -1,0 +1,360 @@
+//! Who a request is and what it costs: key, cost and usage extractors.
+//!
+//! A layer asks a [`KeyExtractor`] for the request's [`TenantKey`], a [`CostExtractor`]
+//! for its cost and, once the response is there, a [`UsageExtractor`] for the real usage
+//! to settle with. The recommended source of identity is a typed value that an
+//! authentication layer put in the request's extensions ([`FromExtension`]): it cannot be
+//! forged by the client. Headers and peer addresses are available, with their caveats.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
+
+use tower_limits_core::TenantKey;
+
+/// The request carries no key for the limits (and no default key was configured).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyMissing {
+    what: &'static str,
+}
+
+impl KeyMissing {
+    /// A missing key, saying what was looked for.
+    #[must_use]
+    pub const fn new(what: &'static str) -> Self {
+        KeyMissing { what }
+    }
+
+    /// What was looked for: an extension type, a header, the peer address.
+    #[must_use]
+    pub fn what(&self) -> &'static str {
+        self.what
+    }
+}
+
+impl fmt::Display for KeyMissing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the request has no tenant key ({})", self.what)
+    }
+}
+
+impl std::error::Error for KeyMissing {}
+
+/// Finds the tenant key of a request.
+pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
+    /// The key, or why there is none.
+    ///
+    /// # Errors
+    /// [`KeyMissing`] when the request carries no key.
+    fn extract(&self, req: &Req) -> Result<TenantKey, KeyMissing>;
+}
+
+/// The key of everyone: for sets whose limits are all global.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GlobalKey;
+
+/// The global key, built once.
+pub(crate) fn global_key() -> TenantKey {
+    static GLOBAL: OnceLock<TenantKey> = OnceLock::new();
+    GLOBAL.get_or_init(TenantKey::global).clone()
+}
+
+impl<Req> KeyExtractor<Req> for GlobalKey {
+    #[inline]
+    fn extract(&self, _req: &Req) -> Result<TenantKey, KeyMissing> {
+        Ok(global_key())
+    }
+}
+
+/// A key computed by a closure.
+///
+/// ```
+/// use tower_limits::extract::{KeyExtractor, KeyFn};
+/// use tower_limits::TenantKey;
+///
+/// let by_path = KeyFn::new(|path: &String| TenantKey::single(path).ok());
+/// assert_eq!(by_path.extract(&"/v1/embeddings".to_owned()).unwrap().to_string(), "/v1/embeddings");
+/// ```
+pub struct KeyFn<F, Req> {
+    f: Arc<F>,
+    _req: PhantomData<fn(&Req)>,
+}
+
+impl<F, Req> KeyFn<F, Req>
+where
+    F: Fn(&Req) -> Option<TenantKey> + Send + Sync + 'static,
+{
+    /// The key `f` returns; `None` is a missing key.
+    pub fn new(f: F) -> Self {
+        KeyFn { f: Arc::new(f), _req: PhantomData }
+    }
+}
+
+impl<F, Req> Clone for KeyFn<F, Req> {
+    fn clone(&self) -> Self {
+        KeyFn { f: self.f.clone(), _req: PhantomData }
+    }
+}
+
+impl<F, Req> fmt::Debug for KeyFn<F, Req> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("KeyFn")
+    }
+}
+
+impl<F, Req> KeyExtractor<Req> for KeyFn<F, Req>
+where
+    F: Fn(&Req) -> Option<TenantKey> + Send + Sync + 'static,
+    Req: 'static,
+{
+    fn extract(&self, req: &Req) -> Result<TenantKey, KeyMissing> {
+        (self.f)(req).ok_or(KeyMissing::new("the key function returned none"))
+    }
+}
+
+/// A value that names a tenant: what an authentication layer puts in the request's
+/// extensions. [`TenantKey`] itself is one (tiers from one extension).
+pub trait AsTenantKey: Clone + Send + Sync + 'static {
+    /// The tenant key this value stands for.
+    fn tenant_key(&self) -> TenantKey;
+}
+
+impl AsTenantKey for TenantKey {
+    #[inline]
+    fn tenant_key(&self) -> TenantKey {
+        self.clone()
+    }
+}
+
+/// The key from a typed value in the request's extensions: what an authentication
+/// layer inserted. The recommended extractor: clients cannot forge it.
+pub struct FromExtension<T> {
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> FromExtension<T> {
+    /// Reads a `T` from the request's extensions.
+    #[must_use]
+    pub const fn new() -> Self {
+        FromExtension { _t: PhantomData }
+    }
+}
+
+impl<T> Default for FromExtension<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Clone for FromExtension<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for FromExtension<T> {}
+
+impl<T> fmt::Debug for FromExtension<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FromExtension<{}>", std::any::type_name::<T>())
+    }
+}
+
+#[cfg(feature = "http")]
+impl<T: AsTenantKey, B> KeyExtractor<http::Request<B>> for FromExtension<T> {
+    #[inline]
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
+        req.extensions().get::<T>().map(AsTenantKey::tenant_key).ok_or(KeyMissing::new("no tenant extension"))
+    }
+}
+
+/// The key from the peer's IP address, found in the request's extensions as a
+/// `std::net::SocketAddr` or `std::net::IpAddr` (insert one from your server's accept
+/// loop; with axum, map `ConnectInfo` into it). Behind a proxy every request has the
+/// proxy's address: use an authenticated key instead. `X-Forwarded-For` is never
+/// trusted by default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PeerIp;
+
+#[cfg(feature = "http")]
+impl<B> KeyExtractor<http::Request<B>> for PeerIp {
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
+        let ip = req
+            .extensions()
+            .get::<std::net::SocketAddr>()
+            .map(std::net::SocketAddr::ip)
+            .or_else(|| req.extensions().get::<std::net::IpAddr>().copied())
+            .ok_or(KeyMissing::new("no peer address extension"))?;
+        TenantKey::single(ip.to_string()).map_err(|_| KeyMissing::new("unusable peer address"))
+    }
+}
+
+/// The key from a request header. **Opt-in and spoofable**: any client can send any
+/// value, so use it only behind something that sets or checks the header.
+#[cfg(feature = "http")]
+#[derive(Debug, Clone)]
+pub struct HeaderKey {
+    name: http::HeaderName,
+}
+
+#[cfg(feature = "http")]
+impl HeaderKey {
+    /// Reads the header `name`.
+    #[must_use]
+    pub fn new(name: http::HeaderName) -> Self {
+        HeaderKey { name }
+    }
+}
+
+#[cfg(feature = "http")]
+impl<B> KeyExtractor<http::Request<B>> for HeaderKey {
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
+        let value = req.headers().get(&self.name).ok_or(KeyMissing::new("no key header"))?;
+        let text = value.to_str().map_err(|_| KeyMissing::new("key header is not text"))?;
+        TenantKey::single(text).map_err(|_| KeyMissing::new("unusable key header"))
+    }
+}
+
+/// The cost of a request.
+pub trait CostExtractor<Req>: Clone + Send + Sync + 'static {
+    /// What the request costs against limits that count cost.
+    fn cost(&self, req: &Req) -> u64;
+}
+
+/// Every request costs one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct One;
+
+impl<Req> CostExtractor<Req> for One {
+    #[inline]
+    fn cost(&self, _req: &Req) -> u64 {
+        1
+    }
+}
+
+/// A request's estimated cost, put in its extensions (for example the token count of an
+/// embedding request, known before the call). Read by [`CostFromExtension`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cost(pub u64);
+
+/// The real usage of a request, put in its response's extensions (for example the
+/// upstream's `usage.total_tokens`). Read by [`UsageFromExtension`] to settle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage(pub u64);
+
+/// The cost from a [`Cost`] in the request's extensions; one when there is none.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CostFromExtension;
+
+#[cfg(feature = "http")]
+impl<B> CostExtractor<http::Request<B>> for CostFromExtension {
+    #[inline]
+    fn cost(&self, req: &http::Request<B>) -> u64 {
+        req.extensions().get::<Cost>().map_or(1, |c| c.0)
+    }
+}
+
+/// A cost computed by a closure.
+pub struct CostFn<F, Req> {
+    f: Arc<F>,
+    _req: PhantomData<fn(&Req)>,
+}
+
+impl<F, Req> CostFn<F, Req>
+where
+    F: Fn(&Req) -> u64 + Send + Sync + 'static,
+{
+    /// The cost `f` returns.
+    pub fn new(f: F) -> Self {
+        CostFn { f: Arc::new(f), _req: PhantomData }
+    }
+}
+
+impl<F, Req> Clone for CostFn<F, Req> {
+    fn clone(&self) -> Self {
+        CostFn { f: self.f.clone(), _req: PhantomData }
+    }
+}
+
+impl<F, Req> fmt::Debug for CostFn<F, Req> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CostFn")
+    }
+}
+
+impl<F, Req> CostExtractor<Req> for CostFn<F, Req>
+where
+    F: Fn(&Req) -> u64 + Send + Sync + 'static,
+    Req: 'static,
+{
+    fn cost(&self, req: &Req) -> u64 {
+        (self.f)(req)
+    }
+}
+
+/// The real usage of a request, read from its response, to settle the permit with.
+pub trait UsageExtractor<Resp>: Clone + Send + Sync + 'static {
+    /// The real usage, if the response reports one.
+    fn usage(&self, resp: &Resp) -> Option<u64>;
+}
+
+/// Responses report no usage: the estimate stands.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoUsage;
+
+impl<Resp> UsageExtractor<Resp> for NoUsage {
+    #[inline]
+    fn usage(&self, _resp: &Resp) -> Option<u64> {
+        None
+    }
+}
+
+/// The usage from a [`Usage`] in the response's extensions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UsageFromExtension;
+
+#[cfg(feature = "http")]
+impl<B> UsageExtractor<http::Response<B>> for UsageFromExtension {
+    #[inline]
+    fn usage(&self, resp: &http::Response<B>) -> Option<u64> {
+        resp.extensions().get::<Usage>().map(|u| u.0)
+    }
+}
+
+/// A usage computed by a closure.
+pub struct UsageFn<F, Resp> {
+    f: Arc<F>,
+    _resp: PhantomData<fn(&Resp)>,
+}
+
+impl<F, Resp> UsageFn<F, Resp>
+where
+    F: Fn(&Resp) -> Option<u64> + Send + Sync + 'static,
+{
+    /// The usage `f` returns.
+    pub fn new(f: F) -> Self {
+        UsageFn { f: Arc::new(f), _resp: PhantomData }
+    }
+}
+
+impl<F, Resp> Clone for UsageFn<F, Resp> {
+    fn clone(&self) -> Self {
+        UsageFn { f: self.f.clone(), _resp: PhantomData }
+    }
+}
+
+impl<F, Resp> fmt::Debug for UsageFn<F, Resp> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UsageFn")
+    }
+}
+
+impl<F, Resp> UsageExtractor<Resp> for UsageFn<F, Resp>
+where
+    F: Fn(&Resp) -> Option<u64> + Send + Sync + 'static,
+    Resp: 'static,
+{
+    fn usage(&self, resp: &Resp) -> Option<u64> {
+        (self.f)(resp)
+    }
+}

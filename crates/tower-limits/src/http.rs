@@ -1,0 +1,395 @@
+//! HTTP answers: status codes, `Retry-After`, the IETF `RateLimit` fields and the
+//! `x-ratelimit-*` family.
+//!
+//! | refusal | status |
+//! |---|---|
+//! | a tenant's own limit (keyed by a tier), its own queue, a wait that timed out on it | `429 Too Many Requests` |
+//! | a global limit, the shared queue, a full key table, an unavailable backend | `503 Service Unavailable` |
+//! | a cost above a limit's capacity (it can never pass) | `413 Content Too Large` |
+//! | no tenant key | `401 Unauthorized` |
+//!
+//! `Retry-After` is in whole seconds, rounded up, and never `0` for a non-zero wait. The
+//! `RateLimit-Policy` and `RateLimit` fields follow draft-ietf-httpapi-ratelimit-headers
+//! (-10): one list member per limit, a string naming it, with `q` (quota), `w` (window
+//! in seconds), `r` (remaining) and `t` (seconds until reset); `qu="concurrent-requests"`
+//! marks a concurrency limit. The `x-ratelimit-limit-requests` / `-tokens`,
+//! `x-ratelimit-remaining-*` and `x-ratelimit-reset-*` fields that OpenAI clients read
+//! are opt-in.
+//!
+//! [`HttpAnswer`] makes a layer answer refused requests itself, for any response body
+//! that can be built empty (`B: Default`), with default features off too.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_limits::http::HttpAnswer;
+//! use tower_limits::{LimitSetLayer, Rate};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().reject_with(HttpAnswer::new());
+//! let svc = ServiceBuilder::new().layer(layer).service_fn(|_req: http::Request<String>| async {
+//!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
+//! });
+//! let first = svc.clone().oneshot(http::Request::new(String::new())).await.unwrap();
+//! assert_eq!(first.status(), 200);
+//! let second = svc.oneshot(http::Request::new(String::new())).await.unwrap();
+//! assert_eq!(second.status(), 503); // a global limit: shared overload
+//! assert_eq!(second.headers()["retry-after"], "1");
+//! # }
+//! ```
+
+use std::fmt::Write as _;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::{HeaderMap, Response, StatusCode};
+use tower_limits_core::{Counts, LimitSnapshot, Snapshot};
+
+use crate::error::{ErrorKind, LimitError};
+use crate::reject::Rejection;
+
+/// `RateLimit-Policy`.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+impl LimitError {
+    /// The status this refusal answers with (see the [module docs](crate::http)).
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        match self.kind() {
+            ErrorKind::MissingKey => StatusCode::UNAUTHORIZED,
+            ErrorKind::CostAboveCapacity => StatusCode::PAYLOAD_TOO_LARGE,
+            _ if self.is_shared() => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::TOO_MANY_REQUESTS,
+        }
+    }
+
+    /// Writes `Retry-After` and the `RateLimit` fields of this refusal into `headers`.
+    pub fn write_headers(&self, headers: &mut HeaderMap) {
+        if let Some(wait) = self.retry_after() {
+            headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
+        }
+        if let (Some(name), Some(snapshot)) = (self.limit(), self.snapshot()) {
+            let is_semaphore = matches!(self.kind(), ErrorKind::ConcurrencyLimited) && snapshot.window.is_zero();
+            put(headers, RATELIMIT_POLICY, policy_member(name, &snapshot, is_semaphore));
+            put(headers, RATELIMIT, state_member(name, &snapshot));
+        }
+    }
+
+    /// An empty-bodied response for this refusal, with its status and headers.
+    #[must_use]
+    pub fn to_response<B: Default>(&self) -> Response<B> {
+        let mut response = Response::new(B::default());
+        *response.status_mut() = self.status();
+        self.write_headers(response.headers_mut());
+        response
+    }
+
+    /// A JSON problem document (RFC 9457) naming the refusal, its limit and tier.
+    #[must_use]
+    pub fn problem_json(&self) -> String {
+        let status = self.status();
+        let mut out = String::from("{");
+        let _ = write!(out, "\"type\":\"about:blank\",\"status\":{}", status.as_u16());
+        let _ = write!(out, ",\"title\":{}", json_string(status.canonical_reason().unwrap_or("Error")));
+        let _ = write!(out, ",\"detail\":{}", json_string(&self.to_string()));
+        let _ = write!(out, ",\"kind\":{}", json_string(kind_name(self.kind())));
+        if let Some(limit) = self.limit() {
+            let _ = write!(out, ",\"limit\":{}", json_string(limit));
+        }
+        if let Some(tier) = self.tier() {
+            let _ = write!(out, ",\"tier\":{}", json_string(tier));
+        }
+        if let Some(wait) = self.retry_after() {
+            let _ = write!(out, ",\"retry_after_ms\":{}", wait.as_millis());
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// The snake-case name of a kind, as in JSON bodies.
+#[must_use]
+pub fn kind_name(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::RateLimited => "rate_limited",
+        ErrorKind::ConcurrencyLimited => "concurrency_limited",
+        ErrorKind::TenantQueueFull => "tenant_queue_full",
+        ErrorKind::QueueFull => "queue_full",
+        ErrorKind::WaitTimedOut => "wait_timed_out",
+        ErrorKind::CostAboveCapacity => "cost_above_capacity",
+        ErrorKind::MissingKey => "missing_key",
+        ErrorKind::KeyTableFull => "key_table_full",
+        ErrorKind::Unavailable => "unavailable",
+    }
+}
+
+/// Whole seconds, rounded up: `Retry-After` never says `0` for a non-zero wait.
+#[must_use]
+pub fn whole_seconds(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+fn put(headers: &mut HeaderMap, name: HeaderName, value: String) {
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert(name, v);
+    }
+}
+
+/// A structured-field string: printable ASCII, with `"` and `\` escaped.
+fn sf_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('_'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn policy_member(name: &str, s: &Snapshot, is_semaphore: bool) -> String {
+    let mut out = format!("{};q={}", sf_string(name), s.quota);
+    if is_semaphore {
+        out.push_str(";qu=\"concurrent-requests\"");
+    } else if !s.window.is_zero() {
+        let _ = write!(out, ";w={}", whole_seconds(s.window));
+    }
+    out
+}
+
+fn state_member(name: &str, s: &Snapshot) -> String {
+    format!("{};r={};t={}", sf_string(name), s.remaining, whole_seconds(s.reset))
+}
+
+/// Writes the `RateLimit-Policy` and `RateLimit` fields for every limit in `snapshots`.
+pub fn write_ratelimit_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
+    if snapshots.is_empty() {
+        return;
+    }
+    let policy: Vec<String> = snapshots.iter().map(|l| policy_member(l.name, &l.snapshot, l.is_semaphore)).collect();
+    let state: Vec<String> = snapshots.iter().map(|l| state_member(l.name, &l.snapshot)).collect();
+    put(headers, RATELIMIT_POLICY, policy.join(", "));
+    put(headers, RATELIMIT, state.join(", "));
+}
+
+/// Writes the `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` fields that OpenAI
+/// clients read, from the tightest rate limit counting requests and the tightest
+/// counting cost.
+pub fn write_openai_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
+    for (counts, suffix) in [(Counts::Requests, "requests"), (Counts::Cost, "tokens")] {
+        let tightest = snapshots
+            .iter()
+            .filter(|l| l.counts == counts && !l.is_semaphore)
+            .min_by_key(|l| (u128::from(l.snapshot.remaining) << 64) / u128::from(l.snapshot.quota.max(1)));
+        if let Some(l) = tightest {
+            put(headers, x_name("limit", suffix), l.snapshot.quota.to_string());
+            put(headers, x_name("remaining", suffix), l.snapshot.remaining.to_string());
+            put(headers, x_name("reset", suffix), go_duration(l.snapshot.reset));
+        }
+    }
+}
+
+fn x_name(what: &str, suffix: &str) -> HeaderName {
+    HeaderName::try_from(format!("x-ratelimit-{what}-{suffix}")).unwrap_or(HeaderName::from_static("x-ratelimit"))
+}
+
+/// A duration as `6m0s`, `1s` or `250ms`, the way OpenAI's fields write it.
+#[must_use]
+pub fn go_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m) = (ms / 3_600_000, (ms / 60_000) % 60);
+    let s = (ms % 60_000) as f64 / 1000.0;
+    let mut out = String::new();
+    if h > 0 {
+        let _ = write!(out, "{h}h");
+    }
+    if h > 0 || m > 0 {
+        let _ = write!(out, "{m}m");
+    }
+    let _ = write!(out, "{s}s");
+    out
+}
+
+fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Bodies of refusal responses: empty, or a JSON problem document.
+pub trait AnswerBody: Clone + Send + Sync + 'static {}
+
+/// Refusals answer with an empty body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EmptyBody;
+
+/// Refusals answer with a JSON problem document (the body type must be `From<String>`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JsonBody;
+
+impl AnswerBody for EmptyBody {}
+impl AnswerBody for JsonBody {}
+
+/// Refused HTTP requests are answered by the layer itself: `429` or `503` with
+/// `Retry-After` and the `RateLimit` fields (see the [module docs](crate::http)).
+#[derive(Debug, Clone, Copy, Default)]
+#[must_use]
+pub struct HttpAnswer<J = EmptyBody> {
+    openai: bool,
+    on_success: bool,
+    all_limits: bool,
+    _body: PhantomData<J>,
+}
+
+impl HttpAnswer {
+    /// Empty-bodied refusals with `Retry-After` and `RateLimit` fields for the limit that
+    /// refused.
+    pub const fn new() -> Self {
+        HttpAnswer { openai: false, on_success: false, all_limits: false, _body: PhantomData }
+    }
+}
+
+impl<J> HttpAnswer<J> {
+    /// Also the `x-ratelimit-*` fields OpenAI clients read (implies every limit's state).
+    pub const fn with_openai_fields(self) -> Self {
+        HttpAnswer { openai: true, all_limits: true, ..self }
+    }
+
+    /// `RateLimit` fields for every limit of the set, not only the one that refused.
+    pub const fn with_all_limits(self) -> Self {
+        HttpAnswer { all_limits: true, ..self }
+    }
+
+    /// The fields on successful responses too (costs a peek at the limits per request).
+    pub const fn on_success(self) -> Self {
+        HttpAnswer { on_success: true, all_limits: true, ..self }
+    }
+
+    /// Refusals carry a JSON problem document naming the limit and tier.
+    pub const fn with_json_body(self) -> HttpAnswer<JsonBody> {
+        HttpAnswer { openai: self.openai, on_success: self.on_success, all_limits: self.all_limits, _body: PhantomData }
+    }
+
+    fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
+        error.write_headers(headers);
+        if let Some(all) = error.snapshots() {
+            if self.all_limits {
+                write_ratelimit_fields(headers, all);
+            }
+            if self.openai {
+                write_openai_fields(headers, all);
+            }
+        }
+    }
+
+    fn success_headers(&self, headers: &mut HeaderMap, snapshots: Option<&[LimitSnapshot]>) {
+        if let (true, Some(all)) = (self.on_success, snapshots) {
+            write_ratelimit_fields(headers, all);
+            if self.openai {
+                write_openai_fields(headers, all);
+            }
+        }
+    }
+}
+
+impl<B: Default, E> Rejection<Response<B>, E> for HttpAnswer<EmptyBody> {
+    type Response = Response<B>;
+    type Error = E;
+
+    fn reject(&self, error: LimitError) -> Result<Response<B>, E> {
+        let mut response = Response::new(B::default());
+        *response.status_mut() = error.status();
+        self.headers(response.headers_mut(), &error);
+        Ok(response)
+    }
+
+    fn respond(&self, mut response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Response<B> {
+        self.success_headers(response.headers_mut(), snapshots);
+        response
+    }
+
+    fn fail(&self, error: E) -> E {
+        error
+    }
+
+    fn wants_snapshots(&self) -> bool {
+        self.all_limits
+    }
+}
+
+impl<B: From<String>, E> Rejection<Response<B>, E> for HttpAnswer<JsonBody> {
+    type Response = Response<B>;
+    type Error = E;
+
+    fn reject(&self, error: LimitError) -> Result<Response<B>, E> {
+        let mut response = Response::new(B::from(error.problem_json()));
+        *response.status_mut() = error.status();
+        response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        self.headers(response.headers_mut(), &error);
+        Ok(response)
+    }
+
+    fn respond(&self, mut response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Response<B> {
+        self.success_headers(response.headers_mut(), snapshots);
+        response
+    }
+
+    fn fail(&self, error: E) -> E {
+        error
+    }
+
+    fn wants_snapshots(&self) -> bool {
+        self.all_limits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up() {
+        assert_eq!(whole_seconds(Duration::from_millis(1)), 1);
+        assert_eq!(whole_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(whole_seconds(Duration::from_millis(2001)), 3);
+        assert_eq!(whole_seconds(Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(go_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(go_duration(Duration::from_secs(1)), "1s");
+        assert_eq!(go_duration(Duration::from_secs(360)), "6m0s");
+        assert_eq!(go_duration(Duration::from_millis(1500)), "1.5s");
+    }
+
+    #[test]
+    fn structured_strings_are_escaped() {
+        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c_\"");
+        assert_eq!(json_string("a\"\n"), "\"a\\\"\\n\"");
+    }
+}

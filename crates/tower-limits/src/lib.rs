@@ -1,0 +1,54 @@
+//! Tower middleware for rate limiting, concurrency limiting and multi-tenant fairness.
+//!
+//! Every limit is data (a [`LimitPolicy`]); a [`LimitSetLayer`] applies a set of them to
+//! each request, all or nothing, keyed by tenant tiers taken from the request, costed
+//! (for example in tokens) and settled to the real usage once the response is known. The
+//! algorithms, the engine and the policies live in the sans-IO
+//! [`tower_limits_core`], re-exported here.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_limits::{LimitSetLayer, Rate, ServiceBuilderExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let svc = ServiceBuilder::new()
+//!     .limit_set(LimitSetLayer::gcra(Rate::per_second(10), 2).unwrap())
+//!     .service_fn(|req: &'static str| async move { Ok::<_, Infallible>(req) });
+//! assert_eq!(svc.clone().oneshot("a").await.unwrap(), "a");
+//! assert_eq!(svc.clone().oneshot("b").await.unwrap(), "b");
+//! let refused = svc.oneshot("c").await.unwrap_err();
+//! let refused = refused.downcast_ref::<tower_limits::LimitError>().unwrap();
+//! assert_eq!(refused.limit(), Some("gcra"));
+//! # }
+//! ```
+//!
+//! - [`limit_set`]: the layer, its service and future; waiting and settling.
+//! - [`extract`]: keys, costs and usage from requests and responses.
+//! - [`http`] (feature `http`, on by default): `429`/`503` answers with `Retry-After` and
+//!   the `RateLimit` fields.
+//! - `grpc` (feature `tonic`): `RESOURCE_EXHAUSTED` statuses.
+
+mod builder;
+mod clock;
+mod error;
+pub mod extract;
+#[cfg(feature = "tonic")]
+mod grpc;
+#[cfg(feature = "http")]
+pub mod http;
+pub mod limit_set;
+mod reject;
+
+pub use builder::{ServiceBuilderExt, WithLimits};
+pub use clock::LayerClock;
+pub use error::{BoxError, ErrorKind, LimitError};
+pub use limit_set::{LayerStats, LimitSetLayer, LimitSetService, Unfinished};
+pub use reject::{Rejection, ReturnError};
+pub use tower_limits_core::{
+    AcquireError, Backend, BackendPermit, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, LimitSnapshot,
+    PolicyError, Rate, Snapshot, TenantKey,
+};
+
+/// The sans-IO core, in full.
+pub use tower_limits_core as core;

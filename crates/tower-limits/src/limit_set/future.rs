@@ -1,0 +1,232 @@
+//! The response future of a limit layer.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use pin_project_lite::pin_project;
+use tower_limits_core::{Backend, BackendPermit, Clock, LimitSnapshot};
+use tower_service::Service;
+
+use super::shared::{Shared, Unfinished};
+use crate::error::LimitError;
+use crate::extract::UsageExtractor;
+use crate::reject::Rejection;
+
+/// A permit held while the inner service works. On completion it settles with the real
+/// usage (or, after an error, refunds or keeps the cost as configured); dropped before
+/// completion, it does what `on_cancel` says. Concurrency is released either way, and
+/// waiters are told.
+pub(crate) struct PermitGuard<B: Backend> {
+    permit: Option<B::Permit>,
+    shared: Arc<Shared<B>>,
+}
+
+impl<B: Backend> PermitGuard<B> {
+    pub(crate) fn new(permit: B::Permit, shared: Arc<Shared<B>>) -> Self {
+        PermitGuard { permit: Some(permit), shared }
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        let Some(mut permit) = self.permit.take() else { return };
+        let refund = match outcome {
+            Outcome::Done(Some(usage)) => {
+                permit.settle(usage, self.shared.clock.now());
+                false
+            }
+            Outcome::Done(None) => false,
+            Outcome::Failed => self.shared.settings.on_error == Unfinished::Refund,
+            Outcome::Cancelled => self.shared.settings.on_cancel == Unfinished::Refund,
+        };
+        if refund {
+            permit.cancel(self.shared.clock.now());
+        } else {
+            drop(permit);
+        }
+        if self.shared.settings.max_wait.is_some() {
+            self.shared.waiters.released.notify_waiters();
+        }
+    }
+}
+
+enum Outcome {
+    Done(Option<u64>),
+    Failed,
+    Cancelled,
+}
+
+impl<B: Backend> Drop for PermitGuard<B> {
+    fn drop(&mut self) {
+        self.finish(Outcome::Cancelled);
+    }
+}
+
+/// What an admitted waiter carries to the call.
+pub(crate) struct Admitted<B: Backend, S, Req> {
+    pub(crate) guard: PermitGuard<B>,
+    pub(crate) inner: S,
+    pub(crate) req: Req,
+    pub(crate) snapshots: Option<Arc<[LimitSnapshot]>>,
+}
+
+type Admission<B, S, Req> = Pin<Box<dyn Future<Output = Result<Admitted<B, S, Req>, LimitError>> + Send>>;
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        Called { #[pin] fut: F },
+        Waiting,
+        Rejected,
+        Done,
+    }
+}
+
+pin_project! {
+    /// The response future of [`LimitSetService`](super::LimitSetService).
+    ///
+    /// # Cancel safety
+    /// Dropping it at any point gives back what it holds: a waiting request leaves its
+    /// queue; an admitted one releases its concurrency and refunds or keeps its cost as
+    /// `on_cancel` says.
+    pub struct ResponseFuture<S, Req, U, R, B>
+    where
+        S: Service<Req>,
+        B: Backend,
+    {
+        #[pin]
+        state: State<S::Future>,
+        admission: Option<Admission<B, S, Req>>,
+        guard: Option<PermitGuard<B>>,
+        error: Option<LimitError>,
+        snapshots: Option<Arc<[LimitSnapshot]>>,
+        usage: U,
+        rejection: R,
+    }
+}
+
+impl<S, Req, U, R, B> ResponseFuture<S, Req, U, R, B>
+where
+    S: Service<Req>,
+    B: Backend,
+{
+    pub(crate) fn called(
+        fut: S::Future,
+        guard: PermitGuard<B>,
+        usage: U,
+        rejection: R,
+        snapshots: Option<Arc<[LimitSnapshot]>>,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Called { fut },
+            admission: None,
+            guard: Some(guard),
+            error: None,
+            snapshots,
+            usage,
+            rejection,
+        }
+    }
+
+    pub(crate) fn rejected(error: LimitError, usage: U, rejection: R) -> Self {
+        ResponseFuture {
+            state: State::Rejected,
+            admission: None,
+            guard: None,
+            error: Some(error),
+            snapshots: None,
+            usage,
+            rejection,
+        }
+    }
+
+    pub(crate) fn waiting(admission: Admission<B, S, Req>, usage: U, rejection: R) -> Self {
+        ResponseFuture {
+            state: State::Waiting,
+            admission: Some(admission),
+            guard: None,
+            error: None,
+            snapshots: None,
+            usage,
+            rejection,
+        }
+    }
+}
+
+impl<S, Req, U, R, B> Future for ResponseFuture<S, Req, U, R, B>
+where
+    S: Service<Req>,
+    U: UsageExtractor<S::Response>,
+    R: Rejection<S::Response, S::Error>,
+    B: Backend,
+{
+    type Output = Result<R::Response, R::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Called { fut } => {
+                    let out = ready!(fut.poll(cx));
+                    this.state.set(State::Done);
+                    let mut guard = this.guard.take();
+                    return Poll::Ready(match out {
+                        Ok(response) => {
+                            if let Some(g) = guard.as_mut() {
+                                g.finish(Outcome::Done(this.usage.usage(&response)));
+                            }
+                            Ok(this.rejection.respond(response, this.snapshots.as_deref()))
+                        }
+                        Err(e) => {
+                            if let Some(g) = guard.as_mut() {
+                                g.finish(Outcome::Failed);
+                            }
+                            Err(this.rejection.fail(e))
+                        }
+                    });
+                }
+                StateProj::Waiting => {
+                    let Some(admission) = this.admission.as_mut() else {
+                        this.state.set(State::Done);
+                        continue;
+                    };
+                    let admitted = ready!(admission.as_mut().poll(cx));
+                    *this.admission = None;
+                    match admitted {
+                        Ok(Admitted { guard, mut inner, req, snapshots }) => {
+                            *this.guard = Some(guard);
+                            *this.snapshots = snapshots;
+                            let fut = inner.call(req);
+                            this.state.set(State::Called { fut });
+                        }
+                        Err(error) => {
+                            *this.error = Some(error);
+                            this.state.set(State::Rejected);
+                        }
+                    }
+                }
+                StateProj::Rejected => {
+                    this.state.set(State::Done);
+                    let error = this.error.take().unwrap_or_else(|| LimitError::new(crate::ErrorKind::Unavailable));
+                    return Poll::Ready(this.rejection.reject(error));
+                }
+                StateProj::Done => panic!("ResponseFuture polled after completion"),
+            }
+        }
+    }
+}
+
+impl<S, Req, U, R, B> fmt::Debug for ResponseFuture<S, Req, U, R, B>
+where
+    S: Service<Req>,
+    B: Backend,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("admitted", &self.guard.is_some())
+            .field("waiting", &self.admission.is_some())
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}

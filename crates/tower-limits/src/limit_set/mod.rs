@@ -1,0 +1,55 @@
+//! Limit sets as Tower middleware: every limit of a set acquired for each request, all or
+//! nothing.
+//!
+//! A [`LimitSetLayer`] wraps a service; each request is keyed (by default everyone shares
+//! the global key), costed (by default one), and admitted only if every limit of the set
+//! has room. Admitted requests hold a permit until their response completes: then the
+//! permit settles with the real usage if the response reports one, refunds after an
+//! inner error (configurable) and releases concurrency. Refused requests fail fast with a
+//! [`LimitError`](crate::LimitError) naming the limit, tier and retry time, or, with
+//! [`wait`](LimitSetLayer::wait), wait in arrival order for exactly as long as needed.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_limits::extract::{Cost, CostFromExtension, FromExtension, Usage, UsageFromExtension};
+//! use tower_limits::http::HttpAnswer;
+//! use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let limits = LimitSetLayer::new(
+//!     LimitSetPolicy::new()
+//!         .tiers(["org", "user"])
+//!         .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 10).per("user"))
+//!         .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(100_000), 20_000).per("org").counting_cost())
+//!         .limit(LimitPolicy::semaphore("concurrent", 4).per("org")),
+//! )
+//! .unwrap()
+//! .key(FromExtension::<TenantKey>::new())
+//! .cost(CostFromExtension)
+//! .usage(UsageFromExtension)
+//! .reject_with(HttpAnswer::new().with_json_body());
+//!
+//! let svc = ServiceBuilder::new().layer(limits).service_fn(|_req: http::Request<String>| async {
+//!     let mut response = http::Response::new(String::from("embedded"));
+//!     response.extensions_mut().insert(Usage(640)); // what the upstream really used
+//!     Ok::<_, Infallible>(response)
+//! });
+//!
+//! let mut req = http::Request::new(String::new());
+//! req.extensions_mut().insert(TenantKey::new(["acme", "alice"]).unwrap()); // from the auth layer
+//! req.extensions_mut().insert(Cost(812)); // estimated tokens
+//! let response = svc.oneshot(req).await.unwrap();
+//! assert_eq!(response.status(), 200);
+//! # }
+//! ```
+
+mod future;
+mod layer;
+mod service;
+mod shared;
+
+pub use future::ResponseFuture;
+pub use layer::LimitSetLayer;
+pub use service::LimitSetService;
+pub use shared::{LayerStats, Unfinished};

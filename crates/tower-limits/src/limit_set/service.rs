@@ -1,0 +1,286 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, Waker};
+
+use tower_limits_core::{Backend, Clock, LimitSnapshot, TenantKey};
+use tower_service::Service;
+
+use super::future::{Admitted, PermitGuard, ResponseFuture};
+use super::shared::{Shared, Ticket};
+use crate::error::{ErrorKind, LimitError};
+use crate::extract::{CostExtractor, KeyExtractor, UsageExtractor};
+use crate::reject::Rejection;
+
+/// The service built by [`LimitSetLayer`](super::LimitSetLayer).
+///
+/// `poll_ready` only forwards the inner service's readiness: nothing is reserved before
+/// a request exists, so an idle connection pins no capacity. The decision is made in
+/// `call`; the inner service is called only once the request is admitted. Clones share
+/// the limits.
+pub struct LimitSetService<S, K, C, U, R, B> {
+    pub(crate) inner: S,
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) keys: K,
+    pub(crate) cost: C,
+    pub(crate) usage: U,
+    pub(crate) rejection: R,
+}
+
+impl<S, K, C, U, R, B> LimitSetService<S, K, C, U, R, B> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B> Clone for LimitSetService<S, K, C, U, R, B> {
+    fn clone(&self) -> Self {
+        LimitSetService {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            usage: self.usage.clone(),
+            rejection: self.rejection.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B> fmt::Debug for LimitSetService<S, K, C, U, R, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitSetService")
+            .field("inner", &self.inner)
+            .field("keys", &self.keys)
+            .field("cost", &self.cost)
+            .field("settings", &self.shared.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, Req, K, C, U, R, B> Service<Req> for LimitSetService<S, K, C, U, R, B>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send,
+    Req: Send + 'static,
+    K: KeyExtractor<Req>,
+    C: CostExtractor<Req>,
+    U: UsageExtractor<S::Response>,
+    R: Rejection<S::Response, S::Error>,
+    B: Backend,
+{
+    type Response = R::Response;
+    type Error = R::Error;
+    type Future = ResponseFuture<S, Req, U, R, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let shared = &self.shared;
+        let key = match self.keys.extract(&req) {
+            Ok(key) => key,
+            Err(missing) => match &shared.settings.default_key {
+                Some(key) => key.clone(),
+                None => {
+                    let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                    return self.refuse(error, None);
+                }
+            },
+        };
+        let cost = self.cost.cost(&req);
+        let now = shared.clock.now();
+        let waits = shared.settings.max_wait.is_some();
+        if waits && shared.waiters.has_waiters(&key) {
+            // Others of this key wait already: queue behind them.
+            return self.wait(key, cost, req);
+        }
+        let mut acquire = shared.backend.acquire(&key, cost, now);
+        match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(permit)) => {
+                let snapshots = self.rejection.wants_snapshots().then(|| snapshots(shared, &key, now));
+                let guard = PermitGuard::new(permit, shared.clone());
+                let fut = self.inner.call(req);
+                ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
+            }
+            Poll::Ready(Err(e)) => {
+                let error = LimitError::from(e);
+                if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
+                    return self.wait(key, cost, req);
+                }
+                self.refuse(error, Some((&key, now)))
+            }
+            // A remote backend: finish the acquisition in the response future.
+            Poll::Pending => self.wait(key, cost, req),
+        }
+    }
+}
+
+impl<S, K, C, U, R, B> LimitSetService<S, K, C, U, R, B>
+where
+    B: Backend,
+    U: Clone,
+    R: Clone,
+{
+    fn refuse<Req>(
+        &self,
+        mut error: LimitError,
+        at: Option<(&TenantKey, tower_limits_core::Instant)>,
+    ) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: tower_service::Service<Req>,
+        R: Rejection<S::Response, S::Error>,
+    {
+        self.shared.rejected.fetch_add(1, Ordering::Relaxed);
+        trace_refusal(&error);
+        if let Some((key, now)) = at {
+            if self.rejection.wants_snapshots() {
+                error.snapshots = Some(snapshots(&self.shared, key, now));
+            }
+        }
+        ResponseFuture::rejected(error, self.usage.clone(), self.rejection.clone())
+    }
+
+    /// The slow path: wait for capacity (or for a remote backend), then call a ready clone
+    /// of the inner service.
+    fn wait<Req>(&mut self, key: TenantKey, cost: u64, req: Req) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        Req: Send + 'static,
+        R: Rejection<S::Response, S::Error>,
+    {
+        // The service polled ready goes with the request; the clone stays for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let wants_snapshots = self.rejection.wants_snapshots();
+        let admitted = async move {
+            let (permit, snapshots) = admit(&shared, &key, cost, wants_snapshots).await?;
+            Ok(Admitted { guard: PermitGuard::new(permit, shared.clone()), inner, req, snapshots })
+        };
+        ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())
+    }
+}
+
+fn snapshots<B: Backend>(shared: &Shared<B>, key: &TenantKey, now: tower_limits_core::Instant) -> Arc<[LimitSnapshot]> {
+    shared.backend.peek(key, now).into()
+}
+
+/// Whether waiting can help: a rate denial within `max_wait`, or a concurrency denial.
+fn waitable(error: &LimitError, max_wait: std::time::Duration) -> bool {
+    match error.kind() {
+        ErrorKind::RateLimited => error.retry_after().is_some_and(|d| d <= max_wait),
+        ErrorKind::ConcurrencyLimited => true,
+        _ => false,
+    }
+}
+
+fn trace_refusal(error: &LimitError) {
+    tracing::debug!(
+        target: "tower_limits",
+        kind = ?error.kind(),
+        limit = error.limit().unwrap_or(""),
+        tier = error.tier().unwrap_or(""),
+        retry_after_ms = error.retry_after().map_or(0, |d| d.as_millis() as u64),
+        "request refused"
+    );
+}
+
+/// Waits in the key's queue until the request can be admitted or its time is up.
+///
+/// # Cancel safety
+/// Dropping the future leaves the queue (waking the next waiter) and holds nothing.
+async fn admit<B: Backend>(
+    shared: &Shared<B>,
+    key: &TenantKey,
+    cost: u64,
+    wants_snapshots: bool,
+) -> Result<(B::Permit, Option<Arc<[LimitSnapshot]>>), LimitError> {
+    let max_wait = shared.settings.max_wait.unwrap_or_default();
+    let start = shared.clock.now();
+    let deadline = start + max_wait;
+    let Some(ticket) = shared.waiters.join(key, shared.settings.max_waiters) else {
+        shared.rejected.fetch_add(1, Ordering::Relaxed);
+        return Err(LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting"));
+    };
+    let ticket = Ticket { waiters: &shared.waiters, key: key.clone(), ticket };
+    let span = tracing::debug_span!(target: "tower_limits", "limit_wait", key = %key);
+    let _enter = span.enter();
+    ticket.head().await;
+    let mut waited = false;
+    loop {
+        let released = shared.waiters.released.notified();
+        let mut released = pin!(released);
+        released.as_mut().enable();
+        let now = shared.clock.now();
+        let error = match shared.backend.acquire(key, cost, now).await {
+            Ok(permit) => {
+                if waited {
+                    shared.waited.fetch_add(1, Ordering::Relaxed);
+                }
+                let snapshots = wants_snapshots.then(|| snapshots(shared, key, now));
+                return Ok((permit, snapshots));
+            }
+            Err(e) => LimitError::from(e),
+        };
+        let until = match error.kind() {
+            ErrorKind::RateLimited => {
+                let wait = error.retry_after().unwrap_or_default();
+                if now + wait > deadline {
+                    shared.rejected.fetch_add(1, Ordering::Relaxed);
+                    if waited {
+                        shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    trace_refusal(&error);
+                    return Err(error);
+                }
+                now + wait
+            }
+            ErrorKind::ConcurrencyLimited if now < deadline => deadline,
+            ErrorKind::ConcurrencyLimited => {
+                shared.rejected.fetch_add(1, Ordering::Relaxed);
+                shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
+                let timed_out = LimitError { kind: ErrorKind::WaitTimedOut, ..error };
+                trace_refusal(&timed_out);
+                return Err(timed_out);
+            }
+            _ => {
+                shared.rejected.fetch_add(1, Ordering::Relaxed);
+                trace_refusal(&error);
+                return Err(error);
+            }
+        };
+        tracing::debug!(
+            target: "tower_limits",
+            limit = error.limit().unwrap_or(""),
+            tier = error.tier().unwrap_or(""),
+            wait_ms = until.saturating_since(now).as_millis() as u64,
+            "waiting for capacity"
+        );
+        waited = true;
+        let sleep = tokio::time::sleep_until(shared.clock.to_tokio(until));
+        let mut sleep = pin!(sleep);
+        let release_helps = error.kind() == ErrorKind::ConcurrencyLimited;
+        std::future::poll_fn(|cx| {
+            if sleep.as_mut().poll(cx).is_ready() || (release_helps && released.as_mut().poll(cx).is_ready()) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+    }
+}
