@@ -242,6 +242,8 @@ pub(crate) struct Config {
     pub(crate) depth_needed: usize,
     /// A fresh state per limit, so that checking a key never seen allocates nothing.
     pub(crate) fresh: Vec<LimitState>,
+    /// How many limits are keyed by a tier: the states one key needs.
+    pub(crate) keyed_limits: usize,
 }
 
 static VERSIONS: AtomicU64 = AtomicU64::new(1);
@@ -290,6 +292,13 @@ impl Config {
         if policy.max_keys == 0 {
             return Err(PolicyError::new("max_keys", "must be at least 1"));
         }
+        let keyed = policy.limits.iter().filter(|l| l.scope != Scope::Global).count();
+        if policy.max_keys < keyed {
+            return Err(PolicyError::new(
+                "max_keys",
+                format!("must be at least {keyed}, the number of keyed limits: one key needs a state in each"),
+            ));
+        }
         let mut limits = Vec::with_capacity(policy.limits.len());
         for (i, p) in policy.limits.iter().enumerate() {
             let at = if p.name.is_empty() { format!("limits[{i}]") } else { format!("limits[{i}] ({})", p.name) };
@@ -324,6 +333,7 @@ impl Config {
             depth_needed: limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0),
             max_keys: policy.max_keys,
             fresh: limits.iter().map(|l| l.limit.fresh()).collect(),
+            keyed_limits: limits.iter().filter(|l| l.tier.is_some()).count(),
             limits,
         })
     }

@@ -372,7 +372,15 @@ impl LimitSetPolicy {
     /// # Errors
     /// [`LoadError::Parse`] with the line, or [`LoadError::Invalid`] with the field.
     pub fn from_json(text: &str) -> Result<Self, LoadError> {
-        let policy: Self = serde_json::from_str(text).map_err(|e| LoadError::Parse(e.to_string()))?;
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let policy: Self = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            LoadError::Parse(if path == "." {
+                e.into_inner().to_string()
+            } else {
+                format!("{path}: {}", e.into_inner())
+            })
+        })?;
         policy.validate().map_err(LoadError::Invalid)?;
         Ok(policy)
     }

@@ -32,7 +32,10 @@
 //! states (those that decide exactly as a fresh state would, see
 //! [`Algorithm::is_idle`](crate::algorithm::Algorithm::is_idle)) are evicted, which
 //! changes no decision; if none is idle the acquisition fails with
-//! [`AcquireError::KeyTableFull`] rather than forget a key that still matters.
+//! [`AcquireError::KeyTableFull`] rather than forget a key that still matters. A settle
+//! that charges a state evicted since its grant recreates it; only when the table is
+//! full of active keys at that moment is such a charge dropped, because the bound on
+//! memory comes first.
 //!
 //! **Policy changes.** [`LimitSet::replace_policy`] swaps the policy of a running set
 //! under all of its locks. A limit that keeps its name, algorithm and scope keeps every
@@ -173,7 +176,7 @@ impl LimitSet {
     /// The first problem with the policy, naming its field.
     pub fn new(policy: LimitSetPolicy) -> Result<Self, PolicyError> {
         let config = Arc::new(Config::build(&policy)?);
-        let shards = shard_count(config.max_keys);
+        let shards = shard_count(config.max_keys, config.keyed_limits);
         let cap = shard_cap(config.max_keys, shards);
         let shard = |config: &Arc<Config>| Shard {
             config: config.clone(),
@@ -298,6 +301,18 @@ impl LimitSet {
     /// The new policy's first problem; the set then keeps its current policy.
     pub fn replace_policy(&self, policy: LimitSetPolicy) -> Result<(), PolicyError> {
         let new = Arc::new(Config::build(&policy)?);
+        let shards = self.shared.shards.len();
+        if shard_cap(new.max_keys, shards) < new.keyed_limits {
+            return Err(PolicyError::new(
+                "max_keys",
+                format!(
+                    "this set spreads its keys over {shards} shards, so it needs at least {} to hold one key \
+                     of {} keyed limits in each",
+                    shards * new.keyed_limits,
+                    new.keyed_limits
+                ),
+            ));
+        }
         let _serial = lock(&self.shared.replacing);
         let mut shards: Vec<_> = self.shared.shards.iter().map(|s| lock(&s.0)).collect();
         let mut global = lock(&self.shared.global.0);
@@ -339,9 +354,11 @@ impl LimitSet {
     }
 }
 
-fn shard_count(max_keys: usize) -> usize {
+/// As many shards as keep room for a few keys in each: a key needs one state per keyed
+/// limit, all in its shard.
+fn shard_count(max_keys: usize, states_per_key: usize) -> usize {
     let mut n = MAX_SHARDS;
-    while n > 1 && n > max_keys {
+    while n > 1 && max_keys / n < states_per_key.max(1) * 4 {
         n /= 2;
     }
     n
@@ -380,10 +397,10 @@ struct Grant {
     /// Kept only when the policy has semaphores, so that a release after a policy change
     /// can still find them by name.
     config: Option<Arc<Config>>,
-    /// The costs as they stand: the acquired costs, then the settled ones.
-    costs: Costs,
-    /// The request cost at acquisition (for semaphores counting cost).
-    acquired: u64,
+    /// The costs acquired: what semaphores release, whatever was settled since.
+    acquired: Costs,
+    /// The costs rate limits were last settled to, if ever.
+    settled: Option<Costs>,
 }
 
 /// What the engine answers on a grant; the caller adds the key and costs it already has.
@@ -396,11 +413,12 @@ struct Granted {
 impl Grant {
     #[inline]
     fn new(costs: Costs, g: Granted) -> Self {
-        let acquired = match &costs {
-            Costs::Uniform(c) => *c,
-            Costs::Each(_) => 0,
-        };
-        Grant { granted_at: g.granted_at, version: g.version, config: g.config, costs, acquired }
+        Grant { granted_at: g.granted_at, version: g.version, config: g.config, acquired: costs, settled: None }
+    }
+
+    /// What rate limits are charged now.
+    fn charged(&self) -> &Costs {
+        self.settled.as_ref().unwrap_or(&self.acquired)
     }
 }
 
@@ -539,6 +557,17 @@ impl Shared {
         if let Some(s) = shard.as_deref_mut() {
             if new_entries > 0 && s.len + new_entries > s.cap {
                 s.sweep(cfg, now);
+                // The sweep may have evicted idle states of this very key: count again.
+                new_entries = cfg
+                    .limits
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
+                    .filter(|&(i, t)| {
+                        let prefix = key.prefix(t + 1).unwrap_or("");
+                        s.tables[i].find(hashes[t], |e| &*e.key == prefix).is_none()
+                    })
+                    .count();
                 if s.len + new_entries > s.cap {
                     return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
                 }
@@ -661,6 +690,7 @@ impl Shared {
         key: &TenantKey,
         grant: &Grant,
         now: Instant,
+        create: impl Fn(usize, &LimitDef) -> bool,
         mut f: impl FnMut(usize, &LimitDef, Option<usize>, &mut LimitState, Instant),
     ) {
         let mut shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
@@ -690,6 +720,21 @@ impl Shared {
                     let h = self.hasher.hash_one(prefix) | 1;
                     if let Some(e) = s.tables[j].find_mut(h, |e| &*e.key == prefix) {
                         f(i, def, Some(t), &mut e.state, now);
+                    } else if create(i, def) {
+                        // The state was evicted as idle since the grant (idle means it
+                        // decides as a fresh one), and this correction adds to it.
+                        if s.len >= s.cap {
+                            s.sweep(&current, now);
+                        }
+                        if s.len < s.cap {
+                            let mut state = current.fresh[j].clone();
+                            f(i, def, Some(t), &mut state, now);
+                            let hasher = &self.hasher;
+                            s.tables[j].insert_unique(h, Entry { key: prefix.into(), state }, |e| {
+                                hasher.hash_one(&*e.key) | 1
+                            });
+                            s.len += 1;
+                        }
                     }
                 }
             }
@@ -698,21 +743,24 @@ impl Shared {
 
     fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(config) = &grant.config else { return };
-        self.with_states(key, grant, grant.granted_at, |i, def, _, state, _| {
-            if def.limit.is_semaphore() {
-                let amount = match &grant.costs {
-                    Costs::Uniform(_) => Costs::Uniform(grant.acquired).of(i, &config.limits[i]),
-                    each => each.of(i, def),
-                };
-                def.limit.release(state, amount);
-            }
-        });
+        self.with_states(
+            key,
+            grant,
+            grant.granted_at,
+            |_, _| false,
+            |i, def, _, state, _| {
+                if def.limit.is_semaphore() {
+                    def.limit.release(state, grant.acquired.of(i, &config.limits[i]));
+                }
+            },
+        );
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
         let granted_at = grant.granted_at;
-        let before = grant.costs.clone();
-        self.with_states(key, grant, now, |i, def, _, state, now| {
+        let before = grant.charged().clone();
+        let charges = |i: usize, def: &LimitDef| !def.limit.is_semaphore() && actual.of(i, def) > before.of(i, def);
+        self.with_states(key, grant, now, charges, |i, def, _, state, now| {
             if def.limit.is_semaphore() {
                 return;
             }
@@ -723,23 +771,32 @@ impl Shared {
                 def.limit.refund(state, now, granted_at, was - is);
             }
         });
-        grant.costs = actual;
+        grant.settled = Some(actual);
     }
 
     fn cancel(&self, key: &TenantKey, grant: &Grant, now: Instant) {
         let granted_at = grant.granted_at;
-        self.with_states(key, grant, now, |i, def, _, state, now| {
-            if !def.limit.is_semaphore() {
-                def.limit.refund(state, now, granted_at, grant.costs.of(i, def));
-            }
-        });
+        self.with_states(
+            key,
+            grant,
+            now,
+            |_, _| false,
+            |i, def, _, state, now| {
+                if !def.limit.is_semaphore() {
+                    def.limit.refund(state, now, granted_at, grant.charged().of(i, def));
+                }
+            },
+        );
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         let shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
         let global = self.lock_global();
         let cfg = global.config.clone();
-        let now = now.max(global.states.latest);
+        let mut now = now.max(global.states.latest);
+        if let Some(s) = &shard {
+            now = now.max(s.keyed.latest);
+        }
         let mut out = Vec::with_capacity(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
             let state = match def.tier {

@@ -1,0 +1,169 @@
+//! Law 4 (concurrency) under real threads: OS threads hammer one `LimitSet` with
+//! semaphores, and the number of permits held at once never exceeds a semaphore's
+//! capacity; when every thread is done, nothing is held and every limit is back to full.
+//!
+//! Time comes from a shared `ManualClock` that the threads advance themselves, so that
+//! their reads race (the set raises a late reader's `now` to the latest it has seen).
+//! There are no sleeps and no wall-clock thresholds: a thread that is refused yields
+//! and tries again.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use tower_limits_core::{AcquireError, Clock, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, Rate, TenantKey};
+
+const THREADS: usize = 4;
+const PER_THREAD: u64 = 20_000;
+
+/// Counts holders: incremented after a grant, decremented before the permit is dropped,
+/// so it never counts more holders than the set does.
+#[derive(Debug, Default)]
+struct Gauge {
+    now: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Gauge {
+    fn enter(&self, amount: u64) -> u64 {
+        let now = self.now.fetch_add(amount, Ordering::SeqCst) + amount;
+        self.max.fetch_max(now, Ordering::SeqCst);
+        now
+    }
+
+    fn leave(&self, amount: u64) {
+        self.now.fetch_sub(amount, Ordering::SeqCst);
+    }
+}
+
+/// Keeps the permit a little while, so that holders overlap.
+fn hold_briefly(i: u64) {
+    for _ in 0..(i % 64) {
+        std::hint::spin_loop();
+    }
+}
+
+#[test]
+fn a_global_semaphore_never_admits_more_than_its_capacity() {
+    const CAPACITY: u64 = 3;
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            // A rate limit that never blocks: 80,000 grants fit in its burst.
+            .limit(LimitPolicy::gcra("rate", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
+            .limit(LimitPolicy::semaphore("concurrent", CAPACITY)),
+    )
+    .unwrap();
+    let clock = ManualClock::new();
+    let gauge = Gauge::default();
+    let refused = AtomicU64::new(0);
+    thread::scope(|s| {
+        for t in 0..THREADS {
+            let (set, clock, gauge, refused) = (&set, &clock, &gauge, &refused);
+            s.spawn(move || {
+                let key = TenantKey::single(format!("tenant-{}", t % 2)).unwrap();
+                let mut granted = 0;
+                while granted < PER_THREAD {
+                    clock.advance_nanos(1);
+                    match set.acquire(&key, 1, clock.now()) {
+                        Ok(permit) => {
+                            let holders = gauge.enter(1);
+                            assert!(holders <= CAPACITY, "{holders} holders of {CAPACITY} slots");
+                            hold_briefly(granted);
+                            gauge.leave(1);
+                            drop(permit);
+                            granted += 1;
+                        }
+                        Err(AcquireError::Denied(d)) => {
+                            assert_eq!(d.limit(), "concurrent");
+                            assert!(d.needs_release());
+                            assert_eq!(d.retry_after(), Duration::ZERO);
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            thread::yield_now();
+                        }
+                        Err(e) => panic!("unexpected: {e}"),
+                    }
+                }
+            });
+        }
+    });
+    let max = gauge.max.load(Ordering::SeqCst);
+    assert!(max <= CAPACITY, "{max} holders at once");
+    let stats = set.stats();
+    assert_eq!(stats.admitted, THREADS as u64 * PER_THREAD);
+    assert_eq!(stats.limits[1].held, 0);
+    assert_eq!(stats.limits[1].denied, refused.load(Ordering::Relaxed));
+}
+
+/// Weighted permits against a per-tenant semaphore and a global one, with settles and
+/// cancellations mixed in: per tenant and overall, the weight held never exceeds the
+/// capacity, and everything comes back.
+#[test]
+fn weighted_semaphores_hold_under_threads() {
+    const PER_TENANT: u64 = 5;
+    const GLOBAL: u64 = 7;
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).counting_cost())
+            .limit(LimitPolicy::semaphore("per-tenant", PER_TENANT).per("tenant").counting_cost())
+            .limit(LimitPolicy::semaphore("global", GLOBAL).counting_cost()),
+    )
+    .unwrap();
+    let clock = ManualClock::new();
+    let tenants = [Gauge::default(), Gauge::default()];
+    let global = Gauge::default();
+    thread::scope(|s| {
+        for t in 0..THREADS {
+            let (set, clock, tenants, global) = (&set, &clock, &tenants, &global);
+            s.spawn(move || {
+                let tenant = t % 2;
+                let key = TenantKey::single(format!("tenant-{tenant}")).unwrap();
+                let mut granted = 0u64;
+                let mut i = t as u64;
+                while granted < PER_THREAD {
+                    i += 1;
+                    let cost = 1 + i % 3;
+                    clock.advance_nanos(1);
+                    match set.acquire(&key, cost, clock.now()) {
+                        Ok(mut permit) => {
+                            assert!(tenants[tenant].enter(cost) <= PER_TENANT);
+                            assert!(global.enter(cost) <= GLOBAL);
+                            hold_briefly(i);
+                            global.leave(cost);
+                            tenants[tenant].leave(cost);
+                            match i % 3 {
+                                0 => permit.settle(cost * 2, clock.now()),
+                                1 => permit.settle(0, clock.now()),
+                                _ => {}
+                            }
+                            if i % 5 == 0 {
+                                permit.cancel(clock.now());
+                            } else {
+                                drop(permit);
+                            }
+                            granted += 1;
+                        }
+                        Err(AcquireError::Denied(d)) => {
+                            assert!(d.needs_release(), "{d}");
+                            thread::yield_now();
+                        }
+                        Err(e) => panic!("unexpected: {e}"),
+                    }
+                }
+            });
+        }
+    });
+    assert!(tenants.iter().all(|g| g.max.load(Ordering::SeqCst) <= PER_TENANT));
+    assert!(global.max.load(Ordering::SeqCst) <= GLOBAL);
+    let stats = set.stats();
+    assert_eq!(stats.admitted, THREADS as u64 * PER_THREAD);
+    assert_eq!(stats.limits[1].held, 0);
+    assert_eq!(stats.limits[2].held, 0);
+    clock.advance(Duration::from_secs(3600));
+    for tenant in ["tenant-0", "tenant-1"] {
+        for snap in set.peek(&TenantKey::single(tenant).unwrap(), clock.now()) {
+            assert_eq!(snap.snapshot.remaining, snap.snapshot.quota, "{snap:?}");
+        }
+    }
+}
