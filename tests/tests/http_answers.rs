@@ -1,0 +1,179 @@
+//! HTTP and gRPC answers: real `http::Request`s through `oneshot`, and an axum `Router`
+//! whose clones share the limit and answer 429 with the right fields.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_limits::extract::{Cost, CostFromExtension, FromExtension, KeyFn, Usage, UsageFromExtension};
+use tower_limits::http::HttpAnswer;
+use tower_limits::{BoxError, ErrorKind, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+
+fn policy() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 2).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(60_000), 10_000).per("org").counting_cost())
+        .limit(LimitPolicy::semaphore("shared", 100))
+}
+
+fn request(tenant: Option<[&str; 2]>, cost: u64) -> Request<String> {
+    let mut req = Request::new(String::new());
+    if let Some(parts) = tenant {
+        req.extensions_mut().insert(TenantKey::new(parts).unwrap());
+    }
+    req.extensions_mut().insert(Cost(cost));
+    req
+}
+
+fn ok_service() -> impl tower::Service<Request<String>, Response = Response<String>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
+    tower::service_fn(|req: Request<String>| async move {
+        let used = req.extensions().get::<Cost>().map_or(0, |c| c.0 / 2);
+        let mut response = Response::new(String::from("ok"));
+        response.extensions_mut().insert(Usage(used));
+        Ok::<_, Infallible>(response)
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_limit_answers_429_with_its_fields() {
+    let layer = LimitSetLayer::new(policy())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .usage(UsageFromExtension)
+        .reject_with(HttpAnswer::new());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    for _ in 0..2 {
+        let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 100)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 100)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let h = response.headers();
+    assert_eq!(h["retry-after"], "1");
+    assert_eq!(h["ratelimit-policy"], "\"requests\";q=2;w=2");
+    assert_eq!(h["ratelimit"], "\"requests\";r=0;t=2");
+    assert!(response.body().is_empty());
+    // Another user of the same org is not blocked by alice's own limit.
+    let bob = svc.oneshot(request(Some(["acme", "bob"]), 100)).await.unwrap();
+    assert_eq!(bob.status(), StatusCode::OK);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_global_limit_answers_503_and_a_missing_key_401() {
+    let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().reject_with(HttpAnswer::new());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
+    let response = svc.oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()["retry-after"], "1");
+
+    let keyed = LimitSetLayer::new(policy())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .reject_with(HttpAnswer::new().with_json_body());
+    let svc = ServiceBuilder::new().layer(keyed).service(ok_service());
+    let response = svc.oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(response.headers()["content-type"], "application/problem+json");
+    assert!(response.body().contains("\"kind\":\"missing_key\""), "{}", response.body());
+}
+
+#[tokio::test(start_paused = true)]
+async fn json_bodies_name_the_limit_and_tier() {
+    let layer = LimitSetLayer::new(policy())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .reject_with(HttpAnswer::new().with_json_body());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 20_000)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE, "a cost above capacity can never pass");
+    for _ in 0..2 {
+        svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+    }
+    let response = svc.oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = response.body();
+    for part in ["\"status\":429", "\"limit\":\"requests\"", "\"tier\":\"user\"", "\"retry_after_ms\":1000"] {
+        assert!(body.contains(part), "{part} in {body}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn openai_fields_and_success_headers() {
+    let layer = LimitSetLayer::new(policy())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .usage(UsageFromExtension)
+        .reject_with(HttpAnswer::new().with_openai_fields().on_success());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 1_000)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let h = response.headers();
+    assert_eq!(h["x-ratelimit-limit-requests"], "2");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "1");
+    assert_eq!(h["x-ratelimit-reset-requests"], "1s");
+    assert_eq!(h["x-ratelimit-limit-tokens"], "10000");
+    assert_eq!(h["x-ratelimit-remaining-tokens"], "9000", "the snapshot is taken at admission, before settling");
+    assert_eq!(
+        h["ratelimit-policy"],
+        "\"requests\";q=2;w=2, \"tokens\";q=10000;w=10, \"shared\";q=100;qu=\"concurrent-requests\""
+    );
+    // Settled to half the estimate: 500 came back.
+    let response = svc.oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+    assert_eq!(response.headers()["x-ratelimit-remaining-tokens"], "9499");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_axum_router_shares_its_limit_across_clones() {
+    // Stand-in for an auth layer: the bearer token names the tenant.
+    let keys = KeyFn::new(|req: &Request<Body>| {
+        let token = req.headers().get("authorization")?.to_str().ok()?.strip_prefix("Bearer ")?;
+        TenantKey::new(["acme", token]).ok()
+    });
+    let limits = LimitSetLayer::new(policy()).unwrap().key(keys).reject_with(HttpAnswer::new());
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(limits);
+    let call = |app: Router, who: &str| {
+        let req = Request::get("/").header("authorization", format!("Bearer {who}")).body(Body::empty()).unwrap();
+        app.oneshot(req)
+    };
+    assert_eq!(call(app.clone(), "alice").await.unwrap().status(), StatusCode::OK);
+    assert_eq!(call(app.clone(), "alice").await.unwrap().status(), StatusCode::OK);
+    let refused = call(app.clone(), "alice").await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS, "each clone of the router shares one limit");
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert_eq!(refused.headers()["ratelimit"], "\"requests\";r=0;t=2");
+    let ok = call(app.clone(), "bob").await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(ok.into_body().collect().await.unwrap().to_bytes(), "hello");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(call(app, "alice").await.unwrap().status(), StatusCode::OK, "one more after a second");
+}
+
+#[tokio::test(start_paused = true)]
+async fn errors_map_to_grpc_statuses() {
+    let svc = ServiceBuilder::new()
+        .layer(LimitSetLayer::new(policy()).unwrap().key(FromExtension::<TenantKey>::new()))
+        .service(ok_service());
+    for _ in 0..2 {
+        svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+    }
+    let err: BoxError = svc.oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap_err();
+    let err = err.downcast_ref::<LimitError>().unwrap().clone();
+    assert_eq!(err.kind(), ErrorKind::RateLimited);
+    let status = tonic::Status::from(err);
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(status.metadata().get("retry-after").unwrap(), "1");
+    assert_eq!(status.metadata().get("retry-after-ms").unwrap(), "1000");
+}
