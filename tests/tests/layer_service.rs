@@ -88,18 +88,19 @@ async fn concurrency_comes_back_when_the_response_future_is_dropped() {
     assert_eq!(layer.stats().limits[0].held, 0);
 }
 
-fn tenant_layer() -> LimitSetLayer<
-    KeyFn<impl Fn(&(String, u64)) -> Option<TenantKey> + Send + Sync + 'static, (String, u64)>,
-    tower_limits::extract::CostFn<impl Fn(&(String, u64)) -> u64 + Send + Sync + 'static, (String, u64)>,
-> {
+type Req = (String, u64);
+type TenantKeys = KeyFn<fn(&Req) -> Option<TenantKey>, Req>;
+type TenantCost = tower_limits::extract::CostFn<fn(&Req) -> u64, Req>;
+
+fn tenant_layer() -> LimitSetLayer<TenantKeys, TenantCost> {
     LimitSetLayer::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(100), 100).per("tenant").counting_cost()),
     )
     .unwrap()
-    .key(KeyFn::new(|r: &(String, u64)| (!r.0.is_empty()).then(|| TenantKey::single(&r.0).unwrap())))
-    .cost(tower_limits::extract::CostFn::new(|r: &(String, u64)| r.1))
+    .key(KeyFn::new((|r: &Req| (!r.0.is_empty()).then(|| TenantKey::single(&r.0).unwrap())) as fn(&Req) -> _))
+    .cost(tower_limits::extract::CostFn::new((|r: &Req| r.1) as fn(&Req) -> u64))
 }
 
 fn remaining(layer: &LimitSetLayer<impl Sized, impl Sized, impl Sized, impl Sized>, tenant: &str) -> u64 {

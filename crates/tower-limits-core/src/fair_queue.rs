@@ -1,1 +1,1332 @@
-//! Weighted-fair tenant queue (start-time fair queuing). Work in progress.
+//! A weighted-fair queue of tenants' requests: start-time fair queuing, sans IO.
+//!
+//! [`FairQueue`] holds requests that wait for shared capacity and decides, each time
+//! capacity frees up, whose request goes next, so that tenants who keep asking share
+//! the capacity in proportion to their weights, whatever their request sizes, and
+//! nobody waits forever. It is a plain data structure: it knows nothing of time, locks
+//! or wakers. A layer keeps it behind a mutex and drives it:
+//!
+//! - on arrival, [`FairQueue::enqueue`] (a full queue is refused at once with
+//!   [`QueueFull`], which says whether the tenant's own queue or the whole queue was
+//!   full: 429 or 503);
+//! - while capacity is available, [`FairQueue::peek_next`] shows the request that is
+//!   next and its cost, and [`FairQueue::pop_next`] dispatches it (when the head does
+//!   not fit yet, the layer waits for capacity rather than skipping it: skipping would
+//!   let small requests starve large ones);
+//! - when a waiting future is polled again, [`FairQueue::get_mut`] reaches its item (to
+//!   store a newer waker); when it is dropped, [`FairQueue::cancel`] with its [`Ticket`]
+//!   takes the item back out.
+//!
+//! Wakers or senders live in the items; the layer wakes them after it releases the lock.
+//!
+//! # How it works
+//!
+//! **Virtual time and tags.** The queue keeps a global virtual time `V`, measured in
+//! cost per unit of weight. Each tenant keeps a finish tag `F`: the virtual time at
+//! which what it was last served "ends". When a request becomes the head of its
+//! tenant's queue it gets a start tag `S = max(V, F)`. The next request dispatched is
+//! the head with the smallest start tag among the backlogged tenants (those with
+//! something queued), ties going to the request that arrived first. Dispatching it sets
+//! `V = S` and `F = S + cost / weight`; when the tenant still has requests queued, its
+//! next head starts at that `F`.
+//!
+//! **Start tags at the head, not on arrival.** A request gets its start tag only when it
+//! reaches the head of its tenant's queue, so a tenant needs one tag, not one per
+//! request; cancelling a request behind the head changes no tag at all; and a tenant's
+//! tags depend only on what it was actually served, never on what it queued.
+//!
+//! **The heap of backlogged tenants.** Each backlogged tenant has one entry in a binary
+//! heap keyed by its head's (start tag, arrival number); the entry knows its tenant and
+//! the tenant knows its entry's position, so the entry is moved in place when the head
+//! changes. Dispatch, and every change of a head, costs O(log n) in the number of
+//! backlogged tenants; nothing ever scans the tenants.
+//!
+//! **Requests.** Requests live in one slab shared by all tenants; each tenant's queue is
+//! a doubly linked list through it, so a request can leave from anywhere in O(1). The
+//! slab never holds more than the global queue limit.
+//!
+//! **Exact integer tags.** Tags count units of 2⁻³² of a cost unit per unit of weight,
+//! in `u128`; nothing is a float. `cost / weight` is rarely a whole number of units, so
+//! each tenant keeps its tag exactly, as whole units plus a remainder over its weight,
+//! and carries the remainder into its next division: after any run of dispatches its
+//! tag is the exact sum of `cost / weight`, not a sum of rounded terms. Only
+//! comparisons round (down, to whole units; `V` is a whole number of units), so no
+//! rounding accumulates and every decision is the exact one up to 2⁻³². Each side of the
+//! laws below is a fraction whose denominator divides `w_i·w_j`, so an error of a few
+//! 2⁻³² cannot turn a law that holds for exact tags into one that fails, as long as
+//! `w_i·w_j < 2³⁰` (any two weights below 32,768); beyond that, the laws hold within
+//! 2⁻³⁰ cost units per unit of weight. A tenant whose weight changes while it carries a
+//! remainder has it rounded up to the new weight, which delays it by less than 2⁻³².
+//! Tags saturate rather than overflow; they last for 2⁹⁶ cost units per unit of weight.
+//!
+//! # Why it is fair
+//!
+//! `V` never goes back: every backlogged head starts at or after `V`, and `V` becomes
+//! the smallest of them. A tenant that stays backlogged has contiguous tags (each head
+//! starts where the previous request finished), and its head never starts more than its
+//! last `cost / weight` after `V`. Over any interval in which tenants `i` and `j` are both
+//! backlogged, the cost per weight each receives is therefore the advance of `V` give or
+//! take one request, and (with `M` a tenant's largest cost and `w` its weight, which
+//! the laws take to be constant):
+//!
+//! - **Bounded lag**: `|cost_i / w_i - cost_j / w_j| <= M_i / w_i + M_j / w_j`.
+//! - **Proportional share**: tenants that stay backlogged receive cost in proportion to
+//!   their weights; after `T` units of cost, tenant `i`'s share is within
+//!   `max(M_i, w_i·ΣM / Σw) / T` of `w_i / Σw`.
+//! - **No starvation**: a request that finds `A` of cost queued ahead of it in its
+//!   tenant's queue is dispatched before any other tenant `j` receives more than
+//!   `w_j·(A + M_i) / w_i + M_j` of cost.
+//! - **No idle credit**: a tenant re-enters at `max(V, F)`, never before the current
+//!   virtual time, so an idle period banks nothing: on its return it gets at most
+//!   `M_i / w_i + M_j / w_j` ahead of a tenant `j` that stayed backlogged, however long
+//!   it was away.
+//! - **Work-conserving**: [`FairQueue::pop_next`] dispatches whenever anything is
+//!   queued.
+//!
+//! # Idle tenants and memory
+//!
+//! A tenant's record (its weight, tags, queue and counters) must outlive its queue for a
+//! while: a tenant that was just served a large request has `F > V`, and forgetting it
+//! would let it start again at `V`, ahead of its turn. So an emptied tenant moves to a
+//! second heap keyed by its finish tag, and its record is dropped as soon as `V`
+//! reaches `F`: from then on it would start at `V` anyway, exactly as a tenant never
+//! seen, so dropping it changes no decision. At most the global queue limit of such
+//! idle records are kept; past that, the one whose `F` is closest to `V` is forgotten,
+//! which lets that tenant start up to its last `cost / weight` early. The lag, share
+//! and idle credit bounds still hold (they concern backlogged tenants, and a forgotten
+//! tenant still starts at `V`); each such eviction can add one request of that tenant
+//! to the starvation bound of the requests waiting meanwhile, and is counted in
+//! [`FairQueueStats::evicted_idle`]. Together with the queue limits, the queue never
+//! holds more than `global_queue_limit` requests and `2 · global_queue_limit` tenant
+//! records.
+//!
+//! When the last queued request leaves, the busy period ends: `V` jumps to the largest
+//! finish tag still tracked and every record is dropped (the usual start-time fair
+//! queuing rule: with nobody waiting there is nobody to be fair to). An empty queue
+//! therefore forgets everything, and a layer may let requests skip an empty queue
+//! without changing any later decision.
+//!
+//! # Cancellation
+//!
+//! [`FairQueue::enqueue`] returns a [`Ticket`]: the request's slot in the slab and its
+//! arrival number, which the queue never gives twice. [`FairQueue::cancel`] takes the
+//! item back only if that slot still holds that arrival, so a ticket of a request already
+//! dispatched or cancelled, even one whose slot was reused since, returns `None` and
+//! touches nothing. A cancelled request is unlinked in O(1); when it was the head, the
+//! next request inherits its start tag (nothing was served, so nothing is charged); when
+//! it was the last, the tenant becomes idle with the finish tag it had. Enqueueing and
+//! cancelling therefore never improves a tenant's position.
+//!
+//! # Example
+//!
+//! A greedy tenant of weight 1 and a small tenant of weight 3 share dispatches one to
+//! three, whatever the greedy tenant has queued:
+//!
+//! ```
+//! use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+//!
+//! let config = FairQueueConfig::new().tenant_queue_limit(100).global_queue_limit(200);
+//! let mut queue = FairQueue::new(config).unwrap();
+//! for i in 0..100 {
+//!     queue.enqueue("bulk", 1, 1, i).unwrap();
+//! }
+//! for i in 0..20 {
+//!     queue.enqueue("interactive", 3, 1, i).unwrap();
+//! }
+//! let mut interactive = 0;
+//! for _ in 0..20 {
+//!     let next = queue.peek_next().unwrap();
+//!     assert_eq!(next.cost, 1);
+//!     if queue.pop_next().unwrap().key == "interactive" {
+//!         interactive += 1;
+//!     }
+//! }
+//! assert_eq!(interactive, 15);
+//! assert_eq!(queue.tenant_stats(&"bulk").unwrap().dispatched_cost, 5);
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::hash::{BuildHasher, Hash};
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+use serde::{Deserialize, Serialize};
+
+use crate::policy::PolicyError;
+
+/// Tags count virtual time in units of 2^-FRACTION_BITS of one cost unit per weight.
+const FRACTION_BITS: u32 = 32;
+
+/// The end of a list, and no position.
+const NONE: u32 = u32::MAX;
+
+/// The default bound on one tenant's queued requests.
+pub const DEFAULT_TENANT_QUEUE_LIMIT: usize = 64;
+
+/// The default bound on all queued requests.
+pub const DEFAULT_GLOBAL_QUEUE_LIMIT: usize = 1024;
+
+/// The largest queue limit accepted (the queue indexes its slabs with 32 bits).
+pub const MAX_QUEUE_LIMIT: usize = (1 << 31) - 1;
+
+/// How a [`FairQueue`] shares: weights and queue limits, as plain data.
+///
+/// Weights are relative: a tenant of weight 3 gets three times the cost of a tenant of
+/// weight 1 when both are waiting. The queue itself takes each request's weight from
+/// the caller; [`FairQueueConfig::weight_for`] is how a layer finds a tenant's weight
+/// from its name.
+///
+/// ```
+/// use tower_limits_core::fair_queue::FairQueueConfig;
+///
+/// let config: FairQueueConfig = toml::from_str(r#"
+///     default_weight = 1
+///     tenant_queue_limit = 32
+///     global_queue_limit = 512
+///
+///     [weights]
+///     acme = 4
+/// "#).unwrap();
+/// config.validate().unwrap();
+/// assert_eq!(config.weight_for("acme"), 4);
+/// assert_eq!(config.weight_for("globex"), 1);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FairQueueConfig {
+    /// The weight of a tenant not listed in `weights`; at least 1. Defaults to 1.
+    #[serde(default = "default_weight")]
+    pub default_weight: u32,
+    /// Weights by tenant name, each at least 1.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, u32>,
+    /// The most requests one tenant can have queued; at least 1. Defaults to 64.
+    #[serde(default = "default_tenant_queue_limit")]
+    pub tenant_queue_limit: usize,
+    /// The most requests queued in all; at least 1. Defaults to 1024.
+    #[serde(default = "default_global_queue_limit")]
+    pub global_queue_limit: usize,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+fn default_tenant_queue_limit() -> usize {
+    DEFAULT_TENANT_QUEUE_LIMIT
+}
+
+fn default_global_queue_limit() -> usize {
+    DEFAULT_GLOBAL_QUEUE_LIMIT
+}
+
+impl Default for FairQueueConfig {
+    fn default() -> Self {
+        FairQueueConfig {
+            default_weight: 1,
+            weights: BTreeMap::new(),
+            tenant_queue_limit: DEFAULT_TENANT_QUEUE_LIMIT,
+            global_queue_limit: DEFAULT_GLOBAL_QUEUE_LIMIT,
+        }
+    }
+}
+
+impl FairQueueConfig {
+    /// Weight 1 for everyone and the default queue limits.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With this weight for tenants not listed.
+    #[must_use]
+    pub fn default_weight(mut self, weight: u32) -> Self {
+        self.default_weight = weight;
+        self
+    }
+
+    /// With a weight for the tenant named `name`.
+    #[must_use]
+    pub fn weight(mut self, name: impl Into<String>, weight: u32) -> Self {
+        self.weights.insert(name.into(), weight);
+        self
+    }
+
+    /// With a bound on one tenant's queued requests.
+    #[must_use]
+    pub fn tenant_queue_limit(mut self, limit: usize) -> Self {
+        self.tenant_queue_limit = limit;
+        self
+    }
+
+    /// With a bound on all queued requests.
+    #[must_use]
+    pub fn global_queue_limit(mut self, limit: usize) -> Self {
+        self.global_queue_limit = limit;
+        self
+    }
+
+    /// The weight of the tenant named `name`: its entry in `weights`, or the default.
+    #[must_use]
+    pub fn weight_for(&self, name: &str) -> u32 {
+        self.weights.get(name).copied().unwrap_or(self.default_weight)
+    }
+
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    /// The first problem found, naming its field (`weights["acme"]: must be at least 1`).
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if self.default_weight == 0 {
+            return Err(PolicyError::new("default_weight", "must be at least 1"));
+        }
+        if let Some((name, _)) = self.weights.iter().find(|(_, w)| **w == 0) {
+            return Err(PolicyError::new(format!("weights[{name:?}]"), "must be at least 1"));
+        }
+        for (field, limit) in
+            [("tenant_queue_limit", self.tenant_queue_limit), ("global_queue_limit", self.global_queue_limit)]
+        {
+            if limit == 0 {
+                return Err(PolicyError::new(field, "must be at least 1"));
+            }
+            if limit > MAX_QUEUE_LIMIT {
+                return Err(PolicyError::new(field, format!("must be at most {MAX_QUEUE_LIMIT}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Identifies one queued request, to [`cancel`](FairQueue::cancel) it or reach its item.
+///
+/// A ticket stays unique for the life of the queue that issued it: once its request is
+/// dispatched or cancelled, the ticket matches nothing, even after its slot is reused.
+/// A ticket means nothing to another queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    slot: u32,
+    seq: u64,
+}
+
+impl Ticket {
+    /// The request's arrival number: tickets of one queue compare by it in arrival order.
+    #[must_use]
+    pub fn arrival(&self) -> u64 {
+        self.seq
+    }
+}
+
+/// Which queue was full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QueueKind {
+    /// The tenant's own queue: the tenant asks for too much (HTTP 429).
+    Tenant,
+    /// The whole queue: shared overload (HTTP 503).
+    Global,
+}
+
+/// A request refused because a queue was full. Gives the item back.
+pub struct QueueFull<T> {
+    kind: QueueKind,
+    limit: usize,
+    item: T,
+}
+
+impl<T> QueueFull<T> {
+    /// Which queue was full.
+    #[must_use]
+    pub fn kind(&self) -> QueueKind {
+        self.kind
+    }
+
+    /// Whether it was the tenant's own queue (rather than the whole queue).
+    #[must_use]
+    pub fn is_tenant(&self) -> bool {
+        self.kind == QueueKind::Tenant
+    }
+
+    /// The limit of the full queue.
+    #[must_use]
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The item that was not queued.
+    #[must_use]
+    pub fn into_item(self) -> T {
+        self.item
+    }
+}
+
+impl<T> fmt::Debug for QueueFull<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueueFull").field("kind", &self.kind).field("limit", &self.limit).finish_non_exhaustive()
+    }
+}
+
+impl<T> fmt::Display for QueueFull<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            QueueKind::Tenant => write!(f, "tenant queue is full ({} queued)", self.limit),
+            QueueKind::Global => write!(f, "queue is full ({} queued)", self.limit),
+        }
+    }
+}
+
+impl<T> std::error::Error for QueueFull<T> {}
+
+/// The request [`FairQueue::pop_next`] would dispatch, from [`FairQueue::peek_next`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Next<'a, K> {
+    /// Its tenant.
+    pub key: &'a K,
+    /// Its ticket.
+    pub ticket: Ticket,
+    /// Its cost.
+    pub cost: u64,
+}
+
+/// A request taken out of the queue by [`FairQueue::pop_next`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatched<K, T> {
+    /// Its tenant.
+    pub key: K,
+    /// The ticket it had (it matches nothing any more).
+    pub ticket: Ticket,
+    /// Its cost, now counted as served to the tenant.
+    pub cost: u64,
+    /// Its item.
+    pub item: T,
+}
+
+/// Counters of a [`FairQueue`], from [`FairQueue::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FairQueueStats {
+    /// Requests queued now.
+    pub queued: usize,
+    /// Tenants with requests queued now.
+    pub backlogged_tenants: usize,
+    /// Tenant records kept now: the backlogged ones and idle ones whose finish tag is
+    /// still ahead of virtual time.
+    pub tracked_tenants: usize,
+    /// Requests queued since the queue was made.
+    pub enqueued: u64,
+    /// Requests dispatched.
+    pub dispatched: u64,
+    /// Their total cost (saturating).
+    pub dispatched_cost: u64,
+    /// Requests cancelled.
+    pub cancelled: u64,
+    /// Requests refused because their tenant's queue was full.
+    pub rejected_tenant_full: u64,
+    /// Requests refused because the whole queue was full.
+    pub rejected_global_full: u64,
+    /// Idle tenant records forgotten early because too many were kept.
+    pub evicted_idle: u64,
+}
+
+/// Counters of one tenant, from [`FairQueue::tenant_stats`].
+///
+/// They count from the moment the queue started tracking the tenant; its record, and
+/// these counters with it, are dropped once the tenant is idle and its finish tag has
+/// been reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantStats {
+    /// The weight given with its latest request.
+    pub weight: u32,
+    /// Its requests queued now.
+    pub queued: usize,
+    /// Their total cost (saturating).
+    pub queued_cost: u64,
+    /// Its requests dispatched.
+    pub dispatched: u64,
+    /// Their total cost (saturating).
+    pub dispatched_cost: u64,
+}
+
+/// A weighted-fair queue of tenants' requests (start-time fair queuing).
+///
+/// `K` is the tenant key (cloned once per dispatch: use a cheap one such as an `Arc`
+/// or a [`TenantKey`](crate::TenantKey)); `T` is what a request leaves in the queue,
+/// typically a waker slot or a sender. See the [module docs](crate::fair_queue) for how it works
+/// and the laws it keeps.
+pub struct FairQueue<K, T> {
+    config: FairQueueConfig,
+    tenant_limit: usize,
+    global_limit: usize,
+    hasher: DefaultHashBuilder,
+    /// Tenant slot numbers, found by the tenant's key.
+    table: HashTable<u32>,
+    tenants: Vec<Option<Tenant<K>>>,
+    free_tenants: Vec<u32>,
+    /// Each tenant's position in `backlogged` (when it has requests queued) or `idle`.
+    positions: Vec<u32>,
+    backlogged: Heap,
+    idle: Heap,
+    nodes: Vec<Node<T>>,
+    free_node: u32,
+    queued: usize,
+    /// Virtual time, in 2^-32 cost units per weight.
+    vtime: u128,
+    next_seq: u64,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    enqueued: u64,
+    dispatched: u64,
+    dispatched_cost: u64,
+    cancelled: u64,
+    rejected_tenant: u64,
+    rejected_global: u64,
+    evicted: u64,
+}
+
+struct Tenant<K> {
+    key: K,
+    hash: u64,
+    /// Backlogged: the start tag of the head, in whole units. Idle: the finish tag.
+    tag: u128,
+    /// The exact tag is `tag + rem / weight` units; `rem < weight`.
+    rem: u32,
+    weight: u32,
+    head: u32,
+    tail: u32,
+    len: u32,
+    queued_cost: u64,
+    dispatched: u64,
+    dispatched_cost: u64,
+}
+
+impl<K> Tenant<K> {
+    /// The finish tag after serving `cost` from the current start tag, carrying the
+    /// remainder. `cost * 2^32 / weight` is computed in two 64-bit divisions.
+    fn advance(&mut self, cost: u64) {
+        let w = u64::from(self.weight);
+        let (whole, part) = (cost / w, cost % w);
+        // part < w < 2^32 and rem < w, so this fits in 64 bits.
+        let low = (part << FRACTION_BITS) | u64::from(self.rem);
+        let step = (u128::from(whole) << FRACTION_BITS) + u128::from(low / w);
+        self.tag = self.tag.saturating_add(step);
+        self.rem = (low % w) as u32;
+    }
+
+    /// Takes `weight` for what is served from now on; returns whether `tag` moved.
+    fn reweight(&mut self, weight: u32) -> bool {
+        if self.weight == weight {
+            return false;
+        }
+        let old = self.weight;
+        self.weight = weight;
+        if self.rem == 0 {
+            return false;
+        }
+        // rem/old rounded up to a multiple of 1/weight: at most one unit, and only later.
+        let rem = (u64::from(self.rem) * u64::from(weight)).div_ceil(u64::from(old));
+        if rem >= u64::from(weight) {
+            self.rem = 0;
+            self.tag = self.tag.saturating_add(1);
+            true
+        } else {
+            self.rem = rem as u32;
+            false
+        }
+    }
+
+    /// The exact tag rounded up to a whole unit.
+    fn ceil_tag(&self) -> u128 {
+        self.tag.saturating_add(u128::from(self.rem != 0))
+    }
+}
+
+struct Node<T> {
+    /// `None` when the slot is free.
+    item: Option<T>,
+    seq: u64,
+    cost: u64,
+    tenant: u32,
+    prev: u32,
+    /// The next request of the tenant, or the next free slot.
+    next: u32,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    tag: u128,
+    seq: u64,
+    tenant: u32,
+}
+
+impl Entry {
+    #[inline]
+    fn before(&self, other: &Entry) -> bool {
+        (self.tag, self.seq) < (other.tag, other.seq)
+    }
+}
+
+/// A binary min-heap of tenants that records each tenant's position.
+#[derive(Default)]
+struct Heap {
+    entries: Vec<Entry>,
+}
+
+impl Heap {
+    fn push(&mut self, entry: Entry, positions: &mut [u32]) {
+        self.entries.push(entry);
+        self.sift_up(self.entries.len() - 1, positions);
+    }
+
+    fn remove(&mut self, at: usize, positions: &mut [u32]) -> Entry {
+        let removed = self.entries.swap_remove(at);
+        if at < self.entries.len() && self.sift_up(at, positions) == at {
+            self.sift_down(at, positions);
+        }
+        removed
+    }
+
+    /// Replaces the entry at `at` with one that sorts no earlier.
+    fn replace_later(&mut self, at: usize, entry: Entry, positions: &mut [u32]) {
+        self.entries[at] = entry;
+        self.sift_down(at, positions);
+    }
+
+    fn sift_up(&mut self, mut at: usize, positions: &mut [u32]) -> usize {
+        let entry = self.entries[at];
+        while at > 0 {
+            let parent = (at - 1) / 2;
+            let p = self.entries[parent];
+            if !entry.before(&p) {
+                break;
+            }
+            self.entries[at] = p;
+            positions[p.tenant as usize] = at as u32;
+            at = parent;
+        }
+        self.entries[at] = entry;
+        positions[entry.tenant as usize] = at as u32;
+        at
+    }
+
+    fn sift_down(&mut self, mut at: usize, positions: &mut [u32]) {
+        let entry = self.entries[at];
+        let len = self.entries.len();
+        loop {
+            let left = 2 * at + 1;
+            if left >= len {
+                break;
+            }
+            let right = left + 1;
+            let child = if right < len && self.entries[right].before(&self.entries[left]) { right } else { left };
+            let c = self.entries[child];
+            if !c.before(&entry) {
+                break;
+            }
+            self.entries[at] = c;
+            positions[c.tenant as usize] = at as u32;
+            at = child;
+        }
+        self.entries[at] = entry;
+        positions[entry.tenant as usize] = at as u32;
+    }
+}
+
+fn tenant<K>(tenants: &[Option<Tenant<K>>], slot: u32) -> &Tenant<K> {
+    match &tenants[slot as usize] {
+        Some(t) => t,
+        None => unreachable!("a tenant slot in use holds a tenant"),
+    }
+}
+
+fn tenant_mut<K>(tenants: &mut [Option<Tenant<K>>], slot: u32) -> &mut Tenant<K> {
+    match &mut tenants[slot as usize] {
+        Some(t) => t,
+        None => unreachable!("a tenant slot in use holds a tenant"),
+    }
+}
+
+impl<K, T> fmt::Debug for FairQueue<K, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairQueue")
+            .field("config", &self.config)
+            .field("queued", &self.queued)
+            .field("backlogged_tenants", &self.backlogged.entries.len())
+            .field("tracked_tenants", &self.table.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
+    /// An empty queue sharing by `config`.
+    ///
+    /// # Errors
+    /// The first problem with the configuration, naming its field.
+    pub fn new(config: FairQueueConfig) -> Result<Self, PolicyError> {
+        config.validate()?;
+        Ok(FairQueue {
+            tenant_limit: config.tenant_queue_limit,
+            global_limit: config.global_queue_limit,
+            config,
+            hasher: DefaultHashBuilder::default(),
+            table: HashTable::new(),
+            tenants: Vec::new(),
+            free_tenants: Vec::new(),
+            positions: Vec::new(),
+            backlogged: Heap::default(),
+            idle: Heap::default(),
+            nodes: Vec::new(),
+            free_node: NONE,
+            queued: 0,
+            vtime: 0,
+            next_seq: 0,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &FairQueueConfig {
+        &self.config
+    }
+
+    /// Queues a request of tenant `key` costing `cost`, leaving `item` in the queue until
+    /// it is dispatched or cancelled.
+    ///
+    /// `weight` becomes the tenant's weight for what it is served from now on, its queued
+    /// requests included; a weight of 0 counts as 1. A cost of 0 is queued in turn like
+    /// any other and charges nothing.
+    ///
+    /// # Errors
+    /// [`QueueFull`], giving `item` back, when the tenant already has
+    /// `tenant_queue_limit` requests queued ([`QueueKind::Tenant`], checked first) or the
+    /// queue holds `global_queue_limit` ([`QueueKind::Global`]). Nothing changes but the
+    /// rejection counters.
+    pub fn enqueue(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
+        let weight = weight.max(1);
+        let hash = self.hasher.hash_one(&key);
+        let tenants = &self.tenants;
+        let found = self.table.find(hash, |&s| tenant(tenants, s).key == key).copied();
+        if let Some(slot) = found {
+            if tenant(&self.tenants, slot).len as usize >= self.tenant_limit {
+                self.counters.rejected_tenant += 1;
+                return Err(QueueFull { kind: QueueKind::Tenant, limit: self.tenant_limit, item });
+            }
+        }
+        if self.queued >= self.global_limit {
+            self.counters.rejected_global += 1;
+            return Err(QueueFull { kind: QueueKind::Global, limit: self.global_limit, item });
+        }
+
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let (slot, fresh) = match found {
+            Some(slot) => (slot, false),
+            None => (self.add_tenant(key, hash, weight), true),
+        };
+        let node = self.add_node(Node { item: Some(item), seq, cost, tenant: slot, prev: NONE, next: NONE });
+        let t = tenant_mut(&mut self.tenants, slot);
+        let was_empty = t.len == 0;
+        if t.tail == NONE {
+            t.head = node;
+        } else {
+            self.nodes[t.tail as usize].next = node;
+            self.nodes[node as usize].prev = t.tail;
+        }
+        t.tail = node;
+        t.len += 1;
+        t.queued_cost = t.queued_cost.saturating_add(cost);
+        self.queued += 1;
+        self.counters.enqueued += 1;
+
+        if was_empty {
+            if !fresh {
+                // Idle with F > V: it starts at F, so take it off the idle heap.
+                let at = self.positions[slot as usize] as usize;
+                self.idle.remove(at, &mut self.positions);
+            }
+            let t = tenant_mut(&mut self.tenants, slot);
+            t.reweight(weight);
+            let entry = Entry { tag: t.tag, seq, tenant: slot };
+            self.backlogged.push(entry, &mut self.positions);
+        } else if t.reweight(weight) {
+            let at = self.positions[slot as usize] as usize;
+            let entry = Entry { tag: t.tag, ..self.backlogged.entries[at] };
+            self.backlogged.replace_later(at, entry, &mut self.positions);
+        }
+        Ok(Ticket { slot: node, seq })
+    }
+
+    /// The request [`pop_next`](Self::pop_next) would dispatch now, without taking it.
+    #[must_use]
+    pub fn peek_next(&self) -> Option<Next<'_, K>> {
+        let top = self.backlogged.entries.first()?;
+        let t = tenant(&self.tenants, top.tenant);
+        let node = &self.nodes[t.head as usize];
+        Some(Next { key: &t.key, ticket: Ticket { slot: t.head, seq: node.seq }, cost: node.cost })
+    }
+
+    /// Dispatches the next request: the head, among the tenants with requests queued,
+    /// with the smallest start tag (the earliest arrival on a tie). Its cost is charged
+    /// to its tenant. `None` only when nothing is queued.
+    pub fn pop_next(&mut self) -> Option<Dispatched<K, T>> {
+        let top = *self.backlogged.entries.first()?;
+        let slot = top.tenant;
+        self.vtime = self.vtime.max(top.tag);
+        let t = tenant_mut(&mut self.tenants, slot);
+        let at = t.head;
+        let node = &mut self.nodes[at as usize];
+        let item = node.item.take()?;
+        let (cost, seq, next) = (node.cost, node.seq, node.next);
+        node.next = self.free_node;
+        self.free_node = at;
+        t.head = next;
+        if next == NONE {
+            t.tail = NONE;
+        } else {
+            self.nodes[next as usize].prev = NONE;
+        }
+        t.len -= 1;
+        t.queued_cost = t.queued_cost.saturating_sub(cost);
+        t.dispatched += 1;
+        t.dispatched_cost = t.dispatched_cost.saturating_add(cost);
+        t.advance(cost);
+        let key = t.key.clone();
+        self.queued -= 1;
+        self.counters.dispatched += 1;
+        self.counters.dispatched_cost = self.counters.dispatched_cost.saturating_add(cost);
+
+        if next == NONE {
+            self.backlogged.remove(0, &mut self.positions);
+            self.park(slot);
+        } else {
+            // Still backlogged: the next head starts where this request finished.
+            let entry = Entry { tag: t.tag, seq: self.nodes[next as usize].seq, tenant: slot };
+            self.backlogged.replace_later(0, entry, &mut self.positions);
+        }
+        self.expire_idle();
+        Some(Dispatched { key, ticket: Ticket { slot: at, seq }, cost, item })
+    }
+
+    /// Takes a queued request out, returning its item; `None`, changing nothing, when the
+    /// ticket's request was already dispatched or cancelled. Nothing is charged.
+    pub fn cancel(&mut self, ticket: Ticket) -> Option<T> {
+        let node = self.nodes.get_mut(ticket.slot as usize)?;
+        if node.seq != ticket.seq || node.item.is_none() {
+            return None;
+        }
+        let item = node.item.take();
+        let (slot, cost, prev, next) = (node.tenant, node.cost, node.prev, node.next);
+        node.next = self.free_node;
+        node.prev = NONE;
+        self.free_node = ticket.slot;
+        let t = tenant_mut(&mut self.tenants, slot);
+        if prev == NONE {
+            t.head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NONE {
+            t.tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+        t.len -= 1;
+        t.queued_cost = t.queued_cost.saturating_sub(cost);
+        self.queued -= 1;
+        self.counters.cancelled += 1;
+
+        let at = self.positions[slot as usize] as usize;
+        if t.len == 0 {
+            self.backlogged.remove(at, &mut self.positions);
+            // Its finish tag is the start tag its head had: nothing was served.
+            self.park(slot);
+            self.expire_idle();
+        } else if prev == NONE {
+            // The next request inherits the start tag; only the tie-break changes.
+            let entry = Entry { seq: self.nodes[next as usize].seq, ..self.backlogged.entries[at] };
+            self.backlogged.replace_later(at, entry, &mut self.positions);
+        }
+        item
+    }
+
+    /// The item of a queued request.
+    #[must_use]
+    pub fn get(&self, ticket: Ticket) -> Option<&T> {
+        let node = self.nodes.get(ticket.slot as usize)?;
+        if node.seq == ticket.seq { node.item.as_ref() } else { None }
+    }
+
+    /// The item of a queued request, to change it (say, to store a newer waker).
+    #[must_use]
+    pub fn get_mut(&mut self, ticket: Ticket) -> Option<&mut T> {
+        let node = self.nodes.get_mut(ticket.slot as usize)?;
+        if node.seq == ticket.seq { node.item.as_mut() } else { None }
+    }
+
+    /// How many requests are queued.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.queued
+    }
+
+    /// Whether nothing is queued.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.queued == 0
+    }
+
+    /// Counters of one tenant; `None` when the queue keeps no record of it (it has
+    /// nothing queued and is due nothing more than a tenant never seen).
+    #[must_use]
+    pub fn tenant_stats(&self, key: &K) -> Option<TenantStats> {
+        let hash = self.hasher.hash_one(key);
+        let slot = *self.table.find(hash, |&s| tenant(&self.tenants, s).key == *key)?;
+        let t = tenant(&self.tenants, slot);
+        Some(TenantStats {
+            weight: t.weight,
+            queued: t.len as usize,
+            queued_cost: t.queued_cost,
+            dispatched: t.dispatched,
+            dispatched_cost: t.dispatched_cost,
+        })
+    }
+
+    /// Counters of the whole queue.
+    #[must_use]
+    pub fn stats(&self) -> FairQueueStats {
+        FairQueueStats {
+            queued: self.queued,
+            backlogged_tenants: self.backlogged.entries.len(),
+            tracked_tenants: self.table.len(),
+            enqueued: self.counters.enqueued,
+            dispatched: self.counters.dispatched,
+            dispatched_cost: self.counters.dispatched_cost,
+            cancelled: self.counters.cancelled,
+            rejected_tenant_full: self.counters.rejected_tenant,
+            rejected_global_full: self.counters.rejected_global,
+            evicted_idle: self.counters.evicted,
+        }
+    }
+
+    fn add_tenant(&mut self, key: K, hash: u64, weight: u32) -> u32 {
+        let record = Tenant {
+            key,
+            hash,
+            tag: self.vtime,
+            rem: 0,
+            weight,
+            head: NONE,
+            tail: NONE,
+            len: 0,
+            queued_cost: 0,
+            dispatched: 0,
+            dispatched_cost: 0,
+        };
+        let slot = match self.free_tenants.pop() {
+            Some(slot) => {
+                self.tenants[slot as usize] = Some(record);
+                slot
+            }
+            None => {
+                self.tenants.push(Some(record));
+                self.positions.push(NONE);
+                (self.tenants.len() - 1) as u32
+            }
+        };
+        let tenants = &self.tenants;
+        self.table.insert_unique(hash, slot, |&s| tenant(tenants, s).hash);
+        slot
+    }
+
+    fn add_node(&mut self, node: Node<T>) -> u32 {
+        if self.free_node == NONE {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        } else {
+            let at = self.free_node;
+            let slot = &mut self.nodes[at as usize];
+            self.free_node = slot.next;
+            *slot = node;
+            at
+        }
+    }
+
+    /// Files a tenant whose queue just emptied: dropped when its finish tag is reached,
+    /// kept on the idle heap otherwise.
+    fn park(&mut self, slot: u32) {
+        let finish = tenant(&self.tenants, slot).ceil_tag();
+        if finish <= self.vtime {
+            self.drop_tenant(slot);
+            return;
+        }
+        self.idle.push(Entry { tag: finish, seq: u64::from(slot), tenant: slot }, &mut self.positions);
+        if self.idle.entries.len() > self.global_limit {
+            // Forget the one due least: it may start up to its last cost/weight early.
+            let oldest = self.idle.remove(0, &mut self.positions);
+            self.drop_tenant(oldest.tenant);
+            self.counters.evicted += 1;
+        }
+    }
+
+    /// Drops idle records whose finish tag virtual time has reached, and everything at
+    /// the end of a busy period.
+    fn expire_idle(&mut self) {
+        if self.backlogged.entries.is_empty() {
+            self.end_busy_period();
+            return;
+        }
+        while let Some(&top) = self.idle.entries.first() {
+            if top.tag > self.vtime {
+                break;
+            }
+            self.idle.remove(0, &mut self.positions);
+            self.drop_tenant(top.tenant);
+        }
+    }
+
+    /// Nothing is queued: virtual time moves past every finish tag and all records go.
+    fn end_busy_period(&mut self) {
+        debug_assert_eq!(self.queued, 0);
+        if let Some(latest) = self.idle.entries.iter().map(|e| e.tag).max() {
+            self.vtime = self.vtime.max(latest);
+        }
+        self.idle.entries.clear();
+        self.table.clear();
+        self.tenants.clear();
+        self.free_tenants.clear();
+        self.positions.clear();
+        self.nodes.clear();
+        self.free_node = NONE;
+    }
+
+    fn drop_tenant(&mut self, slot: u32) {
+        let hash = tenant(&self.tenants, slot).hash;
+        if let Ok(entry) = self.table.find_entry(hash, |&s| s == slot) {
+            entry.remove();
+        }
+        self.tenants[slot as usize] = None;
+        self.positions[slot as usize] = NONE;
+        self.free_tenants.push(slot);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue<T>(tenant: usize, global: usize) -> FairQueue<&'static str, T> {
+        FairQueue::new(FairQueueConfig::new().tenant_queue_limit(tenant).global_queue_limit(global)).unwrap()
+    }
+
+    /// Every structural invariant the module relies on.
+    fn check<K: Hash + Eq + Clone, T>(q: &FairQueue<K, T>) {
+        let mut live = 0;
+        let mut queued = 0;
+        let mut backlogged = 0;
+        for (slot, t) in q.tenants.iter().enumerate() {
+            let Some(t) = t else { continue };
+            live += 1;
+            assert!(t.weight >= 1 && t.rem < t.weight);
+            assert_eq!(q.table.find(t.hash, |&s| s as usize == slot).copied(), Some(slot as u32));
+            let (mut n, mut cost, mut prev, mut at) = (0, 0, NONE, t.head);
+            while at != NONE {
+                let node = &q.nodes[at as usize];
+                assert!(node.item.is_some());
+                assert_eq!((node.tenant, node.prev), (slot as u32, prev));
+                n += 1;
+                cost += node.cost;
+                prev = at;
+                at = node.next;
+            }
+            assert_eq!((t.tail, n, t.queued_cost), (prev, t.len, cost));
+            queued += n as usize;
+            let pos = q.positions[slot] as usize;
+            if t.len > 0 {
+                backlogged += 1;
+                let e = q.backlogged.entries[pos];
+                assert_eq!((e.tenant as usize, e.tag, e.seq), (slot, t.tag, q.nodes[t.head as usize].seq));
+                assert!(t.tag >= q.vtime);
+            } else {
+                let e = q.idle.entries[pos];
+                assert_eq!((e.tenant as usize, e.tag), (slot, t.ceil_tag()));
+                assert!(e.tag > q.vtime, "an idle record whose finish tag was reached");
+            }
+        }
+        assert_eq!((queued, q.queued, live), (q.queued, queued, q.table.len()));
+        assert_eq!(backlogged, q.backlogged.entries.len());
+        assert_eq!(live - backlogged, q.idle.entries.len());
+        assert!(q.idle.entries.len() <= q.global_limit);
+        assert!(q.queued <= q.global_limit);
+        for heap in [&q.backlogged, &q.idle] {
+            for i in 1..heap.entries.len() {
+                assert!(!heap.entries[i].before(&heap.entries[(i - 1) / 2]));
+            }
+        }
+        let mut free = 0;
+        let mut at = q.free_node;
+        while at != NONE {
+            assert!(q.nodes[at as usize].item.is_none());
+            free += 1;
+            at = q.nodes[at as usize].next;
+        }
+        assert_eq!(free + q.queued, q.nodes.len());
+        if q.queued == 0 {
+            assert_eq!(live, 0, "an empty queue keeps no record");
+        }
+    }
+
+    #[test]
+    fn weights_share_dispatches() {
+        let mut q = queue(100, 200);
+        for i in 0..100 {
+            q.enqueue("bulk", 1, 1, i).unwrap();
+        }
+        for i in 0..20 {
+            q.enqueue("interactive", 3, 1, i).unwrap();
+        }
+        let order: String = (0..8).map(|_| if q.pop_next().unwrap().key == "bulk" { 'B' } else { 'I' }).collect();
+        assert_eq!(order, "BIIIBIII");
+        check(&q);
+    }
+
+    #[test]
+    fn an_idle_record_lives_until_its_finish_tag() {
+        let mut q = queue(100, 100);
+        q.enqueue("a", 1, 10, ()).unwrap();
+        for _ in 0..20 {
+            q.enqueue("b", 1, 1, ()).unwrap();
+        }
+        assert_eq!(q.pop_next().unwrap().key, "a"); // F_a = 10
+        for i in 0..10 {
+            assert_eq!(q.pop_next().unwrap().key, "b"); // starts 0..=9
+            assert!(q.tenant_stats(&"a").is_some(), "dropped after {i}");
+            check(&q);
+        }
+        assert_eq!(q.pop_next().unwrap().key, "b"); // starts at 10: V = F_a
+        assert_eq!(q.tenant_stats(&"a"), None);
+        assert_eq!(q.stats().tracked_tenants, 1);
+        check(&q);
+        // Back at V = 10, behind b's head that starts at 11.
+        q.enqueue("a", 1, 1, ()).unwrap();
+        assert_eq!(q.pop_next().unwrap().key, "a");
+    }
+
+    #[test]
+    fn an_empty_queue_forgets_everything() {
+        let mut q = queue(10, 10);
+        let t = q.enqueue("a", 1, 1000, 1).unwrap();
+        q.enqueue("b", 1, 1, 2).unwrap();
+        assert_eq!(q.pop_next().unwrap().ticket, t);
+        assert_eq!(q.pop_next().unwrap().item, 2);
+        assert_eq!(q.stats().tracked_tenants, 0);
+        // a was served 1000 and b 1, but the busy period ended: both start level.
+        q.enqueue("a", 1, 1, 3).unwrap();
+        q.enqueue("b", 1, 1, 4).unwrap();
+        assert_eq!(q.pop_next().unwrap().item, 3);
+        check(&q);
+    }
+
+    #[test]
+    fn stale_tickets_touch_nothing() {
+        let mut q = queue(10, 10);
+        let first = q.enqueue("a", 1, 1, "first").unwrap();
+        q.enqueue("b", 1, 1, "keep").unwrap();
+        assert_eq!(q.pop_next().unwrap().item, "first");
+        let second = q.enqueue("a", 1, 1, "second").unwrap();
+        assert_eq!(first.slot, second.slot, "the slot is reused");
+        assert_eq!(q.cancel(first), None);
+        assert_eq!(q.get(first), None);
+        assert_eq!(q.get(second), Some(&"second"));
+        *q.get_mut(second).unwrap() = "changed";
+        assert_eq!(q.cancel(second), Some("changed"));
+        assert_eq!(q.cancel(second), None);
+        assert_eq!(q.cancel(Ticket { slot: 1000, seq: 0 }), None);
+        assert_eq!(q.len(), 1);
+        check(&q);
+    }
+
+    #[test]
+    fn cancelling_the_head_keeps_the_start_tag() {
+        let mut q = queue(10, 10);
+        q.enqueue("a", 1, 5, 'x').unwrap();
+        let a2 = q.enqueue("a", 1, 5, 'y').unwrap();
+        q.enqueue("a", 1, 5, 'z').unwrap();
+        q.enqueue("b", 1, 5, 'b').unwrap();
+        assert_eq!(q.pop_next().unwrap().item, 'x'); // a's next head starts at 5
+        assert_eq!(q.cancel(a2), Some('y'));
+        check(&q);
+        // b starts at 0 < 5: cancelling gave a nothing.
+        assert_eq!(q.pop_next().unwrap().item, 'b');
+        assert_eq!(q.pop_next().unwrap().item, 'z');
+        assert!(q.pop_next().is_none());
+    }
+
+    #[test]
+    fn cancelling_the_last_request_keeps_the_finish_tag() {
+        let mut q = queue(10, 10);
+        q.enqueue("a", 1, 5, 1).unwrap();
+        let a2 = q.enqueue("a", 1, 5, 2).unwrap();
+        q.enqueue("b", 1, 1, 3).unwrap();
+        q.enqueue("b", 1, 1, 4).unwrap();
+        assert_eq!(q.pop_next().unwrap().item, 1);
+        assert_eq!(q.cancel(a2), Some(2));
+        check(&q);
+        assert!(q.tenant_stats(&"a").is_some(), "a still finishes at 5");
+        q.enqueue("a", 1, 1, 5).unwrap();
+        let rest: Vec<_> = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
+        assert_eq!(rest, [3, 4, 5]);
+    }
+
+    #[test]
+    fn remainders_carry() {
+        let mut q = queue(10, 10);
+        // weight 3, cost 1: a's tags are 0, 1/3, 2/3 and exactly 1, so its fourth request
+        // ties with b's second, which arrived first (rounding each third down would put
+        // a first).
+        q.enqueue("b", 1, 1, 'b').unwrap();
+        q.enqueue("b", 1, 1, 'b').unwrap();
+        for _ in 0..4 {
+            q.enqueue("a", 3, 1, 'a').unwrap();
+        }
+        let order: String = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
+        assert_eq!(order, "baaaba");
+        let mut t = Tenant {
+            key: (),
+            hash: 0,
+            tag: 0,
+            rem: 0,
+            weight: 7,
+            head: NONE,
+            tail: NONE,
+            len: 0,
+            queued_cost: 0,
+            dispatched: 0,
+            dispatched_cost: 0,
+        };
+        for _ in 0..7_000 {
+            t.advance(3);
+        }
+        assert_eq!((t.tag, t.rem), (3_000 << FRACTION_BITS, 0));
+        t.advance(u64::MAX);
+        t.advance(u64::MAX);
+        assert!(t.tag > 3_000 << FRACTION_BITS);
+        t.tag = u128::MAX - 1;
+        t.advance(u64::MAX);
+        assert_eq!(t.tag, u128::MAX, "saturates");
+    }
+
+    #[test]
+    fn reweighting_rounds_up() {
+        let mut q = queue(10, 10);
+        q.enqueue("a", 3, 1, 1).unwrap();
+        q.enqueue("a", 3, 1, 2).unwrap();
+        q.enqueue("b", 2, 1, 3).unwrap();
+        assert_eq!(q.pop_next().unwrap().item, 1); // a's head now starts at 1/3
+        q.enqueue("a", 2, 1, 4).unwrap(); // 1/3 becomes 1/2
+        check(&q);
+        assert_eq!(q.tenant_stats(&"a").unwrap().weight, 2);
+        let order: Vec<_> = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
+        assert_eq!(order, [3, 2, 4]);
+        let mut q = queue(10, 10);
+        q.enqueue("a", 0, 1, ()).unwrap();
+        assert_eq!(q.tenant_stats(&"a").unwrap().weight, 1, "weight 0 counts as 1");
+    }
+
+    #[test]
+    fn full_queues_refuse_and_count() {
+        let mut q = queue(2, 3);
+        q.enqueue("a", 1, 1, 1).unwrap();
+        q.enqueue("a", 1, 1, 2).unwrap();
+        let err = q.enqueue("a", 1, 1, 3).unwrap_err();
+        assert_eq!((err.kind(), err.is_tenant(), err.limit()), (QueueKind::Tenant, true, 2));
+        assert_eq!(err.to_string(), "tenant queue is full (2 queued)");
+        assert_eq!(err.into_item(), 3);
+        q.enqueue("b", 1, 1, 4).unwrap();
+        let err = q.enqueue("c", 1, 1, 5).unwrap_err();
+        assert_eq!((err.kind(), err.limit()), (QueueKind::Global, 3));
+        assert_eq!(err.to_string(), "queue is full (3 queued)");
+        assert!(format!("{err:?}").contains("Global"));
+        assert_eq!(q.tenant_stats(&"c"), None, "a refused tenant leaves no record");
+        let err = q.enqueue("a", 1, 1, 6).unwrap_err();
+        assert!(err.is_tenant(), "the tenant's own limit is reported first");
+        let stats = q.stats();
+        assert_eq!((stats.rejected_tenant_full, stats.rejected_global_full, stats.enqueued), (2, 1, 3));
+        check(&q);
+    }
+
+    #[test]
+    fn idle_records_are_capped() {
+        let mut q = queue(10, 3);
+        q.enqueue("z", 1, 100, ()).unwrap();
+        q.enqueue("z", 1, 100, ()).unwrap();
+        assert_eq!(q.pop_next().unwrap().key, "z"); // z stays backlogged at 100
+        for k in ["a", "b", "c", "d"] {
+            q.enqueue(k, 1, 5, ()).unwrap();
+            assert_eq!(q.pop_next().unwrap().key, k);
+            check(&q);
+        }
+        let stats = q.stats();
+        assert_eq!((stats.tracked_tenants, stats.evicted_idle), (4, 1));
+        assert_eq!(q.tenant_stats(&"a"), None);
+        assert!(q.tenant_stats(&"d").is_some());
+    }
+
+    #[test]
+    fn config_validates_and_round_trips() {
+        let config = FairQueueConfig::new().weight("acme", 4).tenant_queue_limit(8);
+        config.validate().unwrap();
+        let json = serde_json::to_string(&config).unwrap();
+        assert_eq!(serde_json::from_str::<FairQueueConfig>(&json).unwrap(), config);
+        let toml_text = toml::to_string(&config).unwrap();
+        assert_eq!(toml::from_str::<FairQueueConfig>(&toml_text).unwrap(), config);
+        assert_eq!(serde_json::from_str::<FairQueueConfig>("{}").unwrap(), FairQueueConfig::default());
+        let err = |c: FairQueueConfig| c.validate().unwrap_err().to_string();
+        assert_eq!(err(FairQueueConfig::new().default_weight(0)), "default_weight: must be at least 1");
+        assert_eq!(err(FairQueueConfig::new().weight("acme", 0)), "weights[\"acme\"]: must be at least 1");
+        assert_eq!(err(FairQueueConfig::new().tenant_queue_limit(0)), "tenant_queue_limit: must be at least 1");
+        assert_eq!(
+            err(FairQueueConfig::new().global_queue_limit(MAX_QUEUE_LIMIT + 1)),
+            "global_queue_limit: must be at most 2147483647"
+        );
+        assert!(FairQueue::<u8, ()>::new(FairQueueConfig::new().global_queue_limit(0)).is_err());
+        assert!(serde_json::from_str::<FairQueueConfig>(r#"{"weight": 1}"#).is_err());
+    }
+
+    /// Random operations, every invariant checked after each.
+    #[test]
+    fn invariants_hold_under_random_operations() {
+        let mut state = 0x5eed_u64;
+        let mut next = move |n: u64| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % n
+        };
+        let keys = ["a", "b", "c", "d", "e", "f", "g", "h"];
+        let mut q = queue(6, 24);
+        let mut tickets = Vec::new();
+        for _ in 0..20_000 {
+            match next(10) {
+                0..=4 => {
+                    let key = keys[next(keys.len() as u64) as usize];
+                    let weight = next(4) as u32 + u32::from(next(20) == 0) * 1000;
+                    if let Ok(t) = q.enqueue(key, weight, next(50), ()) {
+                        tickets.push(t);
+                    }
+                }
+                5..=7 => {
+                    let peeked = q.peek_next().map(|n| (*n.key, n.ticket, n.cost));
+                    let popped = q.pop_next().map(|d| (d.key, d.ticket, d.cost));
+                    assert_eq!(peeked, popped);
+                }
+                _ if !tickets.is_empty() => {
+                    let t = tickets.swap_remove(next(tickets.len() as u64) as usize);
+                    let _ = q.cancel(t);
+                }
+                _ => {}
+            }
+            check(&q);
+        }
+    }
+}

@@ -42,6 +42,7 @@ pub mod time;
 pub use algorithm::{Refusal, Snapshot};
 pub use backend::{Backend, BackendPermit};
 pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
+pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use key::{KeyError, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};

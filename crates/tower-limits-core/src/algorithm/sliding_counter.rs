@@ -188,7 +188,12 @@ impl Algorithm for SlidingWindowCounter {
         } else {
             0
         };
-        Snapshot { quota: self.limit, remaining, reset: Duration::from_nanos(reset), window: Duration::from_nanos(self.window) }
+        Snapshot {
+            quota: self.limit,
+            remaining,
+            reset: Duration::from_nanos(reset),
+            window: Duration::from_nanos(self.window),
+        }
     }
 
     fn is_idle(&self, state: &SlidingWindowCounterState, now: Instant) -> bool {

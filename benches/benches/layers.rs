@@ -1,0 +1,125 @@
+//! Per-request overhead of the layers over a bare `service_fn`, side by side in one run:
+//! our GCRA layer and a three-limit `LimitSetLayer`, `tower::limit::RateLimit`,
+//! `tower::limit::ConcurrencyLimit` and tower_governor's `GovernorLayer`; allow path and
+//! deny path. Every service answers `http::Response<axum::body::Body>` (tower_governor
+//! only builds its refusals for axum's and tonic's bodies) and is driven by polling it
+//! directly, so no runtime scheduling is measured.
+//!
+//! Run: `cargo bench -p tower-limits-benches --bench layers`.
+
+use std::future::Future;
+use std::hint::black_box;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use axum::body::Body;
+use criterion::{Criterion, criterion_group, criterion_main};
+use http::{Request, Response, StatusCode};
+use tower::{Layer, Service};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::GlobalKeyExtractor;
+use tower_limits::http::HttpAnswer;
+use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate};
+
+type Req = Request<()>;
+
+fn bare()
+-> impl Service<Req, Response = Response<Body>, Error = std::convert::Infallible, Future: Send> + Clone + Send + 'static
+{
+    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))))
+}
+
+/// One request through `svc`, polled to completion with a no-op waker: the status.
+fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> u16 {
+    let mut cx = Context::from_waker(Waker::noop());
+    match svc.poll_ready(&mut cx) {
+        Poll::Ready(Ok(())) => {}
+        _ => return 0,
+    }
+    let fut = pin!(svc.call(Request::new(())));
+    match fut.poll(&mut cx) {
+        Poll::Ready(Ok(response)) => response.status().as_u16(),
+        _ => 0,
+    }
+}
+
+fn bench_service<S>(c: &mut Criterion, name: &str, mut svc: S, expect: StatusCode)
+where
+    S: Service<Req, Response = Response<Body>>,
+{
+    assert_eq!(drive(&mut svc), expect.as_u16(), "{name}");
+    c.bench_function(name, |b| b.iter(|| black_box(drive(&mut svc))));
+}
+
+const HUGE: u64 = 1_000_000_000;
+
+fn ours_gcra(
+    rate: Rate,
+    burst: u64,
+) -> LimitSetLayer<
+    tower_limits::extract::GlobalKey,
+    tower_limits::extract::One,
+    tower_limits::extract::NoUsage,
+    HttpAnswer,
+> {
+    LimitSetLayer::gcra(rate, burst).expect("policy").system_clock().reject_with(HttpAnswer::new())
+}
+
+fn allow(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let _enter = rt.enter();
+    bench_service(c, "allow/bare_service_fn", bare(), StatusCode::OK);
+    bench_service(
+        c,
+        "allow/tower_limits_gcra",
+        ours_gcra(Rate::per_second(HUGE), 1_000_000).layer(bare()),
+        StatusCode::OK,
+    );
+    let three = LimitSetLayer::new(
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(HUGE), 1_000_000))
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(HUGE), 1_000_000).counting_cost())
+            .limit(LimitPolicy::semaphore("concurrent", 64)),
+    )
+    .expect("policy")
+    .system_clock()
+    .reject_with(HttpAnswer::new());
+    bench_service(c, "allow/tower_limits_three_limits", three.layer(bare()), StatusCode::OK);
+    let rate = tower::limit::RateLimitLayer::new(HUGE, Duration::from_secs(1));
+    bench_service(c, "allow/tower_rate_limit", rate.layer(bare()), StatusCode::OK);
+    let concurrency = tower::limit::ConcurrencyLimitLayer::new(64);
+    bench_service(c, "allow/tower_concurrency_limit", concurrency.layer(bare()), StatusCode::OK);
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(1_000_000)
+        .key_extractor(GlobalKeyExtractor)
+        .finish()
+        .expect("config");
+    bench_service(c, "allow/tower_governor", GovernorLayer::<_, _, Body>::new(config).layer(bare()), StatusCode::OK);
+}
+
+fn deny(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let _enter = rt.enter();
+    let mut ours = ours_gcra(Rate::per_hour(1), 1).layer(bare());
+    assert_eq!(drive(&mut ours), 200);
+    bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::SERVICE_UNAVAILABLE);
+    let config = GovernorConfigBuilder::default()
+        .per_second(3600)
+        .burst_size(1)
+        .key_extractor(GlobalKeyExtractor)
+        .finish()
+        .expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    assert_eq!(drive(&mut theirs), 200);
+    bench_service(c, "deny/tower_governor", theirs, StatusCode::TOO_MANY_REQUESTS);
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = allow, deny
+}
+criterion_main!(benches);
