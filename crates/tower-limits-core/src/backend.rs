@@ -28,22 +28,34 @@ use std::future::Future;
 
 use crate::error::AcquireError;
 use crate::key::TenantKey;
-use crate::set::{LimitSet, LimitSnapshot, OwnedPermit};
+use crate::set::{Grant, LimitSet, LimitSnapshot};
 use crate::time::Instant;
 
 /// Where the state of a limit set lives: in memory, or shared by a fleet.
 ///
-/// See the [module docs](self) for the atomicity every implementation guarantees.
+/// A grant is plain data ([`Backend::Grant`]); the caller keeps the key and hands both
+/// back to [`Backend::settle`], [`Backend::release`] or [`Backend::cancel`]. Exactly one
+/// of `release` and `cancel` must be called for every grant. See the
+/// [module docs](self) for the atomicity every implementation guarantees.
 pub trait Backend: Clone + Send + Sync + 'static {
-    /// What a grant holds until it is dropped.
-    type Permit: BackendPermit;
+    /// What a grant remembers.
+    type Grant: Send + Sync + 'static;
     /// The pending acquisition. In memory it is ready at once; callers poll it once
     /// before deciding to wait.
-    type Acquire: Future<Output = Result<Self::Permit, AcquireError>> + Send + Unpin + 'static;
+    type Acquire: Future<Output = Result<Self::Grant, AcquireError>> + Send + Unpin + 'static;
 
     /// Acquires every limit of the set for `key`, all or nothing. `now` is the caller's
     /// clock; a shared backend may use its own instead (see the contract).
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire;
+
+    /// Corrects limits that count cost to the real usage.
+    fn settle(&self, key: &TenantKey, grant: &mut Self::Grant, actual: u64, now: Instant);
+
+    /// Releases the grant's concurrency, keeping what it charged.
+    fn release(&self, key: &TenantKey, grant: Self::Grant);
+
+    /// Refunds what the grant charged and releases it: for a request that did not happen.
+    fn cancel(&self, key: &TenantKey, grant: Self::Grant, now: Instant);
 
     /// Every limit's remaining capacity for `key`, as far as the backend knows it without
     /// waiting (a shared backend may answer from its last reply, or nothing).
@@ -53,34 +65,29 @@ pub trait Backend: Clone + Send + Sync + 'static {
     }
 }
 
-/// A grant from a [`Backend`]. Dropping it releases its concurrency.
-pub trait BackendPermit: Send + 'static {
-    /// Corrects limits that count cost to the real usage.
-    fn settle(&mut self, actual: u64, now: Instant);
-    /// Gives back everything, for a request that did not happen.
-    fn cancel(self, now: Instant);
-}
-
 impl Backend for LimitSet {
-    type Permit = OwnedPermit;
-    type Acquire = std::future::Ready<Result<OwnedPermit, AcquireError>>;
+    type Grant = Grant;
+    type Acquire = std::future::Ready<Result<Grant, AcquireError>>;
 
     #[inline]
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
-        std::future::ready(self.acquire_owned(key, cost, now))
+        std::future::ready(self.acquire_grant(key, cost, now))
+    }
+
+    fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
+        self.settle_grant(key, grant, actual, now);
+    }
+
+    #[inline]
+    fn release(&self, key: &TenantKey, grant: Grant) {
+        self.release_grant(key, grant);
+    }
+
+    fn cancel(&self, key: &TenantKey, grant: Grant, now: Instant) {
+        self.cancel_grant(key, grant, now);
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         LimitSet::peek(self, key, now)
-    }
-}
-
-impl BackendPermit for OwnedPermit {
-    fn settle(&mut self, actual: u64, now: Instant) {
-        OwnedPermit::settle(self, actual, now);
-    }
-
-    fn cancel(self, now: Instant) {
-        OwnedPermit::cancel(self, now);
     }
 }

@@ -17,6 +17,7 @@ pub const MAX_TIERS: usize = 8;
 
 /// Separates parts inside the joined path; parts may not contain it.
 const SEPARATOR: char = '\u{1f}';
+const SEPARATOR_BYTE: u8 = 0x1f;
 
 /// An ordered path of identifiers, one per tier, broadest first.
 ///
@@ -28,14 +29,13 @@ const SEPARATOR: char = '\u{1f}';
 /// assert_eq!(key.part(1), Some("engineering"));
 /// assert_eq!(key.to_string(), "acme/engineering/alice");
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
+///
+/// It is one pointer wide: the global key holds nothing, any other key one shared string.
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct TenantKey {
-    path: Arc<str>,
-    /// `ends[i]` is the byte length of the path up to and including part `i`.
-    ends: [u16; MAX_TIERS],
-    depth: u8,
+    /// The parts joined by the separator; `None` for the key with no tier.
+    path: Option<Arc<str>>,
 }
-
 /// Why a [`TenantKey`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyError {
@@ -62,10 +62,10 @@ impl fmt::Display for KeyError {
 impl std::error::Error for KeyError {}
 
 impl TenantKey {
-    /// The key with no tier: what global limits use.
+    /// The key with no tier: what global limits use. Costs nothing to build or clone.
     #[must_use]
-    pub fn global() -> Self {
-        TenantKey { path: Arc::from(""), ends: [0; MAX_TIERS], depth: 0 }
+    pub const fn global() -> Self {
+        TenantKey { path: None }
     }
 
     /// A key of one tier.
@@ -87,7 +87,6 @@ impl TenantKey {
         I::Item: AsRef<str>,
     {
         let mut path = String::new();
-        let mut ends = [0u16; MAX_TIERS];
         let mut depth = 0usize;
         for part in parts {
             let part = part.as_ref();
@@ -101,48 +100,57 @@ impl TenantKey {
                 path.push(SEPARATOR);
             }
             path.push_str(part);
-            ends[depth] = u16::try_from(path.len()).map_err(|_| KeyError::TooLong)?;
             depth += 1;
         }
-        Ok(TenantKey { path: Arc::from(path), ends, depth: depth as u8 })
+        if path.len() > usize::from(u16::MAX) {
+            return Err(KeyError::TooLong);
+        }
+        Ok(TenantKey { path: (depth > 0).then(|| Arc::from(path)) })
     }
 
     /// How many tiers the key has.
     #[must_use]
     pub fn depth(&self) -> usize {
-        usize::from(self.depth)
+        self.path.as_deref().map_or(0, |p| 1 + p.bytes().filter(|&b| b == SEPARATOR_BYTE).count())
     }
 
     /// The identifier at tier `i`, if the key is that deep.
     #[must_use]
     pub fn part(&self, i: usize) -> Option<&str> {
-        if i >= self.depth() {
-            return None;
-        }
-        let start = if i == 0 { 0 } else { usize::from(self.ends[i - 1]) + SEPARATOR.len_utf8() };
-        Some(&self.path[start..usize::from(self.ends[i])])
+        self.path.as_deref()?.split(SEPARATOR).nth(i)
     }
 
     /// The parts, broadest first.
     pub fn parts(&self) -> impl Iterator<Item = &str> + '_ {
-        (0..self.depth()).filter_map(|i| self.part(i))
+        self.path.as_deref().into_iter().flat_map(|p| p.split(SEPARATOR))
     }
 
     /// The joined path of the first `tiers` parts: the key of a limit scoped to tier
     /// `tiers - 1`. `None` if the key is not that deep.
     #[must_use]
+    #[inline]
     pub fn prefix(&self, tiers: usize) -> Option<&str> {
-        match tiers {
-            0 => Some(""),
-            n if n <= self.depth() => Some(&self.path[..usize::from(self.ends[n - 1])]),
-            _ => None,
+        if tiers == 0 {
+            return Some("");
         }
+        let path = self.path.as_deref()?;
+        let mut seen = 0;
+        for (i, b) in path.bytes().enumerate() {
+            if b == SEPARATOR_BYTE {
+                seen += 1;
+                if seen == tiers {
+                    return Some(&path[..i]);
+                }
+            }
+        }
+        (seen + 1 == tiers).then_some(path)
     }
 
     /// The first part: the broadest tier, which decides where the key's state lives.
     #[must_use]
+    #[inline]
     pub fn root(&self) -> &str {
-        self.part(0).unwrap_or("")
+        self.prefix(1).unwrap_or("")
     }
 }
 

@@ -40,12 +40,12 @@ mod set;
 pub mod time;
 
 pub use algorithm::{Refusal, Snapshot};
-pub use backend::{Backend, BackendPermit};
+pub use backend::Backend;
 pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use key::{KeyError, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
 pub use rate::Rate;
-pub use set::{LimitSet, LimitSetStats, LimitSnapshot, LimitStats, OwnedPermit, Permit};
+pub use set::{Grant, LimitSet, LimitSetStats, LimitSnapshot, LimitStats, OwnedPermit, Permit};
 pub use time::{Clock, Instant, ManualClock, SystemClock};

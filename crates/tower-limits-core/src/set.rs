@@ -252,6 +252,37 @@ impl LimitSet {
         Ok(OwnedPermit { set: self.clone(), key: key.clone(), grant: Grant::new(costs, granted), done: false })
     }
 
+    /// Like [`LimitSet::acquire`], but the grant is plain data and the key stays with
+    /// the caller: see [`Grant`] for the duty that comes with it.
+    ///
+    /// # Errors
+    /// As [`LimitSet::acquire`].
+    #[inline]
+    pub fn acquire_grant(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Grant, AcquireError> {
+        let costs = Costs::Uniform(cost);
+        let granted = self.shared.acquire(key, &costs, now)?;
+        Ok(Grant::new(costs, granted))
+    }
+
+    /// Settles a [`Grant`] to the real usage; see [`Permit::settle`].
+    pub fn settle_grant(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
+        self.shared.settle(key, grant, Costs::Uniform(actual), now);
+    }
+
+    /// Releases the concurrency a [`Grant`] holds, keeping what it charged.
+    #[inline]
+    pub fn release_grant(&self, key: &TenantKey, grant: Grant) {
+        if grant.holds_concurrency() {
+            self.shared.release(key, &grant);
+        }
+    }
+
+    /// Refunds what a [`Grant`] charged, as far as each limit can, and releases it.
+    pub fn cancel_grant(&self, key: &TenantKey, grant: Grant, now: Instant) {
+        self.shared.cancel(key, &grant, now);
+        self.release_grant(key, grant);
+    }
+
     /// Remaining capacity and reset time of every limit for `key` at `now`, without
     /// consuming anything (limits keyed by a tier the key lacks are left out).
     #[must_use]
@@ -390,8 +421,15 @@ impl Costs {
     }
 }
 
-/// What a grant remembers to settle and release later.
-struct Grant {
+/// A grant as plain data: what the set needs to settle and release it later.
+///
+/// [`Permit`] and [`OwnedPermit`] wrap one and give it back on drop; a `Grant` on its own
+/// does not. Code that keeps the key elsewhere (a layer's response future, a backend)
+/// holds a `Grant` and must hand it back to [`LimitSet::release_grant`] or
+/// [`LimitSet::cancel_grant`] exactly once, or the concurrency it holds is lost.
+#[must_use = "a grant holds concurrency until it is released"]
+#[derive(Debug)]
+pub struct Grant {
     granted_at: Instant,
     version: u64,
     /// Kept only when the policy has semaphores, so that a release after a policy change
@@ -411,6 +449,19 @@ struct Granted {
 }
 
 impl Grant {
+    /// The instant the grant was made at.
+    #[must_use]
+    pub fn granted_at(&self) -> Instant {
+        self.granted_at
+    }
+
+    /// Whether releasing it gives anything back (the set has semaphores); when not,
+    /// dropping the grant loses nothing.
+    #[must_use]
+    pub fn holds_concurrency(&self) -> bool {
+        self.config.is_some()
+    }
+
     #[inline]
     fn new(costs: Costs, g: Granted) -> Self {
         Grant { granted_at: g.granted_at, version: g.version, config: g.config, acquired: costs, settled: None }

@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tower_limits_core::TenantKey;
 
@@ -53,16 +53,10 @@ pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GlobalKey;
 
-/// The global key, built once.
-pub(crate) fn global_key() -> TenantKey {
-    static GLOBAL: OnceLock<TenantKey> = OnceLock::new();
-    GLOBAL.get_or_init(TenantKey::global).clone()
-}
-
 impl<Req> KeyExtractor<Req> for GlobalKey {
     #[inline]
     fn extract(&self, _req: &Req) -> Result<TenantKey, KeyMissing> {
-        Ok(global_key())
+        Ok(TenantKey::global())
     }
 }
 

@@ -320,7 +320,7 @@ impl<B: Default, E> Rejection<Response<B>, E> for HttpAnswer<EmptyBody> {
     type Response = Response<B>;
     type Error = E;
 
-    fn reject(&self, error: LimitError) -> Result<Response<B>, E> {
+    fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
         let mut response = Response::new(B::default());
         *response.status_mut() = error.status();
         self.headers(response.headers_mut(), &error);
@@ -345,7 +345,7 @@ impl<B: From<String>, E> Rejection<Response<B>, E> for HttpAnswer<JsonBody> {
     type Response = Response<B>;
     type Error = E;
 
-    fn reject(&self, error: LimitError) -> Result<Response<B>, E> {
+    fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
         let mut response = Response::new(B::from(error.problem_json()));
         *response.status_mut() = error.status();
         response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));

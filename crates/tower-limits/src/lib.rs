@@ -46,7 +46,7 @@ pub use error::{BoxError, ErrorKind, LimitError};
 pub use limit_set::{LayerStats, LimitSetLayer, LimitSetService, Unfinished};
 pub use reject::{Rejection, ReturnError};
 pub use tower_limits_core::{
-    AcquireError, Backend, BackendPermit, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, LimitSnapshot,
+    AcquireError, Backend, Grant, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, LimitSnapshot,
     PolicyError, Rate, Snapshot, TenantKey,
 };
 

@@ -16,11 +16,12 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
     /// The service's error.
     type Error;
 
-    /// The answer to a refused request.
+    /// The answer to a refused request (boxed: refusals are the rare path, and a boxed
+    /// error keeps the response future small).
     ///
     /// # Errors
     /// When refusals surface as errors.
-    fn reject(&self, error: LimitError) -> Result<Self::Response, Self::Error>;
+    fn reject(&self, error: Box<LimitError>) -> Result<Self::Response, Self::Error>;
 
     /// A response of the inner service; `snapshots` holds the limits' state when
     /// [`Rejection::wants_snapshots`] asked for it.
@@ -45,8 +46,8 @@ impl<T, E: Into<BoxError>> Rejection<T, E> for ReturnError {
     type Error = BoxError;
 
     #[inline]
-    fn reject(&self, error: LimitError) -> Result<T, BoxError> {
-        Err(Box::new(error))
+    fn reject(&self, error: Box<LimitError>) -> Result<T, BoxError> {
+        Err(error)
     }
 
     #[inline]

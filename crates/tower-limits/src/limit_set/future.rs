@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use pin_project_lite::pin_project;
-use tower_limits_core::{Backend, BackendPermit, Clock, LimitSnapshot};
+use tower_limits_core::{Backend, Clock, LimitSnapshot, TenantKey};
 use tower_service::Service;
 
 use super::shared::{Shared, Unfinished};
@@ -20,20 +20,22 @@ use crate::reject::Rejection;
 /// completion, it does what `on_cancel` says. Concurrency is released either way, and
 /// waiters are told.
 pub(crate) struct PermitGuard<B: Backend> {
-    permit: Option<B::Permit>,
+    grant: Option<B::Grant>,
+    key: TenantKey,
     shared: Arc<Shared<B>>,
 }
 
 impl<B: Backend> PermitGuard<B> {
-    pub(crate) fn new(permit: B::Permit, shared: Arc<Shared<B>>) -> Self {
-        PermitGuard { permit: Some(permit), shared }
+    pub(crate) fn new(grant: B::Grant, key: TenantKey, shared: Arc<Shared<B>>) -> Self {
+        PermitGuard { grant: Some(grant), key, shared }
     }
 
     fn finish(&mut self, outcome: Outcome) {
-        let Some(mut permit) = self.permit.take() else { return };
+        let Some(mut grant) = self.grant.take() else { return };
+        let backend = &self.shared.backend;
         let refund = match outcome {
             Outcome::Done(Some(usage)) => {
-                permit.settle(usage, self.shared.clock.now());
+                backend.settle(&self.key, &mut grant, usage, self.shared.clock.now());
                 false
             }
             Outcome::Done(None) => false,
@@ -41,9 +43,9 @@ impl<B: Backend> PermitGuard<B> {
             Outcome::Cancelled => self.shared.settings.on_cancel == Unfinished::Refund,
         };
         if refund {
-            permit.cancel(self.shared.clock.now());
+            backend.cancel(&self.key, grant, self.shared.clock.now());
         } else {
-            drop(permit);
+            backend.release(&self.key, grant);
         }
         if self.shared.settings.max_wait.is_some() {
             self.shared.waiters.released.notify_waiters();
@@ -71,14 +73,14 @@ pub(crate) struct Admitted<B: Backend, S, Req> {
     pub(crate) snapshots: Option<Arc<[LimitSnapshot]>>,
 }
 
-type Admission<B, S, Req> = Pin<Box<dyn Future<Output = Result<Admitted<B, S, Req>, LimitError>> + Send>>;
+type Admission<B, S, Req> = Pin<Box<dyn Future<Output = Result<Admitted<B, S, Req>, Box<LimitError>>> + Send>>;
 
 pin_project! {
     #[project = StateProj]
-    enum State<F> {
+    enum State<F, A> {
         Called { #[pin] fut: F },
-        Waiting,
-        Rejected,
+        Waiting { admission: A },
+        Rejected { error: Option<Box<LimitError>> },
         Done,
     }
 }
@@ -96,10 +98,8 @@ pin_project! {
         B: Backend,
     {
         #[pin]
-        state: State<S::Future>,
-        admission: Option<Admission<B, S, Req>>,
+        state: State<S::Future, Admission<B, S, Req>>,
         guard: Option<PermitGuard<B>>,
-        error: Option<LimitError>,
         snapshots: Option<Arc<[LimitSnapshot]>>,
         usage: U,
         rejection: R,
@@ -111,6 +111,7 @@ where
     S: Service<Req>,
     B: Backend,
 {
+    #[inline]
     pub(crate) fn called(
         fut: S::Future,
         guard: PermitGuard<B>,
@@ -118,39 +119,15 @@ where
         rejection: R,
         snapshots: Option<Arc<[LimitSnapshot]>>,
     ) -> Self {
-        ResponseFuture {
-            state: State::Called { fut },
-            admission: None,
-            guard: Some(guard),
-            error: None,
-            snapshots,
-            usage,
-            rejection,
-        }
+        ResponseFuture { state: State::Called { fut }, guard: Some(guard), snapshots, usage, rejection }
     }
 
-    pub(crate) fn rejected(error: LimitError, usage: U, rejection: R) -> Self {
-        ResponseFuture {
-            state: State::Rejected,
-            admission: None,
-            guard: None,
-            error: Some(error),
-            snapshots: None,
-            usage,
-            rejection,
-        }
+    pub(crate) fn rejected(error: Box<LimitError>, usage: U, rejection: R) -> Self {
+        ResponseFuture { state: State::Rejected { error: Some(error) }, guard: None, snapshots: None, usage, rejection }
     }
 
     pub(crate) fn waiting(admission: Admission<B, S, Req>, usage: U, rejection: R) -> Self {
-        ResponseFuture {
-            state: State::Waiting,
-            admission: Some(admission),
-            guard: None,
-            error: None,
-            snapshots: None,
-            usage,
-            rejection,
-        }
+        ResponseFuture { state: State::Waiting { admission }, guard: None, snapshots: None, usage, rejection }
     }
 }
 
@@ -186,13 +163,8 @@ where
                         }
                     });
                 }
-                StateProj::Waiting => {
-                    let Some(admission) = this.admission.as_mut() else {
-                        this.state.set(State::Done);
-                        continue;
-                    };
+                StateProj::Waiting { admission } => {
                     let admitted = ready!(admission.as_mut().poll(cx));
-                    *this.admission = None;
                     match admitted {
                         Ok(Admitted { guard, mut inner, req, snapshots }) => {
                             *this.guard = Some(guard);
@@ -200,15 +172,13 @@ where
                             let fut = inner.call(req);
                             this.state.set(State::Called { fut });
                         }
-                        Err(error) => {
-                            *this.error = Some(error);
-                            this.state.set(State::Rejected);
-                        }
+                        Err(error) => this.state.set(State::Rejected { error: Some(error) }),
                     }
                 }
-                StateProj::Rejected => {
+                StateProj::Rejected { error } => {
+                    let error =
+                        error.take().unwrap_or_else(|| Box::new(LimitError::new(crate::ErrorKind::Unavailable)));
                     this.state.set(State::Done);
-                    let error = this.error.take().unwrap_or_else(|| LimitError::new(crate::ErrorKind::Unavailable));
                     return Poll::Ready(this.rejection.reject(error));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
@@ -223,10 +193,6 @@ where
     B: Backend,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture")
-            .field("admitted", &self.guard.is_some())
-            .field("waiting", &self.admission.is_some())
-            .field("error", &self.error)
-            .finish_non_exhaustive()
+        f.debug_struct("ResponseFuture").field("admitted", &self.guard.is_some()).finish_non_exhaustive()
     }
 }

@@ -110,9 +110,9 @@ where
         }
         let mut acquire = shared.backend.acquire(&key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(permit)) => {
+            Poll::Ready(Ok(grant)) => {
                 let snapshots = self.rejection.wants_snapshots().then(|| snapshots(shared, &key, now));
-                let guard = PermitGuard::new(permit, shared.clone());
+                let guard = PermitGuard::new(grant, key, shared.clone());
                 let fut = self.inner.call(req);
                 ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
             }
@@ -151,7 +151,7 @@ where
                 error.snapshots = Some(snapshots(&self.shared, key, now));
             }
         }
-        ResponseFuture::rejected(error, self.usage.clone(), self.rejection.clone())
+        ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
     }
 
     /// The slow path: wait for capacity (or for a remote backend), then call a ready clone
@@ -168,8 +168,8 @@ where
         let shared = self.shared.clone();
         let wants_snapshots = self.rejection.wants_snapshots();
         let admitted = async move {
-            let (permit, snapshots) = admit(&shared, &key, cost, wants_snapshots).await?;
-            Ok(Admitted { guard: PermitGuard::new(permit, shared.clone()), inner, req, snapshots })
+            let (grant, snapshots) = admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?;
+            Ok(Admitted { guard: PermitGuard::new(grant, key, shared.clone()), inner, req, snapshots })
         };
         ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())
     }
@@ -208,7 +208,7 @@ async fn admit<B: Backend>(
     key: &TenantKey,
     cost: u64,
     wants_snapshots: bool,
-) -> Result<(B::Permit, Option<Arc<[LimitSnapshot]>>), LimitError> {
+) -> Result<(B::Grant, Option<Arc<[LimitSnapshot]>>), LimitError> {
     let max_wait = shared.settings.max_wait.unwrap_or_default();
     let start = shared.clock.now();
     let deadline = start + max_wait;
@@ -227,12 +227,12 @@ async fn admit<B: Backend>(
         released.as_mut().enable();
         let now = shared.clock.now();
         let error = match shared.backend.acquire(key, cost, now).await {
-            Ok(permit) => {
+            Ok(grant) => {
                 if waited {
                     shared.waited.fetch_add(1, Ordering::Relaxed);
                 }
                 let snapshots = wants_snapshots.then(|| snapshots(shared, key, now));
-                return Ok((permit, snapshots));
+                return Ok((grant, snapshots));
             }
             Err(e) => LimitError::from(e),
         };
