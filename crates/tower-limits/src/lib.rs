@@ -33,6 +33,7 @@ mod builder;
 mod clock;
 mod error;
 pub mod extract;
+pub mod fair_queue;
 #[cfg(feature = "tonic")]
 mod grpc;
 #[cfg(feature = "http")]

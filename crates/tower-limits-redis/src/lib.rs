@@ -1,0 +1,1 @@
+//! Redis backend for tower-limits. Work in progress.

@@ -1,0 +1,1 @@
+//! Weighted-fair tenant queue as a Tower layer. Work in progress.
