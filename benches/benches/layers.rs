@@ -77,6 +77,16 @@ fn allow(c: &mut Criterion) {
         ours_gcra(Rate::per_second(HUGE), 1_000_000).layer(bare()),
         StatusCode::OK,
     );
+    let plain = LimitSetLayer::gcra(Rate::per_second(HUGE), 1_000_000).expect("policy").system_clock();
+    let mut plain = plain.layer(bare());
+    c.bench_function("allow/tower_limits_gcra_error_mode", |b| {
+        b.iter(|| {
+            let mut cx = Context::from_waker(Waker::noop());
+            let _ = plain.poll_ready(&mut cx);
+            let fut = pin!(plain.call(Request::new(())));
+            black_box(matches!(fut.poll(&mut cx), Poll::Ready(Ok(_))))
+        });
+    });
     let three = LimitSetLayer::new(
         LimitSetPolicy::new()
             .limit(LimitPolicy::gcra("requests", Rate::per_second(HUGE), 1_000_000))

@@ -57,6 +57,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Refunds what the grant charged and releases it: for a request that did not happen.
     fn cancel(&self, key: &TenantKey, grant: Self::Grant, now: Instant);
 
+    /// Whether [`Backend::release`] would do anything for this grant. When it would not,
+    /// a caller that neither settles nor cancels may simply drop the grant.
+    fn needs_release(&self, grant: &Self::Grant) -> bool {
+        let _ = grant;
+        true
+    }
+
     /// Every limit's remaining capacity for `key`, as far as the backend knows it without
     /// waiting (a shared backend may answer from its last reply, or nothing).
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
@@ -85,6 +92,11 @@ impl Backend for LimitSet {
 
     fn cancel(&self, key: &TenantKey, grant: Grant, now: Instant) {
         self.cancel_grant(key, grant, now);
+    }
+
+    #[inline]
+    fn needs_release(&self, grant: &Grant) -> bool {
+        grant.holds_concurrency()
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {

@@ -288,6 +288,10 @@ where
 
 /// The real usage of a request, read from its response, to settle the permit with.
 pub trait UsageExtractor<Resp>: Clone + Send + Sync + 'static {
+    /// Whether this extractor can ever report a usage; when not, nothing waits for the
+    /// response to settle.
+    const REPORTS: bool = true;
+
     /// The real usage, if the response reports one.
     fn usage(&self, resp: &Resp) -> Option<u64>;
 }
@@ -297,6 +301,8 @@ pub trait UsageExtractor<Resp>: Clone + Send + Sync + 'static {
 pub struct NoUsage;
 
 impl<Resp> UsageExtractor<Resp> for NoUsage {
+    const REPORTS: bool = false;
+
     #[inline]
     fn usage(&self, _resp: &Resp) -> Option<u64> {
         None

@@ -114,12 +114,12 @@ where
     #[inline]
     pub(crate) fn called(
         fut: S::Future,
-        guard: PermitGuard<B>,
+        guard: Option<PermitGuard<B>>,
         usage: U,
         rejection: R,
         snapshots: Option<Arc<[LimitSnapshot]>>,
     ) -> Self {
-        ResponseFuture { state: State::Called { fut }, guard: Some(guard), snapshots, usage, rejection }
+        ResponseFuture { state: State::Called { fut }, guard, snapshots, usage, rejection }
     }
 
     pub(crate) fn rejected(error: Box<LimitError>, usage: U, rejection: R) -> Self {

@@ -182,8 +182,9 @@ impl<K, C, U, R, B: Backend> LimitSetLayer<K, C, U, R, B> {
         self.with_settings(|s, _| s.max_waiters = max_waiters)
     }
 
-    /// What happens to the charged cost when the inner service fails: refund it (the
-    /// default) or keep it.
+    /// What happens to the charged cost when the inner service fails: keep it (the
+    /// default: an error may come after the work was done, and a retrying client stays
+    /// paced) or refund it (for clients whose errors mean nothing was sent).
     pub fn on_error(self, what: Unfinished) -> Self {
         self.with_settings(|s, _| s.on_error = what)
     }

@@ -4,8 +4,8 @@
 //! A [`LimitSetLayer`] wraps a service; each request is keyed (by default everyone shares
 //! the global key), costed (by default one), and admitted only if every limit of the set
 //! has room. Admitted requests hold a permit until their response completes: then the
-//! permit settles with the real usage if the response reports one, refunds after an
-//! inner error (configurable) and releases concurrency. Refused requests fail fast with a
+//! permit settles with the real usage if the response reports one, keeps or refunds the
+//! cost after an inner error (configurable) and releases concurrency. Refused requests fail fast with a
 //! [`LimitError`](crate::LimitError) naming the limit, tier and retry time, or, with
 //! [`wait`](LimitSetLayer::wait), wait in arrival order for exactly as long as needed.
 //!

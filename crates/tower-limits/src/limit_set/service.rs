@@ -9,7 +9,7 @@ use tower_limits_core::{Backend, Clock, LimitSnapshot, TenantKey};
 use tower_service::Service;
 
 use super::future::{Admitted, PermitGuard, ResponseFuture};
-use super::shared::{Shared, Ticket};
+use super::shared::{Shared, Ticket, Unfinished};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{CostExtractor, KeyExtractor, UsageExtractor};
 use crate::reject::Rejection;
@@ -112,7 +112,13 @@ where
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(grant)) => {
                 let snapshots = self.rejection.wants_snapshots().then(|| snapshots(shared, &key, now));
-                let guard = PermitGuard::new(grant, key, shared.clone());
+                // Nothing to do once the response is in: no guard, no reference to hold.
+                let settings = &shared.settings;
+                let idle = !U::REPORTS
+                    && settings.on_error == Unfinished::Keep
+                    && settings.on_cancel == Unfinished::Keep
+                    && !shared.backend.needs_release(&grant);
+                let guard = (!idle).then(|| PermitGuard::new(grant, key, shared.clone()));
                 let fut = self.inner.call(req);
                 ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
             }

@@ -50,7 +50,7 @@ impl Default for Settings {
             default_key: None,
             max_wait: None,
             max_waiters: 10_000,
-            on_error: Unfinished::Refund,
+            on_error: Unfinished::Keep,
             on_cancel: Unfinished::Keep,
         }
     }
