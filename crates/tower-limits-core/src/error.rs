@@ -62,6 +62,18 @@ pub struct Denial {
 }
 
 impl Denial {
+    /// Every upstream of a pool refused and is benched for `wait`.
+    pub(crate) fn upstream(wait: Duration) -> Self {
+        Denial {
+            name: "upstream",
+            tier: None,
+            limit: 0,
+            retry_after: wait,
+            needs_release: false,
+            snapshot: Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO },
+        }
+    }
+
     /// The name of the limit that blocked (names live as long as the process).
     #[must_use]
     pub fn limit(&self) -> &'static str {

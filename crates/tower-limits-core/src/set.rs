@@ -58,6 +58,10 @@ use crate::limit::{Config, LimitDef, LimitState};
 use crate::policy::{Counts, LimitSetPolicy, MAX_LIMITS, PolicyError};
 use crate::time::Instant;
 
+/// A grant version that matches whatever policy is current (for corrections that are not
+/// tied to a grant).
+const ANY_VERSION: u64 = u64::MAX;
+
 /// The most shards a set spreads its keys over.
 const MAX_SHARDS: usize = 32;
 
@@ -281,6 +285,30 @@ impl LimitSet {
     pub fn cancel_grant(&self, key: &TenantKey, grant: Grant, now: Instant) {
         self.shared.cancel(key, &grant, now);
         self.release_grant(key, grant);
+    }
+
+    /// Lowers what `key` has left on every rate limit counting `counts` to at most
+    /// `remaining`, by charging the difference: how an upstream's own report
+    /// (`x-ratelimit-remaining-*`) corrects a local mirror of its limits. Never raises
+    /// anything.
+    pub fn align_remaining(&self, key: &TenantKey, counts: Counts, remaining: u64, now: Instant) {
+        let probe =
+            Grant { granted_at: now, version: ANY_VERSION, config: None, acquired: Costs::Uniform(0), settled: None };
+        let applies = |def: &LimitDef| def.counts == counts && !def.limit.is_semaphore();
+        self.shared.with_states(
+            key,
+            &probe,
+            now,
+            |_, def| applies(def),
+            |_, def, _, state, now| {
+                if applies(def) {
+                    let local = def.limit.peek(state, now).remaining;
+                    if local > remaining {
+                        def.limit.charge(state, now, now, local - remaining);
+                    }
+                }
+            },
+        );
     }
 
     /// Remaining capacity and reset time of every limit for `key` at `now`, without
@@ -754,7 +782,7 @@ impl Shared {
         // Map the grant's limits to the current ones.
         let n = current.limits.len();
         for j in 0..n {
-            let from = if current.version == grant.version {
+            let from = if current.version == grant.version || grant.version == ANY_VERSION {
                 Some(j)
             } else if let Some(old) = &grant.config {
                 (0..old.limits.len()).find(|&i| current.successor(old, i) == Some(j))

@@ -19,10 +19,10 @@ use crate::limit_set::LimitSetLayer;
 /// ```
 pub trait ServiceBuilderExt<L>: sealed::Sealed {
     /// Adds a [`LimitSetLayer`].
-    fn limit_set<K, C, U, R, B>(
+    fn limit_set<K, C, U, R, B, A>(
         self,
-        layer: LimitSetLayer<K, C, U, R, B>,
-    ) -> WithLimits<LimitSetLayer<K, C, U, R, B>, L>;
+        layer: LimitSetLayer<K, C, U, R, B, A>,
+    ) -> WithLimits<LimitSetLayer<K, C, U, R, B, A>, L>;
 }
 
 /// A [`ServiceBuilder`] with one more layer on top.
@@ -34,10 +34,10 @@ mod sealed {
 }
 
 impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
-    fn limit_set<K, C, U, R, B>(
+    fn limit_set<K, C, U, R, B, A>(
         self,
-        layer: LimitSetLayer<K, C, U, R, B>,
-    ) -> WithLimits<LimitSetLayer<K, C, U, R, B>, L> {
+        layer: LimitSetLayer<K, C, U, R, B, A>,
+    ) -> WithLimits<LimitSetLayer<K, C, U, R, B, A>, L> {
         self.layer(layer)
     }
 }

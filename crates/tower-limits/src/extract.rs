@@ -358,3 +358,31 @@ where
         (self.f)(resp)
     }
 }
+
+/// Records a grant on the request before the inner service sees it.
+pub trait Annotate<Req, G>: Clone + Send + Sync + 'static {
+    /// Writes what the inner service should know about `grant` into `req`.
+    fn annotate(&self, req: &mut Req, grant: &G);
+}
+
+/// Records nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoAnnotation;
+
+impl<Req, G> Annotate<Req, G> for NoAnnotation {
+    #[inline]
+    fn annotate(&self, _req: &mut Req, _grant: &G) {}
+}
+
+/// Puts the member a [`LimitPool`](tower_limits_core::LimitPool) chose, a
+/// [`Chosen<T>`](tower_limits_core::Chosen) with its configuration, in the request's
+/// extensions: how the inner service learns which upstream account to use.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InsertChosen;
+
+#[cfg(feature = "http")]
+impl<B, T: Send + Sync + 'static> Annotate<http::Request<B>, tower_limits_core::PoolGrant<T>> for InsertChosen {
+    fn annotate(&self, req: &mut http::Request<B>, grant: &tower_limits_core::PoolGrant<T>) {
+        req.extensions_mut().insert(grant.chosen().clone());
+    }
+}

@@ -47,8 +47,8 @@ pub use error::{BoxError, ErrorKind, LimitError};
 pub use limit_set::{LayerStats, LimitSetLayer, LimitSetService, Unfinished};
 pub use reject::{Rejection, ReturnError};
 pub use tower_limits_core::{
-    AcquireError, Backend, Grant, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, LimitSnapshot,
-    PolicyError, Rate, Snapshot, TenantKey,
+    AcquireError, Backend, Chosen, Grant, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, LimitSetStats,
+    LimitSnapshot, PolicyError, Rate, Selection, Snapshot, TenantKey, UpstreamReport,
 };
 
 /// The sans-IO core, in full.

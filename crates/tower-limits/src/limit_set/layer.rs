@@ -8,7 +8,7 @@ use tower_limits_core::{Backend, LimitPolicy, LimitSet, LimitSetPolicy, LimitSet
 use super::service::LimitSetService;
 use super::shared::{Settings, Shared, Unfinished};
 use crate::clock::LayerClock;
-use crate::extract::{GlobalKey, NoUsage, One};
+use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
 use crate::reject::ReturnError;
 
 /// Applies a [`LimitSet`] (or any [`Backend`]) to every request of the wrapped service.
@@ -20,15 +20,16 @@ use crate::reject::ReturnError;
 /// extractor `U`, how refusals surface `R`, and the backend `B`; the builder methods set
 /// them.
 #[must_use]
-pub struct LimitSetLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet> {
+pub struct LimitSetLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> {
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
     pub(crate) cost: C,
     pub(crate) usage: U,
     pub(crate) rejection: R,
+    pub(crate) annotate: A,
 }
 
-impl<K: Clone, C: Clone, U: Clone, R: Clone, B> Clone for LimitSetLayer<K, C, U, R, B> {
+impl<K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for LimitSetLayer<K, C, U, R, B, A> {
     fn clone(&self) -> Self {
         LimitSetLayer {
             shared: self.shared.clone(),
@@ -36,11 +37,12 @@ impl<K: Clone, C: Clone, U: Clone, R: Clone, B> Clone for LimitSetLayer<K, C, U,
             cost: self.cost.clone(),
             usage: self.usage.clone(),
             rejection: self.rejection.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B> fmt::Debug for LimitSetLayer<K, C, U, R, B> {
+impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B, A> fmt::Debug for LimitSetLayer<K, C, U, R, B, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitSetLayer")
             .field("keys", &self.keys)
@@ -123,11 +125,12 @@ impl<B: Backend> LimitSetLayer<GlobalKey, One, NoUsage, ReturnError, B> {
             cost: One,
             usage: NoUsage,
             rejection: ReturnError,
+            annotate: NoAnnotation,
         }
     }
 }
 
-impl<K, C, U, R, B: Backend> LimitSetLayer<K, C, U, R, B> {
+impl<K, C, U, R, B: Backend, A> LimitSetLayer<K, C, U, R, B, A> {
     fn with_settings(self, f: impl FnOnce(&mut Settings, &mut LayerClock)) -> Self {
         let mut settings = self.shared.settings.clone();
         let mut clock = self.shared.clock.clone();
@@ -138,28 +141,42 @@ impl<K, C, U, R, B: Backend> LimitSetLayer<K, C, U, R, B> {
             cost: self.cost,
             usage: self.usage,
             rejection: self.rejection,
+            annotate: self.annotate,
         }
     }
 
     /// How requests are keyed (see [`crate::extract`]).
-    pub fn key<K2>(self, keys: K2) -> LimitSetLayer<K2, C, U, R, B> {
-        LimitSetLayer { shared: self.shared, keys, cost: self.cost, usage: self.usage, rejection: self.rejection }
+    pub fn key<K2>(self, keys: K2) -> LimitSetLayer<K2, C, U, R, B, A> {
+        let LimitSetLayer { shared, cost, usage, rejection, annotate, .. } = self;
+        LimitSetLayer { shared, keys, cost, usage, rejection, annotate }
     }
 
     /// What a request costs against limits that count cost.
-    pub fn cost<C2>(self, cost: C2) -> LimitSetLayer<K, C2, U, R, B> {
-        LimitSetLayer { shared: self.shared, keys: self.keys, cost, usage: self.usage, rejection: self.rejection }
+    pub fn cost<C2>(self, cost: C2) -> LimitSetLayer<K, C2, U, R, B, A> {
+        let LimitSetLayer { shared, keys, usage, rejection, annotate, .. } = self;
+        LimitSetLayer { shared, keys, cost, usage, rejection, annotate }
     }
 
     /// Where the real usage is read from a response, to settle the permit with.
-    pub fn usage<U2>(self, usage: U2) -> LimitSetLayer<K, C, U2, R, B> {
-        LimitSetLayer { shared: self.shared, keys: self.keys, cost: self.cost, usage, rejection: self.rejection }
+    pub fn usage<U2>(self, usage: U2) -> LimitSetLayer<K, C, U2, R, B, A> {
+        let LimitSetLayer { shared, keys, cost, rejection, annotate, .. } = self;
+        LimitSetLayer { shared, keys, cost, usage, rejection, annotate }
     }
 
     /// How refusals surface: as errors ([`ReturnError`], the default, for axum's
     /// `HandleErrorLayer`), or as HTTP answers ([`crate::http::HttpAnswer`]).
-    pub fn reject_with<R2>(self, rejection: R2) -> LimitSetLayer<K, C, U, R2, B> {
-        LimitSetLayer { shared: self.shared, keys: self.keys, cost: self.cost, usage: self.usage, rejection }
+    pub fn reject_with<R2>(self, rejection: R2) -> LimitSetLayer<K, C, U, R2, B, A> {
+        let LimitSetLayer { shared, keys, cost, usage, annotate, .. } = self;
+        LimitSetLayer { shared, keys, cost, usage, rejection, annotate }
+    }
+
+    /// How the grant is recorded on the request before the inner service sees it: for a
+    /// [`LimitPool`](tower_limits_core::LimitPool) backend,
+    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
+    /// request's extensions.
+    pub fn annotate<A2>(self, annotate: A2) -> LimitSetLayer<K, C, U, R, B, A2> {
+        let LimitSetLayer { shared, keys, cost, usage, rejection, .. } = self;
+        LimitSetLayer { shared, keys, cost, usage, rejection, annotate }
     }
 
     /// Requests without a key use `key` instead of being refused.
@@ -207,6 +224,14 @@ impl<K, C, U, R, B: Backend> LimitSetLayer<K, C, U, R, B> {
         &self.shared.backend
     }
 
+    /// Now, on the layer's clock: the instant to pass to the backend's own methods
+    /// (for example [`LimitPool::observe`](tower_limits_core::LimitPool::observe)).
+    #[must_use]
+    pub fn now(&self) -> tower_limits_core::Instant {
+        use tower_limits_core::Clock;
+        self.shared.clock.now()
+    }
+
     /// Counters of the layer itself (waits and timeouts); see
     /// [`LimitSetLayer::stats`] for the limits' own.
     #[must_use]
@@ -215,7 +240,7 @@ impl<K, C, U, R, B: Backend> LimitSetLayer<K, C, U, R, B> {
     }
 }
 
-impl<K, C, U, R> LimitSetLayer<K, C, U, R, LimitSet> {
+impl<K, C, U, R, A> LimitSetLayer<K, C, U, R, LimitSet, A> {
     /// Per-limit counters of the in-memory set, with the layer's own.
     #[must_use]
     pub fn stats(&self) -> LimitSetStats {
@@ -223,14 +248,15 @@ impl<K, C, U, R> LimitSetLayer<K, C, U, R, LimitSet> {
     }
 }
 
-impl<S, K, C, U, R, B> Layer<S> for LimitSetLayer<K, C, U, R, B>
+impl<S, K, C, U, R, B, A> Layer<S> for LimitSetLayer<K, C, U, R, B, A>
 where
     K: Clone,
     C: Clone,
     U: Clone,
     R: Clone,
+    A: Clone,
 {
-    type Service = LimitSetService<S, K, C, U, R, B>;
+    type Service = LimitSetService<S, K, C, U, R, B, A>;
 
     fn layer(&self, inner: S) -> Self::Service {
         LimitSetService {
@@ -240,6 +266,7 @@ where
             cost: self.cost.clone(),
             usage: self.usage.clone(),
             rejection: self.rejection.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::future::{Admitted, PermitGuard, ResponseFuture};
 use super::shared::{Shared, Ticket, Unfinished};
 use crate::error::{ErrorKind, LimitError};
-use crate::extract::{CostExtractor, KeyExtractor, UsageExtractor};
+use crate::extract::{Annotate, CostExtractor, KeyExtractor, UsageExtractor};
 use crate::reject::Rejection;
 
 /// The service built by [`LimitSetLayer`](super::LimitSetLayer).
@@ -20,16 +20,17 @@ use crate::reject::Rejection;
 /// a request exists, so an idle connection pins no capacity. The decision is made in
 /// `call`; the inner service is called only once the request is admitted. Clones share
 /// the limits.
-pub struct LimitSetService<S, K, C, U, R, B> {
+pub struct LimitSetService<S, K, C, U, R, B, A = crate::extract::NoAnnotation> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
     pub(crate) cost: C,
     pub(crate) usage: U,
     pub(crate) rejection: R,
+    pub(crate) annotate: A,
 }
 
-impl<S, K, C, U, R, B> LimitSetService<S, K, C, U, R, B> {
+impl<S, K, C, U, R, B, A> LimitSetService<S, K, C, U, R, B, A> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -46,7 +47,7 @@ impl<S, K, C, U, R, B> LimitSetService<S, K, C, U, R, B> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B> Clone for LimitSetService<S, K, C, U, R, B> {
+impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for LimitSetService<S, K, C, U, R, B, A> {
     fn clone(&self) -> Self {
         LimitSetService {
             inner: self.inner.clone(),
@@ -55,11 +56,12 @@ impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B> Clone for LimitSetServ
             cost: self.cost.clone(),
             usage: self.usage.clone(),
             rejection: self.rejection.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B> fmt::Debug for LimitSetService<S, K, C, U, R, B> {
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B, A> fmt::Debug for LimitSetService<S, K, C, U, R, B, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitSetService")
             .field("inner", &self.inner)
@@ -70,8 +72,9 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B> fmt::Debug for LimitS
     }
 }
 
-impl<S, Req, K, C, U, R, B> Service<Req> for LimitSetService<S, K, C, U, R, B>
+impl<S, Req, K, C, U, R, B, A> Service<Req> for LimitSetService<S, K, C, U, R, B, A>
 where
+    A: Annotate<Req, B::Grant>,
     S: Service<Req> + Clone + Send + 'static,
     S::Future: Send,
     Req: Send + 'static,
@@ -89,7 +92,7 @@ where
         self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = &self.shared;
         let key = match self.keys.extract(&req) {
             Ok(key) => key,
@@ -118,6 +121,7 @@ where
                     && settings.on_error == Unfinished::Keep
                     && settings.on_cancel == Unfinished::Keep
                     && !shared.backend.needs_release(&grant);
+                self.annotate.annotate(&mut req, &grant);
                 let guard = (!idle).then(|| PermitGuard::new(grant, key, shared.clone()));
                 let fut = self.inner.call(req);
                 ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
@@ -135,7 +139,7 @@ where
     }
 }
 
-impl<S, K, C, U, R, B> LimitSetService<S, K, C, U, R, B>
+impl<S, K, C, U, R, B, A> LimitSetService<S, K, C, U, R, B, A>
 where
     B: Backend,
     U: Clone,
@@ -162,19 +166,22 @@ where
 
     /// The slow path: wait for capacity (or for a remote backend), then call a ready clone
     /// of the inner service.
-    fn wait<Req>(&mut self, key: TenantKey, cost: u64, req: Req) -> ResponseFuture<S, Req, U, R, B>
+    fn wait<Req>(&mut self, key: TenantKey, cost: u64, mut req: Req) -> ResponseFuture<S, Req, U, R, B>
     where
         S: Service<Req> + Clone + Send + 'static,
         Req: Send + 'static,
         R: Rejection<S::Response, S::Error>,
+        A: Annotate<Req, B::Grant>,
     {
         // The service polled ready goes with the request; the clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let wants_snapshots = self.rejection.wants_snapshots();
+        let annotate = self.annotate.clone();
         let admitted = async move {
             let (grant, snapshots) = admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?;
+            annotate.annotate(&mut req, &grant);
             Ok(Admitted { guard: PermitGuard::new(grant, key, shared.clone()), inner, req, snapshots })
         };
         ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())

@@ -1,0 +1,499 @@
+//! LimitPool: several limit sets (upstream accounts, regions, API keys), one chosen per
+//! request.
+//!
+//! Each member is a [`LimitSet`] mirroring one upstream account's own limits (its
+//! requests and tokens per minute), with a configuration of the caller's choosing (the
+//! account's API key and base URL). An acquisition tries the members in the order of the
+//! [`Selection`] policy and takes the first whose set grants the request; the
+//! [`PoolGrant`] says which member that was, so the request can be sent with that
+//! member's configuration. When every member refuses, the refusal is the one that frees
+//! first.
+//!
+//! Members learn from what the upstream says ([`LimitPool::observe`]): an answer with
+//! `Retry-After` (a 429) benches the member until then, and `x-ratelimit-remaining-*`
+//! values lower than the local mirror's are charged to it, so that a local mirror which
+//! drifted from the upstream (other clients on the same account, restarts) catches up
+//! and the upstream never has to refuse again.
+//!
+//! `LimitPool` implements [`Backend`], so every layer that takes a backend can spread its
+//! requests over the pool.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::error::AcquireError;
+use crate::key::TenantKey;
+use crate::policy::{Counts, PolicyError};
+use crate::set::{Grant, LimitSet, LimitSnapshot};
+use crate::time::Instant;
+
+/// How a pool orders its members for each request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Selection {
+    /// Each request starts at the next member in turn.
+    #[default]
+    RoundRobin,
+    /// Each request starts at a member drawn at random.
+    Random,
+    /// The member with the most room left for this request's cost first (by the smallest
+    /// remaining fraction over its rate limits).
+    MostHeadroom,
+}
+
+/// What an upstream said about an account in its answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpstreamReport {
+    /// `Retry-After` (or an equivalent): the account refused, and will not serve again
+    /// before this long.
+    pub retry_after: Option<Duration>,
+    /// `x-ratelimit-remaining-requests`.
+    pub remaining_requests: Option<u64>,
+    /// `x-ratelimit-remaining-tokens`.
+    pub remaining_tokens: Option<u64>,
+}
+
+/// Which member served a request, and its configuration.
+#[derive(Debug)]
+pub struct Chosen<T> {
+    /// The member's position in the pool.
+    pub index: usize,
+    /// The member's name.
+    pub name: Arc<str>,
+    /// The member's configuration (for example its API key and base URL).
+    pub config: Arc<T>,
+}
+
+impl<T> Clone for Chosen<T> {
+    fn clone(&self) -> Self {
+        Chosen { index: self.index, name: self.name.clone(), config: self.config.clone() }
+    }
+}
+
+/// A grant from one member of a pool.
+#[derive(Debug)]
+#[must_use = "a grant holds concurrency until it is released"]
+pub struct PoolGrant<T> {
+    chosen: Chosen<T>,
+    grant: Grant,
+}
+
+impl<T> PoolGrant<T> {
+    /// The member that granted the request.
+    #[must_use]
+    pub fn chosen(&self) -> &Chosen<T> {
+        &self.chosen
+    }
+}
+
+struct Member<T> {
+    name: Arc<str>,
+    set: LimitSet,
+    config: Arc<T>,
+    /// Nanoseconds of the pool's clock before which the member is not chosen.
+    benched_until: AtomicU64,
+}
+
+struct Inner<T> {
+    members: Vec<Member<T>>,
+    selection: Selection,
+    next: AtomicUsize,
+    seed: AtomicU64,
+}
+
+/// Several limit sets, one chosen per request. Clones share the members and their state.
+///
+/// ```
+/// use tower_limits_core::pool::{LimitPool, Selection};
+/// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+///
+/// let account = |rpm| LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), 1))).unwrap();
+/// let pool = LimitPool::builder(Selection::RoundRobin)
+///     .member("primary", account(60), "sk-primary")
+///     .member("secondary", account(60), "sk-secondary")
+///     .build()
+///     .unwrap();
+/// let key = TenantKey::global();
+/// let a = pool.acquire(&key, 1, Instant::ZERO).unwrap();
+/// let b = pool.acquire(&key, 1, Instant::ZERO).unwrap();
+/// assert_ne!(a.chosen().name, b.chosen().name);
+/// assert!(pool.acquire(&key, 1, Instant::ZERO).is_err(), "both accounts used their burst");
+/// # pool.release(&key, a); pool.release(&key, b);
+/// ```
+pub struct LimitPool<T = ()> {
+    inner: Arc<Inner<T>>,
+}
+
+impl<T> Clone for LimitPool<T> {
+    fn clone(&self) -> Self {
+        LimitPool { inner: self.inner.clone() }
+    }
+}
+
+impl<T> fmt::Debug for LimitPool<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitPool")
+            .field("members", &self.inner.members.iter().map(|m| &*m.name).collect::<Vec<_>>())
+            .field("selection", &self.inner.selection)
+            .finish()
+    }
+}
+
+/// Builds a [`LimitPool`].
+#[derive(Debug)]
+#[must_use]
+pub struct LimitPoolBuilder<T> {
+    selection: Selection,
+    members: Vec<(String, LimitSet, T)>,
+}
+
+impl<T> LimitPoolBuilder<T> {
+    /// One more member: an account named `name` whose limits `set` mirrors, with its
+    /// configuration.
+    pub fn member(mut self, name: impl Into<String>, set: LimitSet, config: T) -> Self {
+        self.members.push((name.into(), set, config));
+        self
+    }
+
+    /// The pool.
+    ///
+    /// # Errors
+    /// No member, or two members with one name.
+    pub fn build(self) -> Result<LimitPool<T>, PolicyError> {
+        if self.members.is_empty() {
+            return Err(PolicyError::new("members", "a pool needs at least one member"));
+        }
+        for (i, (name, _, _)) in self.members.iter().enumerate() {
+            if self.members[..i].iter().any(|(n, _, _)| n == name) {
+                return Err(PolicyError::new(format!("members[{i}]"), format!("{name:?} is already a member's name")));
+            }
+        }
+        let members = self
+            .members
+            .into_iter()
+            .map(|(name, set, config)| Member {
+                name: name.into(),
+                set,
+                config: Arc::new(config),
+                benched_until: AtomicU64::new(0),
+            })
+            .collect();
+        Ok(LimitPool {
+            inner: Arc::new(Inner {
+                members,
+                selection: self.selection,
+                next: AtomicUsize::new(0),
+                seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
+            }),
+        })
+    }
+}
+
+impl<T> LimitPool<T> {
+    /// A builder for a pool choosing by `selection`.
+    pub fn builder(selection: Selection) -> LimitPoolBuilder<T> {
+        LimitPoolBuilder { selection, members: Vec::new() }
+    }
+
+    /// How many members the pool has.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// Whether the pool has no member (never true for a built pool).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.inner.members.is_empty()
+    }
+
+    /// The limit set of the member at `index`.
+    #[must_use]
+    pub fn member_set(&self, index: usize) -> Option<&LimitSet> {
+        self.inner.members.get(index).map(|m| &m.set)
+    }
+
+    /// The index of the member named `name`.
+    #[must_use]
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.inner.members.iter().position(|m| &*m.name == name)
+    }
+
+    /// Until when the member at `index` is benched after an upstream refusal, if it is.
+    #[must_use]
+    pub fn benched_until(&self, index: usize, now: Instant) -> Option<Instant> {
+        let until = self.inner.members.get(index)?.benched_until.load(Ordering::Acquire);
+        (until > now.as_nanos()).then(|| Instant::from_nanos(until))
+    }
+
+    /// Acquires from the first member, in the selection's order, whose set grants the
+    /// request; benched members are skipped.
+    ///
+    /// # Errors
+    /// When every member refuses: the refusal that frees first (a never-passing cost if
+    /// it is above every member's capacity, a denial naming the member's limit
+    /// otherwise).
+    pub fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<PoolGrant<T>, AcquireError> {
+        let members = &self.inner.members;
+        let n = members.len();
+        let order = self.order(key, cost, now);
+        let mut best: Option<AcquireError> = None;
+        let mut earliest_bench: Option<u64> = None;
+        for &i in order.iter().take(n) {
+            let m = &members[i];
+            let benched = m.benched_until.load(Ordering::Acquire);
+            if benched > now.as_nanos() {
+                earliest_bench = Some(earliest_bench.map_or(benched, |e| e.min(benched)));
+                continue;
+            }
+            match m.set.acquire_grant(key, cost, now) {
+                Ok(grant) => {
+                    let chosen = Chosen { index: i, name: m.name.clone(), config: m.config.clone() };
+                    return Ok(PoolGrant { chosen, grant });
+                }
+                Err(e) => best = Some(sooner(best, e)),
+            }
+        }
+        match best {
+            Some(AcquireError::Denied(mut d)) => {
+                if let Some(b) = earliest_bench {
+                    let bench_wait = Duration::from_nanos(b - now.as_nanos());
+                    if bench_wait < d.retry_after || d.needs_release {
+                        d.retry_after = bench_wait;
+                        d.needs_release = false;
+                    }
+                }
+                Err(AcquireError::Denied(d))
+            }
+            Some(other) => Err(other),
+            None => {
+                // Every member is benched by its upstream.
+                let wait = Duration::from_nanos(earliest_bench.unwrap_or(0).saturating_sub(now.as_nanos()));
+                Err(AcquireError::Denied(crate::error::Denial::upstream(wait)))
+            }
+        }
+    }
+
+    /// The members' indices in the order to try them for this request.
+    fn order(&self, key: &TenantKey, cost: u64, now: Instant) -> Vec<usize> {
+        let n = self.inner.members.len();
+        let start = match self.inner.selection {
+            Selection::RoundRobin => self.inner.next.fetch_add(1, Ordering::Relaxed) % n,
+            Selection::Random => {
+                // splitmix64 over a shared counter: cheap, lock-free, good enough to spread.
+                let mut z = self.inner.seed.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                ((z ^ (z >> 31)) % n as u64) as usize
+            }
+            Selection::MostHeadroom => {
+                let mut scored: Vec<(usize, (u64, u64))> = self
+                    .inner
+                    .members
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (i, headroom(&m.set.peek(key, now), cost)))
+                    .collect();
+                // Most room first: compare a/b fractions by cross-multiplying.
+                scored.sort_by(|(i, (a, b)), (j, (c, d))| {
+                    (u128::from(*c) * u128::from(*b)).cmp(&(u128::from(*a) * u128::from(*d))).then(i.cmp(j))
+                });
+                return scored.into_iter().map(|(i, _)| i).collect();
+            }
+        };
+        (0..n).map(|k| (start + k) % n).collect()
+    }
+
+    /// Learns from an upstream's answer for the member at `index`: benches it until its
+    /// `retry_after`, and charges its local mirror down to the remaining counts it
+    /// reported (never up).
+    pub fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
+        let Some(m) = self.inner.members.get(index) else { return };
+        if let Some(wait) = report.retry_after {
+            let until = (now + wait).as_nanos();
+            m.benched_until.fetch_max(until, Ordering::AcqRel);
+        }
+        let key = TenantKey::global();
+        if let Some(r) = report.remaining_requests {
+            m.set.align_remaining(&key, Counts::Requests, r, now);
+        }
+        if let Some(r) = report.remaining_tokens {
+            m.set.align_remaining(&key, Counts::Cost, r, now);
+        }
+    }
+
+    /// Settles a grant to the real usage; see [`LimitSet::settle_grant`].
+    pub fn settle(&self, key: &TenantKey, grant: &mut PoolGrant<T>, actual: u64, now: Instant) {
+        if let Some(m) = self.inner.members.get(grant.chosen.index) {
+            m.set.settle_grant(key, &mut grant.grant, actual, now);
+        }
+    }
+
+    /// Releases a grant; see [`LimitSet::release_grant`].
+    pub fn release(&self, key: &TenantKey, grant: PoolGrant<T>) {
+        if let Some(m) = self.inner.members.get(grant.chosen.index) {
+            m.set.release_grant(key, grant.grant);
+        }
+    }
+
+    /// Refunds and releases a grant; see [`LimitSet::cancel_grant`].
+    pub fn cancel(&self, key: &TenantKey, grant: PoolGrant<T>, now: Instant) {
+        if let Some(m) = self.inner.members.get(grant.chosen.index) {
+            m.set.cancel_grant(key, grant.grant, now);
+        }
+    }
+}
+
+/// The tightest remaining fraction over a member's rate limits after `cost`, as
+/// (numerator, denominator).
+fn headroom(limits: &[LimitSnapshot], cost: u64) -> (u64, u64) {
+    limits
+        .iter()
+        .filter(|l| !l.is_semaphore)
+        .map(|l| {
+            let need = if l.counts == Counts::Cost { cost } else { 1 };
+            (l.snapshot.remaining.saturating_sub(need), l.snapshot.quota.max(1))
+        })
+        .min_by(|(a, b), (c, d)| (u128::from(*a) * u128::from(*d)).cmp(&(u128::from(*c) * u128::from(*b))))
+        .unwrap_or((1, 1))
+}
+
+/// Of two refusals, the one to report: a denial that frees sooner beats a later one, and
+/// any denial beats a never-passing cost (another member may be larger).
+fn sooner(best: Option<AcquireError>, next: AcquireError) -> AcquireError {
+    match (best, next) {
+        (None, next) => next,
+        (Some(AcquireError::Denied(a)), AcquireError::Denied(b)) => {
+            let key = |d: &crate::Denial| (d.needs_release, d.retry_after);
+            AcquireError::Denied(if key(&b) < key(&a) { b } else { a })
+        }
+        (Some(AcquireError::Denied(a)), _) => AcquireError::Denied(a),
+        (Some(_), AcquireError::Denied(b)) => AcquireError::Denied(b),
+        (Some(a), _) => a,
+    }
+}
+
+impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
+    type Grant = PoolGrant<T>;
+    type Acquire = std::future::Ready<Result<PoolGrant<T>, AcquireError>>;
+
+    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
+        std::future::ready(LimitPool::acquire(self, key, cost, now))
+    }
+
+    fn settle(&self, key: &TenantKey, grant: &mut PoolGrant<T>, actual: u64, now: Instant) {
+        LimitPool::settle(self, key, grant, actual, now);
+    }
+
+    fn release(&self, key: &TenantKey, grant: PoolGrant<T>) {
+        LimitPool::release(self, key, grant);
+    }
+
+    fn cancel(&self, key: &TenantKey, grant: PoolGrant<T>, now: Instant) {
+        LimitPool::cancel(self, key, grant, now);
+    }
+
+    fn needs_release(&self, grant: &PoolGrant<T>) -> bool {
+        grant.grant.holds_concurrency()
+    }
+
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        // The best member's view: what the next request would most likely get.
+        let order = self.order(key, 1, now);
+        order.first().and_then(|&i| self.inner.members.get(i)).map(|m| m.set.peek(key, now)).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LimitPolicy, LimitSetPolicy, Rate};
+
+    fn account(rpm: u64, tpm: u64) -> LimitSet {
+        LimitSet::new(
+            LimitSetPolicy::new()
+                .limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), rpm))
+                .limit(LimitPolicy::token_bucket("tpm", Rate::per_minute(tpm), tpm).counting_cost()),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn most_headroom_prefers_the_emptier_account() {
+        let pool = LimitPool::builder(Selection::MostHeadroom)
+            .member("small", account(60, 1_000), ())
+            .member("large", account(60, 100_000), ())
+            .build()
+            .unwrap();
+        let key = TenantKey::global();
+        let g = pool.acquire(&key, 500, Instant::ZERO).unwrap();
+        assert_eq!(&*g.chosen().name, "large");
+        pool.release(&key, g);
+    }
+
+    #[test]
+    fn a_refusing_upstream_benches_its_member() {
+        let pool = LimitPool::builder(Selection::RoundRobin)
+            .member("a", account(60, 1_000), 1)
+            .member("b", account(60, 1_000), 2)
+            .build()
+            .unwrap();
+        let key = TenantKey::global();
+        pool.observe(
+            0,
+            &UpstreamReport { retry_after: Some(Duration::from_secs(5)), ..Default::default() },
+            Instant::ZERO,
+        );
+        for _ in 0..4 {
+            let g = pool.acquire(&key, 1, Instant::ZERO).unwrap();
+            assert_eq!(g.chosen().index, 1, "a is benched");
+            pool.release(&key, g);
+        }
+        let later = Instant::from_nanos(5_000_000_000);
+        assert_eq!(pool.benched_until(0, later), None);
+        let picks: Vec<usize> = (0..2)
+            .map(|_| {
+                let g = pool.acquire(&key, 1, later).unwrap();
+                let i = g.chosen().index;
+                pool.release(&key, g);
+                i
+            })
+            .collect();
+        assert!(picks.contains(&0), "a serves again after its retry time");
+    }
+
+    #[test]
+    fn reported_remaining_corrects_the_mirror() {
+        let pool = LimitPool::builder(Selection::RoundRobin).member("a", account(60, 1_000), ()).build().unwrap();
+        let key = TenantKey::global();
+        pool.observe(
+            0,
+            &UpstreamReport { remaining_tokens: Some(100), remaining_requests: Some(70), ..Default::default() },
+            Instant::ZERO,
+        );
+        let snapshots = pool.member_set(0).unwrap().peek(&key, Instant::ZERO);
+        assert_eq!(snapshots[1].snapshot.remaining, 100);
+        assert_eq!(snapshots[0].snapshot.remaining, 60, "never raised above the local view");
+        assert!(pool.acquire(&key, 101, Instant::ZERO).is_err());
+    }
+
+    #[test]
+    fn when_all_refuse_the_earliest_wins() {
+        let pool = LimitPool::builder(Selection::RoundRobin)
+            .member("a", account(1, 1_000), ())
+            .member("b", account(2, 1_000), ())
+            .build()
+            .unwrap();
+        let key = TenantKey::global();
+        let grants: Vec<_> = (0..3).map(|_| pool.acquire(&key, 1, Instant::ZERO).unwrap()).collect();
+        match pool.acquire(&key, 1, Instant::ZERO) {
+            Err(AcquireError::Denied(d)) => assert_eq!(d.retry_after(), Duration::from_secs(30), "b frees first"),
+            other => panic!("{other:?}"),
+        }
+        for g in grants {
+            pool.release(&key, g);
+        }
+    }
+}
