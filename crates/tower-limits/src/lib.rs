@@ -53,3 +53,17 @@ pub use tower_limits_core::{
 
 /// The sans-IO core, in full.
 pub use tower_limits_core as core;
+
+/// The guide: concepts, choosing an algorithm, the laws, HTTP answers and migrating.
+pub mod guide {
+    #[doc = include_str!("../../../docs/concepts.md")]
+    pub mod concepts {}
+    #[doc = include_str!("../../../docs/algorithms.md")]
+    pub mod algorithms {}
+    #[doc = include_str!("../../../docs/laws.md")]
+    pub mod laws {}
+    #[doc = include_str!("../../../docs/http.md")]
+    pub mod http_answers {}
+    #[doc = include_str!("../../../docs/migration.md")]
+    pub mod migration {}
+}
