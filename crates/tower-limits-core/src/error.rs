@@ -62,6 +62,21 @@ pub struct Denial {
 }
 
 impl Denial {
+    /// A denial decided by a backend outside this crate (the Redis backend evaluates the
+    /// same algorithms in a server-side script). `limit` is the blocking limit's index in
+    /// the policy; the other fields are as their accessors describe.
+    #[must_use]
+    pub fn new(
+        name: &'static str,
+        tier: Option<&'static str>,
+        limit: usize,
+        retry_after: Duration,
+        needs_release: bool,
+        snapshot: Snapshot,
+    ) -> Self {
+        Denial { name, tier, limit, retry_after, needs_release, snapshot }
+    }
+
     /// Every upstream of a pool refused and is benched for `wait`.
     pub(crate) fn upstream(wait: Duration) -> Self {
         Denial {
@@ -158,6 +173,13 @@ pub struct CostAboveCapacity {
 }
 
 impl CostAboveCapacity {
+    /// A refusal decided by a backend outside this crate: `cost` asked of the limit
+    /// `limit` (keyed by `tier`), which can grant at most `capacity` at once.
+    #[must_use]
+    pub fn new(limit: &'static str, tier: Option<&'static str>, cost: u64, capacity: u64) -> Self {
+        CostAboveCapacity { limit, tier, cost, capacity }
+    }
+
     /// The name of the limit.
     #[must_use]
     pub fn limit(&self) -> &'static str {
@@ -200,6 +222,12 @@ pub struct MissingKey {
 }
 
 impl MissingKey {
+    /// A refusal decided by a backend outside this crate: the key lacks `tier`.
+    #[must_use]
+    pub fn new(tier: &'static str) -> Self {
+        MissingKey { tier }
+    }
+
     /// The first tier the key lacks.
     #[must_use]
     pub fn tier(&self) -> &str {

@@ -17,7 +17,6 @@ pub const MAX_TIERS: usize = 8;
 
 /// Separates parts inside the joined path; parts may not contain it.
 const SEPARATOR: char = '\u{1f}';
-const SEPARATOR_BYTE: u8 = 0x1f;
 
 /// An ordered path of identifiers, one per tier, broadest first.
 ///
@@ -30,12 +29,17 @@ const SEPARATOR_BYTE: u8 = 0x1f;
 /// assert_eq!(key.to_string(), "acme/engineering/alice");
 /// ```
 ///
-/// It is one pointer wide: the global key holds nothing, any other key one shared string.
+/// The global key holds nothing; any other key one shared string and the offsets of its
+/// tiers, so that finding a tier's key is a slice, not a search.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct TenantKey {
     /// The parts joined by the separator; `None` for the key with no tier.
     path: Option<Arc<str>>,
+    /// `ends[i]` is the byte length of the path up to and including part `i`.
+    ends: [u16; MAX_TIERS],
+    depth: u8,
 }
+
 /// Why a [`TenantKey`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyError {
@@ -65,7 +69,7 @@ impl TenantKey {
     /// The key with no tier: what global limits use. Costs nothing to build or clone.
     #[must_use]
     pub const fn global() -> Self {
-        TenantKey { path: None }
+        TenantKey { path: None, ends: [0; MAX_TIERS], depth: 0 }
     }
 
     /// A key of one tier.
@@ -87,6 +91,7 @@ impl TenantKey {
         I::Item: AsRef<str>,
     {
         let mut path = String::new();
+        let mut ends = [0u16; MAX_TIERS];
         let mut depth = 0usize;
         for part in parts {
             let part = part.as_ref();
@@ -100,29 +105,33 @@ impl TenantKey {
                 path.push(SEPARATOR);
             }
             path.push_str(part);
+            ends[depth] = u16::try_from(path.len()).map_err(|_| KeyError::TooLong)?;
             depth += 1;
         }
-        if path.len() > usize::from(u16::MAX) {
-            return Err(KeyError::TooLong);
-        }
-        Ok(TenantKey { path: (depth > 0).then(|| Arc::from(path)) })
+        Ok(TenantKey { path: (depth > 0).then(|| Arc::from(path)), ends, depth: depth as u8 })
     }
 
     /// How many tiers the key has.
     #[must_use]
+    #[inline]
     pub fn depth(&self) -> usize {
-        self.path.as_deref().map_or(0, |p| 1 + p.bytes().filter(|&b| b == SEPARATOR_BYTE).count())
+        usize::from(self.depth)
     }
 
     /// The identifier at tier `i`, if the key is that deep.
     #[must_use]
     pub fn part(&self, i: usize) -> Option<&str> {
-        self.path.as_deref()?.split(SEPARATOR).nth(i)
+        let path = self.path.as_deref()?;
+        if i >= self.depth() {
+            return None;
+        }
+        let start = if i == 0 { 0 } else { usize::from(self.ends[i - 1]) + SEPARATOR.len_utf8() };
+        Some(&path[start..usize::from(self.ends[i])])
     }
 
     /// The parts, broadest first.
     pub fn parts(&self) -> impl Iterator<Item = &str> + '_ {
-        self.path.as_deref().into_iter().flat_map(|p| p.split(SEPARATOR))
+        (0..self.depth()).filter_map(|i| self.part(i))
     }
 
     /// The joined path of the first `tiers` parts: the key of a limit scoped to tier
@@ -130,20 +139,18 @@ impl TenantKey {
     #[must_use]
     #[inline]
     pub fn prefix(&self, tiers: usize) -> Option<&str> {
-        if tiers == 0 {
-            return Some("");
+        match (tiers, self.path.as_deref()) {
+            (0, _) => Some(""),
+            (n, Some(path)) if n <= self.depth() => Some(&path[..usize::from(self.ends[n - 1])]),
+            _ => None,
         }
-        let path = self.path.as_deref()?;
-        let mut seen = 0;
-        for (i, b) in path.bytes().enumerate() {
-            if b == SEPARATOR_BYTE {
-                seen += 1;
-                if seen == tiers {
-                    return Some(&path[..i]);
-                }
-            }
-        }
-        (seen + 1 == tiers).then_some(path)
+    }
+
+    /// Whether this is the key with no tier.
+    #[must_use]
+    #[inline]
+    pub fn is_global(&self) -> bool {
+        self.path.is_none()
     }
 
     /// The first part: the broadest tier, which decides where the key's state lives.

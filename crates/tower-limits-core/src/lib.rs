@@ -38,6 +38,7 @@ pub mod policy;
 pub mod pool;
 mod rate;
 mod set;
+mod table;
 pub mod time;
 
 pub use algorithm::{Refusal, Snapshot};

@@ -49,13 +49,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use hashbrown::{DefaultHashBuilder, HashTable};
+use hashbrown::DefaultHashBuilder;
 
 use crate::algorithm::{Refusal, Snapshot};
 use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
 use crate::key::{MAX_TIERS, TenantKey};
 use crate::limit::{Config, LimitDef, LimitState};
 use crate::policy::{Counts, LimitSetPolicy, MAX_LIMITS, PolicyError};
+use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
 
 /// A grant version that matches whatever policy is current (for corrections that are not
@@ -69,11 +70,6 @@ const MAX_SHARDS: usize = 32;
 #[repr(align(128))]
 struct Padded<T>(T);
 
-struct Entry {
-    key: Box<str>,
-    state: LimitState,
-}
-
 /// Keyed states of the tenants whose root hashes here.
 struct Shard {
     config: Arc<Config>,
@@ -82,7 +78,7 @@ struct Shard {
 
 struct Keyed {
     /// One table per limit of the config (empty for global limits).
-    tables: Vec<HashTable<Entry>>,
+    tables: Vec<Table>,
     len: usize,
     cap: usize,
     latest: Instant,
@@ -185,7 +181,7 @@ impl LimitSet {
         let shard = |config: &Arc<Config>| Shard {
             config: config.clone(),
             keyed: Keyed {
-                tables: (0..config.limits.len()).map(|_| HashTable::new()).collect(),
+                tables: config.limits.iter().map(|l| Table::for_limit(&l.limit)).collect(),
                 len: 0,
                 cap,
                 latest: Instant::ZERO,
@@ -294,21 +290,9 @@ impl LimitSet {
     pub fn align_remaining(&self, key: &TenantKey, counts: Counts, remaining: u64, now: Instant) {
         let probe =
             Grant { granted_at: now, version: ANY_VERSION, config: None, acquired: Costs::Uniform(0), settled: None };
-        let applies = |def: &LimitDef| def.counts == counts && !def.limit.is_semaphore();
-        self.shared.with_states(
-            key,
-            &probe,
-            now,
-            |_, def| applies(def),
-            |_, def, _, state, now| {
-                if applies(def) {
-                    let local = def.limit.peek(state, now).remaining;
-                    if local > remaining {
-                        def.limit.charge(state, now, now, local - remaining);
-                    }
-                }
-            },
-        );
+        self.shared.correct(key, &probe, now, |_, def| {
+            (def.counts == counts && !def.limit.is_semaphore()).then_some(Op::Align(remaining))
+        });
     }
 
     /// Remaining capacity and reset time of every limit for `key` at `now`, without
@@ -380,7 +364,7 @@ impl LimitSet {
         let cap = shard_cap(new.max_keys, shards.len());
         for shard in &mut shards {
             let k = &mut shard.keyed;
-            let mut tables: Vec<HashTable<Entry>> = (0..new.limits.len()).map(|_| HashTable::new()).collect();
+            let mut tables: Vec<Table> = new.limits.iter().map(|l| Table::for_limit(&l.limit)).collect();
             let mut counters = Counters { admitted: k.counters.admitted, ..Counters::default() };
             for (i, table) in std::mem::take(&mut k.tables).into_iter().enumerate() {
                 if let Some(j) = moves[i] {
@@ -389,7 +373,7 @@ impl LimitSet {
                     counters.impossible[j] = k.counters.impossible[i];
                 }
             }
-            k.len = tables.iter().map(HashTable::len).sum();
+            k.len = tables.iter().map(Table::len).sum();
             k.tables = tables;
             k.counters = counters;
             k.cap = cap;
@@ -515,7 +499,7 @@ impl Shared {
 
     #[inline]
     fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
-        if key.depth() > 0 && self.tiered.load(Ordering::Acquire) {
+        if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
@@ -526,7 +510,7 @@ impl Shared {
             }
         } else {
             let mut global = self.lock_global();
-            if global.config.has_tiered && key.depth() > 0 {
+            if global.config.has_tiered && !key.is_global() {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
                 drop(global);
@@ -553,7 +537,7 @@ impl Shared {
         now: Instant,
     ) -> Result<Granted, AcquireError> {
         let cfg: &Config = config;
-        if cfg.depth_needed > key.depth() {
+        if cfg.depth_needed > 0 && key.prefix(cfg.depth_needed).is_none() {
             return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
         }
         let mut now = now;
@@ -570,10 +554,12 @@ impl Shared {
 
         // One hash per tier the policy uses.
         let mut hashes = [0u64; MAX_TIERS];
+        let mut hashed = [false; MAX_TIERS];
         for def in &cfg.limits {
             if let Some(t) = def.tier {
-                if hashes[t] == 0 {
-                    hashes[t] = self.hasher.hash_one(key.prefix(t + 1).unwrap_or("")) | 1;
+                if !hashed[t] {
+                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or(""));
+                    hashed[t] = true;
                 }
             }
         }
@@ -589,11 +575,14 @@ impl Shared {
                 None => def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost),
                 Some(t) => {
                     let prefix = key.prefix(t + 1).unwrap_or("");
-                    let found = shard.as_deref().and_then(|s| s.tables[i].find(hashes[t], |e| &*e.key == prefix));
-                    if found.is_none() {
+                    let (found, result) = match shard.as_deref() {
+                        Some(s) => s.tables[i].check(&def.limit, hashes[t], prefix, now, cost),
+                        None => (false, def.limit.check(&cfg.fresh[i], now, cost)),
+                    };
+                    if !found {
                         new_entries += 1;
                     }
-                    def.limit.check(found.map_or(&cfg.fresh[i], |e| &e.state), now, cost)
+                    result
                 }
             };
             match result {
@@ -625,8 +614,10 @@ impl Shared {
                 None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
                 Some(t) => {
                     let prefix = key.prefix(t + 1).unwrap_or("");
-                    let found = shard.as_deref().and_then(|s| s.tables[i].find(hashes[t], |e| &*e.key == prefix));
-                    def.limit.peek(found.map_or(&cfg.fresh[i], |e| &e.state), now)
+                    match shard.as_deref() {
+                        Some(s) => s.tables[i].peek(&def.limit, hashes[t], prefix, now),
+                        None => def.limit.peek(&cfg.fresh[i], now),
+                    }
                 }
             };
             return Err(denied(cfg, i, retry, needs_release, snapshot));
@@ -644,7 +635,7 @@ impl Shared {
                     .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
                     .filter(|&(i, t)| {
                         let prefix = key.prefix(t + 1).unwrap_or("");
-                        s.tables[i].find(hashes[t], |e| &*e.key == prefix).is_none()
+                        !s.tables[i].contains(hashes[t], prefix)
                     })
                     .count();
                 if s.len + new_entries > s.cap {
@@ -665,16 +656,7 @@ impl Shared {
                 Some(t) => {
                     let Some(s) = shard.as_deref_mut() else { continue };
                     let prefix = key.prefix(t + 1).unwrap_or("");
-                    let table = &mut s.tables[i];
-                    if let Some(e) = table.find_mut(hashes[t], |e| &*e.key == prefix) {
-                        def.limit.commit(&mut e.state, now, cost);
-                    } else {
-                        let mut state = cfg.fresh[i].clone();
-                        def.limit.commit(&mut state, now, cost);
-                        let hasher = &self.hasher;
-                        table.insert_unique(hashes[t], Entry { key: prefix.into(), state }, |e| {
-                            hasher.hash_one(&*e.key) | 1
-                        });
+                    if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
                         s.len += 1;
                     }
                 }
@@ -716,13 +698,11 @@ impl Shared {
             }
             (Some(t), Some(s), _) => {
                 let prefix = key.prefix(t + 1).unwrap_or("");
-                let h = self.hasher.hash_one(prefix) | 1;
-                let result = if let Some(e) = s.tables[0].find_mut(h, |e| &*e.key == prefix) {
-                    def.limit.acquire(&mut e.state, now, cost).map_err(|r| (r, def.limit.peek(&e.state, now)))
-                } else {
-                    let mut state = cfg.fresh[0].clone();
-                    match def.limit.acquire(&mut state, now, cost) {
-                        Err(r) => Err((r, def.limit.peek(&state, now))),
+                let h = key_hash(&self.hasher, prefix);
+                let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
+                    Some(result) => result,
+                    None => match def.limit.check(&cfg.fresh[0], now, cost) {
+                        Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
                         Ok(()) => {
                             if s.len >= s.cap {
                                 s.sweep(cfg, now);
@@ -730,14 +710,11 @@ impl Shared {
                                     return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
                                 }
                             }
-                            let hasher = &self.hasher;
-                            s.tables[0].insert_unique(h, Entry { key: prefix.into(), state }, |e| {
-                                hasher.hash_one(&*e.key) | 1
-                            });
+                            s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
                             s.len += 1;
                             Ok(())
                         }
-                    }
+                    },
                 };
                 if result.is_ok() {
                     s.latest = now;
@@ -764,24 +741,19 @@ impl Shared {
 
     /// Runs `f` on each limit of the current config that grant-limit `i` maps to, with
     /// its state for the grant's key, under the locks that needs.
-    fn with_states(
-        &self,
-        key: &TenantKey,
-        grant: &Grant,
-        now: Instant,
-        create: impl Fn(usize, &LimitDef) -> bool,
-        mut f: impl FnMut(usize, &LimitDef, Option<usize>, &mut LimitState, Instant),
-    ) {
-        let mut shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
+    /// Applies to each limit of the current policy the correction `op_for` gives for the
+    /// grant's limit it maps to (by index, or by name after a policy change), under the
+    /// locks that needs. A correction that adds to a state evicted since the grant brings
+    /// it back, room permitting.
+    fn correct(&self, key: &TenantKey, grant: &Grant, now: Instant, op_for: impl Fn(usize, &LimitDef) -> Option<Op>) {
+        let mut shard = (!key.is_global()).then(|| lock(self.shard_of(key)));
         let mut global = self.lock_global();
         let current = global.config.clone();
         let mut now = now.max(global.states.latest);
         if let Some(s) = &shard {
             now = now.max(s.keyed.latest);
         }
-        // Map the grant's limits to the current ones.
-        let n = current.limits.len();
-        for j in 0..n {
+        for (j, def) in current.limits.iter().enumerate() {
             let from = if current.version == grant.version || grant.version == ANY_VERSION {
                 Some(j)
             } else if let Some(old) = &grant.config {
@@ -789,31 +761,21 @@ impl Shared {
             } else {
                 None
             };
-            let Some(i) = from else { continue };
-            let def = &current.limits[j];
+            let Some(op) = from.and_then(|i| op_for(i, def)) else { continue };
             match def.tier {
-                None => f(i, def, None, &mut global.states.states[j], now),
+                None => apply_global(&def.limit, &mut global.states.states[j], op, now),
                 Some(t) => {
                     let Some(s) = shard.as_deref_mut().map(|s| &mut s.keyed) else { continue };
                     let Some(prefix) = key.prefix(t + 1) else { continue };
-                    let h = self.hasher.hash_one(prefix) | 1;
-                    if let Some(e) = s.tables[j].find_mut(h, |e| &*e.key == prefix) {
-                        f(i, def, Some(t), &mut e.state, now);
-                    } else if create(i, def) {
-                        // The state was evicted as idle since the grant (idle means it
-                        // decides as a fresh one), and this correction adds to it.
-                        if s.len >= s.cap {
-                            s.sweep(&current, now);
-                        }
-                        if s.len < s.cap {
-                            let mut state = current.fresh[j].clone();
-                            f(i, def, Some(t), &mut state, now);
-                            let hasher = &self.hasher;
-                            s.tables[j].insert_unique(h, Entry { key: prefix.into(), state }, |e| {
-                                hasher.hash_one(&*e.key) | 1
-                            });
-                            s.len += 1;
-                        }
+                    let h = key_hash(&self.hasher, prefix);
+                    let mut create = op.adds();
+                    if create && s.len >= s.cap && !s.tables[j].contains(h, prefix) {
+                        s.sweep(&current, now);
+                        // The bound on memory comes first: a charge with no room is dropped.
+                        create = s.len < s.cap;
+                    }
+                    if s.tables[j].apply(&def.limit, &self.hasher, (h, prefix), op, now, create) {
+                        s.len += 1;
                     }
                 }
             }
@@ -822,32 +784,23 @@ impl Shared {
 
     fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(config) = &grant.config else { return };
-        self.with_states(
-            key,
-            grant,
-            grant.granted_at,
-            |_, _| false,
-            |i, def, _, state, _| {
-                if def.limit.is_semaphore() {
-                    def.limit.release(state, grant.acquired.of(i, &config.limits[i]));
-                }
-            },
-        );
+        self.correct(key, grant, grant.granted_at, |i, def| {
+            def.limit.is_semaphore().then(|| Op::Release(grant.acquired.of(i, &config.limits[i])))
+        });
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
         let granted_at = grant.granted_at;
         let before = grant.charged().clone();
-        let charges = |i: usize, def: &LimitDef| !def.limit.is_semaphore() && actual.of(i, def) > before.of(i, def);
-        self.with_states(key, grant, now, charges, |i, def, _, state, now| {
+        self.correct(key, grant, now, |i, def| {
             if def.limit.is_semaphore() {
-                return;
+                return None;
             }
             let (was, is) = (before.of(i, def), actual.of(i, def));
-            if is > was {
-                def.limit.charge(state, now, granted_at, is - was);
-            } else if was > is {
-                def.limit.refund(state, now, granted_at, was - is);
+            match is.cmp(&was) {
+                std::cmp::Ordering::Greater => Some(Op::Charge { granted_at, amount: is - was }),
+                std::cmp::Ordering::Less => Some(Op::Refund { granted_at, amount: was - is }),
+                std::cmp::Ordering::Equal => None,
             }
         });
         grant.settled = Some(actual);
@@ -855,21 +808,13 @@ impl Shared {
 
     fn cancel(&self, key: &TenantKey, grant: &Grant, now: Instant) {
         let granted_at = grant.granted_at;
-        self.with_states(
-            key,
-            grant,
-            now,
-            |_, _| false,
-            |i, def, _, state, now| {
-                if !def.limit.is_semaphore() {
-                    def.limit.refund(state, now, granted_at, grant.charged().of(i, def));
-                }
-            },
-        );
+        self.correct(key, grant, now, |i, def| {
+            (!def.limit.is_semaphore()).then(|| Op::Refund { granted_at, amount: grant.charged().of(i, def) })
+        });
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
-        let shard = (key.depth() > 0).then(|| lock(self.shard_of(key)));
+        let shard = (!key.is_global()).then(|| lock(self.shard_of(key)));
         let global = self.lock_global();
         let cfg = global.config.clone();
         let mut now = now.max(global.states.latest);
@@ -878,14 +823,13 @@ impl Shared {
         }
         let mut out = Vec::with_capacity(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
-            let state = match def.tier {
-                None => &global.states.states[i],
+            let snapshot = match def.tier {
+                None => def.limit.peek(&global.states.states[i], now),
                 Some(t) => {
                     let (Some(s), Some(prefix)) = (shard.as_deref().map(|s| &s.keyed), key.prefix(t + 1)) else {
                         continue;
                     };
-                    let h = self.hasher.hash_one(prefix) | 1;
-                    s.tables[i].find(h, |e| &*e.key == prefix).map_or(&cfg.fresh[i], |e| &e.state)
+                    s.tables[i].peek(&def.limit, key_hash(&self.hasher, prefix), prefix, now)
                 }
             };
             out.push(LimitSnapshot {
@@ -893,7 +837,7 @@ impl Shared {
                 tier: def.tier.map(|t| cfg.tiers[t]),
                 counts: def.counts,
                 is_semaphore: def.limit.is_semaphore(),
-                snapshot: def.limit.peek(state, now),
+                snapshot,
             });
         }
         out
@@ -931,15 +875,7 @@ impl Shared {
                 stats.denied += s.counters.denied[i];
                 stats.cost_above_capacity += s.counters.impossible[i];
                 stats.tracked_keys += s.tables[i].len();
-                if cfg.limits[i].limit.is_semaphore() {
-                    stats.held += s.tables[i]
-                        .iter()
-                        .map(|e| match &e.state {
-                            LimitState::Semaphore(st) => st.held(),
-                            _ => 0,
-                        })
-                        .sum::<u64>();
-                }
+                stats.held += s.tables[i].held();
             }
         }
         LimitSetStats { admitted, limits }
@@ -989,10 +925,9 @@ impl Keyed {
     fn sweep(&mut self, config: &Config, now: Instant) -> usize {
         let before = self.len;
         for (i, table) in self.tables.iter_mut().enumerate() {
-            let limit = &config.limits[i].limit;
-            table.retain(|e| !limit.is_idle(&e.state, now));
+            table.sweep(&config.limits[i].limit, now);
         }
-        self.len = self.tables.iter().map(HashTable::len).sum();
+        self.len = self.tables.iter().map(Table::len).sum();
         before - self.len
     }
 }
