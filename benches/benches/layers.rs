@@ -116,6 +116,16 @@ fn deny(c: &mut Criterion) {
     let mut ours = ours_gcra(Rate::per_hour(1), 1).layer(bare());
     assert_eq!(drive(&mut ours), 200);
     bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::SERVICE_UNAVAILABLE);
+    let mut plain = LimitSetLayer::gcra(Rate::per_hour(1), 1).expect("policy").system_clock().layer(bare());
+    assert_eq!(drive(&mut plain), 200);
+    c.bench_function("deny/tower_limits_gcra_error_mode", |b| {
+        b.iter(|| {
+            let mut cx = Context::from_waker(Waker::noop());
+            let _ = plain.poll_ready(&mut cx);
+            let fut = pin!(plain.call(Request::new(())));
+            black_box(matches!(fut.poll(&mut cx), Poll::Ready(Err(_))))
+        });
+    });
     let config = GovernorConfigBuilder::default()
         .per_second(3600)
         .burst_size(1)
