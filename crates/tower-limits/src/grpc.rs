@@ -35,3 +35,30 @@ impl From<LimitError> for tonic::Status {
         e.to_grpc_status()
     }
 }
+
+/// Refused gRPC calls are answered by the layer itself: a trailers-only response with the
+/// status of [`LimitError::to_grpc_status`] (`RESOURCE_EXHAUSTED` and the retry delay for a
+/// tenant's own limit). For tonic servers: `Server::builder().layer(limits)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcAnswer;
+
+impl<B: Default, E> crate::Rejection<http::Response<B>, E> for GrpcAnswer {
+    type Response = http::Response<B>;
+    type Error = E;
+
+    fn reject(&self, error: Box<LimitError>) -> Result<http::Response<B>, E> {
+        Ok(error.to_grpc_status().into_http())
+    }
+
+    fn respond(
+        &self,
+        response: http::Response<B>,
+        _snapshots: Option<&[tower_limits_core::LimitSnapshot]>,
+    ) -> http::Response<B> {
+        response
+    }
+
+    fn fail(&self, error: E) -> E {
+        error
+    }
+}
