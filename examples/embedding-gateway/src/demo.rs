@@ -1,0 +1,492 @@
+//! The demo: a mock upstream and the gateway on loopback ports, a few tenants driving
+//! load for a few seconds, then a table, an SVG chart and a verdict.
+//!
+//! Everything runs in this process, on `127.0.0.1` ports chosen by the system. Each
+//! client of the configuration's `[demo]` section keeps `concurrency` requests in flight
+//! with `batch` inputs of `words` words each, until the time is up (requests still in
+//! flight then are dropped and not counted; each task also stops after
+//! [`MAX_REQUESTS_PER_TASK`]). A refused client waits what the answer's `retry_after_ms`
+//! says (at most a second), or 50 ms when it says nothing, before trying again.
+//!
+//! # The verdict
+//!
+//! The demo fails (exit status 1) when the upstream answered any `429`, or when a
+//! tenant's share of the admitted tokens strays from its target by more than
+//! `demo.tolerance` (absolute; 0.05 means five points of the whole). Shares are measured
+//! after a warm-up (a quarter of the run, at most a second) while the fair queue fills.
+//! A tenant refused by its own plan's rate limits is capped by its plan, not by the
+//! shared capacity: its target is what it got, and the other tenants' targets split the
+//! rest in proportion to their weights.
+
+// Printing the progress, the table and the verdict is the demo's job.
+#![allow(clippy::print_stdout)]
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::api::UsageOnly;
+use crate::chart::{Series, line_chart};
+use crate::config::Config;
+use crate::gateway::{Gateway, QUEUE_TIME_HEADER, http_transport};
+use crate::upstream;
+
+/// The most requests one client task sends.
+pub const MAX_REQUESTS_PER_TASK: u64 = 100_000;
+
+/// Width of the chart's time buckets.
+const BUCKET: Duration = Duration::from_millis(250);
+
+/// What the demo is asked to do.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// How long to drive load (the configuration's `demo.seconds` otherwise).
+    pub seconds: Option<u64>,
+    /// Where to write the SVG chart.
+    pub svg: PathBuf,
+    /// Print the progress lines.
+    pub progress: bool,
+}
+
+/// The outcome, for the exit status.
+#[derive(Debug, Clone)]
+pub struct DemoReport {
+    /// `429` answers the upstream gave.
+    pub upstream_429: u64,
+    /// Tenants whose share strayed beyond the tolerance.
+    pub off_share: Vec<String>,
+}
+
+impl DemoReport {
+    /// Whether the demo passed.
+    #[must_use]
+    pub fn passed(&self) -> bool {
+        self.upstream_429 == 0 && self.off_share.is_empty()
+    }
+}
+
+/// One finished request, as a client saw it.
+#[derive(Debug, Clone)]
+struct Event {
+    tenant: usize,
+    /// When the answer came, since the start.
+    at: Duration,
+    outcome: Outcome,
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Ok { tokens: u64, queued: Duration },
+    Refused { reason: String, own_rate_limit: bool },
+}
+
+/// The parts of a refusal body the demo reads: the library's problem document or an
+/// OpenAI-shaped error.
+#[derive(Debug, Default, Deserialize)]
+struct Refusal {
+    kind: Option<String>,
+    limit: Option<String>,
+    tier: Option<String>,
+    retry_after_ms: Option<u64>,
+    error: Option<ErrorBody>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ErrorBody {
+    code: Option<String>,
+}
+
+#[derive(Debug)]
+struct TenantInfo {
+    name: String,
+    weight: u32,
+    plan: String,
+}
+
+/// Runs the demo on `config` and prints its progress, table and verdict.
+///
+/// # Errors
+/// A loopback port cannot be bound, or the gateway cannot be built.
+#[allow(clippy::too_many_lines)] // a script, read top to bottom
+pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport, Box<dyn std::error::Error>> {
+    let seconds = options.seconds.unwrap_or(config.demo.seconds);
+    if config.demo.clients.is_empty() {
+        return Err("the configuration has no [[demo.client]]".into());
+    }
+
+    // The mock upstream, on a port of the system's choosing.
+    let upstream_listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let upstream_addr = upstream_listener.local_addr()?;
+    for account in &mut config.accounts {
+        account.base_url = format!("http://{upstream_addr}");
+    }
+    let (upstream_router, upstream_stats) = upstream::router(&config.accounts, config.upstream);
+    tokio::spawn(async move { axum::serve(upstream_listener, upstream_router).await });
+
+    // The gateway.
+    let gateway = Gateway::new(&config, http_transport())?;
+    let gateway_listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let gateway_addr = gateway_listener.local_addr()?;
+    let router = gateway.router.clone();
+    tokio::spawn(async move { axum::serve(gateway_listener, router).await });
+
+    // Who drives what.
+    let mut tenants: Vec<TenantInfo> = Vec::new();
+    let mut client_tenant = Vec::new();
+    for c in &config.demo.clients {
+        let t = config.tenants.iter().find(|t| t.keys.iter().any(|k| k.secret == c.key)).ok_or("unknown demo key")?;
+        let index = match tenants.iter().position(|x| x.name == t.name) {
+            Some(i) => i,
+            None => {
+                tenants.push(TenantInfo {
+                    name: t.name.clone(),
+                    weight: t.weight,
+                    plan: config.plans[t.plan].name.clone(),
+                });
+                tenants.len() - 1
+            }
+        };
+        client_tenant.push(index);
+    }
+
+    println!(
+        "embedding-gateway demo: upstream on {upstream_addr} ({} accounts), gateway on {gateway_addr}, {} tenants, {seconds}s",
+        config.accounts.len(),
+        tenants.len()
+    );
+    for a in &config.accounts {
+        println!(
+            "  account {:<10} {} requests and {} tokens per {:?} window (rpm {}, tpm {})",
+            a.name,
+            a.requests_per_window(),
+            a.tokens_per_window(),
+            a.window,
+            a.rpm,
+            a.tpm
+        );
+    }
+    for (i, c) in config.demo.clients.iter().enumerate() {
+        let t = &tenants[client_tenant[i]];
+        println!(
+            "  tenant  {:<10} weight {}, plan {:<9} {} in flight, {} inputs of {} words per request",
+            t.name, t.weight, t.plan, c.concurrency, c.batch, c.words
+        );
+    }
+
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build_http();
+    let url: http::Uri = format!("http://{gateway_addr}/v1/embeddings").parse()?;
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(seconds);
+    let events: Arc<Mutex<Vec<Event>>> = Arc::default();
+    let live: Arc<Vec<AtomicU64>> = Arc::new((0..tenants.len()).map(|_| AtomicU64::new(0)).collect());
+    let refused_live = Arc::new(AtomicU64::new(0));
+
+    let mut tasks = Vec::new();
+    for (ci, c) in config.demo.clients.iter().enumerate() {
+        for task in 0..c.concurrency {
+            let (client, url, events, live, refused_live) =
+                (client.clone(), url.clone(), events.clone(), live.clone(), refused_live.clone());
+            let (key, batch, words, tenant) = (c.key.clone(), c.batch, c.words, client_tenant[ci]);
+            tasks.push(tokio::spawn(async move {
+                let mut seed = (ci as u64) << 40 | (task as u64) << 20;
+                for _ in 0..MAX_REQUESTS_PER_TASK {
+                    seed += 1;
+                    let body = request_body(seed, batch, words);
+                    let req = Request::post(url.clone())
+                        .header(header::AUTHORIZATION, format!("Bearer {key}"))
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .body(Full::new(Bytes::from(body)));
+                    let Ok(req) = req else { break };
+                    let answer = async {
+                        let response = client.request(req).await.ok()?;
+                        let status = response.status();
+                        let queued = response
+                            .headers()
+                            .get(QUEUE_TIME_HEADER)
+                            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                            .map(Duration::from_micros);
+                        let body = response.into_body().collect().await.ok()?.to_bytes();
+                        Some((status, queued, body))
+                    };
+                    let Ok(answer) = tokio::time::timeout_at(deadline, answer).await else { break };
+                    let at = start.elapsed();
+                    let mut pause = Duration::ZERO;
+                    let outcome = match answer {
+                        Some((StatusCode::OK, queued, body)) => {
+                            let tokens = serde_json::from_slice::<UsageOnly>(&body).map_or(0, |u| u.usage.total_tokens);
+                            live[tenant].fetch_add(tokens, Ordering::Relaxed);
+                            Outcome::Ok { tokens, queued: queued.unwrap_or_default() }
+                        }
+                        Some((status, _, body)) => {
+                            let r: Refusal = serde_json::from_slice(&body).unwrap_or_default();
+                            pause = r.retry_after_ms.map_or(Duration::from_millis(50), Duration::from_millis);
+                            let what = match (&r.limit, &r.error) {
+                                (Some(limit), _) => limit.clone(),
+                                (None, Some(ErrorBody { code: Some(code) })) => code.clone(),
+                                _ => r.kind.clone().unwrap_or_else(|| "?".into()),
+                            };
+                            refused_live.fetch_add(1, Ordering::Relaxed);
+                            Outcome::Refused {
+                                reason: format!("{} {what}", status.as_u16()),
+                                own_rate_limit: r.kind.as_deref() == Some("rate_limited") && r.tier.is_some(),
+                            }
+                        }
+                        None => {
+                            pause = Duration::from_millis(50);
+                            Outcome::Refused { reason: "transport error".into(), own_rate_limit: false }
+                        }
+                    };
+                    events.lock().unwrap_or_else(PoisonError::into_inner).push(Event { tenant, at, outcome });
+                    if !pause.is_zero() {
+                        let until = (Instant::now() + pause.min(Duration::from_secs(1))).min(deadline);
+                        tokio::time::sleep_until(until).await;
+                    }
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                }
+            }));
+        }
+    }
+
+    // Live progress, once a second.
+    let mut last: Vec<u64> = vec![0; tenants.len()];
+    let mut tick = tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
+    while Instant::now() + Duration::from_millis(10) < deadline {
+        tick.tick().await;
+        if !options.progress {
+            continue;
+        }
+        let mut line = format!("  {:>4.1}s ", start.elapsed().as_secs_f64());
+        for (i, t) in tenants.iter().enumerate() {
+            let now = live[i].load(Ordering::Relaxed);
+            let _ = write!(line, " {} {:>6} tok/s", t.name, now - last[i]);
+            last[i] = now;
+        }
+        let _ = write!(
+            line,
+            " | refused {} | upstream 429s {}",
+            refused_live.load(Ordering::Relaxed),
+            upstream_stats.refused()
+        );
+        println!("{line}");
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let elapsed = start.elapsed().min(Duration::from_secs(seconds)).as_secs_f64();
+    let events = std::mem::take(&mut *events.lock().unwrap_or_else(PoisonError::into_inner));
+
+    // The table.
+    let warmup = Duration::from_secs(seconds).div_f64(4.0).min(Duration::from_secs(1));
+    let mut rows = Vec::new();
+    for i in 0..tenants.len() {
+        let mine = events.iter().filter(|e| e.tenant == i);
+        let mut requests = 0u64;
+        let mut tokens = 0u64;
+        let mut measured = 0u64;
+        let mut queued = Vec::new();
+        let mut reasons: BTreeMap<String, u64> = BTreeMap::new();
+        let mut capped = false;
+        for e in mine {
+            match &e.outcome {
+                Outcome::Ok { tokens: n, queued: q } => {
+                    requests += 1;
+                    tokens += n;
+                    if e.at >= warmup {
+                        measured += n;
+                    }
+                    queued.push(*q);
+                }
+                Outcome::Refused { reason, own_rate_limit } => {
+                    *reasons.entry(reason.clone()).or_default() += 1;
+                    capped |= own_rate_limit;
+                }
+            }
+        }
+        queued.sort_unstable();
+        rows.push(Row { requests, tokens, measured, queued, reasons, capped, share: 0.0, target: None });
+    }
+    let total_measured: u64 = rows.iter().map(|r| r.measured).sum::<u64>().max(1);
+    for r in &mut rows {
+        r.share = r.measured as f64 / total_measured as f64;
+    }
+    let capped_share: f64 = rows.iter().filter(|r| r.capped).map(|r| r.share).sum();
+    let free_weight: u32 = tenants.iter().zip(&rows).filter(|(_, r)| !r.capped).map(|(t, _)| t.weight).sum();
+    for (t, r) in tenants.iter().zip(&mut rows) {
+        if !r.capped && free_weight > 0 {
+            r.target = Some((1.0 - capped_share) * f64::from(t.weight) / f64::from(free_weight));
+        }
+    }
+
+    println!();
+    println!(
+        "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7} {:>7} {:>11} {:>10} {:>10}  rejected (status limit)",
+        "tenant", "weight", "plan", "requests", "tokens", "tok/s", "share", "target", "p50 queue", "p99 queue"
+    );
+    let mut off_share = Vec::new();
+    for (t, r) in tenants.iter().zip(&rows) {
+        let target = match r.target {
+            Some(target) => {
+                if (r.share - target).abs() > config.demo.tolerance {
+                    off_share.push(t.name.clone());
+                }
+                format!("{:.1}%", target * 100.0)
+            }
+            None => "own limit".to_owned(),
+        };
+        let rejected = if r.reasons.is_empty() {
+            "-".to_owned()
+        } else {
+            r.reasons.iter().map(|(why, n)| format!("{n} × {why}")).collect::<Vec<_>>().join(", ")
+        };
+        println!(
+            "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7.0} {:>6.1}% {:>11} {:>10} {:>10}  {rejected}",
+            t.name,
+            t.weight,
+            t.plan,
+            r.requests,
+            r.tokens,
+            r.tokens as f64 / elapsed,
+            r.share * 100.0,
+            target,
+            millis(percentile(&r.queued, 0.50)),
+            millis(percentile(&r.queued, 0.99)),
+        );
+    }
+    let served = upstream_stats.served.load(Ordering::Relaxed);
+    let upstream_tokens = upstream_stats.tokens.load(Ordering::Relaxed);
+    let upstream_429 = upstream_stats.refused();
+    let quota: u64 =
+        config.accounts.iter().map(|a| a.tokens_per_window() as f64 / a.window.as_secs_f64()).sum::<f64>() as u64;
+    println!();
+    println!(
+        "upstream: {served} requests, {upstream_tokens} tokens ({:.0} tok/s of the accounts' {quota} tok/s), 429 answers: {upstream_429}",
+        upstream_tokens as f64 / elapsed
+    );
+    println!(
+        "shares are of the tokens admitted after a {:.2}s warm-up; tolerance ±{:.1} points",
+        warmup.as_secs_f64(),
+        config.demo.tolerance * 100.0
+    );
+
+    // The chart.
+    let buckets = (Duration::from_secs(seconds).as_nanos() / BUCKET.as_nanos()) as usize;
+    let mut series: Vec<Series> = tenants
+        .iter()
+        .map(|t| Series { name: format!("{} (w{})", t.name, t.weight), values: vec![0.0; buckets] })
+        .collect();
+    for e in &events {
+        if let Outcome::Ok { tokens, .. } = e.outcome {
+            let b = (e.at.as_nanos() / BUCKET.as_nanos()) as usize;
+            if let Some(v) = series[e.tenant].values.get_mut(b) {
+                *v += tokens as f64 / BUCKET.as_secs_f64();
+            }
+        }
+    }
+    let svg = line_chart("Admitted tokens per second, by tenant", "tokens / s", BUCKET.as_secs_f64(), &series);
+    if let Some(dir) = options.svg.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&options.svg, svg)?;
+    println!("chart: {}", options.svg.display());
+
+    let report = DemoReport { upstream_429, off_share };
+    if report.passed() {
+        println!("PASS: zero upstream 429s, every share within tolerance");
+    } else {
+        if upstream_429 > 0 {
+            println!("FAIL: the upstream answered 429 {upstream_429} times");
+        }
+        if !report.off_share.is_empty() {
+            println!("FAIL: shares beyond tolerance: {}", report.off_share.join(", "));
+        }
+    }
+    Ok(report)
+}
+
+struct Row {
+    requests: u64,
+    tokens: u64,
+    measured: u64,
+    queued: Vec<Duration>,
+    reasons: BTreeMap<String, u64>,
+    capped: bool,
+    share: f64,
+    target: Option<f64>,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
+fn millis(d: Option<Duration>) -> String {
+    d.map_or_else(|| "-".to_owned(), |d| format!("{:.1}ms", d.as_secs_f64() * 1000.0))
+}
+
+/// A deterministic request body: `batch` inputs of `words` words.
+fn request_body(seed: u64, batch: usize, words: usize) -> String {
+    const WORDS: [&str; 32] = [
+        "rate",
+        "limit",
+        "tenant",
+        "token",
+        "embedding",
+        "vector",
+        "queue",
+        "fair",
+        "share",
+        "weight",
+        "upstream",
+        "account",
+        "burst",
+        "window",
+        "gateway",
+        "request",
+        "answer",
+        "model",
+        "search",
+        "index",
+        "document",
+        "query",
+        "cluster",
+        "shard",
+        "latency",
+        "budget",
+        "policy",
+        "tier",
+        "agent",
+        "team",
+        "user",
+        "org",
+    ];
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let inputs: Vec<String> = (0..batch)
+        .map(|_| (0..words).map(|_| WORDS[(next() % WORDS.len() as u64) as usize]).collect::<Vec<_>>().join(" "))
+        .collect();
+    serde_json::json!({ "model": "mock-embedding-small", "input": inputs }).to_string()
+}

@@ -1,0 +1,368 @@
+//! The gateway's router: authentication, costing, the tenant's own limits, the shared
+//! upstream capacity, and the call to the chosen upstream account.
+//!
+//! ```text
+//! POST /v1/embeddings
+//!   AuthLayer          Bearer key -> TenantKey + Identity          401
+//!   Prepare            body -> Cost(tokens), before the call      400, 413
+//!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (RateLimit fields,
+//!                      concurrency per tenant (LimitSetLayer)          JSON naming tier+limit)
+//!   shared capacity    LimitPool of upstream accounts, waiting     503 after max_wait
+//!                      up to max_wait; InsertChosen names the account
+//!   UpstreamCall       POST to the chosen account; Usage(total_tokens) settles every
+//!                      layer above; the upstream's x-ratelimit-* feed LimitPool::observe
+//! ```
+
+use std::convert::Infallible;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::routing::post_service;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
+use tower_limits::http::{HttpAnswer, upstream_report};
+use tower_limits::{Chosen, Instant, LimitPool, LimitSet, LimitSetLayer, PolicyError, TenantKey};
+
+use crate::BoxFuture;
+use crate::api::{self, EmbeddingRequest, UsageOnly};
+use crate::auth::{Arrived, AuthLayer, Identity};
+use crate::config::{Account, Config};
+use crate::tokenizer;
+
+/// How the gateway reaches the upstream: HTTP in production, or a router in the same
+/// process (tests).
+pub type Transport = BoxCloneSyncService<Request<Body>, Response<Body>, BoxError>;
+
+/// A plain HTTP/1 client (no TLS), keeping connections alive.
+#[must_use]
+pub fn http_transport() -> Transport {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let client: Client<_, Body> = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(256).build_http();
+    BoxCloneSyncService::new(tower::service_fn(move |req: Request<Body>| {
+        let client = client.clone();
+        async move {
+            let response = client.request(req).await?;
+            Ok::<_, BoxError>(response.map(Body::new))
+        }
+    }))
+}
+
+/// Calls `router` directly, without a network: for tests.
+#[must_use]
+pub fn in_process(router: Router) -> Transport {
+    BoxCloneSyncService::new(tower::service_fn(move |req: Request<Body>| {
+        let router = router.clone();
+        async move { Ok::<_, BoxError>(router.oneshot(req).await.unwrap_or_else(|e: Infallible| match e {})) }
+    }))
+}
+
+/// Counters of the gateway itself.
+#[derive(Debug, Default)]
+pub struct GatewayStats {
+    /// Answers `429` from the upstream (the mirror's whole point is to keep this at zero).
+    pub upstream_refusals: AtomicU64,
+    /// Upstream calls that failed (connection errors, unreadable answers).
+    pub upstream_errors: AtomicU64,
+}
+
+/// The request's body and token count, as read by [`Prepare`].
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The body as received, forwarded as is.
+    pub body: Bytes,
+    /// Its tokens (also in the request's [`Cost`]).
+    pub tokens: u64,
+    /// How many inputs it has.
+    pub inputs: usize,
+}
+
+/// A built gateway: its router and what the demo and tests look at.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    /// `POST /v1/embeddings`.
+    pub router: Router,
+    /// The upstream accounts' mirrors.
+    pub pool: LimitPool<Account>,
+    /// Counters.
+    pub stats: Arc<GatewayStats>,
+}
+
+impl Gateway {
+    /// Builds the gateway of `config`, reaching the upstream through `transport`.
+    ///
+    /// # Errors
+    /// A plan or pool the library refuses (validation catches these first).
+    pub fn new(config: &Config, transport: Transport) -> Result<Self, PolicyError> {
+        let mut pool = LimitPool::builder(config.gateway.selection);
+        for account in &config.accounts {
+            let mirror = account.mirror_policy(&config.mirror, config.gateway.max_request_tokens);
+            pool = pool.member(account.name.clone(), LimitSet::new(mirror)?, account.clone());
+        }
+        let pool = pool.build()?;
+        let stats = Arc::new(GatewayStats::default());
+
+        // The shared upstream capacity. Requests wait here (up to max_wait) for an
+        // account with room; each tenant's waiters keep their order.
+        let shared = LimitSetLayer::with_backend(pool.clone())
+            .key(FromExtension::<TenantKey>::new())
+            .cost(CostFromExtension)
+            .usage(UsageFromExtension)
+            .annotate(InsertChosen)
+            .wait(config.gateway.max_wait)
+            .max_waiters(config.gateway.queue)
+            .reject_with(HttpAnswer::new().with_json_body());
+        let clock = shared.clone();
+        let call =
+            UpstreamCall { transport, pool: pool.clone(), now: Arc::new(move || clock.now()), stats: stats.clone() };
+        let inner = ServiceBuilder::new().layer(shared).service(call);
+
+        let mut plans = Vec::new();
+        for plan in &config.plans {
+            let limits = LimitSetLayer::new(plan.policy.clone())?
+                .key(FromExtension::<TenantKey>::new())
+                .cost(CostFromExtension)
+                .usage(UsageFromExtension)
+                .reject_with(HttpAnswer::new().with_json_body().with_openai_fields().on_success());
+            plans.push(limits.layer(inner.clone()));
+        }
+
+        let stack = ServiceBuilder::new()
+            .layer(AuthLayer::new(config))
+            .layer(PrepareLayer {
+                max_body_bytes: config.gateway.max_body_bytes,
+                max_tokens: config.gateway.max_request_tokens,
+            })
+            .service(PlanLimits { plans: plans.into() });
+        let router = Router::new().route("/v1/embeddings", post_service(stack));
+        Ok(Gateway { router, pool, stats })
+    }
+}
+
+/// Reads the body, counts its tokens and puts the [`Cost`] in the request's extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct PrepareLayer {
+    max_body_bytes: usize,
+    max_tokens: u64,
+}
+
+impl<S> Layer<S> for PrepareLayer {
+    type Service = Prepare<S>;
+
+    fn layer(&self, inner: S) -> Prepare<S> {
+        Prepare { inner, settings: *self }
+    }
+}
+
+/// The service of [`PrepareLayer`].
+#[derive(Debug, Clone)]
+pub struct Prepare<S> {
+    inner: S,
+    settings: PrepareLayer,
+}
+
+impl<S> Service<Request<Body>> for Prepare<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        // The service polled ready goes with the request.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let settings = self.settings;
+        Box::pin(async move {
+            let (mut parts, body) = req.into_parts();
+            let bad = |code: &str, message: &str| {
+                Ok(api::error_response(StatusCode::BAD_REQUEST, "invalid_request_error", code, message))
+            };
+            let body = match Limited::new(body, settings.max_body_bytes).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return Ok(api::error_response(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "invalid_request_error",
+                        "body_too_large",
+                        &format!("the body is larger than {} bytes", settings.max_body_bytes),
+                    ));
+                }
+            };
+            let request: EmbeddingRequest = match serde_json::from_slice(&body) {
+                Ok(r) => r,
+                Err(e) => return bad("invalid_json", &format!("expected {{\"model\", \"input\"}}: {e}")),
+            };
+            let texts = request.input.texts();
+            if texts.is_empty() || texts.iter().any(|t| t.is_empty()) {
+                return bad("invalid_input", "`input` must be a non-empty string or a non-empty array of them");
+            }
+            let tokens = tokenizer::count_all(&texts);
+            if tokens > settings.max_tokens {
+                return Ok(api::error_response(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "too_many_tokens",
+                    &format!("{tokens} tokens; a request may carry at most {}", settings.max_tokens),
+                ));
+            }
+            parts.extensions.insert(Cost(tokens));
+            parts.extensions.insert(Prepared { body, tokens, inputs: texts.len() });
+            inner.call(Request::from_parts(parts, Body::empty())).await
+        })
+    }
+}
+
+/// Sends each request through the limits of its tenant's plan.
+#[derive(Clone)]
+pub struct PlanLimits<S> {
+    plans: Arc<[S]>,
+}
+
+impl<S> fmt::Debug for PlanLimits<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlanLimits").field("plans", &self.plans.len()).finish()
+    }
+}
+
+impl<S> Service<Request<Body>> for PlanLimits<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Each call readies its own plan's service (`oneshot`).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        let plan = req.extensions().get::<Identity>().map_or(0, |id| id.plan);
+        let svc = self.plans[plan.min(self.plans.len() - 1)].clone();
+        Box::pin(svc.oneshot(req))
+    }
+}
+
+/// The innermost service: sends the request to the account the pool chose, learns from
+/// the answer, and reports the real usage.
+#[derive(Clone)]
+pub struct UpstreamCall {
+    transport: Transport,
+    pool: LimitPool<Account>,
+    now: Arc<dyn Fn() -> Instant + Send + Sync>,
+    stats: Arc<GatewayStats>,
+}
+
+impl fmt::Debug for UpstreamCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamCall").field("pool", &self.pool).finish_non_exhaustive()
+    }
+}
+
+impl Service<Request<Body>> for UpstreamCall {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+/// The queueing time of an answer, in microseconds: from arrival at the gateway to the
+/// call to the upstream.
+pub const QUEUE_TIME_HEADER: &str = "x-gateway-queue-us";
+/// The upstream account that served an answer.
+pub const ACCOUNT_HEADER: &str = "x-gateway-account";
+
+impl UpstreamCall {
+    async fn forward(self, req: Request<Body>) -> Response<Body> {
+        let internal =
+            |what: &str| api::error_response(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", what);
+        let Some(chosen) = req.extensions().get::<Chosen<Account>>().cloned() else {
+            return internal("no upstream account was chosen");
+        };
+        let Some(prepared) = req.extensions().get::<Prepared>().cloned() else {
+            return internal("the request was not prepared");
+        };
+        let queued = req.extensions().get::<Arrived>().map(|a| a.0.elapsed());
+        let account = &chosen.config;
+        let upstream = Request::post(format!("{}/v1/embeddings", account.base_url))
+            .header(header::AUTHORIZATION, format!("Bearer {}", account.api_key))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(prepared.body));
+        let Ok(upstream) = upstream else { return internal("the upstream URL is not valid") };
+        let bad_gateway = |stats: &GatewayStats, e: &dyn fmt::Display| {
+            stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
+            api::error_response(StatusCode::BAD_GATEWAY, "upstream_error", "upstream_unreachable", &e.to_string())
+        };
+        let response = match self.transport.clone().oneshot(upstream).await {
+            Ok(r) => r,
+            Err(e) => return bad_gateway(&self.stats, &e),
+        };
+        let (parts, body) = response.into_parts();
+        // What the upstream says about the account corrects its mirror (and benches it
+        // after a 429).
+        let report = upstream_report(parts.status, &parts.headers);
+        self.pool.observe(chosen.index, &report, (self.now)());
+        let bytes = match body.collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return bad_gateway(&self.stats, &e),
+        };
+        let mut out = if parts.status == StatusCode::TOO_MANY_REQUESTS {
+            // Not the tenant's fault: shared overload, retry when the account is back.
+            self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed);
+            let mut r = api::error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "upstream_error",
+                "upstream_rate_limited",
+                &format!("upstream account {} is rate limited", chosen.name),
+            );
+            let wait = report.retry_after.unwrap_or_default();
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(tower_limits::http::whole_seconds(wait)));
+            r
+        } else {
+            let mut r = Response::new(Body::from(bytes.clone()));
+            *r.status_mut() = parts.status;
+            if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+                r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+            }
+            if parts.status.is_success() {
+                if let Ok(u) = serde_json::from_slice::<UsageOnly>(&bytes) {
+                    // Settles the tenant's TPM and the account's mirror to the real count.
+                    r.extensions_mut().insert(Usage(u.usage.total_tokens));
+                }
+            }
+            r
+        };
+        let h = out.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&chosen.name) {
+            h.insert(ACCOUNT_HEADER, v);
+        }
+        if let Some(q) = queued {
+            h.insert(QUEUE_TIME_HEADER, HeaderValue::from(q.as_micros() as u64));
+        }
+        out
+    }
+}

@@ -1,0 +1,307 @@
+//! The gateway through `oneshot` on its router: configuration errors with their lines,
+//! 401 for unknown keys, 429 with its fields for a tenant's own limit, settling with the
+//! upstream's usage, and the mirror keeping a strict upstream from ever saying 429.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use embedding_gateway::config::Config;
+use embedding_gateway::gateway::{ACCOUNT_HEADER, Gateway, Transport, in_process};
+use embedding_gateway::{tokenizer, upstream};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
+
+/// A small configuration; `plan` and `extra` are spliced in.
+fn config_text(plan: &str, extra: &str) -> String {
+    format!(
+        r#"tiers = ["org", "user"]
+
+[gateway]
+max_request_tokens = 100
+max_wait = "60s"
+
+[mirror]
+jitter = "100ms"
+
+[plan.basic]
+{plan}
+
+[[tenant]]
+name = "acme"
+plan = "basic"
+weight = 2
+
+[[tenant.key]]
+key = "sk-acme-alice"
+user = "alice"
+
+[[tenant]]
+name = "globex"
+plan = "basic"
+
+[[tenant.key]]
+key = "sk-globex-bob"
+user = "bob"
+
+[[account]]
+name = "primary"
+base_url = "http://127.0.0.1:9"
+api_key = "up-primary"
+rpm = 600
+tpm = 60000
+window = "1s"
+{extra}"#
+    )
+}
+
+fn config(plan: &str) -> Config {
+    Config::parse(&config_text(plan, ""), Some("test.toml")).unwrap()
+}
+
+fn request(key: Option<&str>, input: &serde_json::Value) -> Request<Body> {
+    let mut req = Request::post("/v1/embeddings").header("content-type", "application/json");
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    req.body(Body::from(serde_json::json!({ "model": "m", "input": input }).to_string())).unwrap()
+}
+
+async fn json(response: Response<Body>) -> serde_json::Value {
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&bytes)))
+}
+
+/// The mock upstream of `config`, in process.
+fn mock(config: &Config) -> (Transport, Arc<upstream::UpstreamStats>) {
+    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    (in_process(router), stats)
+}
+
+/// An upstream that answers with a fixed usage, counting its calls.
+fn fixed_usage(total_tokens: u64, calls: Arc<AtomicU64>) -> Transport {
+    BoxCloneSyncService::new(tower::service_fn(move |_req: Request<Body>| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        let body = serde_json::json!({
+            "object": "list",
+            "data": [],
+            "model": "m",
+            "usage": { "prompt_tokens": total_tokens, "total_tokens": total_tokens }
+        });
+        async move { Ok::<_, tower::BoxError>(Response::new(Body::from(body.to_string()))) }
+    }))
+}
+
+// ---------------------------------------------------------------------------------------
+// Configuration errors name the field and the line.
+
+fn config_error(text: &str) -> embedding_gateway::config::ConfigError {
+    Config::parse(text, Some("bad.toml")).unwrap_err()
+}
+
+fn line_of(text: &str, needle: &str) -> usize {
+    // The last occurrence: a duplicate is reported where it is repeated.
+    text.lines().collect::<Vec<_>>().iter().rposition(|l| l.contains(needle)).unwrap() + 1
+}
+
+#[test]
+fn syntax_errors_carry_the_line() {
+    let text = config_text("org = { rpm = 60 }", "").replace("weight = 2", "weight = = 2");
+    let err = config_error(&text);
+    assert_eq!(err.line, Some(line_of(&text, "weight = = 2")), "{err}");
+    assert!(err.to_string().starts_with(&format!("bad.toml, line {}", line_of(&text, "weight = = 2"))), "{err}");
+}
+
+#[test]
+fn unknown_fields_and_wrong_types_carry_field_and_line() {
+    let text = config_text("org = { rpm = 60 }", "").replace("weight = 2", "wieght = 2");
+    let err = config_error(&text);
+    assert_eq!(err.line, Some(line_of(&text, "wieght")), "{err}");
+    assert_eq!(err.field, "tenant[0].wieght");
+    assert!(err.message.contains("unknown field `wieght`"), "{err}");
+
+    let text = config_text("org = { rpm = \"sixty\" }", "");
+    let err = config_error(&text);
+    assert_eq!(err.line, Some(line_of(&text, "sixty")), "{err}");
+    assert!(err.field.starts_with("plan.basic.org"), "{err}");
+}
+
+#[test]
+fn validation_errors_carry_field_and_line() {
+    // (replace, with, the line to expect, field, message)
+    let cases: [(&str, &str, &str, &str, &str); 6] = [
+        ("weight = 2", "weight = 0", "weight = 0", "tenant[0].weight", "must be at least 1"),
+        ("plan = \"basic\"", "plan = \"gold\"", "gold", "tenant[0].plan", "no plan is named \"gold\""),
+        ("sk-globex-bob", "sk-acme-alice", "sk-acme-alice", "tenant[1].key[0].key", "already belongs"),
+        ("user = \"bob\"", "usr = \"bob\"", "usr", "tenant[1].key[0].usr", "unknown field"),
+        ("window = \"1s\"", "window = \"1 fortnight\"", "fortnight", "account[0].window", "unknown unit"),
+        ("tpm = 60000", "tpm = 600", "tpm = 600", "account[0].tpm", "do not fit a burst"),
+    ];
+    for (from, to, needle, field, message) in cases {
+        let text = config_text("org = { rpm = 60 }", "").replacen(from, to, 1);
+        let err = config_error(&text);
+        assert_eq!(err.field, field, "{err}");
+        assert_eq!(err.line, Some(line_of(&text, needle)), "{err}");
+        assert!(err.message.contains(message), "{err}");
+        assert!(err.to_string().contains(&format!("line {}", line_of(&text, needle))), "{err}");
+    }
+    let text = config_text("org = { tpm = 600 }", "");
+    let err = config_error(&text);
+    assert_eq!(err.field, "plan.basic.org.tpm_burst", "{err}");
+    assert_eq!(err.line, Some(line_of(&text, "tpm = 600 }")), "{err}");
+}
+
+#[test]
+fn the_bundled_configuration_is_valid() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/gateway.toml")).unwrap();
+    let config = Config::parse(&text, None).unwrap();
+    assert!(config.tenants.len() >= 3 && config.demo.clients.len() >= 3);
+}
+
+// ---------------------------------------------------------------------------------------
+// Answers.
+
+#[tokio::test(start_paused = true)]
+async fn missing_and_unknown_keys_get_401() {
+    let config = config("org = { rpm = 60 }");
+    let (transport, _) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    for key in [None, Some("sk-nobody-at-all")] {
+        let response = gateway.router.clone().oneshot(request(key, &"hello".into())).await.unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()["www-authenticate"], "Bearer");
+        assert_eq!(json(response).await["error"]["code"], "invalid_api_key");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn embeddings_come_back_in_openai_shape() {
+    let config = config("org = { rpm = 60 }");
+    let (transport, stats) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    let input = serde_json::json!(["Hello, world!", "rate limits"]);
+    let response = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()[ACCOUNT_HEADER], "primary");
+    let body = json(response).await;
+    assert_eq!(body["object"], "list");
+    assert_eq!(body["data"].as_array().unwrap().len(), 2);
+    assert_eq!(body["data"][1]["index"], 1);
+    assert_eq!(body["data"][0]["embedding"].as_array().unwrap().len(), 16);
+    let tokens = tokenizer::count("Hello, world!") + tokenizer::count("rate limits");
+    assert_eq!(body["usage"]["total_tokens"], tokens);
+    assert_eq!(stats.served.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_bodies_and_large_requests_are_refused_before_any_limit() {
+    let config = config("org = { rpm = 60, rpm_burst = 1 }");
+    let (transport, stats) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    let bad = Request::post("/v1/embeddings").header("authorization", "Bearer sk-acme-alice").body(Body::from("{"));
+    let response = gateway.router.clone().oneshot(bad.unwrap()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let long = "word ".repeat(101);
+    let response = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &long.into())).await.unwrap();
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(json(response).await["error"]["code"], "too_many_tokens");
+    // Neither used the tenant's only request.
+    let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"hi".into())).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(stats.served.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_over_its_plan_gets_429_with_its_fields() {
+    let config = config("org = { rpm = 60, rpm_burst = 2 }\nuser = { tpm = 6000 }");
+    let (transport, stats) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    for _ in 0..2 {
+        let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
+        assert_eq!(ok.status(), StatusCode::OK);
+    }
+    let refused = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let h = refused.headers();
+    assert_eq!(h["retry-after"], "1");
+    assert_eq!(h["content-type"], "application/problem+json");
+    // Every limit of the plan, the one that refused first.
+    assert_eq!(h["ratelimit-policy"], "\"org.rpm\";q=2;w=2, \"user.tpm\";q=600;w=6");
+    assert!(h["ratelimit"].to_str().unwrap().starts_with("\"org.rpm\";r=0;t=2, \"user.tpm\";r="), "{h:?}");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    let body = json(refused).await;
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["kind"], "rate_limited");
+    assert_eq!(body["limit"], "org.rpm");
+    assert_eq!(body["tier"], "org");
+    let wait = body["retry_after_ms"].as_u64().unwrap();
+    assert!(wait > 0 && wait <= 1000, "{wait}");
+    assert_eq!(stats.served.load(Ordering::Relaxed), 2, "the refused request never reached the upstream");
+
+    // Another tenant is not affected; acme passes again a second later.
+    let other = gateway.router.clone().oneshot(request(Some("sk-globex-bob"), &"hello".into())).await.unwrap();
+    assert_eq!(other.status(), StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let again = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
+    assert_eq!(again.status(), StatusCode::OK);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_upstream_usage_settles_the_tenants_tokens() {
+    let config = config("user = { tpm = 6000, tpm_burst = 1000 }");
+    let calls = Arc::new(AtomicU64::new(0));
+    // The estimate of this input is 50 tokens; the upstream reports 20.
+    let input: serde_json::Value = "a ".repeat(50).into();
+    assert_eq!(tokenizer::count(input.as_str().unwrap()), 50);
+    let gateway = Gateway::new(&config, fixed_usage(20, calls.clone())).unwrap();
+    let first = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(first.headers()["x-ratelimit-remaining-tokens"], "950", "charged the estimate at admission");
+    let second = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
+    assert_eq!(second.headers()["x-ratelimit-remaining-tokens"], "930", "settled to 20: 30 came back");
+    assert_eq!(calls.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upstream_429_benches_the_account_and_answers_503() {
+    // The mock upstream allows less than the gateway's mirror believes.
+    let config = config("org = { rpm = 6000 }");
+    let mut stricter = config.accounts.clone();
+    stricter[0].rpm = 60;
+    let (router, upstream_stats) = upstream::router(&stricter, config.upstream);
+    let gateway = Gateway::new(&config, in_process(router)).unwrap();
+    let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"one".into())).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    let refused = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"two".into())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert_eq!(json(refused).await["error"]["code"], "upstream_rate_limited");
+    assert_eq!(upstream_stats.refused(), 1);
+    assert_eq!(gateway.stats.upstream_refusals.load(Ordering::Relaxed), 1);
+    assert!(gateway.pool.benched_until(0, tower_limits::Instant::from_nanos(0)).is_some());
+}
+
+/// Many tenants' requests at once, on paused time: everything waits for the mirror,
+/// nothing is refused by the strict upstream, and every request is served.
+#[tokio::test(start_paused = true)]
+async fn the_mirror_keeps_a_strict_upstream_from_refusing() {
+    let config = config("org = { rpm = 60000 }");
+    let (transport, stats) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..120u64 {
+        let router = gateway.router.clone();
+        let key = if i % 3 == 0 { "sk-globex-bob" } else { "sk-acme-alice" };
+        let words = 1 + (i * 7) % 45; // at most 90 tokens: under max_request_tokens
+        let input: serde_json::Value = "token ".repeat(words as usize).into();
+        calls.spawn(async move { router.oneshot(request(Some(key), &input)).await.map(|r| r.status()) });
+    }
+    let statuses: Vec<Result<StatusCode, Infallible>> = calls.join_all().await;
+    assert!(statuses.iter().all(|s| *s.as_ref().unwrap() == StatusCode::OK), "{statuses:?}");
+    assert_eq!(stats.refused(), 0);
+    assert_eq!(stats.served.load(Ordering::Relaxed), 120);
+}
