@@ -67,6 +67,26 @@ impl LimitSetLayer {
     /// A layer of one limit (see the constructors below): a single-limit layer is a set
     /// of one, with the same engine.
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower::ServiceBuilder;
+    /// use tower_limits::{LimitPolicy, LimitSetLayer, Rate};
+    ///
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(LimitSetLayer::concurrency(64).unwrap())
+    ///     .layer(LimitSetLayer::gcra(Rate::per_second(100), 20).unwrap())
+    ///     .layer(LimitSetLayer::token_bucket(Rate::per_minute(6_000), 500).unwrap())
+    ///     .layer(LimitSetLayer::sliding_window_log(1_000, Duration::from_secs(60)).unwrap())
+    ///     .layer(LimitSetLayer::sliding_window_counter(10_000, Duration::from_secs(3600)).unwrap())
+    ///     .layer(LimitSetLayer::single(LimitPolicy::fixed_window("daily", 50_000, Duration::from_secs(86_400))).unwrap())
+    ///     .service_fn(|req: String| async move { Ok::<_, std::convert::Infallible>(req) });
+    /// # drop(svc);
+    /// ```
+    ///
+    /// Stacked like this, each layer decides on its own: a request refused by an inner
+    /// layer has already been charged by the outer ones. Put limits that must hold
+    /// together in one set ([`LimitSetLayer::new`]) to have them all or nothing.
+    ///
     /// # Errors
     /// The limit's first problem, naming its field.
     pub fn single(limit: LimitPolicy) -> Result<Self, PolicyError> {
