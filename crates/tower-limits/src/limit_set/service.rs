@@ -109,7 +109,7 @@ where
         let waits = shared.settings.max_wait.is_some();
         if waits && shared.waiters.has_waiters(&key) {
             // Others of this key wait already: queue behind them.
-            return self.wait(key, cost, req);
+            return self.wait(key, cost, req, None);
         }
         let mut acquire = shared.backend.acquire(&key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
@@ -129,12 +129,13 @@ where
             Poll::Ready(Err(e)) => {
                 let error = LimitError::from(e);
                 if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
-                    return self.wait(key, cost, req);
+                    return self.wait(key, cost, req, None);
                 }
                 self.refuse(error, Some((&key, now)))
             }
-            // A remote backend: finish the acquisition in the response future.
-            Poll::Pending => self.wait(key, cost, req),
+            // A remote backend: the acquisition is under way; finish it in the response
+            // future rather than start another.
+            Poll::Pending => self.wait(key, cost, req, Some(acquire)),
         }
     }
 }
@@ -164,9 +165,15 @@ where
         ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
     }
 
-    /// The slow path: wait for capacity (or for a remote backend), then call a ready clone
-    /// of the inner service.
-    fn wait<Req>(&mut self, key: TenantKey, cost: u64, mut req: Req) -> ResponseFuture<S, Req, U, R, B>
+    /// The slow path: wait for capacity (or for a remote backend's `pending` acquisition),
+    /// then call a ready clone of the inner service.
+    fn wait<Req>(
+        &mut self,
+        key: TenantKey,
+        cost: u64,
+        mut req: Req,
+        pending: Option<B::Acquire>,
+    ) -> ResponseFuture<S, Req, U, R, B>
     where
         S: Service<Req> + Clone + Send + 'static,
         Req: Send + 'static,
@@ -180,7 +187,28 @@ where
         let wants_snapshots = self.rejection.wants_snapshots();
         let annotate = self.annotate.clone();
         let admitted = async move {
-            let (grant, snapshots) = admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?;
+            let answered = match pending {
+                Some(acquire) => match acquire.await {
+                    Ok(grant) => Some(grant),
+                    Err(e) => {
+                        let mut error = LimitError::from(e);
+                        if !shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
+                            shared.rejected.fetch_add(1, Ordering::Relaxed);
+                            trace_refusal(&error);
+                            if wants_snapshots {
+                                error.snapshots = Some(snapshots(&shared, &key, shared.clock.now()));
+                            }
+                            return Err(Box::new(error));
+                        }
+                        None
+                    }
+                },
+                None => None,
+            };
+            let (grant, snapshots) = match answered {
+                Some(grant) => (grant, wants_snapshots.then(|| snapshots(&shared, &key, shared.clock.now()))),
+                None => admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?,
+            };
             annotate.annotate(&mut req, &grant);
             Ok(Admitted { guard: PermitGuard::new(grant, key, shared.clone()), inner, req, snapshots })
         };

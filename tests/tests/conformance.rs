@@ -1,0 +1,475 @@
+//! Law 8, same semantics on every backend: the laws, written once over the `Backend`
+//! seam, run against the in-memory `LimitSet` and against Redis.
+//!
+//! Redis runs with the test clock (`manual_clock`): its scripts take `now` from the call
+//! instead of the server's `TIME`, so both backends see the same instants to the
+//! nanosecond and the laws can demand exact answers. The production clock is exercised in
+//! `redis_backend.rs` and the fleet and fault tests.
+
+mod redis_common;
+
+use std::future::Future;
+use std::time::Duration;
+
+use tower_limits_core::{
+    AcquireError, Backend, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Refusal, TenantKey,
+};
+use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::{RedisBackend, RedisConnection};
+use tower_limits_tests::describe;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
+
+/// A backend under test.
+trait Harness {
+    type B: Backend;
+    fn name(&self) -> &'static str;
+    fn make(&self, policy: LimitSetPolicy) -> Self::B;
+    /// Waits until settles, releases and cancels sent so far are applied.
+    fn flush(&self, backend: &Self::B) -> impl Future<Output = ()>;
+}
+
+struct Memory;
+
+impl Harness for Memory {
+    type B = LimitSet;
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+    fn make(&self, policy: LimitSetPolicy) -> LimitSet {
+        LimitSet::new(policy).unwrap()
+    }
+    async fn flush(&self, _: &LimitSet) {}
+}
+
+struct Redis {
+    conn: RedisConnection,
+    denial_cache: bool,
+}
+
+impl Harness for Redis {
+    type B = RedisBackend;
+    fn name(&self) -> &'static str {
+        if self.denial_cache { "redis" } else { "redis without denial cache" }
+    }
+    fn make(&self, policy: LimitSetPolicy) -> RedisBackend {
+        let builder = redis_common::manual(policy, "conformance");
+        let builder = if self.denial_cache { builder } else { builder.denial_cache(0) };
+        builder.build(&self.conn).unwrap()
+    }
+    async fn flush(&self, backend: &RedisBackend) {
+        backend.flush().await;
+    }
+}
+
+/// A small deterministic generator: the same program runs on every backend.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
+fn at(nanos: u64) -> Instant {
+    Instant::from_nanos(nanos)
+}
+
+fn outcome<G>(r: &Result<G, AcquireError>) -> String {
+    match r {
+        Ok(_) => "granted".to_owned(),
+        Err(e) => describe(e),
+    }
+}
+
+/// (limit, retry, needs release): what the laws compare of a refusal.
+fn refusal<G>(r: &Result<G, AcquireError>) -> Option<(usize, Duration, bool)> {
+    match r {
+        Err(AcquireError::Denied(d)) => Some((d.limit_index(), d.retry_after(), d.needs_release())),
+        _ => None,
+    }
+}
+
+fn global() -> TenantKey {
+    TenantKey::global()
+}
+
+/// Law 1, rate cap: over every window of length T, admitted cost <= what the algorithm
+/// allows (rate * T + burst for GCRA and the token bucket, the limit per window for the
+/// log, twice that across a boundary for the fixed window, below twice for the counter).
+async fn rate_cap<H: Harness>(h: &H) {
+    struct Case {
+        policy: LimitPolicy,
+        /// Window lengths to check, with the most admitted cost in each.
+        bounds: Vec<(u64, u64)>,
+        step: u64,
+    }
+    let interval = 100 * MS; // 10/s
+    let gcra_bounds = |burst: u64| {
+        [interval, 5 * interval, 2 * S, 7 * S].into_iter().map(|t| (t, burst + t / interval)).collect::<Vec<_>>()
+    };
+    let cases = [
+        Case {
+            policy: LimitPolicy::gcra("r", Rate::per_second(10), 5).counting_cost(),
+            bounds: gcra_bounds(5),
+            step: 60 * MS,
+        },
+        Case {
+            policy: LimitPolicy::token_bucket("r", Rate::per_second(10), 5).counting_cost(),
+            bounds: gcra_bounds(5),
+            step: 60 * MS,
+        },
+        Case {
+            policy: LimitPolicy::sliding_window_log("r", 6, Duration::from_secs(1)).counting_cost(),
+            bounds: vec![(S, 6)],
+            step: 90 * MS,
+        },
+        Case {
+            policy: LimitPolicy::fixed_window("r", 6, Duration::from_secs(1)).counting_cost(),
+            bounds: vec![(S, 12)],
+            step: 90 * MS,
+        },
+        Case {
+            policy: LimitPolicy::sliding_window_counter("r", 6, Duration::from_secs(1)).counting_cost(),
+            bounds: vec![(S, 11), (3 * S, 6 * 5)],
+            step: 90 * MS,
+        },
+    ];
+    for (n, case) in cases.iter().enumerate() {
+        for seed in 1..=3u64 {
+            let backend = h.make(LimitSetPolicy::new().limit(case.policy.clone()));
+            let mut rng = Rng(seed * 7919 + n as u64);
+            let mut now = 5 * S + rng.below(S);
+            let mut granted: Vec<(u64, u64)> = Vec::new();
+            let mut denied = 0;
+            for _ in 0..250 {
+                now += rng.below(case.step);
+                let cost = rng.range(1, 3);
+                match backend.acquire(&global(), cost, at(now)).await {
+                    Ok(g) => {
+                        granted.push((now, cost));
+                        backend.release(&global(), g);
+                    }
+                    Err(AcquireError::Denied(_)) => denied += 1,
+                    Err(e) => panic!("{}: {e}", h.name()),
+                }
+            }
+            assert!(denied > 10 && granted.len() > 10, "{}: case {n} does not exercise the limit", h.name());
+            for &(span, bound) in &case.bounds {
+                for &(t0, _) in &granted {
+                    let sum: u64 = granted.iter().filter(|(t, _)| *t >= t0 && *t < t0 + span).map(|(_, c)| c).sum();
+                    assert!(
+                        sum <= bound,
+                        "{}: case {n}: {sum} admitted in {span}ns from {t0}, bound {bound}",
+                        h.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Law 2: GCRA and the token bucket with the same parameters decide the same way.
+async fn gcra_is_token_bucket<H: Harness>(h: &H) {
+    let gcra = h.make(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(3), 4).counting_cost()));
+    let bucket =
+        h.make(LimitSetPolicy::new().limit(LimitPolicy::token_bucket("r", Rate::per_second(3), 4).counting_cost()));
+    let mut rng = Rng(42);
+    let mut now = S;
+    for _ in 0..200 {
+        now += rng.below(400 * MS);
+        let cost = rng.range(1, 4);
+        let a = gcra.acquire(&global(), cost, at(now)).await;
+        let b = bucket.acquire(&global(), cost, at(now)).await;
+        assert_eq!(outcome(&a), outcome(&b), "{} at {now}", h.name());
+        if let (Ok(a), Ok(b)) = (a, b) {
+            gcra.release(&global(), a);
+            bucket.release(&global(), b);
+        }
+    }
+}
+
+fn exact_policies() -> Vec<LimitSetPolicy> {
+    let one = |l: LimitPolicy| LimitSetPolicy::new().limit(l.counting_cost());
+    vec![
+        one(LimitPolicy::gcra("r", Rate::per_second(3), 2)),
+        one(LimitPolicy::token_bucket("r", Rate::new(7, Duration::from_millis(1300)), 3)),
+        one(LimitPolicy::sliding_window_log("r", 4, Duration::from_millis(900))),
+        one(LimitPolicy::fixed_window("r", 4, Duration::from_millis(700))),
+        one(LimitPolicy::sliding_window_counter("r", 5, Duration::from_millis(800))),
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(4), 3).per("user"))
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(5), 4).per("org").counting_cost())
+            .limit(LimitPolicy::sliding_window_counter("window", 6, Duration::from_millis(1500)).counting_cost()),
+    ]
+}
+
+/// Exact `retry_after`: a denied request passes at exactly `now + retry_after`, and not
+/// one nanosecond earlier (nothing else happening in between).
+async fn exact_retry_after<H: Harness>(h: &H) {
+    let key = TenantKey::new(["acme", "alice"]).unwrap();
+    for (n, policy) in exact_policies().into_iter().enumerate() {
+        let backend = h.make(policy);
+        let mut rng = Rng(1000 + n as u64);
+        let mut now = 3 * S + rng.below(S);
+        let mut checked = 0;
+        for _ in 0..120 {
+            let cost = rng.range(1, 2);
+            match backend.acquire(&key, cost, at(now)).await {
+                Ok(_) => now += rng.below(150 * MS),
+                Err(AcquireError::Denied(d)) => {
+                    let wait = u64::try_from(d.retry_after().as_nanos()).unwrap();
+                    assert!(wait > 0 && !d.needs_release(), "{}: {d:?}", h.name());
+                    let early = backend.acquire(&key, cost, at(now + wait - 1)).await;
+                    assert!(
+                        matches!(&early, Err(AcquireError::Denied(e)) if e.retry_after() == Duration::from_nanos(1)),
+                        "{}: policy {n}: 1ns before the retry: {}",
+                        h.name(),
+                        outcome(&early)
+                    );
+                    now += wait;
+                    let on_time = backend.acquire(&key, cost, at(now)).await;
+                    assert!(on_time.is_ok(), "{}: policy {n}: at the retry: {}", h.name(), outcome(&on_time));
+                    checked += 1;
+                }
+                Err(e) => panic!("{}: {e}", h.name()),
+            }
+        }
+        assert!(checked > 10, "{}: policy {n}: only {checked} denials", h.name());
+    }
+}
+
+fn mixed_policy() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Rate::per_second(5), 3).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(100), 50).per("org").counting_cost())
+        .limit(LimitPolicy::semaphore("concurrent", 3).per("org"))
+        .limit(LimitPolicy::sliding_window_log("log", 20, Duration::from_secs(2)))
+        .limit(LimitPolicy::sliding_window_counter("counter", 40, Duration::from_secs(1)).per("user").counting_cost())
+        .limit(LimitPolicy::fixed_window("fixed", 10, Duration::from_millis(500)).per("org"))
+}
+
+fn tenants() -> Vec<TenantKey> {
+    [["acme", "alice"], ["acme", "bob"], ["globex", "carol"], ["globex", "dave"]]
+        .iter()
+        .map(|p| TenantKey::new(*p).unwrap())
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Acquire { key: usize, cost: u64 },
+    Settle { held: u64, actual: u64 },
+    Release { held: u64 },
+    Cancel { held: u64 },
+    Advance(u64),
+}
+
+fn program(seed: u64, len: usize) -> Vec<Step> {
+    let mut rng = Rng(seed);
+    (0..len)
+        .map(|_| match rng.below(10) {
+            0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, 20) },
+            4 => Step::Settle { held: rng.next(), actual: rng.range(0, 30) },
+            5 | 6 => Step::Release { held: rng.next() },
+            7 => Step::Cancel { held: rng.next() },
+            _ => Step::Advance(rng.below(300 * MS)),
+        })
+        .collect()
+}
+
+/// Runs a program; answers the outcome of every step, and what is still held.
+async fn run<H: Harness>(h: &H, backend: &H::B, steps: &[Step], skip: &[usize]) -> (Vec<String>, u64) {
+    let keys = tenants();
+    let mut held: Vec<(usize, <H::B as Backend>::Grant)> = Vec::new();
+    let mut now = 10 * S;
+    let mut out = Vec::with_capacity(steps.len());
+    for (i, step) in steps.iter().enumerate() {
+        if skip.contains(&i) {
+            out.push("skipped".to_owned());
+            continue;
+        }
+        let line = match *step {
+            Step::Acquire { key, cost } => {
+                let r = backend.acquire(&keys[key], cost, at(now)).await;
+                let line = outcome(&r);
+                if let Ok(g) = r {
+                    held.push((key, g));
+                }
+                line
+            }
+            Step::Settle { held: pick, actual } if !held.is_empty() => {
+                let n = held.len();
+                let (key, g) = &mut held[(pick % n as u64) as usize];
+                backend.settle(&keys[*key], g, actual, at(now));
+                h.flush(backend).await;
+                "settled".to_owned()
+            }
+            Step::Release { held: pick } if !held.is_empty() => {
+                let n = held.len();
+                let (key, g) = held.swap_remove((pick % n as u64) as usize);
+                backend.release(&keys[key], g);
+                h.flush(backend).await;
+                "released".to_owned()
+            }
+            Step::Cancel { held: pick } if !held.is_empty() => {
+                let n = held.len();
+                let (key, g) = held.swap_remove((pick % n as u64) as usize);
+                backend.cancel(&keys[key], g, at(now));
+                h.flush(backend).await;
+                "cancelled".to_owned()
+            }
+            Step::Advance(d) => {
+                now += d;
+                "advanced".to_owned()
+            }
+            _ => "nothing held".to_owned(),
+        };
+        out.push(line);
+    }
+    let still = held.len() as u64;
+    for (key, g) in held {
+        backend.release(&keys[key], g);
+    }
+    h.flush(backend).await;
+    (out, still)
+}
+
+/// Law 3, atomicity: a denied acquisition changes no limit's state. The same program is
+/// run twice, the second time without the acquisitions the first run denied: every other
+/// step must answer the same.
+async fn atomicity<H: Harness>(h: &H) {
+    for seed in 1..=4u64 {
+        let steps = program(seed * 31, 250);
+        let (first, _) = run(h, &h.make(mixed_policy()), &steps, &[]).await;
+        let denied: Vec<usize> = (0..steps.len()).filter(|&i| first[i].starts_with("denied")).collect();
+        assert!(denied.len() > 10, "{}: seed {seed}: only {} denials", h.name(), denied.len());
+        let (second, _) = run(h, &h.make(mixed_policy()), &steps, &denied).await;
+        for i in (0..steps.len()).filter(|i| !denied.contains(i)) {
+            assert_eq!(first[i], second[i], "{}: seed {seed}, step {i} ({:?})", h.name(), steps[i]);
+        }
+    }
+}
+
+/// Law 5, conservation: after any interleaving of grants, settles, releases and
+/// cancellations, all capacity comes back.
+async fn conservation<H: Harness>(h: &H) {
+    for seed in 1..=3u64 {
+        let backend = h.make(mixed_policy());
+        let steps = program(seed * 131, 300);
+        run(h, &backend, &steps, &[]).await;
+        // An hour later every rate limit is full again, and no permit is held.
+        let late = 10 * S + 3600 * S;
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        let full = backend.acquire(&alice, 40, at(late)).await;
+        assert!(full.is_ok(), "{}: {}", h.name(), outcome(&full));
+        let bob = TenantKey::new(["acme", "bob"]).unwrap();
+        let second = backend.acquire(&bob, 0, at(late)).await;
+        let third = backend.acquire(&bob, 0, at(late)).await;
+        assert!(second.is_ok() && third.is_ok(), "{}: the semaphore leaked", h.name());
+        let fourth = backend.acquire(&bob, 0, at(late)).await;
+        assert_eq!(refusal(&fourth).map(|r| (r.0, r.2)), Some((2, true)), "{}: {}", h.name(), outcome(&fourth));
+        for g in [full, second, third].into_iter().flatten() {
+            backend.cancel(&alice, g, at(late));
+        }
+        h.flush(&backend).await;
+    }
+}
+
+/// Law 8 itself: the same program on two backends answers the same at every step, down
+/// to the snapshots.
+async fn same_answers<A: Harness, B: Harness>(a: &A, b: &B) {
+    for seed in 1..=4u64 {
+        let steps = program(seed * 977, 300);
+        let (x, _) = run(a, &a.make(mixed_policy()), &steps, &[]).await;
+        let (y, _) = run(b, &b.make(mixed_policy()), &steps, &[]).await;
+        for i in 0..steps.len() {
+            assert_eq!(x[i], y[i], "{} and {} differ at step {i} ({:?}), seed {seed}", a.name(), b.name(), steps[i]);
+        }
+    }
+    // The single-limit paths too.
+    for (n, policy) in exact_policies().into_iter().enumerate() {
+        let (ba, bb) = (a.make(policy.clone()), b.make(policy));
+        let key = TenantKey::new(["acme", "alice"]).unwrap();
+        let mut rng = Rng(5 + n as u64);
+        let mut now = S;
+        for step in 0..200 {
+            now += rng.below(200 * MS);
+            let cost = rng.range(0, 5);
+            let (x, y) = (ba.acquire(&key, cost, at(now)).await, bb.acquire(&key, cost, at(now)).await);
+            assert_eq!(outcome(&x), outcome(&y), "policy {n}, step {step}");
+            if let (Ok(x), Ok(y)) = (x, y) {
+                if rng.below(4) == 0 {
+                    ba.cancel(&key, x, at(now));
+                    bb.cancel(&key, y, at(now));
+                    b.flush(&bb).await;
+                } else {
+                    ba.release(&key, x);
+                    bb.release(&key, y);
+                }
+            }
+        }
+    }
+}
+
+/// Refusals decided without state are the same too.
+async fn local_refusals<H: Harness>(h: &H) {
+    let backend = h.make(mixed_policy());
+    let org_only = TenantKey::single("acme").unwrap();
+    let r = backend.acquire(&org_only, 1, at(S)).await;
+    assert!(matches!(&r, Err(AcquireError::MissingKey(m)) if m.tier() == "user"), "{}: {}", h.name(), outcome(&r));
+    let alice = TenantKey::new(["acme", "alice"]).unwrap();
+    let r = backend.acquire(&alice, 51, at(S)).await;
+    match &r {
+        Err(AcquireError::CostAboveCapacity(e)) => {
+            assert_eq!((e.limit(), e.tier(), e.cost(), e.capacity()), ("tokens", Some("org"), 51, 50));
+        }
+        other => panic!("{}: {}", h.name(), outcome(other)),
+    }
+    let _ = Refusal::Never { capacity: 0 };
+}
+
+async fn all_laws<H: Harness>(h: &H) {
+    rate_cap(h).await;
+    gcra_is_token_bucket(h).await;
+    exact_retry_after(h).await;
+    atomicity(h).await;
+    conservation(h).await;
+    local_refusals(h).await;
+}
+
+#[test]
+fn laws_in_memory() {
+    redis_common::runtime().block_on(all_laws(&Memory));
+}
+
+#[test]
+fn laws_on_redis() {
+    let Some(server) = redis_for("laws_on_redis") else { return };
+    redis_common::runtime().block_on(async {
+        let conn = redis_common::connect(&server.url()).await;
+        all_laws(&Redis { conn: conn.clone(), denial_cache: true }).await;
+        all_laws(&Redis { conn, denial_cache: false }).await;
+    });
+}
+
+#[test]
+fn redis_answers_as_memory_does() {
+    let Some(server) = redis_for("redis_answers_as_memory_does") else { return };
+    redis_common::runtime().block_on(async {
+        let conn = redis_common::connect(&server.url()).await;
+        same_answers(&Memory, &Redis { conn, denial_cache: false }).await;
+    });
+}

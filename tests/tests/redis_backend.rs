@@ -1,0 +1,269 @@
+//! What is particular to the Redis backend: the server's clock, round trips, the denial
+//! cache, key layout and expiries, leases, and the backend under a `LimitSetLayer`.
+
+mod redis_common;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use tower::{ServiceBuilder, ServiceExt};
+use tower_limits::extract::KeyFn;
+use tower_limits::{BoxError, ErrorKind, LimitError, LimitSetLayer};
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::{GrantSource, RedisBackend, key_slot, redis};
+
+use redis_common::{admin, cmd, connect, manual, namespace, runtime};
+
+const S: u64 = 1_000_000_000;
+
+fn at(nanos: u64) -> Instant {
+    Instant::from_nanos(nanos)
+}
+
+fn three_limits() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Rate::per_second(10), 2).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1000), 1000).per("org").counting_cost())
+        .limit(LimitPolicy::semaphore("concurrent", 4).per("org"))
+}
+
+async fn server_time_us(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = cmd(admin, &["TIME"]).await;
+    s * 1_000_000 + us
+}
+
+#[test]
+fn one_round_trip_per_acquisition_and_none_for_a_cached_denial() {
+    let Some(server) = redis_for("one_round_trip_per_acquisition_and_none_for_a_cached_denial") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let backend = RedisBackend::builder(three_limits()).namespace(namespace("rt")).build(&conn).unwrap();
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        // The first call loads the script: EVALSHA, NOSCRIPT, EVAL.
+        let first = backend.acquire(&alice, 10, Instant::ZERO).await.unwrap();
+        assert_eq!((backend.stats().round_trips, backend.stats().script_loads), (2, 1));
+        let second = backend.acquire(&alice, 10, Instant::ZERO).await.unwrap();
+        assert_eq!(backend.stats().round_trips, 3, "one round trip once the script is cached");
+        // The third request of alice within 100 ms is denied by her GCRA (burst 2).
+        let now = Instant::from_nanos(1_000);
+        let denied = backend.acquire(&alice, 10, now).await.unwrap_err();
+        let AcquireError::Denied(d) = denied else { panic!("{denied}") };
+        assert_eq!((d.limit(), d.tier()), ("requests", Some("user")));
+        assert!(d.retry_after() > Duration::ZERO && d.retry_after() <= Duration::from_millis(200));
+        let trips = backend.stats().round_trips;
+        for i in 0..100u64 {
+            let later = now + Duration::from_nanos(i);
+            let again = backend.acquire(&alice, 10, later).await.unwrap_err();
+            let AcquireError::Denied(c) = again else { panic!("{again}") };
+            assert_eq!(c.retry_after(), d.retry_after() - Duration::from_nanos(i), "the cached wait is exact");
+        }
+        assert_eq!(backend.stats().round_trips, trips, "cached denials cost no round trip");
+        assert_eq!(backend.stats().cached_denials, 100);
+        // Releases happen in the background, one round trip each.
+        backend.release(&alice, first);
+        backend.release(&alice, second);
+        backend.flush().await;
+        assert_eq!(backend.stats().round_trips, trips + 2);
+        assert_eq!(backend.stats().background_pending, 0);
+    });
+}
+
+#[test]
+fn a_denial_writes_nothing() {
+    let Some(server) = redis_for("a_denial_writes_nothing") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let mut admin = admin(&server.url()).await;
+        let policy = three_limits()
+            .limit(LimitPolicy::sliding_window_log("log", 3, Duration::from_secs(10)).per("org"))
+            .limit(LimitPolicy::sliding_window_counter("counter", 100, Duration::from_secs(10)).per("user"))
+            .limit(LimitPolicy::fixed_window("fixed", 100, Duration::from_secs(10)).per("org"));
+        let backend =
+            RedisBackend::builder(policy).namespace(namespace("atomic")).denial_cache(0).build(&conn).unwrap();
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        let bob = TenantKey::new(["acme", "bob"]).unwrap();
+        let _a = backend.acquire(&alice, 100, Instant::ZERO).await.unwrap();
+        let _b = backend.acquire(&bob, 100, Instant::ZERO).await.unwrap();
+        let _c = backend.acquire(&bob, 100, Instant::ZERO).await.unwrap();
+        let keys = backend.keys(&alice);
+        let mut dump = Vec::new();
+        for k in &keys {
+            let v: Option<Vec<u8>> = cmd(&mut admin, &["DUMP", k]).await;
+            dump.push(v);
+        }
+        // Denied by the log (three per org): no key changes.
+        let denied = backend.acquire(&alice, 1, Instant::ZERO).await.unwrap_err();
+        assert_eq!(denied.as_denial().map(|d| d.limit()), Some("log"), "{denied}");
+        for (k, before) in keys.iter().zip(&dump) {
+            let after: Option<Vec<u8>> = cmd(&mut admin, &["DUMP", k]).await;
+            assert_eq!(&after, before, "{k} changed on a denial");
+        }
+    });
+}
+
+#[test]
+fn the_server_clock_decides() {
+    let Some(server) = redis_for("the_server_clock_decides") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let mut admin = admin(&server.url()).await;
+        let policy = LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Rate::per_second(1), 1));
+        let backend = RedisBackend::builder(policy).namespace(namespace("clock")).build(&conn).unwrap();
+        let key = TenantKey::global();
+        // The caller's clock is ignored: a wildly different `now` changes nothing.
+        let grant = backend.acquire(&key, 1, Instant::from_nanos(999 * S)).await.unwrap();
+        let granted = grant.granted_at_micros().unwrap();
+        let denied = backend.acquire(&key, 1, Instant::ZERO).await.unwrap_err();
+        let after = server_time_us(&mut admin).await;
+        let retry = denied.as_denial().unwrap().retry_after();
+        // Denied at a server time t in [granted, after]: the wait is exactly 1 s - (t - granted),
+        // in whole microseconds (the resolution of TIME).
+        let elapsed = Duration::from_secs(1) - retry;
+        assert_eq!(retry.subsec_nanos() % 1000, 0, "{retry:?}");
+        assert!(elapsed <= Duration::from_micros(after - granted), "{retry:?} against {}us", after - granted);
+        // The theoretical arrival time is one integer of nanoseconds, with an expiry.
+        let k = &backend.keys(&key)[0];
+        let tat: String = cmd(&mut admin, &["GET", k]).await;
+        assert_eq!(tat.parse::<u64>().unwrap(), (granted + 1_000_000) * 1000);
+        let pttl: i64 = cmd(&mut admin, &["PTTL", k]).await;
+        assert!(pttl > 0 && pttl <= 1002, "{pttl}");
+    });
+}
+
+#[test]
+fn keys_are_escaped_tagged_and_expire() {
+    let Some(server) = redis_for("keys_are_escaped_tagged_and_expire") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let mut admin = admin(&server.url()).await;
+        let policy = three_limits()
+            .limit(LimitPolicy::sliding_window_log("log", 30, Duration::from_secs(5)).per("user"))
+            .limit(LimitPolicy::sliding_window_counter("counter", 30, Duration::from_secs(5)).per("org"))
+            .limit(LimitPolicy::fixed_window("fixed", 30, Duration::from_secs(5)).per("user"));
+        let ns = namespace("layout");
+        let backend = RedisBackend::builder(policy).namespace(&ns).build(&conn).unwrap();
+        let tricky = TenantKey::new(["a{b}c:d", "x/y z"]).unwrap();
+        let keys = backend.keys(&tricky);
+        assert_eq!(keys[0], format!("{ns}:{{a%7Bb%7Dc%3Ad}}/x%2Fy%20z:requests:g"));
+        assert_eq!(keys[2], format!("{ns}:{{a%7Bb%7Dc%3Ad}}:concurrent:s"));
+        assert!(keys.iter().all(|k| key_slot(k) == key_slot(&keys[0])), "{keys:?}");
+        let other = backend.keys(&TenantKey::new(["a{b}c:d", "x"]).unwrap());
+        assert_eq!(key_slot(&other[0]), key_slot(&keys[0]), "a tenant's users share its slot");
+        let grant = backend.acquire(&tricky, 5, Instant::ZERO).await.unwrap();
+        for k in &keys {
+            let pttl: i64 = cmd(&mut admin, &["PTTL", k]).await;
+            assert!(pttl > 0, "{k} has no expiry ({pttl})");
+        }
+        backend.release(&tricky, grant);
+        backend.flush().await;
+        // Released: the semaphore's key is gone, nothing held.
+        let exists: i64 = cmd(&mut admin, &["EXISTS", &keys[2]]).await;
+        assert_eq!(exists, 0);
+    });
+}
+
+#[test]
+fn leases_expire_and_renewals_keep_them() {
+    let Some(server) = redis_for("leases_expire_and_renewals_keep_them") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new().tiers(["org"]).limit(LimitPolicy::semaphore("one", 1).per("org"));
+        let backend = manual(policy, "lease").lease(Duration::from_secs(10)).build(&conn).unwrap();
+        let key = TenantKey::single("acme").unwrap();
+        // A holder that never releases (its replica died).
+        let lost = backend.acquire(&key, 1, at(S)).await.unwrap();
+        let denied = backend.acquire(&key, 1, at(10 * S)).await.unwrap_err();
+        assert!(denied.as_denial().unwrap().needs_release());
+        // At its deadline, exactly: reclaimed.
+        let taken = backend.acquire(&key, 1, at(11 * S)).await.unwrap();
+        // A late release of the lost holder changes nothing (idempotent, by holder id).
+        backend.release(&key, lost);
+        backend.flush().await;
+        assert!(backend.acquire(&key, 1, at(11 * S)).await.is_err(), "the new holder still holds");
+        // Renewed at 15 s, the lease runs to 25 s.
+        assert!(backend.renew(&key, &taken, at(15 * S)).await.unwrap());
+        assert!(backend.acquire(&key, 1, at(21 * S + 1)).await.is_err(), "renewed");
+        let next = backend.acquire(&key, 1, at(25 * S)).await.unwrap();
+        assert!(!backend.renew(&key, &taken, at(25 * S)).await.unwrap(), "a reclaimed lease is not renewed");
+        backend.release(&key, taken);
+        backend.release(&key, next);
+        backend.flush().await;
+        assert!(backend.acquire(&key, 1, at(25 * S)).await.is_ok());
+    });
+}
+
+#[test]
+fn peek_answers_from_the_last_reply() {
+    let Some(server) = redis_for("peek_answers_from_the_last_reply") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let backend = manual(three_limits(), "peek").build(&conn).unwrap();
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        assert!(backend.peek(&alice, at(S)).is_empty());
+        let _g = backend.acquire(&alice, 300, at(S)).await.unwrap();
+        let snaps = backend.peek(&alice, at(S));
+        let remaining: Vec<u64> = snaps.iter().map(|s| s.snapshot.remaining).collect();
+        assert_eq!(remaining, [1, 700, 3]);
+        assert_eq!(snaps[1].snapshot.reset, Duration::from_millis(300));
+        let later = backend.peek(&alice, at(S + 100_000_000));
+        assert_eq!(later[1].snapshot.reset, Duration::from_millis(200));
+    });
+}
+
+fn limit_error(e: &BoxError) -> &LimitError {
+    e.downcast_ref::<LimitError>().expect("a LimitError")
+}
+
+#[test]
+fn a_layer_enforces_the_redis_limits() {
+    let Some(server) = redis_for("a_layer_enforces_the_redis_limits") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let backend = RedisBackend::builder(three_limits()).namespace(namespace("layer")).build(&conn).unwrap();
+        let layer = LimitSetLayer::with_backend(backend.clone())
+            .key(KeyFn::new(|user: &&'static str| TenantKey::new(["acme", *user]).ok()));
+        let svc = ServiceBuilder::new()
+            .layer(layer)
+            .service(tower::service_fn(|user: &'static str| async move { Ok::<_, Infallible>(user) }));
+        assert_eq!(svc.clone().oneshot("alice").await.unwrap(), "alice");
+        assert_eq!(svc.clone().oneshot("alice").await.unwrap(), "alice");
+        let refused = svc.clone().oneshot("alice").await.unwrap_err();
+        let refused = limit_error(&refused);
+        assert_eq!((refused.kind(), refused.limit()), (ErrorKind::RateLimited, Some("requests")));
+        assert_eq!(svc.clone().oneshot("bob").await.unwrap(), "bob");
+        backend.flush().await;
+        let stats = backend.stats();
+        assert_eq!((stats.acquisitions, stats.granted, stats.denied), (4, 3, 1));
+        // One round trip per acquisition (plus the first script load), one per release.
+        assert_eq!(stats.round_trips, 4 + 1 + 3, "{stats:?}");
+        assert_eq!(stats.leases_held, 0);
+    });
+}
+
+#[test]
+fn sets_are_checked_when_built() {
+    let Some(server) = redis_for("sets_are_checked_when_built") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let build = |p: LimitSetPolicy| RedisBackend::builder(p).build(&conn).map(|_| ()).map_err(|e| e.to_string());
+        let window = |d: Duration| LimitSetPolicy::new().limit(LimitPolicy::fixed_window("w", 1, d));
+        assert!(build(window(Duration::from_nanos(1500))).unwrap_err().contains("whole number of microseconds"));
+        assert!(build(window(Duration::from_secs(200 * 86_400))).unwrap_err().contains("104 days"));
+        let long_burst = LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_day(1), 200));
+        assert!(build(long_burst).unwrap_err().contains("104 days"));
+        let bad = LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_second(0), 1));
+        assert!(build(bad).unwrap_err().contains("rate"));
+        let braces = RedisBackend::builder(three_limits()).namespace("a{b}").build(&conn).unwrap_err();
+        assert!(braces.to_string().contains("braces"), "{braces}");
+        // A standalone server takes a set mixing global and keyed limits in one script.
+        let mixed = three_limits().limit(LimitPolicy::gcra("global", Rate::per_second(100), 100));
+        let backend = RedisBackend::builder(mixed).namespace(namespace("mixed")).build(&conn).unwrap();
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        let grant = backend.acquire(&alice, 1, Instant::ZERO).await.unwrap();
+        assert_eq!(grant.source(), GrantSource::Redis);
+        backend.release(&alice, grant);
+        backend.flush().await;
+    });
+}

@@ -1,0 +1,84 @@
+//! Redis Cluster: three masters on loopback ports. A set's keys for one tenant share a
+//! slot, tenants spread over the nodes, and a set that would need two slots is refused
+//! when it is built instead of failing with `CROSSSLOT` at run time.
+
+mod redis_common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_redis::test_support::cluster_for;
+use tower_limits_redis::{BuildError, RedisBackend, RedisConnection, SlotLayout, key_slot};
+
+use redis_common::{namespace, runtime};
+
+fn keyed() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Rate::per_second(10), 3).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(100), 100).per("org").counting_cost())
+        .limit(LimitPolicy::semaphore("concurrent", 2).per("org"))
+        .limit(LimitPolicy::sliding_window_log("log", 50, Duration::from_secs(60)).per("user"))
+}
+
+#[test]
+fn cluster_slots() {
+    let Some(cluster) = cluster_for("cluster_slots", 3) else { return };
+    let node = &cluster.nodes()[0];
+    runtime().block_on(async {
+        let conn = RedisConnection::connect_cluster(cluster.urls()).await.expect("a cluster connection");
+        assert!(conn.is_cluster());
+
+        // Global and keyed limits in one set would need two slots: refused at build time.
+        let mixed = keyed().limit(LimitPolicy::gcra("everyone", Rate::per_second(1000), 1000));
+        let err = RedisBackend::builder(mixed.clone()).namespace(namespace("c")).build(&conn).unwrap_err();
+        assert!(matches!(&err, BuildError::CrossSlot { global, keyed } if global == "everyone" && keyed == "requests"));
+        assert!(err.to_string().contains("OneSlot"), "{err}");
+
+        // One slot for the whole set: atomic, on one node.
+        let one = RedisBackend::builder(mixed)
+            .namespace(namespace("c"))
+            .slot_layout(SlotLayout::OneSlot("shared".into()))
+            .build(&conn)
+            .unwrap();
+        let alice = TenantKey::new(["acme", "alice"]).unwrap();
+        let slots: BTreeSet<u16> = one.keys(&alice).iter().map(|k| key_slot(k)).collect();
+        assert_eq!(slots.len(), 1);
+        let g = one.acquire(&alice, 10, Instant::ZERO).await.unwrap();
+        one.release(&alice, g);
+        one.flush().await;
+
+        // Per tenant: each tenant's keys in one slot (as the server computes it), tenants
+        // spread over the three nodes, every acquisition one script.
+        let backend = RedisBackend::builder(keyed()).namespace(namespace("c")).build(&conn).unwrap();
+        let mut nodes_used = BTreeSet::new();
+        for t in 0..30 {
+            let key = TenantKey::new([format!("org-{t}"), "user".to_owned()]).unwrap();
+            let keys = backend.keys(&key);
+            let slot = key_slot(&keys[0]);
+            for k in &keys {
+                let server_slot: u16 = node.command(&["CLUSTER", "KEYSLOT", k]).unwrap().parse().unwrap();
+                assert_eq!(server_slot, slot, "{k}");
+            }
+            nodes_used.insert((usize::from(slot) / (16384 / 3)).min(2));
+            let mut grants = Vec::new();
+            for _ in 0..3 {
+                match backend.acquire(&key, 1, Instant::ZERO).await {
+                    Ok(g) => grants.push(g),
+                    Err(AcquireError::Denied(d)) => assert!(d.needs_release(), "{d:?}"),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            assert_eq!(grants.len(), 2, "the semaphore holds two");
+            for g in grants {
+                backend.release(&key, g);
+            }
+        }
+        backend.flush().await;
+        assert_eq!(nodes_used.len(), 3, "tenants spread over every node");
+        let stats = backend.stats();
+        assert_eq!((stats.errors, stats.timeouts), (0, 0), "{stats:?}");
+        assert_eq!(stats.script_loads, 3, "the script is loaded once per node: {stats:?}");
+    });
+}
