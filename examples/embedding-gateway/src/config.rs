@@ -180,23 +180,43 @@ impl Account {
         per_window(self.tpm, self.window)
     }
 
-    /// The local mirror of this account's limits: a GCRA per quota whose admissions in
-    /// any span of `window + jitter` stay within what the provider allows per `window`.
+    /// The local mirror of this account's limits, or of a `1 / replicas` share of them:
+    /// a GCRA per quota whose admissions in any span of `window + jitter` stay within
+    /// what the provider allows per `window`.
     ///
     /// With quota `L` per window `W`, burst `b` and jitter `J`, the rate is
     /// `(L - b) / (W + J)`: GCRA admits at most `rate * T + b` in any span `T`, so at most
     /// `L` in any `W + J`, and requests admitted that far apart can arrive at most `W`
-    /// apart.
-    #[must_use]
-    pub fn mirror_policy(&self, mirror: &MirrorSettings, max_request_tokens: u64) -> LimitSetPolicy {
+    /// apart. The burst is `burst_percent` of `L`, at least one request and
+    /// `max_request_tokens` tokens.
+    ///
+    /// # Errors
+    /// The quota (or its share) is too small for that burst.
+    pub fn mirror_policy(
+        &self,
+        mirror: &MirrorSettings,
+        max_request_tokens: u64,
+        replicas: u64,
+    ) -> Result<LimitSetPolicy, String> {
         let period = self.window + mirror.jitter;
-        let (lr, br) = (self.requests_per_window(), mirror_burst(self.requests_per_window(), mirror, 1));
-        let (lt, bt) = (self.tokens_per_window(), mirror_burst(self.tokens_per_window(), mirror, max_request_tokens));
-        LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("upstream.rpm", Rate::new(lr.saturating_sub(br).max(1), period), br))
-            .limit(
-                LimitPolicy::gcra("upstream.tpm", Rate::new(lt.saturating_sub(bt).max(1), period), bt).counting_cost(),
-            )
+        let window = tower_limits::core::policy::format_duration(self.window);
+        let share = |quota: u64, at_least: u64, what: &str| {
+            let l = quota / replicas.max(1);
+            let b = mirror_burst(l, mirror, at_least);
+            if b >= l {
+                let of = if replicas > 1 { format!(" ({replicas} replicas' share)") } else { String::new() };
+                return Err(format!(
+                    "{l} {what} per {window} window{of} leave no room for a burst of {b} \
+                     (mirror.burst_percent, gateway.max_request_tokens): raise it or lengthen `window`"
+                ));
+            }
+            Ok((l, b))
+        };
+        let (lr, br) = share(self.requests_per_window(), 1, "requests")?;
+        let (lt, bt) = share(self.tokens_per_window(), max_request_tokens, "tokens")?;
+        Ok(LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("upstream.rpm", Rate::new(lr - br, period), br))
+            .limit(LimitPolicy::gcra("upstream.tpm", Rate::new(lt - bt, period), bt).counting_cost()))
     }
 }
 
@@ -737,32 +757,13 @@ fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError> {
             tpm: at_least(src, &a.tpm, &format!("{base}.tpm"), 1, 1 << 40)?,
             window,
         };
-        let lr = account.requests_per_window();
-        if mirror_burst(lr, &mirror, 1) >= lr {
-            return Err(src.at(
-                &a.rpm,
-                format!("{base}.rpm"),
-                format!(
-                    "{lr} requests per {} window leave no room for a mirror with a burst: raise it or lengthen `window`",
-                    tower_limits::core::policy::format_duration(window)
-                ),
-            ));
-        }
-        let lt = account.tokens_per_window();
-        let bt = mirror_burst(lt, &mirror, max_request_tokens);
-        if bt >= lt {
-            return Err(src.at(
-                &a.tpm,
-                format!("{base}.tpm"),
-                format!(
-                    "{lt} tokens per {} window do not fit a burst of {bt} (gateway.max_request_tokens or \
-                     mirror.burst_percent): raise it or lengthen `window`",
-                    tower_limits::core::policy::format_duration(window)
-                ),
-            ));
-        }
-        if let Err(e) = account.mirror_policy(&mirror, max_request_tokens).validate() {
-            return Err(src.at(&a.name, &base, format!("its mirror cannot be built: {e}")));
+        let mirrored = account
+            .mirror_policy(&mirror, max_request_tokens, 1)
+            .and_then(|p| p.validate().map(|()| p).map_err(|e| format!("its mirror cannot be built: {e}")));
+        if let Err(e) = mirrored {
+            let at = if e.contains("requests per") { &a.rpm } else { &a.tpm };
+            let field = if e.contains("requests per") { "rpm" } else { "tpm" };
+            return Err(src.at(at, format!("{base}.{field}"), e));
         }
         accounts.push(account);
     }

@@ -41,7 +41,9 @@ use tokio::time::Instant;
 use crate::api::UsageOnly;
 use crate::chart::{Series, line_chart};
 use crate::config::Config;
-use crate::gateway::{Gateway, QUEUE_TIME_HEADER, http_transport};
+use tower_limits_redis::RedisConnection;
+
+use crate::gateway::{Gateway, QUEUE_TIME_HEADER, Sharing, http_transport};
 use crate::upstream;
 
 /// The most requests one client task sends.
@@ -59,6 +61,17 @@ pub struct DemoOptions {
     pub svg: PathBuf,
     /// Print the progress lines.
     pub progress: bool,
+    /// Run several gateway replicas sharing their limits through Redis.
+    pub redis: Option<RedisOptions>,
+}
+
+/// The `--redis URL --replicas N` mode.
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    /// Where Redis is (`redis://127.0.0.1:6379/`).
+    pub url: String,
+    /// How many gateway replicas to run.
+    pub replicas: u64,
 }
 
 /// The outcome, for the exit status.
@@ -121,7 +134,7 @@ struct TenantInfo {
 /// # Errors
 /// A loopback port cannot be bound, or the gateway cannot be built.
 #[allow(clippy::too_many_lines)] // a script, read top to bottom
-pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport, Box<dyn std::error::Error>> {
+pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport, tower::BoxError> {
     let seconds = options.seconds.unwrap_or(config.demo.seconds);
     if config.demo.clients.is_empty() {
         return Err("the configuration has no [[demo.client]]".into());
@@ -136,12 +149,38 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let (upstream_router, upstream_stats) = upstream::router(&config.accounts, config.upstream);
     tokio::spawn(async move { axum::serve(upstream_listener, upstream_router).await });
 
-    // The gateway.
-    let gateway = Gateway::new(&config, http_transport())?;
-    let gateway_listener = TcpListener::bind(("127.0.0.1", 0)).await?;
-    let gateway_addr = gateway_listener.local_addr()?;
-    let router = gateway.router.clone();
-    tokio::spawn(async move { axum::serve(gateway_listener, router).await });
+    // The gateway: one replica in memory, or several sharing their limits in Redis.
+    let mut gateways = Vec::new();
+    let replicas = options.redis.as_ref().map_or(1, |r| r.replicas.max(1));
+    let namespace = format!(
+        "egw-demo-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+    );
+    for _ in 0..replicas {
+        let sharing = match &options.redis {
+            None => Sharing::InMemory,
+            Some(r) => Sharing::Redis {
+                connection: RedisConnection::connect(&r.url).await.map_err(|e| format!("redis at {}: {e}", r.url))?,
+                replicas,
+                namespace: namespace.clone(),
+            },
+        };
+        let gateway = Gateway::with_sharing(&config, http_transport(), &sharing)?;
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let router = gateway.router.clone();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        gateways.push(addr);
+    }
+    let gateway_addr = match &options.redis {
+        None => gateways[0].to_string(),
+        Some(r) => format!(
+            "{} ({replicas} replicas sharing limits through Redis at {}, each mirroring 1/{replicas} of every account)",
+            gateways.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+            r.url
+        ),
+    };
 
     // Who drives what.
     let mut tenants: Vec<TenantInfo> = Vec::new();
@@ -188,7 +227,8 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
 
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build_http();
-    let url: http::Uri = format!("http://{gateway_addr}/v1/embeddings").parse()?;
+    let urls: Vec<http::Uri> =
+        gateways.iter().map(|a| format!("http://{a}/v1/embeddings").parse()).collect::<Result<_, _>>()?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs(seconds);
     let events: Arc<Mutex<Vec<Event>>> = Arc::default();
@@ -198,8 +238,10 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let mut tasks = Vec::new();
     for (ci, c) in config.demo.clients.iter().enumerate() {
         for task in 0..c.concurrency {
-            let (client, url, events, live, refused_live) =
-                (client.clone(), url.clone(), events.clone(), live.clone(), refused_live.clone());
+            // Each client's tasks spread over the replicas.
+            let url = urls[(ci + task) % urls.len()].clone();
+            let (client, events, live, refused_live) =
+                (client.clone(), events.clone(), live.clone(), refused_live.clone());
             let (key, batch, words, tenant) = (c.key.clone(), c.batch, c.words, client_tenant[ci]);
             tasks.push(tokio::spawn(async move {
                 let mut seed = (ci as u64) << 40 | (task as u64) << 20;

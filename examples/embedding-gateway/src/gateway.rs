@@ -28,7 +28,8 @@ use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
 use tower_limits::http::{HttpAnswer, upstream_report};
-use tower_limits::{Chosen, Instant, LimitPool, LimitSet, LimitSetLayer, PolicyError, TenantKey};
+use tower_limits::{Chosen, Instant, LimitPool, LimitSet, LimitSetLayer, TenantKey};
+use tower_limits_redis::{RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest, UsageOnly};
@@ -84,6 +85,48 @@ pub struct Prepared {
     pub inputs: usize,
 }
 
+/// Where the gateway keeps its tenants' limits.
+#[derive(Clone, Default)]
+pub enum Sharing {
+    /// One process: every limit in memory.
+    #[default]
+    InMemory,
+    /// One of `replicas` gateway replicas: the plans' limits (per tier RPM/TPM and
+    /// concurrency) live in Redis, shared by every replica. Each replica mirrors
+    /// `1 / replicas` of every upstream account (see [`Account::mirror_policy`]).
+    Redis {
+        /// The connection to Redis.
+        connection: RedisConnection,
+        /// How many replicas share the upstream accounts.
+        replicas: u64,
+        /// The prefix of every key, shared by the replicas of one deployment.
+        namespace: String,
+    },
+}
+
+impl fmt::Debug for Sharing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Sharing::InMemory => f.write_str("InMemory"),
+            Sharing::Redis { replicas, namespace, .. } => {
+                f.debug_struct("Redis").field("replicas", replicas).field("namespace", namespace).finish()
+            }
+        }
+    }
+}
+
+impl Sharing {
+    fn replicas(&self) -> u64 {
+        match self {
+            Sharing::InMemory => 1,
+            Sharing::Redis { replicas, .. } => (*replicas).max(1),
+        }
+    }
+}
+
+/// The service behind each plan's limits, its backend's type erased.
+type PlanService = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
+
 /// A built gateway: its router and what the demo and tests look at.
 #[derive(Debug, Clone)]
 pub struct Gateway {
@@ -96,14 +139,27 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Builds the gateway of `config`, reaching the upstream through `transport`.
+    /// Builds the gateway of `config` with every limit in memory, reaching the upstream
+    /// through `transport`.
     ///
     /// # Errors
     /// A plan or pool the library refuses (validation catches these first).
-    pub fn new(config: &Config, transport: Transport) -> Result<Self, PolicyError> {
+    pub fn new(config: &Config, transport: Transport) -> Result<Self, BoxError> {
+        Self::with_sharing(config, transport, &Sharing::InMemory)
+    }
+
+    /// Builds one replica of the gateway of `config`, its limits kept as `sharing` says.
+    ///
+    /// # Errors
+    /// A plan or pool the library refuses, or accounts too small to split between the
+    /// replicas.
+    pub fn with_sharing(config: &Config, transport: Transport, sharing: &Sharing) -> Result<Self, BoxError> {
+        let replicas = sharing.replicas();
         let mut pool = LimitPool::builder(config.gateway.selection);
         for account in &config.accounts {
-            let mirror = account.mirror_policy(&config.mirror, config.gateway.max_request_tokens);
+            let mirror = account
+                .mirror_policy(&config.mirror, config.gateway.max_request_tokens, replicas)
+                .map_err(|e| format!("account {:?}: {e}", account.name))?;
             pool = pool.member(account.name.clone(), LimitSet::new(mirror)?, account.clone());
         }
         let pool = pool.build()?;
@@ -124,14 +180,35 @@ impl Gateway {
             UpstreamCall { transport, pool: pool.clone(), now: Arc::new(move || clock.now()), stats: stats.clone() };
         let inner = ServiceBuilder::new().layer(shared).service(call);
 
-        let mut plans = Vec::new();
+        let answer = HttpAnswer::new().with_json_body().with_openai_fields().on_success();
+        let mut plans: Vec<PlanService> = Vec::new();
         for plan in &config.plans {
-            let limits = LimitSetLayer::new(plan.policy.clone())?
-                .key(FromExtension::<TenantKey>::new())
-                .cost(CostFromExtension)
-                .usage(UsageFromExtension)
-                .reject_with(HttpAnswer::new().with_json_body().with_openai_fields().on_success());
-            plans.push(limits.layer(inner.clone()));
+            let service = match sharing {
+                Sharing::InMemory => BoxCloneSyncService::new(
+                    LimitSetLayer::new(plan.policy.clone())?
+                        .key(FromExtension::<TenantKey>::new())
+                        .cost(CostFromExtension)
+                        .usage(UsageFromExtension)
+                        .reject_with(answer)
+                        .layer(inner.clone()),
+                ),
+                Sharing::Redis { connection, namespace, .. } => {
+                    let backend = RedisBackend::builder(plan.policy.clone())
+                        .namespace(format!("{namespace}:plan:{}", plan.name))
+                        // Loopback or LAN: generous for a busy machine, still short.
+                        .timeout(std::time::Duration::from_millis(250))
+                        .build(connection)?;
+                    BoxCloneSyncService::new(
+                        LimitSetLayer::with_backend(backend)
+                            .key(FromExtension::<TenantKey>::new())
+                            .cost(CostFromExtension)
+                            .usage(UsageFromExtension)
+                            .reject_with(answer)
+                            .layer(inner.clone()),
+                    )
+                }
+            };
+            plans.push(service);
         }
 
         let stack = ServiceBuilder::new()
@@ -228,7 +305,7 @@ where
 
 /// Sends each request through the limits of its tenant's plan.
 #[derive(Clone)]
-pub struct PlanLimits<S> {
+pub struct PlanLimits<S = PlanService> {
     plans: Arc<[S]>,
 }
 

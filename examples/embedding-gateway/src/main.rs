@@ -1,8 +1,8 @@
 //! `embedding-gateway`: a per-tenant embedding API gateway built on tower-limits.
 //!
 //! ```text
-//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet]
-//! embedding-gateway serve    [--config FILE] [--listen ADDR]
+//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N]
+//! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
 //! ```
@@ -19,21 +19,24 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use embedding_gateway::config::Config;
-use embedding_gateway::demo::{self, DemoOptions};
-use embedding_gateway::gateway::{Gateway, http_transport};
+use embedding_gateway::demo::{self, DemoOptions, RedisOptions};
+use embedding_gateway::gateway::{Gateway, Sharing, http_transport};
 use embedding_gateway::upstream;
+use tower_limits_redis::RedisConnection;
 
 /// The configuration the demo runs when none is given.
 const BUNDLED: &str = include_str!("../gateway.toml");
 
 const USAGE: &str = "\
 usage:
-  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet]
-  embedding-gateway serve    [--config FILE] [--listen ADDR]
+  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N]
+  embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
   embedding-gateway upstream [--config FILE] [--listen ADDR]
   embedding-gateway check    [--config FILE]
 
-Without --config, the bundled gateway.toml is used.";
+Without --config, the bundled gateway.toml is used. With --redis, the tenants' limits
+live in Redis, shared by N replicas (the demo runs them all; serve is one of them), and
+each replica mirrors 1/N of every upstream account.";
 
 /// The parsed command line.
 struct Args {
@@ -43,6 +46,8 @@ struct Args {
     svg: PathBuf,
     listen: Option<SocketAddr>,
     quiet: bool,
+    redis: Option<String>,
+    replicas: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -55,6 +60,8 @@ fn parse_args() -> Result<Args, String> {
         svg: PathBuf::from("target/embedding-gateway-demo.svg"),
         listen: None,
         quiet: false,
+        redis: None,
+        replicas: None,
     };
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -74,12 +81,21 @@ fn parse_args() -> Result<Args, String> {
                 args.listen = Some(v.parse().map_err(|_| format!("--listen: {v:?} is not an address"))?);
             }
             "--quiet" => args.quiet = true,
-            "--redis" | "--replicas" => {
-                return Err(format!("{flag}: the Redis backend is not available yet"));
+            "--redis" => args.redis = Some(value("--redis")?),
+            "--replicas" => {
+                let v = value("--replicas")?;
+                let n: u64 = v.parse().map_err(|_| format!("--replicas: {v:?} is not a whole number"))?;
+                if !(1..=64).contains(&n) {
+                    return Err("--replicas: between 1 and 64".into());
+                }
+                args.replicas = Some(n);
             }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if args.replicas.is_some() && args.redis.is_none() {
+        return Err("--replicas needs --redis URL".into());
     }
     Ok(args)
 }
@@ -117,7 +133,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result: Result<bool, Box<dyn std::error::Error>> = runtime.block_on(async move {
+    let result: Result<bool, tower::BoxError> = runtime.block_on(async move {
         match args.command.as_str() {
             "check" => {
                 println!(
@@ -130,11 +146,21 @@ fn main() -> ExitCode {
                 Ok(true)
             }
             "demo" => {
-                let options = DemoOptions { seconds: args.seconds, svg: args.svg.clone(), progress: !args.quiet };
+                let redis = args.redis.clone().map(|url| RedisOptions { url, replicas: args.replicas.unwrap_or(2) });
+                let options =
+                    DemoOptions { seconds: args.seconds, svg: args.svg.clone(), progress: !args.quiet, redis };
                 demo::run(config, &options).await.map(|r| r.passed())
             }
             "serve" => {
-                let gateway = Gateway::new(&config, http_transport())?;
+                let sharing = match &args.redis {
+                    None => Sharing::InMemory,
+                    Some(url) => Sharing::Redis {
+                        connection: RedisConnection::connect(url).await?,
+                        replicas: args.replicas.unwrap_or(1),
+                        namespace: "egw".into(),
+                    },
+                };
+                let gateway = Gateway::with_sharing(&config, http_transport(), &sharing)?;
                 let addr = args.listen.unwrap_or(config.gateway.listen);
                 let listener = tokio::net::TcpListener::bind(addr).await?;
                 println!("gateway listening on http://{}", listener.local_addr()?);

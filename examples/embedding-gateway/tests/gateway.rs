@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use embedding_gateway::config::Config;
-use embedding_gateway::gateway::{ACCOUNT_HEADER, Gateway, Transport, in_process};
+use embedding_gateway::gateway::{ACCOUNT_HEADER, Gateway, Sharing, Transport, in_process};
 use embedding_gateway::{tokenizer, upstream};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -139,7 +139,7 @@ fn validation_errors_carry_field_and_line() {
         ("sk-globex-bob", "sk-acme-alice", "sk-acme-alice", "tenant[1].key[0].key", "already belongs"),
         ("user = \"bob\"", "usr = \"bob\"", "usr", "tenant[1].key[0].usr", "unknown field"),
         ("window = \"1s\"", "window = \"1 fortnight\"", "fortnight", "account[0].window", "unknown unit"),
-        ("tpm = 60000", "tpm = 600", "tpm = 600", "account[0].tpm", "do not fit a burst"),
+        ("tpm = 60000", "tpm = 600", "tpm = 600", "account[0].tpm", "leave no room for a burst"),
     ];
     for (from, to, needle, field, message) in cases {
         let text = config_text("org = { rpm = 60 }", "").replacen(from, to, 1);
@@ -304,4 +304,38 @@ async fn the_mirror_keeps_a_strict_upstream_from_refusing() {
     assert!(statuses.iter().all(|s| *s.as_ref().unwrap() == StatusCode::OK), "{statuses:?}");
     assert_eq!(stats.refused(), 0);
     assert_eq!(stats.served.load(Ordering::Relaxed), 120);
+}
+
+/// Two replicas sharing the tenants' limits through a real `redis-server` (skipped, with
+/// a note on stderr, when none can be started; `REQUIRE_REDIS=1` makes that a failure).
+#[test]
+fn replicas_share_the_tenants_limits_through_redis() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("replicas_share_the_tenants_limits_through_redis")
+    else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let config = config("org = { rpm = 60, rpm_burst = 2 }");
+        let (transport, stats) = mock(&config);
+        let namespace = format!("egw-test-{}", std::process::id());
+        let mut replicas = Vec::new();
+        for _ in 0..2 {
+            let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+            let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
+            replicas.push(Gateway::with_sharing(&config, transport.clone(), &sharing).unwrap());
+        }
+        for replica in &replicas {
+            let ok = replica.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
+            assert_eq!(ok.status(), StatusCode::OK);
+        }
+        // acme's burst of two is spent across the fleet, whichever replica it asks.
+        for replica in &replicas {
+            let refused =
+                replica.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
+            assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(json(refused).await["limit"], "org.rpm");
+        }
+        assert_eq!(stats.served.load(Ordering::Relaxed), 2);
+    });
 }
