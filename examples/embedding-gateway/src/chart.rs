@@ -13,17 +13,32 @@ pub struct Series {
 
 const COLORS: [&str; 8] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
-/// An SVG document plotting `series` against time, each value covering `bucket_secs`.
+/// A horizontal dashed line across the chart, labelled.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    /// Its label, drawn above it at the right.
+    pub label: String,
+    /// Its value.
+    pub value: f64,
+}
+
+/// An SVG document plotting `series` against time, each value covering `bucket_secs`,
+/// with dashed `references`.
 #[must_use]
-pub fn line_chart(title: &str, y_label: &str, bucket_secs: f64, series: &[Series]) -> String {
+pub fn line_chart(title: &str, y_label: &str, bucket_secs: f64, series: &[Series], references: &[Reference]) -> String {
     let (width, height) = (860.0, 420.0);
     let (left, right, top, bottom) = (72.0, 170.0, 40.0, 50.0);
     let plot_w: f64 = width - left - right;
     let plot_h: f64 = height - top - bottom;
     let buckets = series.iter().map(|s| s.values.len()).max().unwrap_or(0).max(1);
     let duration = buckets as f64 * bucket_secs;
-    let max = series.iter().flat_map(|s| s.values.iter().copied()).fold(0.0, f64::max);
-    let (y_max, y_step) = nice_scale(max);
+    let max = series
+        .iter()
+        .flat_map(|s| s.values.iter().copied())
+        .chain(references.iter().map(|r| r.value))
+        .fold(0.0, f64::max);
+    // A little room above the highest line or reference, for its label.
+    let (y_max, y_step) = nice_scale(max * 1.08);
     let x = |t: f64| left + t / duration * plot_w;
     let y = |v: f64| top + plot_h - v / y_max * plot_h;
 
@@ -76,6 +91,17 @@ pub fn line_chart(title: &str, y_label: &str, bucket_secs: f64, series: &[Series
         top + plot_h / 2.0,
         escape(y_label)
     );
+    for r in references {
+        let yy = y(r.value);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#555" stroke-dasharray="6 4"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+            left + plot_w,
+            left + plot_w - 4.0,
+            yy - 4.0,
+            escape(&r.label)
+        );
+    }
     // Lines and legend.
     for (i, s) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
@@ -141,9 +167,11 @@ mod tests {
             "tokens/s",
             0.5,
             &[Series { name: "a<b".into(), values: vec![1.0, 2.0] }, Series { name: "c".into(), values: vec![3.0] }],
+            &[Reference { label: "cap".into(), value: 4.0 }],
         );
         assert!(svg.starts_with("<svg"));
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("a&lt;b"));
+        assert!(svg.contains("stroke-dasharray"));
     }
 }

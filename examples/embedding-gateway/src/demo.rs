@@ -39,7 +39,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::api::UsageOnly;
-use crate::chart::{Series, line_chart};
+use crate::chart::{Reference, Series, line_chart};
 use crate::config::Config;
 use tower_limits_redis::RedisConnection;
 
@@ -415,9 +415,19 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let upstream_429 = upstream_stats.refused();
     let quota: u64 =
         config.accounts.iter().map(|a| a.tokens_per_window() as f64 / a.window.as_secs_f64()).sum::<f64>() as u64;
+    // What the mirrors let through in the long run: (L - b) / (W + J) per account.
+    let mirror_rate: f64 = config
+        .accounts
+        .iter()
+        .filter_map(|a| {
+            let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1).ok()?;
+            let rate = policy.limits.iter().find(|l| l.name == "upstream.tpm")?.rate?;
+            Some(rate.amount() as f64 / rate.period().as_secs_f64())
+        })
+        .sum();
     println!();
     println!(
-        "upstream: {served} requests, {upstream_tokens} tokens ({:.0} tok/s of the accounts' {quota} tok/s), 429 answers: {upstream_429}",
+        "upstream: {served} requests, {upstream_tokens} tokens, {:.0} tok/s (accounts' quota {quota}, mirrors' pace {mirror_rate:.0}); 429 answers: {upstream_429}",
         upstream_tokens as f64 / elapsed
     );
     println!(
@@ -440,7 +450,12 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
             }
         }
     }
-    let svg = line_chart("Admitted tokens per second, by tenant", "tokens / s", BUCKET.as_secs_f64(), &series);
+    let references = [
+        Reference { label: format!("accounts' quota {quota} tok/s"), value: quota as f64 },
+        Reference { label: format!("mirrors' sustained rate {mirror_rate:.0} tok/s"), value: mirror_rate },
+    ];
+    let svg =
+        line_chart("Admitted tokens per second, by tenant", "tokens / s", BUCKET.as_secs_f64(), &series, &references);
     if let Some(dir) = options.svg.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
