@@ -24,6 +24,7 @@
 //! ```
 //!
 //! - [`limit_set`]: the layer, its service and future; waiting and settling.
+//! - [`fair_queue`]: a weighted-fair tenant queue in front of shared capacity.
 //! - [`extract`]: keys, costs and usage from requests and responses.
 //! - [`http`] (feature `http`, on by default): `429`/`503` answers with `Retry-After` and
 //!   the `RateLimit` fields.
@@ -44,6 +45,7 @@ mod reject;
 pub use builder::{ServiceBuilderExt, WithLimits};
 pub use clock::LayerClock;
 pub use error::{BoxError, ErrorKind, LimitError};
+pub use fair_queue::{FairQueueLayer, FairQueueService};
 pub use limit_set::{LayerStats, LimitSetLayer, LimitSetService, Unfinished};
 pub use reject::{Rejection, ReturnError};
 pub use tower_limits_core::{

@@ -1,0 +1,261 @@
+//! The response future of [`FairQueueService`](super::FairQueueService).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower_limits_core::fair_queue::Ticket;
+use tower_limits_core::{Backend, Clock, Instant, TenantKey};
+use tower_service::Service;
+
+use super::shared::{Shared, WaiterStep};
+use crate::error::{ErrorKind, LimitError};
+use crate::reject::Rejection;
+
+/// What an admitted request holds while the inner service works: a slot and the rate
+/// backend's grant. Dropped (the response completed, failed or was dropped), the grant
+/// is released, keeping what it charged, and the slot goes to the next request in fair
+/// order.
+pub(crate) struct Held<B: Backend> {
+    shared: Arc<Shared<B>>,
+    key: TenantKey,
+    grant: Option<B::Grant>,
+}
+
+impl<B: Backend> Held<B> {
+    pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant) -> Self {
+        Held { shared, key, grant: Some(grant) }
+    }
+}
+
+impl<B: Backend> Drop for Held<B> {
+    fn drop(&mut self) {
+        if let Some(grant) = self.grant.take() {
+            self.shared.fixed.backend.release(&self.key, grant);
+        }
+        self.shared.release();
+    }
+}
+
+/// A request waiting for its turn: in the queue, at the rate gate, or decided but not yet
+/// told. Dropped before it learns its outcome, it leaves (see the
+/// [module docs](super#cancellation)).
+pub(crate) struct Waiter<B: Backend> {
+    shared: Arc<Shared<B>>,
+    ticket: Ticket,
+    key: TenantKey,
+    sleep: Option<Pin<Box<Sleep>>>,
+    sleep_at: Instant,
+    /// The last instant a timer of ours fired for: time is at least that.
+    floor: Instant,
+    done: bool,
+}
+
+impl<B: Backend> Waiter<B> {
+    pub(crate) fn new(shared: Arc<Shared<B>>, ticket: Ticket, key: TenantKey) -> Self {
+        Waiter { shared, ticket, key, sleep: None, sleep_at: Instant::ZERO, floor: Instant::ZERO, done: false }
+    }
+
+    /// Ready with the grant once the request is admitted, or with its refusal.
+    pub(crate) fn poll_admit(&mut self, cx: &mut Context<'_>) -> Poll<Result<B::Grant, Box<LimitError>>> {
+        if self.done {
+            return Poll::Ready(Err(Box::new(LimitError::new(ErrorKind::Unavailable))));
+        }
+        loop {
+            match self.shared.poll_waiter(self.ticket, &self.key, cx, self.floor) {
+                WaiterStep::Again => continue,
+                WaiterStep::Done(outcome) => {
+                    self.done = true;
+                    return Poll::Ready(match outcome {
+                        Ok(admitted) => {
+                            if !admitted.waited.is_zero() {
+                                tracing::debug!(
+                                    target: "tower_limits",
+                                    tenant = %self.key,
+                                    wait_ms = admitted.waited.as_millis() as u64,
+                                    "admitted after waiting for a fair turn"
+                                );
+                            }
+                            Ok(admitted.grant)
+                        }
+                        Err(error) => {
+                            trace_refusal(&error, &self.key);
+                            Err(error)
+                        }
+                    });
+                }
+                WaiterStep::Sleep { until: None, .. } => return Poll::Pending,
+                WaiterStep::Sleep { until: Some(at), at_gate } => {
+                    let deadline = self.shared.fixed.clock.to_tokio(at);
+                    let sleep = match &mut self.sleep {
+                        Some(sleep) => {
+                            if self.sleep_at != at {
+                                sleep.as_mut().reset(deadline);
+                            }
+                            sleep
+                        }
+                        None => self.sleep.insert(Box::pin(tokio::time::sleep_until(deadline))),
+                    };
+                    if at_gate && self.sleep_at != at {
+                        tracing::debug!(
+                            target: "tower_limits",
+                            tenant = %self.key,
+                            wait_ms = at.saturating_since(self.shared.fixed.clock.now()).as_millis() as u64,
+                            "next in fair order, waiting for the rate"
+                        );
+                    }
+                    self.sleep_at = at;
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.floor = self.floor.max(at);
+                }
+            }
+        }
+    }
+}
+
+impl<B: Backend> Drop for Waiter<B> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.leave(self.ticket, &self.key);
+        }
+    }
+}
+
+pub(crate) fn trace_refusal(error: &LimitError, key: &TenantKey) {
+    tracing::debug!(
+        target: "tower_limits",
+        kind = ?error.kind(),
+        tenant = %key,
+        limit = error.limit().unwrap_or(""),
+        tier = error.tier().unwrap_or(""),
+        retry_after_ms = error.retry_after().map_or(0, |d| d.as_millis() as u64),
+        "request refused by the fair queue"
+    );
+}
+
+/// A queued request, with the (ready) inner service that will take it.
+pub(crate) struct Waiting<S, Req, B: Backend> {
+    pub(crate) waiter: Waiter<B>,
+    pub(crate) inner: Option<S>,
+    pub(crate) req: Option<Req>,
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, W, H> {
+        Called { #[pin] fut: F, held: Option<H> },
+        Waiting { waiting: W },
+        Rejected { error: Option<Box<LimitError>> },
+        Done,
+    }
+}
+
+pin_project! {
+    /// The response future of [`FairQueueService`](super::FairQueueService).
+    ///
+    /// # Cancel safety
+    /// Dropping it at any point gives back what it holds: a queued request leaves the
+    /// queue; the request at the rate gate hands the gate (and its timer) to the next
+    /// one; a request granted but not yet called returns its slot and refunds its grant;
+    /// a called one releases its slot (its rate cost stays charged: the work may have
+    /// been done). Each time, the next request in fair order is dispatched.
+    pub struct ResponseFuture<S, Req, R, B>
+    where
+        S: Service<Req>,
+        B: Backend,
+    {
+        #[pin]
+        state: State<S::Future, Box<Waiting<S, Req, B>>, Held<B>>,
+        rejection: R,
+    }
+}
+
+impl<S, Req, R, B> ResponseFuture<S, Req, R, B>
+where
+    S: Service<Req>,
+    B: Backend,
+{
+    pub(crate) fn called(fut: S::Future, held: Held<B>, rejection: R) -> Self {
+        ResponseFuture { state: State::Called { fut, held: Some(held) }, rejection }
+    }
+
+    pub(crate) fn waiting(waiting: Waiting<S, Req, B>, rejection: R) -> Self {
+        ResponseFuture { state: State::Waiting { waiting: Box::new(waiting) }, rejection }
+    }
+
+    pub(crate) fn rejected(error: Box<LimitError>, rejection: R) -> Self {
+        ResponseFuture { state: State::Rejected { error: Some(error) }, rejection }
+    }
+}
+
+impl<S, Req, R, B> Future for ResponseFuture<S, Req, R, B>
+where
+    S: Service<Req>,
+    R: Rejection<S::Response, S::Error>,
+    B: Backend,
+{
+    type Output = Result<R::Response, R::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Called { fut, held } => {
+                    let out = ready!(fut.poll(cx));
+                    // The slot goes back before the caller sees the response.
+                    drop(held.take());
+                    this.state.set(State::Done);
+                    return Poll::Ready(match out {
+                        Ok(response) => Ok(this.rejection.respond(response, None)),
+                        Err(e) => Err(this.rejection.fail(e)),
+                    });
+                }
+                StateProj::Waiting { waiting } => {
+                    let admitted = ready!(waiting.waiter.poll_admit(cx));
+                    let next = match admitted {
+                        Ok(grant) => {
+                            let held = Held::new(waiting.waiter.shared.clone(), waiting.waiter.key.clone(), grant);
+                            match (waiting.inner.take(), waiting.req.take()) {
+                                (Some(mut inner), Some(req)) => {
+                                    State::Called { fut: inner.call(req), held: Some(held) }
+                                }
+                                // Unreachable: the request is called once. The slot goes back.
+                                _ => State::Rejected { error: Some(Box::new(LimitError::new(ErrorKind::Unavailable))) },
+                            }
+                        }
+                        Err(error) => State::Rejected { error: Some(error) },
+                    };
+                    this.state.set(next);
+                }
+                StateProj::Rejected { error } => {
+                    let error = error.take().unwrap_or_else(|| Box::new(LimitError::new(ErrorKind::Unavailable)));
+                    this.state.set(State::Done);
+                    return Poll::Ready(this.rejection.reject(error));
+                }
+                StateProj::Done => panic!("ResponseFuture polled after completion"),
+            }
+        }
+    }
+}
+
+impl<S, Req, R, B> fmt::Debug for ResponseFuture<S, Req, R, B>
+where
+    S: Service<Req>,
+    B: Backend,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Called { .. } => "called",
+            State::Waiting { .. } => "waiting",
+            State::Rejected { .. } => "rejected",
+            State::Done => "done",
+        };
+        f.debug_struct("ResponseFuture").field("state", &state).finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,203 @@
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+use tower_limits_core::fair_queue::FairQueueConfig;
+use tower_limits_core::{Backend, PolicyError, TenantKey};
+
+use super::service::FairQueueService;
+use super::shared::{FairQueueLayerStats, Fixed, NoRate, Shared, TenantQueueStats};
+use crate::clock::LayerClock;
+use crate::extract::{GlobalKey, One};
+use crate::reject::ReturnError;
+
+/// Queues requests per tenant and admits them in weighted-fair order to the capacity it
+/// owns: concurrent slots, a rate (any [`Backend`], such as a
+/// [`LimitSet`](crate::LimitSet)), or both. See the [module docs](super) for an example
+/// and how it works.
+///
+/// The layer is a small `Clone` value; every service it builds, and every clone of
+/// those, shares one queue and one capacity. The type parameters are the key extractor
+/// `K`, the cost extractor `C`, how refusals surface `R`, and the rate backend `B`
+/// ([`NoRate`] for concurrency only); the builder methods set them.
+#[must_use]
+pub struct FairQueueLayer<K = GlobalKey, C = One, R = ReturnError, B: Backend = NoRate> {
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) keys: K,
+    pub(crate) cost: C,
+    pub(crate) rejection: R,
+}
+
+impl<K: Clone, C: Clone, R: Clone, B: Backend> Clone for FairQueueLayer<K, C, R, B> {
+    fn clone(&self) -> Self {
+        FairQueueLayer {
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            rejection: self.rejection.clone(),
+        }
+    }
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for FairQueueLayer<K, C, R, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairQueueLayer")
+            .field("keys", &self.keys)
+            .field("cost", &self.cost)
+            .field("rejection", &self.rejection)
+            .field("settings", &self.shared)
+            .finish()
+    }
+}
+
+fn check_slots(slots: usize) -> Result<usize, PolicyError> {
+    if slots == 0 { Err(PolicyError::new("slots", "must be at least 1")) } else { Ok(slots) }
+}
+
+impl FairQueueLayer {
+    /// A fair queue in front of `slots` concurrent requests: a request holds a slot from
+    /// its admission until its response completes or is dropped.
+    ///
+    /// # Errors
+    /// The configuration's first problem, naming its field: a zero weight or queue
+    /// limit, a weight whose name is not a tenant key, or zero slots.
+    pub fn concurrency(config: FairQueueConfig, slots: usize) -> Result<Self, PolicyError> {
+        Self::build(config, NoRate, check_slots(slots)?)
+    }
+}
+
+impl<B: Backend> FairQueueLayer<GlobalKey, One, ReturnError, B> {
+    /// A fair queue in front of a rate: each request, in fair order, acquires its cost
+    /// from `backend` (for example a [`LimitSet`](crate::LimitSet) with a global
+    /// tokens-per-minute limit). When the next request does not fit yet, it waits for
+    /// the exact instant it will, and everyone queues behind it: fairness first, then
+    /// the cap.
+    ///
+    /// The backend's limits should be global: a denial by a limit keyed by a tier (the
+    /// tenant's own quota) refuses that request rather than holding up the others; see
+    /// the [module docs](super#with-per-tenant-limits).
+    ///
+    /// # Errors
+    /// The configuration's first problem, naming its field.
+    pub fn rate(config: FairQueueConfig, backend: B) -> Result<Self, PolicyError> {
+        Self::build(config, backend, usize::MAX)
+    }
+
+    /// Both: `slots` concurrent requests, and a rate acquired from `backend`.
+    ///
+    /// # Errors
+    /// The configuration's first problem, naming its field, or zero slots.
+    pub fn rate_and_concurrency(config: FairQueueConfig, backend: B, slots: usize) -> Result<Self, PolicyError> {
+        Self::build(config, backend, check_slots(slots)?)
+    }
+
+    fn build(config: FairQueueConfig, backend: B, slots: usize) -> Result<Self, PolicyError> {
+        let shared = Shared::new(Fixed::new(config, backend, slots)?)?;
+        Ok(FairQueueLayer { shared: Arc::new(shared), keys: GlobalKey, cost: One, rejection: ReturnError })
+    }
+}
+
+impl<K, C, R, B: Backend> FairQueueLayer<K, C, R, B> {
+    /// A new state with changed settings. Services built before keep the old one.
+    fn with_fixed(self, f: impl FnOnce(&mut Fixed<B>)) -> Self {
+        let mut fixed = self.shared.fixed.clone();
+        f(&mut fixed);
+        match Shared::new(fixed) {
+            Ok(shared) => FairQueueLayer { shared: Arc::new(shared), ..self },
+            // Unreachable: the configuration was checked when the layer was made.
+            Err(_) => self,
+        }
+    }
+
+    /// How requests are keyed: each distinct key is a tenant of the queue (see
+    /// [`crate::extract`]). Until one is set, every request is the same tenant.
+    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, R, B> {
+        FairQueueLayer { shared: self.shared, keys, cost: self.cost, rejection: self.rejection }
+    }
+
+    /// What a request costs: its share of the queue and what it acquires from the rate.
+    /// Defaults to one per request.
+    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, R, B> {
+        FairQueueLayer { shared: self.shared, keys: self.keys, cost, rejection: self.rejection }
+    }
+
+    /// How refusals surface: as errors ([`ReturnError`], the default), or as HTTP
+    /// answers ([`crate::http::HttpAnswer`]: 429 for a full tenant queue, 503 for a full
+    /// queue or a queueing timeout).
+    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, R2, B> {
+        FairQueueLayer { shared: self.shared, keys: self.keys, cost: self.cost, rejection }
+    }
+
+    /// Refuses requests that waited `max` in the queue with
+    /// [`ErrorKind::WaitTimedOut`](crate::ErrorKind::WaitTimedOut), and, at the rate
+    /// gate, requests the rate would let pass only later than that. Unbounded by
+    /// default (the queue limits still bound memory).
+    pub fn max_queue_time(self, max: Duration) -> Self {
+        self.with_fixed(|f| f.max_queue_time = Some(max))
+    }
+
+    /// Requests without a key are the tenant `key` instead of being refused.
+    pub fn default_key(self, key: TenantKey) -> Self {
+        self.with_fixed(|f| f.default_key = Some(key))
+    }
+
+    /// The most tenants whose counters ([`FairQueueLayer::tenant_stats`]) are kept; when
+    /// full, the older half of those with nothing queued is forgotten. Defaults to
+    /// 10,000.
+    pub fn tracked_tenants(self, max: usize) -> Self {
+        self.with_fixed(|f| f.tracked_tenants = max)
+    }
+
+    /// Reads time from the CPU's counter instead of `tokio::time`: cheaper per request,
+    /// but it does not follow `tokio::time::pause()`. Timers still run on tokio.
+    pub fn system_clock(self) -> Self {
+        self.with_fixed(|f| f.clock = LayerClock::system())
+    }
+
+    /// The rate backend.
+    pub fn backend(&self) -> &B {
+        &self.shared.fixed.backend
+    }
+
+    /// The weights and queue limits.
+    #[must_use]
+    pub fn config(&self) -> &FairQueueConfig {
+        &self.shared.fixed.config
+    }
+
+    /// The weight a tenant gets: the entry of the configuration's `weights` whose name
+    /// is the key's parts joined by `/` (the key's `Display`), or the default weight.
+    #[must_use]
+    pub fn weight_of(&self, key: &TenantKey) -> u32 {
+        self.shared.fixed.weight(key)
+    }
+
+    /// Counters of the layer: queue depth, slots taken, admitted cost, queueing time,
+    /// refusals by reason.
+    #[must_use]
+    pub fn stats(&self) -> FairQueueLayerStats {
+        self.shared.stats()
+    }
+
+    /// One tenant's queue depth and counters; `None` when it has nothing queued and its
+    /// counters are not kept (never seen, or forgotten).
+    #[must_use]
+    pub fn tenant_stats(&self, key: &TenantKey) -> Option<TenantQueueStats> {
+        self.shared.tenant_stats(key)
+    }
+}
+
+impl<S, K: Clone, C: Clone, R: Clone, B: Backend> Layer<S> for FairQueueLayer<K, C, R, B> {
+    type Service = FairQueueService<S, K, C, R, B>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        FairQueueService {
+            inner,
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            rejection: self.rejection.clone(),
+        }
+    }
+}

@@ -1,0 +1,128 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tower_limits_core::Backend;
+use tower_service::Service;
+
+use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
+use super::shared::{Arrival, FairQueueLayerStats, Shared};
+use crate::error::{ErrorKind, LimitError};
+use crate::extract::{CostExtractor, KeyExtractor};
+use crate::reject::Rejection;
+
+/// The service built by [`FairQueueLayer`](super::FairQueueLayer).
+///
+/// `poll_ready` only forwards the inner service's readiness: it reserves nothing, so the
+/// inner service's own queueing (a FIFO) never decides the order. In `call`, a request
+/// that finds nothing queued and capacity free is admitted at once; any other waits for
+/// its fair turn in the response future, which then calls the ready service it took
+/// along (a clone stays behind for the next request). Clones share one queue.
+pub struct FairQueueService<S, K, C, R, B: Backend> {
+    pub(crate) inner: S,
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) keys: K,
+    pub(crate) cost: C,
+    pub(crate) rejection: R,
+}
+
+impl<S, K, C, R, B: Backend> FairQueueService<S, K, C, R, B> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// Counters of the layer this service belongs to.
+    #[must_use]
+    pub fn stats(&self) -> FairQueueLayerStats {
+        self.shared.stats()
+    }
+}
+
+impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend> Clone for FairQueueService<S, K, C, R, B> {
+    fn clone(&self) -> Self {
+        FairQueueService {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            rejection: self.rejection.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug
+    for FairQueueService<S, K, C, R, B>
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairQueueService")
+            .field("inner", &self.inner)
+            .field("keys", &self.keys)
+            .field("cost", &self.cost)
+            .field("rejection", &self.rejection)
+            .field("settings", &self.shared)
+            .finish()
+    }
+}
+
+impl<S, Req, K, C, R, B> Service<Req> for FairQueueService<S, K, C, R, B>
+where
+    S: Service<Req> + Clone,
+    K: KeyExtractor<Req>,
+    C: CostExtractor<Req>,
+    R: Rejection<S::Response, S::Error>,
+    B: Backend,
+{
+    type Response = R::Response;
+    type Error = R::Error;
+    type Future = ResponseFuture<S, Req, R, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let shared = &self.shared;
+        let key = match self.keys.extract(&req) {
+            Ok(key) => key,
+            Err(missing) => match &shared.fixed.default_key {
+                Some(key) => key.clone(),
+                None => {
+                    shared.count_refusal(ErrorKind::MissingKey);
+                    let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                    trace_refusal(&error, &tower_limits_core::TenantKey::global());
+                    return ResponseFuture::rejected(Box::new(error), self.rejection.clone());
+                }
+            },
+        };
+        let cost = self.cost.cost(&req);
+        match shared.arrive(&key, cost) {
+            Arrival::Admitted(grant) => {
+                let held = Held::new(shared.clone(), key, grant);
+                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone())
+            }
+            Arrival::Queued(ticket) => {
+                tracing::debug!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
+                // The service polled ready goes with the request; the clone stays.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                let waiter = Waiter::new(shared.clone(), ticket, key);
+                ResponseFuture::waiting(Waiting { waiter, inner: Some(inner), req: Some(req) }, self.rejection.clone())
+            }
+            Arrival::Refused(error) => {
+                trace_refusal(&error, &key);
+                ResponseFuture::rejected(error, self.rejection.clone())
+            }
+        }
+    }
+}
