@@ -46,6 +46,8 @@ pub use builder::{ServiceBuilderExt, WithLimits};
 pub use clock::LayerClock;
 pub use error::{BoxError, ErrorKind, LimitError};
 pub use fair_queue::{FairQueueLayer, FairQueueService};
+#[cfg(feature = "tonic")]
+pub use grpc::GrpcAnswer;
 pub use limit_set::{LayerStats, LimitSetLayer, LimitSetService, Unfinished};
 pub use reject::{Rejection, ReturnError};
 pub use tower_limits_core::{
