@@ -3,6 +3,9 @@
 use tower::ServiceBuilder;
 use tower::layer::util::Stack;
 
+use tower_limits_core::Backend;
+
+use crate::fair_queue::FairQueueLayer;
 use crate::limit_set::LimitSetLayer;
 
 /// Adds the limit layers to [`ServiceBuilder`], so that
@@ -23,6 +26,12 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed {
         self,
         layer: LimitSetLayer<K, C, U, R, B, A>,
     ) -> WithLimits<LimitSetLayer<K, C, U, R, B, A>, L>;
+
+    /// Adds a [`FairQueueLayer`].
+    fn fair_queue<K, C, R, B: Backend>(
+        self,
+        layer: FairQueueLayer<K, C, R, B>,
+    ) -> WithLimits<FairQueueLayer<K, C, R, B>, L>;
 }
 
 /// A [`ServiceBuilder`] with one more layer on top.
@@ -38,6 +47,13 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
         self,
         layer: LimitSetLayer<K, C, U, R, B, A>,
     ) -> WithLimits<LimitSetLayer<K, C, U, R, B, A>, L> {
+        self.layer(layer)
+    }
+
+    fn fair_queue<K, C, R, B: Backend>(
+        self,
+        layer: FairQueueLayer<K, C, R, B>,
+    ) -> WithLimits<FairQueueLayer<K, C, R, B>, L> {
         self.layer(layer)
     }
 }
