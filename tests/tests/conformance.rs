@@ -259,6 +259,7 @@ fn mixed_policy() -> LimitSetPolicy {
         .limit(LimitPolicy::sliding_window_log("log", 20, Duration::from_secs(2)))
         .limit(LimitPolicy::sliding_window_counter("counter", 40, Duration::from_secs(1)).per("user").counting_cost())
         .limit(LimitPolicy::fixed_window("fixed", 10, Duration::from_millis(500)).per("org"))
+        .limit(LimitPolicy::semaphore("weight", 45).per("user").counting_cost())
 }
 
 fn tenants() -> Vec<TenantKey> {

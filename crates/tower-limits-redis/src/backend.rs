@@ -65,8 +65,9 @@ use crate::keys::{SlotLayout, escape_into};
 use crate::script::{self, ScriptLimit};
 use crate::stats::{Counters, RedisStats, bump};
 
-/// The largest integer a Lua number holds exactly.
-const EXACT: u64 = 1 << 53;
+/// The bound below which the script's double arithmetic (divisions included) is exact:
+/// 2^52, which as nanoseconds is 52 days.
+const EXACT: u64 = 1 << 52;
 
 /// A [`Backend`] whose limits live in Redis, shared by every replica built with the same
 /// policy and namespace.
@@ -145,6 +146,8 @@ pub(crate) struct Inner {
     tiers: Box<[&'static str]>,
     depth_needed: usize,
     has_semaphore: bool,
+    /// Some semaphore or log records the holder id of its grants.
+    records_holders: bool,
     /// Some non-semaphore limit counts cost: settling can change something.
     settles: bool,
     namespace: Box<str>,
@@ -274,8 +277,8 @@ impl RedisBackendBuilder {
     /// # Errors
     /// - [`BuildError::Policy`]: the policy is invalid.
     /// - [`BuildError::Unsupported`]: a window is not a whole number of microseconds (the
-    ///   server clock's resolution) or longer than 104 days, a GCRA or token-bucket burst
-    ///   spans more than 104 days, or a limit is above 2^53.
+    ///   server clock's resolution) or longer than 52 days, a GCRA or token-bucket burst
+    ///   spans more than 52 days, or a limit is above 2^52.
     /// - [`BuildError::CrossSlot`]: on a cluster with [`SlotLayout::PerTenant`], the set
     ///   mixes global and keyed limits.
     /// - [`BuildError::Invalid`]: a namespace or tag containing braces, a zero timeout or
@@ -325,6 +328,8 @@ impl RedisBackendBuilder {
         let instance = RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
         let has_semaphore = limits.iter().any(|l| l.is_semaphore);
         let settles = limits.iter().any(|l| !l.is_semaphore && l.counts == Counts::Cost);
+        let records_holders =
+            script_limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. }));
         let depth_needed = limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0);
         Ok(RedisBackend {
             inner: Arc::new(Inner {
@@ -335,6 +340,7 @@ impl RedisBackendBuilder {
                 tiers,
                 depth_needed,
                 has_semaphore,
+                records_holders,
                 settles,
                 namespace: self.namespace.into(),
                 layout: self.layout,
@@ -387,19 +393,19 @@ fn describe(
         }
         if nanos >= u128::from(EXACT) {
             return Err(unsupported(format!(
-                "its window {window:?} is longer than the 104 days a script counts exactly"
+                "its window {window:?} is longer than the 52 days a script counts exactly"
             )));
         }
         Ok((nanos / 1000) as u64)
     };
     let exact = |what: &str, n: u64| {
         if n >= EXACT {
-            Err(unsupported(format!("its {what} {n} is above 2^53, the largest integer a script counts exactly")))
+            Err(unsupported(format!("its {what} {n} is above 2^52, the largest integer a script counts exactly")))
         } else {
             Ok(n)
         }
     };
-    let (script, kind, window) = match &limit {
+    let (script, window) = match &limit {
         Limit::Gcra(_) | Limit::TokenBucket(_) => {
             let (rate, burst) = match &limit {
                 Limit::Gcra(g) => (g.rate(), g.burst()),
@@ -410,28 +416,25 @@ fn describe(
             let tolerance = interval.saturating_mul(burst);
             if tolerance >= EXACT {
                 return Err(unsupported(format!(
-                    "its burst of {burst} at {rate} spans more than the 104 days a script counts exactly"
+                    "its burst of {burst} at {rate} spans more than the 52 days a script counts exactly"
                 )));
             }
-            (ScriptLimit::Gcra { cost, interval, tolerance }, 'g', Duration::from_nanos(tolerance))
+            (ScriptLimit::Gcra { cost, interval, tolerance }, Duration::from_nanos(tolerance))
         }
         Limit::FixedWindow(w) => (
             ScriptLimit::Fixed { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
-            'f',
             w.window(),
         ),
         Limit::SlidingWindowCounter(w) => (
             ScriptLimit::Counter { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
-            'c',
             w.window(),
         ),
         Limit::SlidingWindowLog(w) => (
             ScriptLimit::Log { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
-            'l',
             w.window(),
         ),
         Limit::Semaphore(_) => {
-            (ScriptLimit::Semaphore { cost, capacity: exact("capacity", limit.capacity())? }, 's', Duration::ZERO)
+            (ScriptLimit::Semaphore { cost, capacity: exact("capacity", limit.capacity())? }, Duration::ZERO)
         }
     };
     let tier = match &p.scope {
@@ -441,7 +444,7 @@ fn describe(
     let mut suffix = String::from(":");
     escape_into(&mut suffix, &p.name);
     suffix.push(':');
-    suffix.push(kind);
+    suffix.push(script.kind());
     let info = LimitInfo {
         name: intern(&p.name),
         tier,
@@ -827,11 +830,17 @@ async fn acquire_remote(
     holder: u64,
 ) -> Result<RedisGrant, AcquireError> {
     let keys = inner.keys_for(&key);
-    let (us, sub) = inner.now_args(now);
     let cost_arg = cost.min(EXACT).to_string();
     let id = inner.holder_id(holder);
-    let args = ["a", &us, &sub, &cost_arg, &id];
-    let why = match inner.call(&keys, &args).await {
+    let result = if inner.settings.manual_clock {
+        let (us, sub) = inner.now_args(now);
+        inner.call(&keys, &["a", &us, &sub, &cost_arg, &id]).await
+    } else if inner.records_holders {
+        inner.call(&keys, &["a", &cost_arg, &id]).await
+    } else {
+        inner.call(&keys, &["a", &cost_arg]).await
+    };
+    let why = match result {
         Ok(value) => match ints(&value, inner.limits.len()) {
             Some(reply) => return inner.decide(&key, cost, now, holder, id, &reply),
             None => {

@@ -14,8 +14,9 @@
 //! `<root>` is the tenant key's broadest tier and `<part>`s the narrower ones down to the
 //! limit's tier: `tl:{acme}/alice:requests:g` is the GCRA state of user `alice` of org
 //! `acme`. `<kind>` is the state's shape (`g` GCRA and token bucket, `f` fixed window,
-//! `c` sliding-window counter, `l` sliding-window log, `s` semaphore), so a limit whose
-//! algorithm changes never reads a state of another shape.
+//! `c` sliding-window counter, `l` sliding-window log, `s` semaphore counting requests,
+//! `w` semaphore counting cost), so a limit whose algorithm changes never reads a state
+//! of another shape.
 //!
 //! Tenant ids and limit names are escaped: every byte other than ASCII letters, digits
 //! and `-_.~@+` is written `%XX`, so a tenant id can never close the hash tag early

@@ -58,7 +58,7 @@
 //! | fixed window | string | `window_start_us:count` |
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member per grant, scored by its time; member `=` carries the sum |
-//! | semaphore | sorted set | one member `holder:weight` per grant, scored by its lease deadline; member `=` carries the total held |
+//! | semaphore | sorted set | one member `holder:weight` per grant, scored by its lease deadline (counting cost, member `=` carries the total) |
 //!
 //! Every key expires when its state has become indistinguishable from a fresh one, so
 //! idle tenants leave nothing behind and Redis memory tracks active tenants only.
@@ -138,7 +138,7 @@
 //! more for a moment, never less. Replicas' clocks are not involved: only the server's
 //! `TIME` decides.
 //!
-//! The guide has a longer version of these notes: `docs/redis.md` in the repository.
+//! The [guide](guide::operations) has a longer version of these notes.
 
 mod backend;
 mod cache;
@@ -156,6 +156,13 @@ pub use connection::RedisConnection;
 pub use error::BuildError;
 pub use failure::FailurePolicy;
 pub use keys::{SlotLayout, key_slot};
-pub use stats::RedisStats;
 /// The redis-rs crate this backend is built on, for building connections by hand.
 pub use redis;
+pub use stats::RedisStats;
+
+/// The operator's guide (`docs/redis.md` in the repository): failure policies, key layout,
+/// cluster slots, leases, time and what to monitor.
+pub mod guide {
+    #[doc = include_str!("../../../docs/redis.md")]
+    pub mod operations {}
+}

@@ -2,17 +2,21 @@
 //!
 //! # One script per set
 //!
-//! A set's script is generated once, when the backend is built: a fixed library of Lua
-//! functions preceded by the set's limits as constants (kind,
-//! whether it counts cost, emission interval, tolerance, window, capacity). Redis caches
-//! it by its SHA1; every call is an `EVALSHA`, and a `NOSCRIPT` answer (the cache was
-//! flushed, or a failover promoted a replica that never saw the script) is followed by
-//! one `EVAL` of the full text, which caches it again.
+//! A set's script is generated once, when the backend is built, from its policy. The
+//! acquisition is written out limit by limit with the limits' parameters as constants:
+//! no table of limits, no dispatch on the algorithm, no function created per call except
+//! the helpers of the sliding windows, when the set has one. (Redis runs a script's
+//! whole text on every call, so every closure and table it builds costs every call.)
+//! Settle and renew, rarer, follow as generic code over a table of the limits. Redis
+//! caches the script by its SHA1; every call is an `EVALSHA`, and a `NOSCRIPT` answer
+//! (the cache was flushed, or a failover promoted a replica that never saw the script)
+//! is followed by one `EVAL` of the full text, which caches it again.
 //!
 //! `KEYS` are the set's keys for one tenant, one per limit in the order of the policy.
 //! `ARGV[1]` selects the operation:
 //!
-//! - `a`, acquire: read the server's `TIME` once, load every limit's state, check every
+//! - `a`, acquire (then the cost, and the grant's holder id when a semaphore or a log
+//!   records it): read the server's `TIME` once, load every limit's state, check every
 //!   limit **without writing**, and only if all pass commit all of them. The reply is a
 //!   flat array of integers: `granted, now_us, now_sub, blocking index, retry_after_ns,
 //!   needs_release`, then `remaining, reset_ns` for every limit (after the grant, or as
@@ -24,12 +28,13 @@
 //!
 //! # Time and exact integers
 //!
-//! Redis runs Lua 5.1, whose only numbers are doubles, exact for integers below 2^53.
+//! Redis runs Lua 5.1, whose only numbers are doubles: integers are exact below 2^53,
+//! and a division floors exactly below 2^52.
 //! Absolute times are therefore kept as whole microseconds (the resolution of `TIME`;
 //! about 1.8e15 today) plus a sub-microsecond part in nanoseconds that is zero unless a
 //! test drives the clock. Everything the algorithms compare is a *difference* from now in
-//! nanoseconds, which stays below 2^53 (104 days) because the builder refuses longer
-//! windows and tolerances. The one product that can exceed 2^53, in the sliding-window
+//! nanoseconds, which stays below 2^52 (52 days) because the builder refuses longer
+//! windows and tolerances. The one product that can exceed that, in the sliding-window
 //! counter, goes through `muldiv`, an exact `floor(a*b/c)` by doubling. Numbers that go
 //! back to Redis as arguments are formatted with `%.0f`, never with Lua's `tostring`,
 //! which would round them to 14 digits.
@@ -42,7 +47,8 @@
 //! | fixed window | string | `window_start_us:count` |
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member `at_us.at_sub:cost:holder` per grant, scored by `at_us`; member `=` scored `-(sum+1)` |
-//! | semaphore | sorted set | one member `holder:weight` per grant, scored by its lease deadline (us); member `=` scored `-(held+1)` |
+//! | semaphore counting requests | sorted set | one member `holder:1` per grant, scored by its lease deadline (us); the count is that of live deadlines, and expired ones are pruned by one grant in eight |
+//! | semaphore counting cost | sorted set | one member `holder:weight` per grant, scored by its lease deadline (us); member `=` scored `-(held+1)` |
 //!
 //! Every key carries an expiry at the instant its state becomes indistinguishable from
 //! a fresh one (plus 2 ms), so an idle tenant leaves nothing behind.
@@ -60,14 +66,231 @@ pub(crate) enum ScriptLimit {
     Counter { cost: bool, limit: u64, window_us: u64 },
     /// Sliding-window log: limit, window in us.
     Log { cost: bool, limit: u64, window_us: u64 },
-    /// Semaphore: capacity.
+    /// Semaphore: capacity. Counting requests, each hold weighs one and the count is the
+    /// set's cardinality; counting cost, holds carry their weight and member `=` the sum.
     Semaphore { cost: bool, capacity: u64 },
 }
 
-/// The script of one set.
+impl ScriptLimit {
+    /// The character that ends the limit's keys: the shape of its state.
+    pub(crate) fn kind(&self) -> char {
+        match self {
+            ScriptLimit::Gcra { .. } => 'g',
+            ScriptLimit::Fixed { .. } => 'f',
+            ScriptLimit::Counter { .. } => 'c',
+            ScriptLimit::Log { .. } => 'l',
+            ScriptLimit::Semaphore { cost: false, .. } => 's',
+            ScriptLimit::Semaphore { cost: true, .. } => 'w',
+        }
+    }
+}
+
+/// The script of one set: the acquisition written out limit by limit with the set's
+/// constants, then the generic settle and renew operations.
 pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool) -> String {
-    let mut s = String::with_capacity(LIBRARY.len() + 512);
+    let slack_ms: u64 = if manual_clock { 3_600_000 } else { 0 };
+    let mut s = String::with_capacity(8192);
     s.push_str("-- tower-limits-redis: the limit script of one set (see the crate docs)\n");
+    s.push_str("local call, floor, fmt, match, sub, tonumber = redis.call, math.floor, string.format, string.match, string.sub, tonumber\n");
+    if manual_clock {
+        // Test-only: the caller's clock, and expiries an hour longer so that keys never
+        // expire in real time before they are idle in the test's time.
+        s.push_str("local NOW_US, NOW_SUB = tonumber(ARGV[2]), tonumber(ARGV[3])\n");
+    } else {
+        s.push_str("local T = call('TIME')\nlocal NOW_US, NOW_SUB = T[1] * 1000000 + T[2], 0\n");
+    }
+    let _ = writeln!(s, "local SLACK_MS, LEASE_US = {slack_ms}, {lease_us}");
+    let counter = limits.iter().any(|l| matches!(l, ScriptLimit::Counter { .. }));
+    let log = limits.iter().any(|l| matches!(l, ScriptLimit::Log { .. }));
+    let semaphore = limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. }));
+    s.push_str("if ARGV[1] == 'a' then\n");
+    // The caller's time comes first with the test clock; the holder id only when a
+    // semaphore or a log records it.
+    let first = if manual_clock { 4 } else { 2 };
+    let needs_cost = limits.iter().any(|l| match *l {
+        ScriptLimit::Gcra { cost, .. }
+        | ScriptLimit::Fixed { cost, .. }
+        | ScriptLimit::Counter { cost, .. }
+        | ScriptLimit::Log { cost, .. }
+        | ScriptLimit::Semaphore { cost, .. } => cost,
+    });
+    if needs_cost {
+        let _ = writeln!(s, "  local cost, uid = tonumber(ARGV[{first}]), ARGV[{}]", first + 1);
+    } else {
+        let _ = writeln!(s, "  local uid = ARGV[{}]", first + 1);
+    }
+    s.push_str("  local blocked, retry, release = 0, 0, 0\n");
+    if counter {
+        s.push_str(COUNTER);
+    }
+    if log {
+        s.push_str(LOG);
+    }
+    if semaphore {
+        s.push_str("  local NOWS, DEADLINE = fmt('%.0f', NOW_US), fmt('%.0f', NOW_US + LEASE_US)\n  local LIVE = '(' .. NOWS\n");
+    }
+    let lease_ttl = lease_us / 1000 + 1002 + slack_ms;
+    let ttl = |ns: &str| format!("floor(({ns}) / 1000000) + {}", 2 + slack_ms);
+    // Load and check, writing nothing.
+    for (n, l) in limits.iter().enumerate() {
+        let i = n + 1;
+        let _ = writeln!(s, "  -- limit {i}");
+        let _ = match *l {
+            ScriptLimit::Gcra { cost, interval, tolerance } => write!(
+                s,
+                "  local k{i}, d{i} = KEYS[{i}], 0
+  do
+    local v = call('GET', k{i})
+    -- a theoretical arrival time well in the past is no debt: no need to read it exactly
+    if v and tonumber(v) > NOW_US * 1000 - 1000000 then
+      local n = #v
+      d{i} = ((tonumber(sub(v, 1, n - 3)) or 0) - NOW_US) * 1000 + tonumber(sub(v, n - 2)) - NOW_SUB
+      if d{i} < 0 then d{i} = 0 end
+    end
+  end
+  local n{i} = d{i} + {c} * {interval}
+  if n{i} > {tolerance} then local r = n{i} - {tolerance}; if r >= retry then retry, blocked = r, {i} end end
+",
+                c = cost_of(cost)
+            ),
+            ScriptLimit::Fixed { cost, limit, window_us } => write!(
+                s,
+                "  local k{i}, w{i}, e{i}, u{i} = KEYS[{i}], 0, 0, 0
+  do
+    local v, st = call('GET', k{i}), 0
+    if v then local a, b = match(v, '^(%d+):(%d+)$'); st, u{i} = tonumber(a), tonumber(b) end
+    if st > NOW_US then w{i} = st else local r = NOW_US % {window_us}; w{i}, e{i} = NOW_US - r, r * 1000 + NOW_SUB end
+    if w{i} ~= st then u{i} = 0 end
+  end
+  if u{i} + {c} > {limit} then local r = {w} - e{i}; if r >= retry then retry, blocked = r, {i} end end
+",
+                c = cost_of(cost),
+                w = window_us * 1000
+            ),
+            ScriptLimit::Counter { cost, limit, window_us } => write!(
+                s,
+                "  local k{i} = KEYS[{i}]
+  local w{i}, e{i}, p{i}, u{i} = cview(call('GET', k{i}), {window_us})
+  do local r = ccheck({limit}, {w}, p{i}, u{i}, e{i}, {c}); if r and r >= retry then retry, blocked = r, {i} end end
+",
+                c = cost_of(cost),
+                w = window_us * 1000
+            ),
+            ScriptLimit::Log { cost, limit, window_us } => write!(
+                s,
+                "  local k{i} = KEYS[{i}]
+  local l{i} = lload(k{i}, {window_us})
+  do local r = lcheck(k{i}, l{i}, {limit}, {w}, {c}); if r and r >= retry then retry, blocked = r, {i} end end
+",
+                c = cost_of(cost),
+                w = window_us * 1000
+            ),
+            ScriptLimit::Semaphore { cost: false, capacity } => write!(
+                s,
+                "  local k{i} = KEYS[{i}]
+  local h{i} = call('ZCOUNT', k{i}, LIVE, '+inf')
+  if h{i} + 1 > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
+"
+            ),
+            ScriptLimit::Semaphore { cost: true, capacity } => write!(
+                s,
+                "  local k{i}, h{i}, x{i} = KEYS[{i}], 0, false
+  do
+    local t = call('ZSCORE', k{i}, '=')
+    if t then h{i} = -tonumber(t) - 1 end
+    local ms = call('ZRANGEBYSCORE', k{i}, 0, NOWS)
+    x{i} = #ms > 0
+    for j = 1, #ms do h{i} = h{i} - tonumber(match(ms[j], ':(%d+)$')) end
+  end
+  if h{i} + cost > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
+"
+            ),
+        };
+    }
+    // Commit all, only if all passed.
+    s.push_str("  if blocked == 0 then\n");
+    for (n, l) in limits.iter().enumerate() {
+        let i = n + 1;
+        let _ = match *l {
+            ScriptLimit::Gcra { .. } => write!(
+                s,
+                "    do
+      local q = floor((NOW_SUB + n{i}) / 1000)
+      call('SET', k{i}, fmt('%.0f%03d', NOW_US + q, NOW_SUB + n{i} - q * 1000), 'PX', {t})
+      d{i} = n{i}
+    end
+",
+                t = ttl(&format!("n{i}"))
+            ),
+            ScriptLimit::Fixed { cost, window_us, .. } => write!(
+                s,
+                "    u{i} = u{i} + {c}
+    call('SET', k{i}, fmt('%.0f:%.0f', w{i}, u{i}), 'PX', {t})
+",
+                c = cost_of(cost),
+                t = ttl(&format!("{} - e{i}", window_us * 1000))
+            ),
+            ScriptLimit::Counter { cost, window_us, .. } => write!(
+                s,
+                "    u{i} = u{i} + {c}
+    call('SET', k{i}, fmt('%.0f:%.0f:%.0f', w{i}, p{i}, u{i}), 'PX', {t})
+",
+                c = cost_of(cost),
+                t = ttl(&format!("{} - e{i}", 2 * window_us * 1000))
+            ),
+            ScriptLimit::Log { cost, window_us, .. } => {
+                writeln!(s, "    lcommit(k{i}, l{i}, {}, uid, {})", cost_of(cost), window_us * 1000)
+            }
+            ScriptLimit::Semaphore { cost: false, .. } => write!(
+                s,
+                "    if NOW_US % 8 == 0 then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
+    call('ZADD', k{i}, DEADLINE, uid .. ':1')
+    call('PEXPIRE', k{i}, {lease_ttl})
+    h{i} = h{i} + 1
+"
+            ),
+            ScriptLimit::Semaphore { cost: true, .. } => write!(
+                s,
+                "    if x{i} then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
+    if cost > 0 then call('ZADD', k{i}, DEADLINE, uid .. ':' .. fmt('%.0f', cost)) end
+    h{i} = h{i} + cost
+    call('ZADD', k{i}, fmt('%.0f', -h{i} - 1), '=')
+    call('PEXPIRE', k{i}, {lease_ttl})
+"
+            ),
+        };
+    }
+    s.push_str("  end\n");
+    // Remaining and reset of every limit, as they stand now.
+    for (n, l) in limits.iter().enumerate() {
+        let i = n + 1;
+        let _ = match *l {
+            ScriptLimit::Gcra { interval, tolerance, .. } => writeln!(
+                s,
+                "  local r{i}, s{i} = floor(({tolerance} - (d{i} < {tolerance} and d{i} or {tolerance})) / {interval}), d{i}"
+            ),
+            ScriptLimit::Fixed { limit, window_us, .. } => writeln!(
+                s,
+                "  local r{i}, s{i} = ({limit} > u{i} and {limit} - u{i} or 0), (u{i} > 0 and {} - e{i} or 0)",
+                window_us * 1000
+            ),
+            ScriptLimit::Counter { limit, window_us, .. } => {
+                writeln!(s, "  local r{i}, s{i} = cpeek({limit}, {}, p{i}, u{i}, e{i})", window_us * 1000)
+            }
+            ScriptLimit::Log { limit, window_us, .. } => {
+                writeln!(s, "  local r{i}, s{i} = lpeek(k{i}, l{i}, {limit}, {})", window_us * 1000)
+            }
+            ScriptLimit::Semaphore { capacity, .. } => {
+                writeln!(s, "  local r{i}, s{i} = ({capacity} > h{i} and {capacity} - h{i} or 0), 0")
+            }
+        };
+    }
+    s.push_str("  return {blocked == 0 and 1 or 0, NOW_US, NOW_SUB, blocked > 0 and blocked - 1 or 0, retry, release");
+    for i in 1..=limits.len() {
+        let _ = write!(s, ", r{i}, s{i}");
+    }
+    s.push_str("}\nend\n");
+    // Settle and renew: rarer, generic over a table of the limits.
     s.push_str("local L = {\n");
     for l in limits {
         let _ = match *l {
@@ -87,26 +310,154 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
         };
     }
     s.push_str("}\n");
-    let _ = writeln!(s, "local LEASE_US = {lease_us}");
-    if manual_clock {
-        // Test-only: the caller's clock, and expiries an hour longer so that keys never
-        // expire in real time before they are idle in the test's time.
-        s.push_str("local NOW_US, NOW_SUB = tonumber(ARGV[2]), tonumber(ARGV[3])\nlocal SLACK_MS = 3600000\n");
-    } else {
-        s.push_str(
-            "local T = redis.call('TIME')\nlocal NOW_US, NOW_SUB = T[1] * 1000000 + T[2], 0\nlocal SLACK_MS = 0\n",
-        );
-    }
-    s.push_str(LIBRARY);
+    s.push_str(SETTLE);
     s
 }
 
-/// The functions and the dispatch shared by every set's script.
-pub(crate) const LIBRARY: &str = r#"
-local floor, fmt, match, tonumber = math.floor, string.format, string.match, tonumber
-local call = redis.call
+fn cost_of(counts_cost: bool) -> &'static str {
+    if counts_cost { "cost" } else { "1" }
+}
 
--- q, r with x = q*m + r and 0 <= r < m, exact for integers below 2^53
+/// The sliding-window counter's exact integer arithmetic, for acquisitions.
+const COUNTER: &str = r#"  -- floor(a*b/c) and the remainder, exact for 0 <= a, b < c < 2^53
+  local function muldiv(a, b, c)
+    local p = a * b
+    if p < 4503599627370496 then local q = floor(p / c); return q, p - q * c end
+    local q, r, bit = 0, 0, 1
+    while bit * 2 <= b do bit = bit * 2 end
+    while bit >= 1 do
+      q = q * 2
+      if r >= c - r then r = r - (c - r); q = q + 1 else r = r + r end
+      if b >= bit then
+        b = b - bit
+        if r >= c - a then r = r - (c - a); q = q + 1 else r = r + a end
+      end
+      bit = bit / 2
+    end
+    return q, r
+  end
+  -- the window holding now (never before the state's): start, elapsed ns, previous, current
+  local function cview(v, wus)
+    local st, a, b = 0, 0, 0
+    if v then local s1, p1, c1 = match(v, '^(%d+):(%d+):(%d+)$'); st, a, b = tonumber(s1), tonumber(p1), tonumber(c1) end
+    local ws, e = st, 0
+    if st <= NOW_US then local r = NOW_US % wus; ws, e = NOW_US - r, r * 1000 + NOW_SUB end
+    if ws ~= st then if ws - st == wus then a, b = b, 0 else a, b = 0, 0 end end
+    return ws, e, a, b
+  end
+  -- floor(room*w/prev) for 0 <= room < prev
+  local function slack(room, prev, w)
+    local qw = floor(w / prev)
+    return room * qw + muldiv(room, w - qw * prev, prev)
+  end
+  -- the earliest offset into a window with counts prev, curr at which c fits, if any
+  local function cearliest(lim, w, prev, curr, c)
+    local room = lim - curr - c
+    if room < 0 then return nil end
+    if prev == 0 or room >= prev then return 0 end
+    local e = w - slack(room, prev, w)
+    if e < 0 then e = 0 end
+    if e < w then return e end
+    return nil
+  end
+  local function ccheck(lim, w, prev, curr, e, c)
+    local room = lim - curr - c
+    if room >= 0 and (prev == 0 or room >= prev or w - e <= slack(room, prev, w)) then return nil end
+    local e1 = cearliest(lim, w, prev, curr, c)
+    if e1 then return e1 - e end
+    local e2 = cearliest(lim, w, curr, 0, c)
+    if e2 then return w + e2 - e end
+    return 2 * w - e
+  end
+  local function cpeek(lim, w, prev, curr, e)
+    local y, c = w - e, 0
+    if prev > 0 then
+      if y == w then c = prev
+      else
+        local qx = floor(prev / w)
+        local q, r = muldiv(prev - qx * w, y, w)
+        c = qx * y + q
+        if r > 0 then c = c + 1 end
+      end
+    end
+    local rem = lim - c
+    if rem < 0 then rem = 0 end
+    rem = rem - curr
+    if rem < 0 then rem = 0 end
+    if curr > 0 then return rem, 2 * w - e end
+    if prev > 0 then return rem, w - e end
+    return rem, 0
+  end
+"#;
+
+/// The sliding-window log, for acquisitions: a sorted set of grants and its sum.
+const LOG: &str = r#"  local function lentry(m)
+    local us, sb, c = match(m, '^(%d+)%.(%d+):(%d+):')
+    return tonumber(us), tonumber(sb), tonumber(c)
+  end
+  -- the live sum, and what a commit must prune
+  local function lload(k, wus)
+    local t = call('ZSCORE', k, '=')
+    local sum, cut, dsum, dead, bound = t and (-tonumber(t) - 1) or 0, NOW_US - wus, 0, false, {}
+    if cut >= 0 then
+      local ms = call('ZRANGEBYSCORE', k, 0, fmt('%.0f', cut))
+      for j = 1, #ms do
+        local us, sb, c = lentry(ms[j])
+        if us < cut or sb <= NOW_SUB then
+          dsum, dead = dsum + c, true
+          if us == cut then bound[#bound + 1] = ms[j] end
+        end
+      end
+    end
+    return {live = sum - dsum, dead = dead, bound = bound, cut = cut}
+  end
+  -- nil when c fits, else the wait until enough of the oldest live grants have left
+  local function lcheck(k, st, lim, w, c)
+    local over = st.live + c - lim
+    if over <= 0 then return nil end
+    local freed, off, from = 0, 0, fmt('%.0f', st.cut < 0 and 0 or st.cut)
+    while true do
+      local ms = call('ZRANGEBYSCORE', k, from, '+inf', 'LIMIT', off, 64)
+      if #ms == 0 then break end
+      for j = 1, #ms do
+        local us, sb, cj = lentry(ms[j])
+        if us > st.cut or sb > NOW_SUB then
+          freed = freed + cj
+          if freed >= over then return (us - NOW_US) * 1000 + sb - NOW_SUB + w end
+        end
+      end
+      off = off + #ms
+    end
+    return w
+  end
+  local function lcommit(k, st, c, uid, w)
+    if st.dead then
+      call('ZREMRANGEBYSCORE', k, 0, '(' .. fmt('%.0f', st.cut))
+      if #st.bound > 0 then call('ZREM', k, unpack(st.bound)) end
+    end
+    if c > 0 then
+      call('ZADD', k, fmt('%.0f', NOW_US), fmt('%.0f.%03d:%.0f:%s', NOW_US, NOW_SUB, c, uid))
+      st.newest = 0
+    end
+    st.live = st.live + c
+    call('ZADD', k, fmt('%.0f', -st.live - 1), '=')
+    call('PEXPIRE', k, floor(w / 1000000) + 2 + SLACK_MS)
+  end
+  local function lpeek(k, st, lim, w)
+    local rem = lim - st.live
+    if rem < 0 then rem = 0 end
+    local newest = st.newest
+    if not newest then
+      local m = call('ZRANGE', k, -1, -1)[1]
+      if m and m ~= '=' then local us, sb = lentry(m); newest = (us - NOW_US) * 1000 + sb - NOW_SUB end
+    end
+    if newest and newest + w > 0 then return rem, newest + w end
+    return rem, 0
+  end
+"#;
+
+/// Settle and renew, generic over the table `L` of the set's limits.
+const SETTLE: &str = r#"
 local function divmod(x, m)
   local q = floor(x / m)
   local r = x - q * m
@@ -213,198 +564,12 @@ local function load(i)
       end
     end
     return {live = sum - dsum, dead = dead, bound = bound, cut = cut, newest = nil}
-  else
-    local held = sum_of(k)
-    local ms = call('ZRANGEBYSCORE', k, 0, num(NOW_US))
-    local w = 0
-    for j = 1, #ms do w = w + tonumber(match(ms[j], ':(%d+)$')) end
-    return {live = held - w, expired = #ms > 0}
+
   end
 end
 
 -- floor(room*W/prev) for 0 <= room < prev: how far back from the end of a window the
 -- previous window's weight still fits
-local function slack(room, prev, w)
-  local qw, rw = divmod(w, prev)
-  return room * qw + muldiv(room, rw, prev)
-end
-
-local function counter_fits(p, prev, curr, e, c)
-  local room = p[3] - curr - c
-  if room < 0 then return false end
-  if prev == 0 or room >= prev then return true end
-  return p[4] - e <= slack(room, prev, p[4])
-end
-
--- the earliest offset into a window with counts prev, curr at which c fits, if any
-local function counter_earliest(p, prev, curr, c)
-  local room = p[3] - curr - c
-  if room < 0 then return nil end
-  if prev == 0 or room >= prev then return 0 end
-  local e = p[4] - slack(room, prev, p[4])
-  if e < 0 then e = 0 end
-  if e < p[4] then return e end
-  return nil
-end
-
--- nil when c fits, else the exact wait in ns, or false when only a release can help
-local function check(i, st, c)
-  local p = L[i]
-  local kind = p[1]
-  if kind == 1 then
-    local new = st.debt + c * p[3]
-    if new > p[4] then return new - p[4] end
-    return nil
-  elseif kind == 2 then
-    if st.curr + c <= p[3] then return nil end
-    return p[4] - st.e
-  elseif kind == 3 then
-    if counter_fits(p, st.prev, st.curr, st.e, c) then return nil end
-    local e1 = counter_earliest(p, st.prev, st.curr, c)
-    if e1 then return e1 - st.e end
-    local e2 = counter_earliest(p, st.curr, 0, c)
-    if e2 then return p[4] + e2 - st.e end
-    return 2 * p[4] - st.e
-  elseif kind == 4 then
-    local over = st.live + c - p[3]
-    if over <= 0 then return nil end
-    local k, freed, off = KEYS[i], 0, 0
-    local from = st.cut < 0 and 0 or st.cut
-    while true do
-      local ms = call('ZRANGEBYSCORE', k, num(from), '+inf', 'LIMIT', off, 64)
-      if #ms == 0 then break end
-      for j = 1, #ms do
-        local us, sub, cj = log_entry(ms[j])
-        if us > st.cut or sub > NOW_SUB then
-          freed = freed + cj
-          if freed >= over then return rel(us, sub) + p[4] end
-        end
-      end
-      off = off + #ms
-    end
-    return p[4]
-  else
-    if st.live + c > p[3] then return false end
-    return nil
-  end
-end
-
-local function log_prune(k, st)
-  if st.dead then
-    call('ZREMRANGEBYSCORE', k, 0, '(' .. num(st.cut))
-    if #st.bound > 0 then call('ZREM', k, unpack(st.bound)) end
-    st.dead = false
-  end
-end
-
-local function commit(i, st, c, uid)
-  local p, k = L[i], KEYS[i]
-  local kind = p[1]
-  if kind == 1 then
-    local new = st.debt + c * p[3]
-    call('SET', k, abs_ns(new), 'PX', ttl(new))
-    st.debt = new
-  elseif kind == 2 then
-    st.curr = st.curr + c
-    call('SET', k, num(st.ws) .. ':' .. num(st.curr), 'PX', ttl(p[4] - st.e))
-  elseif kind == 3 then
-    st.curr = st.curr + c
-    call('SET', k, num(st.ws) .. ':' .. num(st.prev) .. ':' .. num(st.curr), 'PX', ttl(2 * p[4] - st.e))
-  elseif kind == 4 then
-    log_prune(k, st)
-    if c > 0 then
-      call('ZADD', k, num(NOW_US), fmt('%.0f.%03d:%.0f:%s', NOW_US, NOW_SUB, c, uid))
-      st.newest = 0
-    end
-    st.live = st.live + c
-    call('ZADD', k, num(-st.live - 1), '=')
-    call('PEXPIRE', k, ttl(p[4]))
-  else
-    if st.expired then call('ZREMRANGEBYSCORE', k, 0, num(NOW_US)) end
-    if c > 0 then call('ZADD', k, num(NOW_US + LEASE_US), uid .. ':' .. num(c)) end
-    st.live = st.live + c
-    call('ZADD', k, num(-st.live - 1), '=')
-    call('PEXPIRE', k, ttl(LEASE_US * 1000) + 1000)
-  end
-end
-
--- remaining and reset (ns) of limit i
-local function peek(i, st)
-  local p = L[i]
-  local kind = p[1]
-  if kind == 1 then
-    local room = p[4] - st.debt
-    if room < 0 then room = 0 end
-    return (divmod(room, p[3])), st.debt
-  elseif kind == 2 then
-    local rem = p[3] - st.curr
-    if rem < 0 then rem = 0 end
-    if st.curr > 0 then return rem, p[4] - st.e end
-    return rem, 0
-  elseif kind == 3 then
-    local w, y, c = p[4], p[4] - st.e, 0
-    if st.prev > 0 then
-      if y == w then c = st.prev
-      else
-        local qx, rx = divmod(st.prev, w)
-        local q, r = muldiv(rx, y, w)
-        c = qx * y + q
-        if r > 0 then c = c + 1 end
-      end
-    end
-    local rem = p[3] - c
-    if rem < 0 then rem = 0 end
-    rem = rem - st.curr
-    if rem < 0 then rem = 0 end
-    if st.curr > 0 then return rem, 2 * w - st.e end
-    if st.prev > 0 then return rem, w - st.e end
-    return rem, 0
-  elseif kind == 4 then
-    local rem = p[3] - st.live
-    if rem < 0 then rem = 0 end
-    local newest = st.newest
-    if not newest then
-      local m = call('ZRANGE', KEYS[i], -1, -1)[1]
-      if m and m ~= '=' then newest = rel(log_entry(m)) end
-    end
-    if newest and newest + p[4] > 0 then return rem, newest + p[4] end
-    return rem, 0
-  else
-    local rem = p[3] - st.live
-    if rem < 0 then rem = 0 end
-    return rem, 0
-  end
-end
-
-local function acquire(cost, uid)
-  local n, S, C = #L, {}, {}
-  local blocked, retry, release = 0, 0, 0
-  for i = 1, n do
-    C[i] = L[i][2] == 1 and cost or 1
-    S[i] = load(i)
-    local r = check(i, S[i], C[i])
-    if r == false then
-      release = 1
-      if blocked == 0 then blocked = i end
-    elseif r then
-      if r >= retry then retry = r; blocked = i end
-    end
-  end
-  local out = {0, NOW_US, NOW_SUB, 0, retry, release}
-  if blocked == 0 then
-    out[1] = 1
-    for i = 1, n do commit(i, S[i], C[i], uid) end
-  else
-    out[4] = blocked - 1
-  end
-  for i = 1, n do
-    local rem, rs = peek(i, S[i])
-    out[#out + 1] = rem
-    out[#out + 1] = rs
-  end
-  return out
-end
-
 -- one limit from the charged cost `old` to `new`, for a grant made at (gus, gsub)
 local function adjust(i, old, new, gus, gsub, uid)
   local p, k = L[i], KEYS[i]
@@ -458,12 +623,15 @@ local function settle(uid, gus, gsub, acq, oq, nq, oc, nc, rel_)
   for i = 1, #L do
     local p, k = L[i], KEYS[i]
     if p[1] == 5 then
-      local w = p[2] == 1 and acq or 1
-      if rel_ == 1 and w > 0 and call('ZREM', k, uid .. ':' .. num(w)) == 1 then
-        local held = sum_of(k) - w
-        if held < 0 then held = 0 end
-        if held == 0 and call('ZCARD', k) == 1 then call('DEL', k)
-        else call('ZADD', k, num(-held - 1), '=') end
+      if rel_ == 1 then
+        if p[2] == 0 then
+          call('ZREM', k, uid .. ':1')
+        elseif acq > 0 and call('ZREM', k, uid .. ':' .. num(acq)) == 1 then
+          local held = sum_of(k) - acq
+          if held < 0 then held = 0 end
+          if held == 0 and call('ZCARD', k) == 1 then call('DEL', k)
+          else call('ZADD', k, num(-held - 1), '=') end
+        end
       end
     else
       local o, n = oq, nq
@@ -480,8 +648,11 @@ local function renew(uid, acq)
     local p, k = L[i], KEYS[i]
     if p[1] == 5 then
       local w = p[2] == 1 and acq or 1
-      if w > 0 then
-        renewed = renewed + call('ZADD', k, 'XX', 'GT', 'CH', num(NOW_US + LEASE_US), uid .. ':' .. num(w))
+      local m = uid .. ':' .. num(w)
+      local deadline = w > 0 and call('ZSCORE', k, m)
+      -- only a live lease: an expired one may have been counted free and taken since
+      if deadline and tonumber(deadline) > NOW_US then
+        renewed = renewed + call('ZADD', k, 'XX', 'GT', 'CH', num(NOW_US + LEASE_US), m)
         call('PEXPIRE', k, ttl(LEASE_US * 1000) + 1000)
       end
     end
@@ -490,7 +661,6 @@ local function renew(uid, acq)
 end
 
 local op = ARGV[1]
-if op == 'a' then return acquire(tonumber(ARGV[4]), ARGV[5]) end
 if op == 's' then
   return settle(ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]),
     tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]))
