@@ -237,7 +237,10 @@ fn skip<T>(test: &str, why: &str) -> Option<T> {
     if std::env::var("REQUIRE_REDIS").is_ok_and(|v| v == "1") {
         panic!("{test}: REQUIRE_REDIS=1, but {why}");
     }
-    eprintln!(
+    // Straight to the process's stderr: the test harness captures `eprintln!` of passing
+    // tests, and a skip must be seen.
+    let _ = writeln!(
+        io::stderr(),
         "\n!!!!!!!! SKIPPED {test}: {why}.\n!!!!!!!! Install redis-server or set REDIS_URL; \
          REQUIRE_REDIS=1 turns this skip into a failure.\n"
     );
