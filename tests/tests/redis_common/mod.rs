@@ -38,7 +38,9 @@ pub async fn cmd<T: redis::FromRedisValue>(conn: &mut redis::aio::MultiplexedCon
     c.query_async(conn).await.unwrap_or_else(|e| panic!("{args:?}: {e}"))
 }
 
-/// A builder with a fresh namespace and the test clock.
+/// A builder with a fresh namespace and the test clock. Its timeout is generous: these
+/// tests are about semantics, and a loaded CI machine can take longer than the
+/// production default of 50ms to answer (the fault tests set their own).
 pub fn manual(policy: LimitSetPolicy, test: &str) -> RedisBackendBuilder {
-    RedisBackend::builder(policy).namespace(namespace(test)).manual_clock()
+    RedisBackend::builder(policy).namespace(namespace(test)).manual_clock().timeout(std::time::Duration::from_secs(5))
 }
