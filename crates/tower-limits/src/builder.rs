@@ -28,10 +28,10 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed {
     ) -> WithLimits<LimitSetLayer<K, C, U, R, B, A>, L>;
 
     /// Adds a [`FairQueueLayer`].
-    fn fair_queue<K, C, R, B: Backend>(
+    fn fair_queue<K, C, R, B: Backend, U, A>(
         self,
-        layer: FairQueueLayer<K, C, R, B>,
-    ) -> WithLimits<FairQueueLayer<K, C, R, B>, L>;
+        layer: FairQueueLayer<K, C, R, B, U, A>,
+    ) -> WithLimits<FairQueueLayer<K, C, R, B, U, A>, L>;
 }
 
 /// A [`ServiceBuilder`] with one more layer on top.
@@ -50,10 +50,10 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
         self.layer(layer)
     }
 
-    fn fair_queue<K, C, R, B: Backend>(
+    fn fair_queue<K, C, R, B: Backend, U, A>(
         self,
-        layer: FairQueueLayer<K, C, R, B>,
-    ) -> WithLimits<FairQueueLayer<K, C, R, B>, L> {
+        layer: FairQueueLayer<K, C, R, B, U, A>,
+    ) -> WithLimits<FairQueueLayer<K, C, R, B, U, A>, L> {
         self.layer(layer)
     }
 }

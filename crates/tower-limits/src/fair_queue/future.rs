@@ -14,21 +14,32 @@ use tower_service::Service;
 
 use super::shared::{Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
+use crate::extract::{Annotate, NoAnnotation, NoUsage, UsageExtractor};
 use crate::reject::Rejection;
 
 /// What an admitted request holds while the inner service works: a slot and the rate
 /// backend's grant. Dropped (the response completed, failed or was dropped), the grant
-/// is released, keeping what it charged, and the slot goes to the next request in fair
-/// order.
+/// is released, keeping what it charged (or what it was settled to), and the slot goes
+/// to the next request in fair order.
 pub(crate) struct Held<B: Backend> {
     shared: Arc<Shared<B>>,
     key: TenantKey,
     grant: Option<B::Grant>,
+    settled: bool,
 }
 
 impl<B: Backend> Held<B> {
     pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant) -> Self {
-        Held { shared, key, grant: Some(grant) }
+        Held { shared, key, grant: Some(grant), settled: false }
+    }
+
+    /// Corrects the grant's cost to the real usage.
+    fn settle(&mut self, actual: u64) {
+        if let Some(grant) = self.grant.as_mut() {
+            let now = self.shared.now();
+            self.shared.fixed.backend.settle(&self.key, grant, actual, now);
+            self.settled = true;
+        }
     }
 }
 
@@ -37,7 +48,8 @@ impl<B: Backend> Drop for Held<B> {
         if let Some(grant) = self.grant.take() {
             self.shared.fixed.backend.release(&self.key, grant);
         }
-        self.shared.release();
+        // A settle may have given cost back: the request at the gate may fit now.
+        self.shared.release(self.settled);
     }
 }
 
@@ -140,10 +152,11 @@ pub(crate) fn trace_refusal(error: &LimitError, key: &TenantKey) {
 }
 
 /// A queued request, with the (ready) inner service that will take it.
-pub(crate) struct Waiting<S, Req, B: Backend> {
+pub(crate) struct Waiting<S, Req, B: Backend, A> {
     pub(crate) waiter: Waiter<B>,
     pub(crate) inner: Option<S>,
     pub(crate) req: Option<Req>,
+    pub(crate) annotate: A,
 }
 
 pin_project! {
@@ -165,40 +178,43 @@ pin_project! {
     /// one; a request granted but not yet called returns its slot and refunds its grant;
     /// a called one releases its slot (its rate cost stays charged: the work may have
     /// been done). Each time, the next request in fair order is dispatched.
-    pub struct ResponseFuture<S, Req, R, B>
+    pub struct ResponseFuture<S, Req, R, B, U = NoUsage, A = NoAnnotation>
     where
         S: Service<Req>,
         B: Backend,
     {
         #[pin]
-        state: State<S::Future, Box<Waiting<S, Req, B>>, Held<B>>,
+        state: State<S::Future, Box<Waiting<S, Req, B, A>>, Held<B>>,
         rejection: R,
+        usage: U,
     }
 }
 
-impl<S, Req, R, B> ResponseFuture<S, Req, R, B>
+impl<S, Req, R, B, U, A> ResponseFuture<S, Req, R, B, U, A>
 where
     S: Service<Req>,
     B: Backend,
 {
-    pub(crate) fn called(fut: S::Future, held: Held<B>, rejection: R) -> Self {
-        ResponseFuture { state: State::Called { fut, held: Some(held) }, rejection }
+    pub(crate) fn called(fut: S::Future, held: Held<B>, rejection: R, usage: U) -> Self {
+        ResponseFuture { state: State::Called { fut, held: Some(held) }, rejection, usage }
     }
 
-    pub(crate) fn waiting(waiting: Waiting<S, Req, B>, rejection: R) -> Self {
-        ResponseFuture { state: State::Waiting { waiting: Box::new(waiting) }, rejection }
+    pub(crate) fn waiting(waiting: Waiting<S, Req, B, A>, rejection: R, usage: U) -> Self {
+        ResponseFuture { state: State::Waiting { waiting: Box::new(waiting) }, rejection, usage }
     }
 
-    pub(crate) fn rejected(error: Box<LimitError>, rejection: R) -> Self {
-        ResponseFuture { state: State::Rejected { error: Some(error) }, rejection }
+    pub(crate) fn rejected(error: Box<LimitError>, rejection: R, usage: U) -> Self {
+        ResponseFuture { state: State::Rejected { error: Some(error) }, rejection, usage }
     }
 }
 
-impl<S, Req, R, B> Future for ResponseFuture<S, Req, R, B>
+impl<S, Req, R, B, U, A> Future for ResponseFuture<S, Req, R, B, U, A>
 where
     S: Service<Req>,
     R: Rejection<S::Response, S::Error>,
     B: Backend,
+    U: UsageExtractor<S::Response>,
+    A: Annotate<Req, B::Grant>,
 {
     type Output = Result<R::Response, R::Error>;
 
@@ -208,8 +224,14 @@ where
             match this.state.as_mut().project() {
                 StateProj::Called { fut, held } => {
                     let out = ready!(fut.poll(cx));
+                    let mut held = held.take();
+                    if let (Ok(response), Some(h)) = (&out, held.as_mut()) {
+                        if let Some(actual) = this.usage.usage(response) {
+                            h.settle(actual);
+                        }
+                    }
                     // The slot goes back before the caller sees the response.
-                    drop(held.take());
+                    drop(held);
                     this.state.set(State::Done);
                     return Poll::Ready(match out {
                         Ok(response) => Ok(this.rejection.respond(response, None)),
@@ -222,7 +244,10 @@ where
                         Ok(grant) => {
                             let held = Held::new(waiting.waiter.shared.clone(), waiting.waiter.key.clone(), grant);
                             match (waiting.inner.take(), waiting.req.take()) {
-                                (Some(mut inner), Some(req)) => {
+                                (Some(mut inner), Some(mut req)) => {
+                                    if let Some(grant) = held.grant.as_ref() {
+                                        waiting.annotate.annotate(&mut req, grant);
+                                    }
                                     State::Called { fut: inner.call(req), held: Some(held) }
                                 }
                                 // Unreachable: the request is called once. The slot goes back.
@@ -244,7 +269,7 @@ where
     }
 }
 
-impl<S, Req, R, B> fmt::Debug for ResponseFuture<S, Req, R, B>
+impl<S, Req, R, B, U, A> fmt::Debug for ResponseFuture<S, Req, R, B, U, A>
 where
     S: Service<Req>,
     B: Backend,

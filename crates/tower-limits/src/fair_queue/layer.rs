@@ -9,7 +9,7 @@ use tower_limits_core::{Backend, PolicyError, TenantKey};
 use super::service::FairQueueService;
 use super::shared::{FairQueueLayerStats, Fixed, NoRate, Shared, TenantQueueStats};
 use crate::clock::LayerClock;
-use crate::extract::{GlobalKey, One};
+use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
 use crate::reject::ReturnError;
 
 /// Queues requests per tenant and admits them in weighted-fair order to the capacity it
@@ -19,33 +19,42 @@ use crate::reject::ReturnError;
 ///
 /// The layer is a small `Clone` value; every service it builds, and every clone of
 /// those, shares one queue and one capacity. The type parameters are the key extractor
-/// `K`, the cost extractor `C`, how refusals surface `R`, and the rate backend `B`
-/// ([`NoRate`] for concurrency only); the builder methods set them.
+/// `K`, the cost extractor `C`, how refusals surface `R`, the rate backend `B`
+/// ([`NoRate`] for concurrency only), the usage extractor `U` settling the rate's grant,
+/// and how the grant is recorded on the request `A`; the builder methods set them.
 #[must_use]
-pub struct FairQueueLayer<K = GlobalKey, C = One, R = ReturnError, B: Backend = NoRate> {
+pub struct FairQueueLayer<K = GlobalKey, C = One, R = ReturnError, B: Backend = NoRate, U = NoUsage, A = NoAnnotation> {
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
     pub(crate) cost: C,
     pub(crate) rejection: R,
+    pub(crate) usage: U,
+    pub(crate) annotate: A,
 }
 
-impl<K: Clone, C: Clone, R: Clone, B: Backend> Clone for FairQueueLayer<K, C, R, B> {
+impl<K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clone for FairQueueLayer<K, C, R, B, U, A> {
     fn clone(&self) -> Self {
         FairQueueLayer {
             shared: self.shared.clone(),
             keys: self.keys.clone(),
             cost: self.cost.clone(),
             rejection: self.rejection.clone(),
+            usage: self.usage.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for FairQueueLayer<K, C, R, B> {
+impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend, U: fmt::Debug, A: fmt::Debug> fmt::Debug
+    for FairQueueLayer<K, C, R, B, U, A>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueLayer")
             .field("keys", &self.keys)
             .field("cost", &self.cost)
             .field("rejection", &self.rejection)
+            .field("usage", &self.usage)
+            .field("annotate", &self.annotate)
             .field("settings", &self.shared)
             .finish()
     }
@@ -94,11 +103,18 @@ impl<B: Backend> FairQueueLayer<GlobalKey, One, ReturnError, B> {
 
     fn build(config: FairQueueConfig, backend: B, slots: usize) -> Result<Self, PolicyError> {
         let shared = Shared::new(Fixed::new(config, backend, slots)?)?;
-        Ok(FairQueueLayer { shared: Arc::new(shared), keys: GlobalKey, cost: One, rejection: ReturnError })
+        Ok(FairQueueLayer {
+            shared: Arc::new(shared),
+            keys: GlobalKey,
+            cost: One,
+            rejection: ReturnError,
+            usage: NoUsage,
+            annotate: NoAnnotation,
+        })
     }
 }
 
-impl<K, C, R, B: Backend> FairQueueLayer<K, C, R, B> {
+impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
     /// A new state with changed settings. Services built before keep the old one.
     fn with_fixed(self, f: impl FnOnce(&mut Fixed<B>)) -> Self {
         let mut fixed = self.shared.fixed.clone();
@@ -112,21 +128,50 @@ impl<K, C, R, B: Backend> FairQueueLayer<K, C, R, B> {
 
     /// How requests are keyed: each distinct key is a tenant of the queue (see
     /// [`crate::extract`]). Until one is set, every request is the same tenant.
-    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, R, B> {
-        FairQueueLayer { shared: self.shared, keys, cost: self.cost, rejection: self.rejection }
+    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, R, B, U, A> {
+        let FairQueueLayer { shared, cost, rejection, usage, annotate, .. } = self;
+        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
 
     /// What a request costs: its share of the queue and what it acquires from the rate.
     /// Defaults to one per request.
-    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, R, B> {
-        FairQueueLayer { shared: self.shared, keys: self.keys, cost, rejection: self.rejection }
+    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, R, B, U, A> {
+        let FairQueueLayer { shared, keys, rejection, usage, annotate, .. } = self;
+        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
 
     /// How refusals surface: as errors ([`ReturnError`], the default), or as HTTP
     /// answers ([`crate::http::HttpAnswer`]: 429 for a full tenant queue, 503 for a full
     /// queue or a queueing timeout).
-    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, R2, B> {
-        FairQueueLayer { shared: self.shared, keys: self.keys, cost: self.cost, rejection }
+    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, R2, B, U, A> {
+        let FairQueueLayer { shared, keys, cost, usage, annotate, .. } = self;
+        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
+    }
+
+    /// Where the real usage is read from a response, to settle the rate backend's grant
+    /// with (for example [`UsageFromExtension`](crate::extract::UsageFromExtension): the
+    /// tokens an upstream reports). A settle that gives cost back lets the request
+    /// waiting at the rate gate try again at once. Without it the estimate stands.
+    pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<K, C, R, B, U2, A> {
+        let FairQueueLayer { shared, keys, cost, rejection, annotate, .. } = self;
+        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
+    }
+
+    /// How the rate backend's grant is recorded on the request before the inner service
+    /// sees it: for a [`LimitPool`](tower_limits_core::LimitPool) backend,
+    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
+    /// upstream account to call) in the request's extensions.
+    pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<K, C, R, B, U, A2> {
+        let FairQueueLayer { shared, keys, cost, rejection, usage, .. } = self;
+        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
+    }
+
+    /// Now, on the layer's clock: the instant to pass to the backend's own methods (for
+    /// example [`LimitPool::observe`](tower_limits_core::LimitPool::observe)).
+    #[must_use]
+    pub fn now(&self) -> tower_limits_core::Instant {
+        use tower_limits_core::Clock;
+        self.shared.fixed.clock.now()
     }
 
     /// Refuses requests that waited `max` in the queue with
@@ -188,8 +233,8 @@ impl<K, C, R, B: Backend> FairQueueLayer<K, C, R, B> {
     }
 }
 
-impl<S, K: Clone, C: Clone, R: Clone, B: Backend> Layer<S> for FairQueueLayer<K, C, R, B> {
-    type Service = FairQueueService<S, K, C, R, B>;
+impl<S, K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Layer<S> for FairQueueLayer<K, C, R, B, U, A> {
+    type Service = FairQueueService<S, K, C, R, B, U, A>;
 
     fn layer(&self, inner: S) -> Self::Service {
         FairQueueService {
@@ -198,6 +243,8 @@ impl<S, K: Clone, C: Clone, R: Clone, B: Backend> Layer<S> for FairQueueLayer<K,
             keys: self.keys.clone(),
             cost: self.cost.clone(),
             rejection: self.rejection.clone(),
+            usage: self.usage.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }

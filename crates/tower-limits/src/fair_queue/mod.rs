@@ -62,6 +62,18 @@
 //! the order and defeat fairness). Put the fair queue in front of the shared resource,
 //! with no other queue between them.
 //!
+//! # Upstream accounts: a `LimitPool` as the rate
+//!
+//! With a [`LimitPool`](crate::LimitPool) as the backend, the queue decides whose turn
+//! it is and the pool which account serves it. [`FairQueueLayer::annotate`] with
+//! [`InsertChosen`](crate::extract::InsertChosen) puts the chosen account (a
+//! [`Chosen`](crate::Chosen), with its configuration) in the request's extensions, and
+//! [`FairQueueLayer::usage`] with
+//! [`UsageFromExtension`](crate::extract::UsageFromExtension) settles the account's grant
+//! to the real usage the response reports; a settle that gives cost back lets the request
+//! at the gate try again at once. Feed the upstream's answers back with
+//! [`LimitPool::observe`](crate::LimitPool::observe) at [`FairQueueLayer::now`].
+//!
 //! # Tenants, weights and costs
 //!
 //! Each distinct [`TenantKey`](crate::TenantKey) from the key extractor (the same ones

@@ -8,7 +8,7 @@ use tower_service::Service;
 use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
 use super::shared::{Arrival, FairQueueLayerStats, Shared};
 use crate::error::{ErrorKind, LimitError};
-use crate::extract::{CostExtractor, KeyExtractor};
+use crate::extract::{Annotate, CostExtractor, KeyExtractor, NoAnnotation, NoUsage, UsageExtractor};
 use crate::reject::Rejection;
 
 /// The service built by [`FairQueueLayer`](super::FairQueueLayer).
@@ -18,15 +18,17 @@ use crate::reject::Rejection;
 /// that finds nothing queued and capacity free is admitted at once; any other waits for
 /// its fair turn in the response future, which then calls the ready service it took
 /// along (a clone stays behind for the next request). Clones share one queue.
-pub struct FairQueueService<S, K, C, R, B: Backend> {
+pub struct FairQueueService<S, K, C, R, B: Backend, U = NoUsage, A = NoAnnotation> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
     pub(crate) cost: C,
     pub(crate) rejection: R,
+    pub(crate) usage: U,
+    pub(crate) annotate: A,
 }
 
-impl<S, K, C, R, B: Backend> FairQueueService<S, K, C, R, B> {
+impl<S, K, C, R, B: Backend, U, A> FairQueueService<S, K, C, R, B, U, A> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -49,7 +51,9 @@ impl<S, K, C, R, B: Backend> FairQueueService<S, K, C, R, B> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend> Clone for FairQueueService<S, K, C, R, B> {
+impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clone
+    for FairQueueService<S, K, C, R, B, U, A>
+{
     fn clone(&self) -> Self {
         FairQueueService {
             inner: self.inner.clone(),
@@ -57,12 +61,14 @@ impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend> Clone for FairQueueServ
             keys: self.keys.clone(),
             cost: self.cost.clone(),
             rejection: self.rejection.clone(),
+            usage: self.usage.clone(),
+            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug
-    for FairQueueService<S, K, C, R, B>
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend, U, A> fmt::Debug
+    for FairQueueService<S, K, C, R, B, U, A>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueService")
@@ -75,23 +81,25 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend> fmt
     }
 }
 
-impl<S, Req, K, C, R, B> Service<Req> for FairQueueService<S, K, C, R, B>
+impl<S, Req, K, C, R, B, U, A> Service<Req> for FairQueueService<S, K, C, R, B, U, A>
 where
     S: Service<Req> + Clone,
     K: KeyExtractor<Req>,
     C: CostExtractor<Req>,
     R: Rejection<S::Response, S::Error>,
     B: Backend,
+    U: UsageExtractor<S::Response>,
+    A: Annotate<Req, B::Grant>,
 {
     type Response = R::Response;
     type Error = R::Error;
-    type Future = ResponseFuture<S, Req, R, B>;
+    type Future = ResponseFuture<S, Req, R, B, U, A>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = &self.shared;
         let key = match self.keys.extract(&req) {
             Ok(key) => key,
@@ -101,15 +109,16 @@ where
                     shared.count_refusal(ErrorKind::MissingKey);
                     let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
                     trace_refusal(&error, &tower_limits_core::TenantKey::global());
-                    return ResponseFuture::rejected(Box::new(error), self.rejection.clone());
+                    return ResponseFuture::rejected(Box::new(error), self.rejection.clone(), self.usage.clone());
                 }
             },
         };
         let cost = self.cost.cost(&req);
         match shared.arrive(&key, cost) {
             Arrival::Admitted(grant) => {
+                self.annotate.annotate(&mut req, &grant);
                 let held = Held::new(shared.clone(), key, grant);
-                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone())
+                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone(), self.usage.clone())
             }
             Arrival::Queued(ticket) => {
                 tracing::debug!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
@@ -117,11 +126,16 @@ where
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let waiter = Waiter::new(shared.clone(), ticket, key);
-                ResponseFuture::waiting(Waiting { waiter, inner: Some(inner), req: Some(req) }, self.rejection.clone())
+                let annotate = self.annotate.clone();
+                ResponseFuture::waiting(
+                    Waiting { waiter, inner: Some(inner), req: Some(req), annotate },
+                    self.rejection.clone(),
+                    self.usage.clone(),
+                )
             }
             Arrival::Refused(error) => {
                 trace_refusal(&error, &key);
-                ResponseFuture::rejected(error, self.rejection.clone())
+                ResponseFuture::rejected(error, self.rejection.clone(), self.usage.clone())
             }
         }
     }

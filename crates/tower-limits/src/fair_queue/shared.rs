@@ -321,11 +321,18 @@ impl<B: Backend> Shared<B> {
         wake.wake();
     }
 
-    /// An admitted request finished (or was dropped): its slot comes back.
-    pub(crate) fn release(&self) {
+    /// An admitted request finished (or was dropped): its slot comes back. After a
+    /// settle (`settled`), which may have given cost back, the gate's request is tried
+    /// again at once.
+    pub(crate) fn release(&self, settled: bool) {
         let mut wake = Wakers::default();
-        self.lock().release(&self.fixed, &mut self.clock(Instant::ZERO), &mut wake);
+        self.lock().release(&self.fixed, &mut self.clock(Instant::ZERO), &mut wake, settled);
         wake.wake();
+    }
+
+    /// Now, on the layer's clock.
+    pub(crate) fn now(&self) -> Instant {
+        self.fixed.clock.now()
     }
 
     pub(crate) fn stats(&self) -> FairQueueLayerStats {
@@ -885,9 +892,9 @@ impl<B: Backend> State<B> {
     }
 
     /// An admitted request let go of its slot.
-    fn release(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers) {
+    fn release(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers, settled: bool) {
         self.free_slot();
-        if self.gate.as_ref().is_some_and(|g| g.on_release) {
+        if settled || self.gate.as_ref().is_some_and(|g| g.on_release) {
             self.retry_gate(fx, now, wake);
         } else {
             self.pump(fx, now, wake);

@@ -1,0 +1,122 @@
+//! A `FairQueueLayer` in front of a `LimitPool`: the account the pool chose reaches the
+//! inner service (`annotate`), whether the request passed at once or waited its turn, and
+//! the real usage settles the pool's grant (`usage`), letting the request at the rate
+//! gate through as soon as a settle gives cost back. On paused tokio time; no sleeps.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response};
+use tokio::sync::oneshot;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_limits::core::fair_queue::FairQueueConfig;
+use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
+use tower_limits::{
+    Chosen, FairQueueLayer, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Rate, Selection, TenantKey,
+};
+
+/// An account allowing `burst` tokens at once, refilled at 60 a second.
+fn account(burst: u64) -> LimitSet {
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("tokens", Rate::per_second(60), burst).counting_cost()))
+        .unwrap()
+}
+
+fn pool() -> LimitPool<&'static str> {
+    LimitPool::builder(Selection::RoundRobin)
+        .member("primary", account(100), "sk-primary")
+        .member("secondary", account(100), "sk-secondary")
+        .build()
+        .unwrap()
+}
+
+fn tokens_left(pool: &LimitPool<&'static str>, member: usize) -> u64 {
+    let now = tower_limits::Instant::from_nanos(0);
+    pool.member_set(member).unwrap().peek(&TenantKey::global(), now)[0].snapshot.remaining
+}
+
+fn request(tenant: &str, cost: u64) -> Request<()> {
+    let mut req = Request::new(());
+    req.extensions_mut().insert(TenantKey::single(tenant).unwrap());
+    req.extensions_mut().insert(Cost(cost));
+    req
+}
+
+/// Answers with the chosen account's configuration, reporting `cost / 4` as the usage.
+async fn upstream(req: Request<()>) -> Result<Response<String>, Infallible> {
+    let chosen = req.extensions().get::<Chosen<&'static str>>().expect("the pool's choice");
+    let used = req.extensions().get::<Cost>().map_or(0, |c| c.0 / 4);
+    let mut response = Response::new(chosen.config.to_string());
+    response.extensions_mut().insert(Usage(used));
+    Ok(response)
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_chosen_account_reaches_the_inner_service_and_the_usage_settles() {
+    let pool = pool();
+    let fair = FairQueueLayer::rate(FairQueueConfig::new(), pool.clone())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .annotate(InsertChosen)
+        .usage(UsageFromExtension);
+    let svc = ServiceBuilder::new().layer(fair).service_fn(upstream);
+    let first = svc.clone().oneshot(request("acme", 80)).await.unwrap();
+    let second = svc.clone().oneshot(request("acme", 80)).await.unwrap();
+    let mut bodies = vec![first.into_body(), second.into_body()];
+    bodies.sort();
+    assert_eq!(bodies, ["sk-primary", "sk-secondary"]);
+    // Each account charged 80 and was settled to 20.
+    assert_eq!((tokens_left(&pool, 0), tokens_left(&pool, 1)), (80, 80));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_admitted_after_waiting_gets_the_account_too() {
+    let pool = LimitPool::builder(Selection::RoundRobin).member("only", account(100), "sk-only").build().unwrap();
+    let fair = FairQueueLayer::rate(FairQueueConfig::new(), pool)
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .annotate(InsertChosen);
+    let svc = ServiceBuilder::new().layer(fair).service_fn(upstream);
+    let start = tokio::time::Instant::now();
+    assert_eq!(svc.clone().oneshot(request("acme", 100)).await.unwrap().into_body(), "sk-only");
+    // The account is empty: this one waits a second at the gate, then is annotated.
+    assert_eq!(svc.oneshot(request("globex", 60)).await.unwrap().into_body(), "sk-only");
+    // Tokio's timer rounds up to the millisecond.
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_secs(1) && waited <= Duration::from_millis(1001), "{waited:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_settle_that_gives_back_lets_the_gate_through_at_once() {
+    let pool = LimitPool::builder(Selection::RoundRobin).member("only", account(100), "sk-only").build().unwrap();
+    let fair = FairQueueLayer::rate(FairQueueConfig::new(), pool)
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .annotate(InsertChosen)
+        .usage(UsageFromExtension);
+    // The first request's answer is held until the test lets it go.
+    let (release, held) = oneshot::channel::<()>();
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Some(held)));
+    let svc = ServiceBuilder::new().layer(fair).service_fn(move |req: Request<()>| {
+        let wait = held.lock().unwrap().take();
+        async move {
+            if let Some(wait) = wait {
+                let _ = wait.await;
+            }
+            upstream(req).await
+        }
+    });
+    let start = tokio::time::Instant::now();
+    let first = tokio::spawn(svc.clone().oneshot(request("acme", 100)));
+    tokio::task::yield_now().await;
+    // Nothing left: the second request waits at the gate (for 1s, by the rate alone).
+    let second = tokio::spawn(svc.oneshot(request("globex", 60)));
+    tokio::task::yield_now().await;
+    // The first answer reports 25 of its 100: 75 come back, and the gate passes now.
+    release.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    assert_eq!(second.await.unwrap().unwrap().into_body(), "sk-only");
+    assert_eq!(start.elapsed(), Duration::ZERO, "no wait for the rate once the settle refunded");
+}
