@@ -18,6 +18,7 @@ use axum::body::Body;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use tower::{Layer, Service};
 use tower_limits::TenantKey;
+use tower_limits::extract::AsTenantKey;
 
 use crate::api;
 use crate::config::Config;
@@ -35,6 +36,19 @@ pub struct Identity {
     pub weight: u32,
     /// The tiers of the key.
     pub key: TenantKey,
+    /// The key of its tenant in the fair queue.
+    pub fair: FairTenant,
+}
+
+/// The tenant as the fair queue sees it: the key's first tier only (the org), so that
+/// all of a tenant's users and agents share its weight.
+#[derive(Debug, Clone)]
+pub struct FairTenant(pub TenantKey);
+
+impl AsTenantKey for FairTenant {
+    fn tenant_key(&self) -> TenantKey {
+        self.0.clone()
+    }
 }
 
 /// When the request reached the gateway, for the queueing time.
@@ -63,6 +77,7 @@ impl AuthLayer {
             let tenant: Arc<str> = t.name.as_str().into();
             for k in &t.keys {
                 let identity = Identity {
+                    fair: FairTenant(TenantKey::single(&t.name).unwrap_or_default()),
                     tenant: tenant.clone(),
                     tenant_index: i,
                     plan: t.plan,
@@ -124,6 +139,7 @@ where
             return Box::pin(std::future::ready(Ok(response)));
         };
         req.extensions_mut().insert(identity.key.clone());
+        req.extensions_mut().insert(identity.fair.clone());
         req.extensions_mut().insert(identity);
         req.extensions_mut().insert(arrived);
         Box::pin(self.inner.call(req))

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 pub struct Series {
     /// Its name in the legend.
     pub name: String,
-    /// One value per time bucket.
+    /// Values at times `0, step, 2·step, ...`.
     pub values: Vec<f64>,
 }
 
@@ -22,16 +22,16 @@ pub struct Reference {
     pub value: f64,
 }
 
-/// An SVG document plotting `series` against time, each value covering `bucket_secs`,
+/// An SVG document plotting `series` against time, one value every `step_secs` from 0,
 /// with dashed `references`.
 #[must_use]
-pub fn line_chart(title: &str, y_label: &str, bucket_secs: f64, series: &[Series], references: &[Reference]) -> String {
+pub fn line_chart(title: &str, y_label: &str, step_secs: f64, series: &[Series], references: &[Reference]) -> String {
     let (width, height) = (860.0, 420.0);
     let (left, right, top, bottom) = (72.0, 170.0, 40.0, 50.0);
     let plot_w: f64 = width - left - right;
     let plot_h: f64 = height - top - bottom;
-    let buckets = series.iter().map(|s| s.values.len()).max().unwrap_or(0).max(1);
-    let duration = buckets as f64 * bucket_secs;
+    let points = series.iter().map(|s| s.values.len()).max().unwrap_or(0).max(2);
+    let duration = (points - 1) as f64 * step_secs;
     let max = series
         .iter()
         .flat_map(|s| s.values.iter().copied())
@@ -107,8 +107,7 @@ pub fn line_chart(title: &str, y_label: &str, bucket_secs: f64, series: &[Series
         let color = COLORS[i % COLORS.len()];
         let mut points = String::new();
         for (k, value) in s.values.iter().enumerate() {
-            // Each value is drawn at the middle of its bucket.
-            let _ = write!(points, "{:.1},{:.1} ", x((k as f64 + 0.5) * bucket_secs), y(*value));
+            let _ = write!(points, "{:.1},{:.1} ", x(k as f64 * step_secs), y(*value));
         }
         let _ = writeln!(
             svg,

@@ -49,8 +49,8 @@ use crate::upstream;
 /// The most requests one client task sends.
 pub const MAX_REQUESTS_PER_TASK: u64 = 100_000;
 
-/// Width of the chart's time buckets.
-const BUCKET: Duration = Duration::from_millis(250);
+/// How often the chart samples the trailing second.
+const STEP: Duration = Duration::from_millis(100);
 
 /// What the demo is asked to do.
 #[derive(Debug, Clone)]
@@ -415,14 +415,15 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let upstream_429 = upstream_stats.refused();
     let quota: u64 =
         config.accounts.iter().map(|a| a.tokens_per_window() as f64 / a.window.as_secs_f64()).sum::<f64>() as u64;
-    // What the mirrors let through in the long run: (L - b) / (W + J) per account.
+    // What the mirrors let through in the long run: (L - b) / (W + J) per account (and
+    // per replica, each mirroring its share).
     let mirror_rate: f64 = config
         .accounts
         .iter()
         .filter_map(|a| {
-            let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1).ok()?;
+            let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, replicas).ok()?;
             let rate = policy.limits.iter().find(|l| l.name == "upstream.tpm")?.rate?;
-            Some(rate.amount() as f64 / rate.period().as_secs_f64())
+            Some(replicas as f64 * rate.amount() as f64 / rate.period().as_secs_f64())
         })
         .sum();
     println!();
@@ -437,25 +438,39 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     );
 
     // The chart.
-    let buckets = (Duration::from_secs(seconds).as_nanos() / BUCKET.as_nanos()) as usize;
+    // Each point is what was admitted in the second before it: the quantity a provider
+    // enforcing its quota over one-second windows checks.
+    let steps = (Duration::from_secs(seconds).as_nanos() / STEP.as_nanos()) as usize;
+    let trailing = |tenant: usize, at: Duration| -> f64 {
+        let from = at.saturating_sub(Duration::from_secs(1));
+        let tokens: u64 = events
+            .iter()
+            .filter(|e| e.tenant == tenant && e.at > from && e.at <= at)
+            .map(|e| if let Outcome::Ok { tokens, .. } = e.outcome { tokens } else { 0 })
+            .sum();
+        tokens as f64
+    };
     let mut series: Vec<Series> = tenants
         .iter()
-        .map(|t| Series { name: format!("{} (w{})", t.name, t.weight), values: vec![0.0; buckets] })
+        .enumerate()
+        .map(|(i, t)| Series {
+            name: format!("{} (w{})", t.name, t.weight),
+            values: (0..=steps).map(|k| trailing(i, STEP * k as u32)).collect(),
+        })
         .collect();
-    for e in &events {
-        if let Outcome::Ok { tokens, .. } = e.outcome {
-            let b = (e.at.as_nanos() / BUCKET.as_nanos()) as usize;
-            if let Some(v) = series[e.tenant].values.get_mut(b) {
-                *v += tokens as f64 / BUCKET.as_secs_f64();
-            }
-        }
-    }
+    let total: Vec<f64> = (0..=steps).map(|k| series.iter().map(|s| s.values[k]).sum()).collect();
+    series.push(Series { name: "all tenants".into(), values: total });
     let references = [
         Reference { label: format!("accounts' quota {quota} tok/s"), value: quota as f64 },
         Reference { label: format!("mirrors' sustained rate {mirror_rate:.0} tok/s"), value: mirror_rate },
     ];
-    let svg =
-        line_chart("Admitted tokens per second, by tenant", "tokens / s", BUCKET.as_secs_f64(), &series, &references);
+    let svg = line_chart(
+        "Tokens admitted in the trailing second, by tenant",
+        "tokens / s",
+        STEP.as_secs_f64(),
+        &series,
+        &references,
+    );
     if let Some(dir) = options.svg.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }

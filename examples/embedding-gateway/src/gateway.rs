@@ -7,8 +7,10 @@
 //!   Prepare            body -> Cost(tokens), before the call      400, 413
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (RateLimit fields,
 //!                      concurrency per tenant (LimitSetLayer)          JSON naming tier+limit)
-//!   shared capacity    LimitPool of upstream accounts, waiting     503 after max_wait
-//!                      up to max_wait; InsertChosen names the account
+//!   FairQueueLayer     tenants (orgs) take turns by weight for     429 tenant queue full,
+//!                      the LimitPool of upstream accounts; the     503 queue full or
+//!                      turn waits at the gate for an account       max_wait passed
+//!                      with room; InsertChosen names it
 //!   UpstreamCall       POST to the chosen account; Usage(total_tokens) settles every
 //!                      layer above; the upstream's x-ratelimit-* feed LimitPool::observe
 //! ```
@@ -26,14 +28,15 @@ use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
 use tower_limits::http::{HttpAnswer, upstream_report};
-use tower_limits::{Chosen, Instant, LimitPool, LimitSet, LimitSetLayer, TenantKey};
+use tower_limits::{Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, TenantKey};
 use tower_limits_redis::{RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest, UsageOnly};
-use crate::auth::{Arrived, AuthLayer, Identity};
+use crate::auth::{Arrived, AuthLayer, FairTenant, Identity};
 use crate::config::{Account, Config};
 use crate::tokenizer;
 
@@ -165,15 +168,22 @@ impl Gateway {
         let pool = pool.build()?;
         let stats = Arc::new(GatewayStats::default());
 
-        // The shared upstream capacity. Requests wait here (up to max_wait) for an
-        // account with room; each tenant's waiters keep their order.
-        let shared = LimitSetLayer::with_backend(pool.clone())
-            .key(FromExtension::<TenantKey>::new())
+        // The shared upstream capacity: requests queue per tenant and take their turns in
+        // weighted-fair order; the request whose turn it is waits at the gate until the
+        // pool has an account with room (fairness first, then the cap), and goes to
+        // that account.
+        let mut weights = FairQueueConfig::new()
+            .tenant_queue_limit(config.gateway.tenant_queue)
+            .global_queue_limit(config.gateway.queue);
+        for t in &config.tenants {
+            weights = weights.weight(t.name.clone(), t.weight);
+        }
+        let shared = FairQueueLayer::rate(weights, pool.clone())?
+            .key(FromExtension::<FairTenant>::new())
             .cost(CostFromExtension)
-            .usage(UsageFromExtension)
             .annotate(InsertChosen)
-            .wait(config.gateway.max_wait)
-            .max_waiters(config.gateway.queue)
+            .usage(UsageFromExtension)
+            .max_queue_time(config.gateway.max_wait)
             .reject_with(HttpAnswer::new().with_json_body());
         let clock = shared.clone();
         let call =

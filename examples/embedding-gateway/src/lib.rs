@@ -14,6 +14,25 @@
 //! - [`upstream`]: the mock provider with strict limits of its own.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
 //!
+//! # The layers
+//!
+//! Each request meets, in order (see [`gateway`]): the auth layer (`401`); the cost, its
+//! token count (`400`, `413`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
+//! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`, the
+//! `RateLimit` fields and a JSON body naming tier and limit); then the shared upstream
+//! capacity, a [`FairQueueLayer`] keyed by tenant with the configured weights, whose rate
+//! is the [`LimitPool`] of upstream accounts: tenants take turns in weighted-fair order,
+//! the request whose turn it is waits until an account has room and goes to that account
+//! (`503` after `max_wait`). The plan's limits sit outside the queue, so a tenant over its
+//! own limits never queues, and its concurrency limit bounds how much of the queue it can
+//! hold. The upstream's `usage.total_tokens` settles the plan's TPM and the account's
+//! mirror.
+//!
+//! With `--redis URL --replicas N` the plans' limits live in Redis, shared by every
+//! replica. Each replica keeps its own fair queue and mirrors `1 / N` of every account: a
+//! [`LimitPool`]'s members are in-memory sets, so the accounts are split rather than
+//! shared.
+//!
 //! # Never a 429 from the upstream
 //!
 //! The gateway keeps a *mirror* of each account's limits (a [`LimitSet`] in a
@@ -51,6 +70,8 @@
 //! independently of the library, gives a single `429`.
 //!
 //! [`LimitSet`]: tower_limits::LimitSet
+//! [`LimitSetLayer`]: tower_limits::LimitSetLayer
+//! [`FairQueueLayer`]: tower_limits::FairQueueLayer
 //! [`LimitPool`]: tower_limits::LimitPool
 //! [`LimitPool::observe`]: tower_limits::LimitPool::observe
 
