@@ -271,7 +271,7 @@ async fn a_rate_is_shared_by_weight_and_never_exceeded() {
         .cost(costs());
     // Start with an empty bucket: the first request goes to the rate gate, everyone
     // else queues behind it.
-    let drained = fair.backend().acquire_grant(&TenantKey::global(), burst, Instant::ZERO).unwrap();
+    let drained = fair.backend().acquire_grant(&TenantKey::global(), burst, fair.now()).unwrap();
     fair.backend().release_grant(&TenantKey::global(), drained);
     let (log, reached) = (Log::default(), Arc::new(Notify::new()));
     let svc = ServiceBuilder::new().layer(fair.clone()).service(recorder(

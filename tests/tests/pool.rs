@@ -9,7 +9,7 @@ use http::{Request, Response, StatusCode};
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::InsertChosen;
 use tower_limits::http::{HttpAnswer, upstream_report};
-use tower_limits::{Chosen, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
+use tower_limits::{Chosen, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
 
 fn account(rpm: u64) -> LimitSet {
     LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), 1))).unwrap()
@@ -70,12 +70,13 @@ async fn waiting_requests_take_the_first_account_to_free() {
 async fn an_upstream_refusal_benches_the_account() {
     let pool = pool();
     let layer = LimitSetLayer::with_backend(pool.clone()).annotate(InsertChosen).reject_with(HttpAnswer::new());
+    let now = layer.now();
     let svc = ServiceBuilder::new().layer(layer).service(upstream());
     // The primary's upstream answers 429 with Retry-After: 30.
     let mut headers = http::HeaderMap::new();
     headers.insert("retry-after", http::HeaderValue::from_static("30"));
     let report = upstream_report(StatusCode::TOO_MANY_REQUESTS, &headers);
-    pool.observe(pool.index_of("primary").unwrap(), &report, Instant::ZERO);
+    pool.observe(pool.index_of("primary").unwrap(), &report, now);
     let first = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
     assert_eq!(first.into_body(), "sk-secondary");
     let refused = svc.oneshot(Request::new(String::new())).await.unwrap();

@@ -92,7 +92,8 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
     }
 }
 
-/// The machine's monotonic clock, with its origin at the moment the clock was created.
+/// The machine's monotonic clock. Every `SystemClock` of a process shares one origin (the
+/// first one's creation), so instants read from any of them can be mixed.
 ///
 /// It reads the CPU's invariant time-stamp counter where there is one (calibrated once
 /// against the operating system's monotonic clock, through the `quanta` crate), which
@@ -105,13 +106,18 @@ pub struct SystemClock {
 }
 
 impl SystemClock {
-    /// A clock whose origin is now. The first clock of a process calibrates the counter,
-    /// which takes a few milliseconds.
+    /// The process's system clock. The first one calibrates the counter, which takes a
+    /// few milliseconds, and fixes the origin.
     #[must_use]
     pub fn new() -> Self {
-        let clock = quanta::Clock::new();
-        let origin = clock.raw();
-        SystemClock { clock, origin }
+        static SHARED: std::sync::OnceLock<SystemClock> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let clock = quanta::Clock::new();
+                let origin = clock.raw();
+                SystemClock { clock, origin }
+            })
+            .clone()
     }
 }
 
