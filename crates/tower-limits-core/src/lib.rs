@@ -46,7 +46,7 @@ pub use backend::Backend;
 pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use key::{KeyError, MAX_TIERS, TenantKey};
-pub use limit::{Limit, LimitState};
+pub use limit::{Limit, LimitState, intern};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
 pub use pool::{Chosen, LimitPool, PoolGrant, Selection, UpstreamReport};
 pub use rate::Rate;

@@ -251,8 +251,9 @@ static VERSIONS: AtomicU64 = AtomicU64::new(1);
 /// Limit and tier names live as long as the process, so that a denial can name its limit
 /// without a reference count on the hot path. Each distinct name is stored once, so the
 /// memory this takes is bounded by the vocabulary of names a process ever uses: keep
-/// tenants in keys, not in limit names.
-fn intern(name: &str) -> &'static str {
+/// tenants in keys, not in limit names. Backends that build denials themselves use it too.
+#[must_use]
+pub fn intern(name: &str) -> &'static str {
     static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());
     let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(known) = names.get(name) {

@@ -54,7 +54,7 @@ use tokio::runtime::Handle;
 use tokio::sync::{Notify, oneshot};
 use tower_limits_core::{
     AcquireError, AlgorithmKind, Backend, CostAboveCapacity, Counts, Denial, Instant, Limit, LimitPolicy, LimitSet,
-    LimitSetPolicy, LimitSnapshot, MissingKey, Rate, Scope, Snapshot, TenantKey, Unavailable,
+    LimitSetPolicy, LimitSnapshot, MissingKey, Rate, Scope, Snapshot, TenantKey, Unavailable, intern,
 };
 
 use crate::cache::{self, BoundedMap, CachedDenial, CachedSnapshots};
@@ -477,19 +477,6 @@ fn scaled(policy: &LimitSetPolicy, share: f64) -> LimitSetPolicy {
         }
     }
     policy
-}
-
-/// Limit and tier names live as long as the process (a [`Denial`] names its limit with a
-/// `&'static str`); each distinct name is stored once.
-fn intern(name: &str) -> &'static str {
-    static NAMES: Mutex<std::collections::BTreeSet<&'static str>> = Mutex::new(std::collections::BTreeSet::new());
-    let mut names = NAMES.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(known) = names.get(name) {
-        return known;
-    }
-    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
-    names.insert(leaked);
-    leaked
 }
 
 /// Where a grant came from.

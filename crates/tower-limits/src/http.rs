@@ -240,10 +240,15 @@ fn json_string(text: &str) -> String {
     out
 }
 
-/// Bodies of refusal responses: empty, or a JSON problem document.
-pub trait AnswerBody: Clone + Send + Sync + 'static {}
+/// Bodies of refusal responses of type `B`: empty, or a JSON problem document.
+pub trait AnswerBody<B>: Clone + Send + Sync + 'static {
+    /// The body answering `error`.
+    fn body(error: &LimitError) -> B;
+    /// Its content type, if any.
+    fn content_type() -> Option<HeaderValue>;
+}
 
-/// Refusals answer with an empty body.
+/// Refusals answer with an empty body (any `B: Default`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct EmptyBody;
 
@@ -251,8 +256,25 @@ pub struct EmptyBody;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JsonBody;
 
-impl AnswerBody for EmptyBody {}
-impl AnswerBody for JsonBody {}
+impl<B: Default> AnswerBody<B> for EmptyBody {
+    fn body(_error: &LimitError) -> B {
+        B::default()
+    }
+
+    fn content_type() -> Option<HeaderValue> {
+        None
+    }
+}
+
+impl<B: From<String>> AnswerBody<B> for JsonBody {
+    fn body(error: &LimitError) -> B {
+        B::from(error.problem_json())
+    }
+
+    fn content_type() -> Option<HeaderValue> {
+        Some(HeaderValue::from_static("application/problem+json"))
+    }
+}
 
 /// Refused HTTP requests are answered by the layer itself: `429` or `503` with
 /// `Retry-After` and the `RateLimit` fields (see the [module docs](crate::http)).
@@ -316,39 +338,16 @@ impl<J> HttpAnswer<J> {
     }
 }
 
-impl<B: Default, E> Rejection<Response<B>, E> for HttpAnswer<EmptyBody> {
+impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
     type Response = Response<B>;
     type Error = E;
 
     fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
-        let mut response = Response::new(B::default());
+        let mut response = Response::new(J::body(&error));
         *response.status_mut() = error.status();
-        self.headers(response.headers_mut(), &error);
-        Ok(response)
-    }
-
-    fn respond(&self, mut response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Response<B> {
-        self.success_headers(response.headers_mut(), snapshots);
-        response
-    }
-
-    fn fail(&self, error: E) -> E {
-        error
-    }
-
-    fn wants_snapshots(&self) -> bool {
-        self.all_limits
-    }
-}
-
-impl<B: From<String>, E> Rejection<Response<B>, E> for HttpAnswer<JsonBody> {
-    type Response = Response<B>;
-    type Error = E;
-
-    fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
-        let mut response = Response::new(B::from(error.problem_json()));
-        *response.status_mut() = error.status();
-        response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Some(content_type) = J::content_type() {
+            response.headers_mut().insert(CONTENT_TYPE, content_type);
+        }
         self.headers(response.headers_mut(), &error);
         Ok(response)
     }
