@@ -121,6 +121,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     }
     s.push_str("  local blocked, retry, release = 0, 0, 0\n");
     if counter {
+        s.push_str(MULDIV);
         s.push_str(COUNTER);
     }
     if log {
@@ -310,6 +311,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
         };
     }
     s.push_str("}\n");
+    s.push_str(MULDIV);
     s.push_str(SETTLE);
     s
 }
@@ -318,25 +320,37 @@ fn cost_of(counts_cost: bool) -> &'static str {
     if counts_cost { "cost" } else { "1" }
 }
 
-/// The sliding-window counter's exact integer arithmetic, for acquisitions.
-const COUNTER: &str = r#"  -- floor(a*b/c) and the remainder, exact for 0 <= a, b < c < 2^53
-  local function muldiv(a, b, c)
-    local p = a * b
-    if p < 4503599627370496 then local q = floor(p / c); return q, p - q * c end
-    local q, r, bit = 0, 0, 1
-    while bit * 2 <= b do bit = bit * 2 end
-    while bit >= 1 do
-      q = q * 2
-      if r >= c - r then r = r - (c - r); q = q + 1 else r = r + r end
-      if b >= bit then
-        b = b - bit
-        if r >= c - a then r = r - (c - a); q = q + 1 else r = r + a end
-      end
-      bit = bit / 2
+/// Exact integer division and floor(a*b/c) in Lua's doubles, shared by the acquisition
+/// and the correction scripts.
+const MULDIV: &str = r#"
+local function divmod(x, m)
+  local q = floor(x / m)
+  local r = x - q * m
+  if r < 0 then q = q - 1; r = r + m elseif r >= m then q = q + 1; r = r - m end
+  return q, r
+end
+
+-- floor(a*b/c) and the remainder, exact for 0 <= a, b < c < 2^53
+local function muldiv(a, b, c)
+  local p = a * b
+  if p < 9007199254740992 then return divmod(p, c) end
+  local q, r, bit = 0, 0, 1
+  while bit * 2 <= b do bit = bit * 2 end
+  while bit >= 1 do
+    q = q * 2
+    if r >= c - r then r = r - (c - r); q = q + 1 else r = r + r end
+    if b >= bit then
+      b = b - bit
+      if r >= c - a then r = r - (c - a); q = q + 1 else r = r + a end
     end
-    return q, r
+    bit = bit / 2
   end
-  -- the window holding now (never before the state's): start, elapsed ns, previous, current
+  return q, r
+end
+"#;
+
+/// The sliding-window counter's view of a state, for acquisitions.
+const COUNTER: &str = r#"  -- the window holding now (never before the state's): start, elapsed ns, previous, current
   local function cview(v, wus)
     local st, a, b = 0, 0, 0
     if v then local s1, p1, c1 = match(v, '^(%d+):(%d+):(%d+)$'); st, a, b = tonumber(s1), tonumber(p1), tonumber(c1) end
@@ -458,31 +472,6 @@ const LOG: &str = r#"  local function lentry(m)
 
 /// Settle and renew, generic over the table `L` of the set's limits.
 const SETTLE: &str = r#"
-local function divmod(x, m)
-  local q = floor(x / m)
-  local r = x - q * m
-  if r < 0 then q = q - 1; r = r + m elseif r >= m then q = q + 1; r = r - m end
-  return q, r
-end
-
--- floor(a*b/c) and the remainder, exact for 0 <= a, b < c < 2^53
-local function muldiv(a, b, c)
-  local p = a * b
-  if p < 9007199254740992 then return divmod(p, c) end
-  local q, r, bit = 0, 0, 1
-  while bit * 2 <= b do bit = bit * 2 end
-  while bit >= 1 do
-    q = q * 2
-    if r >= c - r then r = r - (c - r); q = q + 1 else r = r + r end
-    if b >= bit then
-      b = b - bit
-      if r >= c - a then r = r - (c - a); q = q + 1 else r = r + a end
-    end
-    bit = bit / 2
-  end
-  return q, r
-end
-
 local function num(x) return fmt('%.0f', x) end
 
 -- nanoseconds from now to the instant (us, sub)
