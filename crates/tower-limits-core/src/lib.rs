@@ -35,6 +35,7 @@ pub mod fair_queue;
 mod key;
 mod limit;
 pub mod policy;
+mod policy_error;
 pub mod pool;
 mod rate;
 mod set;

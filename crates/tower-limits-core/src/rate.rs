@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::PolicyError;
-use crate::time::duration_to_nanos;
+use crate::policy_error::PolicyError;
+use crate::time::{duration_to_nanos, parse_duration};
 
 /// `amount` units per `period`: requests per minute, tokens per second, and so on.
 ///
@@ -27,7 +27,7 @@ use crate::time::duration_to_nanos;
 /// assert_eq!(Rate::new(3, Duration::from_secs(1)).interval().unwrap().as_nanos(), 333_333_334);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "crate::policy::RateRepr", into = "crate::policy::RateRepr")]
+#[serde(try_from = "crate::rate::RateRepr", into = "crate::rate::RateRepr")]
 pub struct Rate {
     amount: u64,
     period: Duration,
@@ -119,7 +119,7 @@ impl fmt::Debug for Rate {
 
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.amount, crate::policy::format_duration(self.period))
+        write!(f, "{}/{}", self.amount, crate::time::format_duration(self.period))
     }
 }
 
@@ -142,5 +142,46 @@ mod tests {
         // 600M/s would round to 2ns per unit: 17% below the policy.
         let err = Rate::per_second(600_000_000).interval_nanos().unwrap_err();
         assert!(err.to_string().contains("too fast"), "{err}");
+    }
+}
+
+/// Parses a rate such as `600/1m`, `10/s` or `1000000/minute`.
+///
+/// # Errors
+/// A message saying what was expected.
+pub fn parse_rate(text: &str) -> Result<Rate, String> {
+    let (amount, period) =
+        text.split_once('/').ok_or_else(|| format!("expected a rate such as \"600/1m\" or \"10/s\", got {text:?}"))?;
+    let amount: u64 = amount
+        .trim()
+        .replace('_', "")
+        .parse()
+        .map_err(|_| format!("expected a whole number before '/' in rate {text:?}"))?;
+    let period = match period.trim() {
+        "s" | "sec" | "second" => Duration::from_secs(1),
+        "m" | "min" | "minute" => Duration::from_secs(60),
+        "h" | "hour" => Duration::from_secs(3600),
+        "d" | "day" => Duration::from_secs(86_400),
+        other => parse_duration(other)?,
+    };
+    Ok(Rate::new(amount, period))
+}
+
+/// The textual form of [`Rate`] in policy files.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+#[doc(hidden)]
+pub struct RateRepr(String);
+
+impl TryFrom<RateRepr> for Rate {
+    type Error = String;
+    fn try_from(r: RateRepr) -> Result<Rate, String> {
+        parse_rate(&r.0)
+    }
+}
+
+impl From<Rate> for RateRepr {
+    fn from(r: Rate) -> RateRepr {
+        RateRepr(r.to_string())
     }
 }
