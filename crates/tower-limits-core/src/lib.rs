@@ -50,6 +50,6 @@ pub use key::{KeyError, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState, intern};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
 pub use pool::{Chosen, LimitPool, PoolGrant, Selection, UpstreamReport};
-pub use rate::Rate;
+pub use rate::{Quota, Rate};
 pub use set::{Grant, LimitSet, LimitSetStats, LimitSnapshot, LimitStats, OwnedPermit, Permit};
 pub use time::{Clock, Instant, ManualClock, SystemClock};
