@@ -195,7 +195,6 @@ impl LimitPolicy {
     }
 }
 
-
 /// The default bound on tracked keys of a set.
 pub const DEFAULT_MAX_KEYS: usize = 100_000;
 

@@ -17,7 +17,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tower::ServiceBuilder;
 use tower_limits::http::HttpAnswer;
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, ServiceBuilderExt};
+use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate};
 
 /// Serves `listener` forever: `rate` for everyone with a burst of two, four in flight.
 async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
@@ -28,7 +28,7 @@ async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
     )
     .expect("a valid policy")
     .reject_with(HttpAnswer::new());
-    let service = ServiceBuilder::new().limit_set(limits).service_fn(|_req: Request<Incoming>| async {
+    let service = ServiceBuilder::new().layer(limits).service_fn(|_req: Request<Incoming>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello\n"))))
     });
     loop {
@@ -74,7 +74,7 @@ mod tests {
         let answers = [get(addr).await, get(addr).await, get(addr).await];
         assert!(answers[0].starts_with("HTTP/1.1 200"), "{}", answers[0]);
         assert!(answers[1].starts_with("HTTP/1.1 200"), "{}", answers[1]);
-        assert!(answers[2].starts_with("HTTP/1.1 503"), "a global limit is shared overload: {}", answers[2]);
+        assert!(answers[2].starts_with("HTTP/1.1 429"), "every rate limit paces its callers: {}", answers[2]);
         assert!(answers[2].contains("ratelimit-policy: \"requests\";q=2;w=120"), "{}", answers[2]);
         let retry: u64 = answers[2]
             .lines()

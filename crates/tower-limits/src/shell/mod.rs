@@ -47,9 +47,9 @@
 mod future;
 mod layer;
 mod service;
-mod shared;
+pub(crate) mod shared;
 
 pub use future::ResponseFuture;
-pub use layer::LimitSetLayer;
-pub use service::LimitSetService;
+pub use layer::LimitLayer;
+pub use service::LimitService;
 pub use shared::{LayerStats, Unfinished};
