@@ -182,37 +182,6 @@ impl Clock for ManualClock {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn manual_clock_is_shared_and_monotonic() {
-        let a = ManualClock::new();
-        let b = a.clone();
-        a.advance(Duration::from_secs(2));
-        assert_eq!(b.now(), Instant::from_nanos(2_000_000_000));
-        b.set(Instant::from_nanos(5));
-        assert_eq!(a.now(), Instant::from_nanos(2_000_000_000), "set never goes back");
-    }
-
-    #[test]
-    fn arithmetic_saturates() {
-        let t = Instant::from_nanos(10);
-        assert_eq!(t - Duration::from_secs(1), Instant::ZERO);
-        assert_eq!(Instant::from_nanos(u64::MAX - 1) + Duration::from_secs(1), Instant::from_nanos(u64::MAX));
-        assert_eq!(Instant::ZERO.nanos_since(t), 0);
-    }
-
-    #[test]
-    fn system_clock_does_not_go_back() {
-        let c = SystemClock::new();
-        let a = c.now();
-        let b = c.now();
-        assert!(b >= a);
-    }
-}
-
 /// Formats a duration in the largest unit that divides it (`90s` as `90s`, `2m` as `2m`).
 #[must_use]
 pub fn format_duration(d: Duration) -> String {
@@ -274,4 +243,35 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             .ok_or_else(|| format!("duration {text:?} is too long"))?;
     }
     u64::try_from(total).map(Duration::from_nanos).map_err(|_| format!("duration {text:?} is too long"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manual_clock_is_shared_and_monotonic() {
+        let a = ManualClock::new();
+        let b = a.clone();
+        a.advance(Duration::from_secs(2));
+        assert_eq!(b.now(), Instant::from_nanos(2_000_000_000));
+        b.set(Instant::from_nanos(5));
+        assert_eq!(a.now(), Instant::from_nanos(2_000_000_000), "set never goes back");
+    }
+
+    #[test]
+    fn arithmetic_saturates() {
+        let t = Instant::from_nanos(10);
+        assert_eq!(t - Duration::from_secs(1), Instant::ZERO);
+        assert_eq!(Instant::from_nanos(u64::MAX - 1) + Duration::from_secs(1), Instant::from_nanos(u64::MAX));
+        assert_eq!(Instant::ZERO.nanos_since(t), 0);
+    }
+
+    #[test]
+    fn system_clock_does_not_go_back() {
+        let c = SystemClock::new();
+        let a = c.now();
+        let b = c.now();
+        assert!(b >= a);
+    }
 }

@@ -59,7 +59,7 @@ pub use layers::{
     FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer,
 };
 pub use reject::{Rejection, ReturnError};
-pub use shell::{LayerStats, LimitService, Unfinished};
+pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};
 pub use tower_limits_core::{
     AcquireError, Backend, Chosen, Grant, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, LimitSetStats,
     LimitSnapshot, PolicyError, Quota, Rate, Selection, Snapshot, TenantKey, UpstreamReport, nz,

@@ -8,8 +8,8 @@ use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
 /// each keyed by a tier of the tenant key, costed, and settled to the real usage.
 ///
 /// Built from a [`LimitSetPolicy`](crate::LimitSetPolicy) (data: a file, a database row;
-/// building it can fail, naming the field) with [`LimitSetLayer::new`], or over any
-/// [`Backend`](crate::Backend), such as Redis, with [`LimitSetLayer::with_backend`].
+/// building it can fail, naming the field) with [`LimitSetLayer::new`](crate::LimitLayer::new), or over any
+/// [`Backend`](crate::Backend), such as Redis, with [`LimitSetLayer::with_backend`](crate::LimitLayer::with_backend).
 /// See the [shell](crate::shell) for the whole life of a request, and the
 /// [named layers](crate::layers) for single limits.
 ///

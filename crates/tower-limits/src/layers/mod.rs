@@ -18,7 +18,7 @@
 //! [`reject_with`](LimitLayer::reject_with), ...). Only the constructor differs,
 //! chosen by the type's last parameter, a [`door`]. A constant limit is a [`Quota`]
 //! (or a [`NonZeroU64`](std::num::NonZeroU64)), so building one cannot fail; limits
-//! read from data go through [`LimitSetPolicy`](crate::LimitSetPolicy), whose errors name
+//! read from data go through [`LimitSetPolicy`], whose errors name
 //! the field.
 //!
 //! A named layer starts global: one state shared by every request. Given a key

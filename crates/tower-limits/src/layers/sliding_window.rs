@@ -13,7 +13,7 @@ use crate::shell::shared::Settings;
 ///   window by how much of it still overlaps; O(1) memory, but across a window boundary
 ///   it can admit up to just under twice the amount (see the guide's algorithms page).
 ///
-/// The quota's burst is not used: a window's amount is its burst. A [`LimitSetLayer`]
+/// The quota's burst is not used: a window's amount is its burst. A [`LimitSetLayer`](crate::LimitSetLayer)
 /// of one limit (see [the named layers](crate::layers)).
 ///
 /// ```

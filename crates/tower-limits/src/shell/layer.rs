@@ -72,7 +72,7 @@ impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B, A, D: door::
 
 impl crate::LimitSetLayer {
     /// A layer enforcing `policy` in memory. Limits keyed by a tier need a key extractor
-    /// ([`LimitSetLayer::key`]); until one is set every request has the global key.
+    /// ([`LimitSetLayer::key`](crate::LimitLayer::key)); until one is set every request has the global key.
     ///
     /// ```
     /// use tower::ServiceBuilder;
@@ -97,7 +97,9 @@ impl crate::LimitSetLayer {
     pub fn new(policy: LimitSetPolicy) -> Result<Self, PolicyError> {
         let set = LimitSet::new(policy.clone())?;
         let mut layer = Self::with_backend(set);
-        Arc::get_mut(&mut layer.shared).map(|s| s.source = Some(Source::memory(policy)));
+        if let Some(shared) = Arc::get_mut(&mut layer.shared) {
+            shared.source = Some(Source::memory(policy));
+        }
         Ok(layer)
     }
 }
@@ -137,7 +139,7 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     ///
     /// On a named single-limit layer ([`GcraLayer`](crate::GcraLayer) and the others), a
     /// key extractor other than [`GlobalKey`] makes the limit per key: each key gets its
-    /// own state (a fresh one: set the key before serving). On a [`LimitSetLayer`] built
+    /// own state (a fresh one: set the key before serving). On a [`LimitSetLayer`](crate::LimitSetLayer) built
     /// from a policy, each limit keeps the scope its policy gives it.
     pub fn key<K2: 'static>(self, keys: K2) -> LimitLayer<K2, C, U, R, B, A, D> {
         let shared = match &self.shared.source {
@@ -194,7 +196,7 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
         self.with_settings(|s, _| s.max_wait = Some(max_wait))
     }
 
-    /// The most requests waiting at once (with [`LimitSetLayer::wait`]); beyond it they
+    /// The most requests waiting at once (with [`LimitSetLayer::wait`](crate::LimitLayer::wait)); beyond it they
     /// are refused with [`crate::ErrorKind::QueueFull`]. Defaults to 10,000.
     pub fn max_waiters(self, max_waiters: usize) -> Self {
         self.with_settings(|s, _| s.max_waiters = max_waiters)
@@ -226,7 +228,7 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     }
 
     /// The policy the layer enforces, when it was built from one (by
-    /// [`LimitSetLayer::new`] or a named layer's constructor, after [`key`](Self::key)):
+    /// [`LimitSetLayer::new`](crate::LimitLayer::new) or a named layer's constructor, after [`key`](Self::key)):
     /// what to give another backend, such as Redis, to enforce the same limits there.
     #[must_use]
     pub fn policy(&self) -> Option<&LimitSetPolicy> {
@@ -262,7 +264,7 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     }
 
     /// Counters of the layer itself (waits and timeouts); see
-    /// [`LimitSetLayer::stats`] for the limits' own.
+    /// [`LimitSetLayer::stats`](crate::LimitLayer::stats) for the limits' own.
     #[must_use]
     pub fn layer_stats(&self) -> super::LayerStats {
         self.shared.layer_stats()

@@ -14,7 +14,7 @@ use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, CostExtractor, KeyExtractor, UsageExtractor};
 use crate::reject::Rejection;
 
-/// The service built by [`LimitSetLayer`](super::LimitSetLayer).
+/// The service built by [`LimitSetLayer`](crate::LimitSetLayer).
 ///
 /// `poll_ready` only forwards the inner service's readiness: nothing is reserved before
 /// a request exists, so an idle connection pins no capacity. The decision is made in
