@@ -474,3 +474,179 @@ fn redis_answers_as_memory_does() {
         same_answers(&Memory, &Redis { conn, denial_cache: false }).await;
     });
 }
+
+/// The named layers' own policies, global and per key: what `GcraLayer::new(..)` and the
+/// others enforce, for the backend-level laws.
+fn named_layer_policies() -> Vec<(&'static str, LimitSetPolicy)> {
+    use tower_limits::extract::KeyFn;
+    use tower_limits::{
+        FixedWindowLayer, GcraLayer, LeakyBucketLayer, Quota, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer, nz,
+    };
+    let key = || KeyFn::new(|k: &&'static str| TenantKey::single(k).ok());
+    let quota = Quota::per_second(nz!(3)).burst(nz!(2));
+    let window = Quota::try_new(4, Duration::from_millis(900)).unwrap();
+    let policy = |p: Option<&LimitSetPolicy>| p.expect("a named layer knows its policy").clone();
+    vec![
+        ("GcraLayer", policy(GcraLayer::new(quota).policy())),
+        ("GcraLayer per key", policy(GcraLayer::new(quota).key(key()).policy())),
+        ("TokenBucketLayer", policy(TokenBucketLayer::new(quota).policy())),
+        ("TokenBucketLayer per key", policy(TokenBucketLayer::new(quota).key(key()).policy())),
+        ("LeakyBucketLayer", policy(LeakyBucketLayer::new(quota).policy())),
+        ("SlidingWindowLayer", policy(SlidingWindowLayer::new(window).policy())),
+        ("SlidingWindowLayer per key", policy(SlidingWindowLayer::new(window).key(key()).policy())),
+        ("SlidingWindowLayer::approximate", policy(SlidingWindowLayer::approximate(window).policy())),
+        ("FixedWindowLayer per key", policy(FixedWindowLayer::new(window).key(key()).policy())),
+        ("SemaphoreLayer per key", policy(SemaphoreLayer::new(nz!(3)).key(key()).policy())),
+    ]
+}
+
+/// Law 8 for the named layers: their policies decide the same on every backend, step by
+/// step, with costs, cancels and releases.
+async fn named_layers_agree<A: Harness, B: Harness>(a: &A, b: &B) {
+    let keys = [TenantKey::single("alice").unwrap(), TenantKey::single("bob").unwrap()];
+    for (n, (name, policy)) in named_layer_policies().into_iter().enumerate() {
+        let (ba, bb) = (a.make(policy.clone()), b.make(policy));
+        let mut rng = Rng(77 + n as u64);
+        let mut now = S;
+        let mut held = Vec::new();
+        let mut denied = 0;
+        for step in 0..200 {
+            now += rng.below(150 * MS);
+            let key = &keys[rng.below(2) as usize];
+            let cost = rng.range(1, 3);
+            let (x, y) = (ba.acquire(key, cost, at(now)).await, bb.acquire(key, cost, at(now)).await);
+            assert_eq!(outcome(&x), outcome(&y), "{name}: step {step}, {} and {}", a.name(), b.name());
+            assert_eq!(refusal(&x), refusal(&y), "{name}: step {step}");
+            denied += usize::from(x.is_err());
+            if let (Ok(x), Ok(y)) = (x, y) {
+                held.push((key.clone(), x, y));
+            }
+            // Give back some of what is held, oldest first, by release or cancel.
+            while held.len() > 2 || (!held.is_empty() && rng.below(3) == 0) {
+                let (key, x, y) = held.remove(0);
+                if rng.below(4) == 0 {
+                    ba.cancel(&key, x, at(now));
+                    bb.cancel(&key, y, at(now));
+                } else {
+                    ba.release(&key, x);
+                    bb.release(&key, y);
+                }
+                b.flush(&bb).await;
+            }
+        }
+        assert!(denied > 5, "{name}: the program must reach the limit ({denied} denials)");
+    }
+}
+
+#[test]
+fn named_layers_agree_on_every_backend() {
+    redis_common::runtime().block_on(named_layers_agree(&Memory, &Memory));
+    let Some(server) = redis_for("named_layers_agree_on_every_backend") else { return };
+    redis_common::runtime().block_on(async {
+        let conn = redis_common::connect(&server.url()).await;
+        named_layers_agree(&Memory, &Redis { conn, denial_cache: false }).await;
+    });
+}
+
+/// The named layers themselves, as Tower middleware, over memory and over Redis (built
+/// from the layer's own policy with `on_backend`): the same requests get the same
+/// answers. Quotas refill once a day, so real time between requests changes nothing.
+#[test]
+fn named_layers_serve_alike_on_every_backend() {
+    use tower::{Layer, Service, ServiceExt};
+    use tower_limits::extract::KeyFn;
+    use tower_limits::{
+        FixedWindowLayer, GcraLayer, LimitError, Quota, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer, nz,
+    };
+
+    let Some(server) = redis_for("named_layers_serve_alike_on_every_backend") else { return };
+    redis_common::runtime().block_on(async {
+        let conn = redis_common::connect(&server.url()).await;
+        let key = || KeyFn::new(|k: &(&'static str, u64)| TenantKey::single(k.0).ok());
+        let daily = Quota::per_day(nz!(3)).burst(nz!(3));
+        let requests: Vec<(&'static str, u64)> =
+            [("alice", 1), ("bob", 2), ("alice", 1), ("alice", 2), ("bob", 1)].into_iter().cycle().take(12).collect();
+        let answer = |r: Result<(), tower_limits::BoxError>| match r {
+            Ok(()) => "ok".to_owned(),
+            Err(e) => match e.downcast_ref::<LimitError>() {
+                Some(e) => format!("{:?} {:?} {:?}", e.kind(), e.limit(), e.tier()),
+                None => format!("other error: {e}"),
+            },
+        };
+        macro_rules! compare {
+            ($name:literal, $layer:expr) => {{
+                let memory = $layer;
+                let policy = memory.policy().expect("a named layer knows its policy").clone();
+                let redis = redis_common::manual(policy, "named").build(&conn).unwrap();
+                let on_redis = memory.clone().on_backend(redis);
+                let inner =
+                    tower::service_fn(|_req: (&'static str, u64)| async { Ok::<_, tower_limits::BoxError>(()) });
+                let (a, b) = (memory.layer(inner), on_redis.layer(inner));
+                let mut refused = 0;
+                for (i, req) in requests.iter().enumerate() {
+                    let x = answer(a.clone().oneshot(*req).await);
+                    let y = answer(b.clone().oneshot(*req).await);
+                    assert_eq!(x, y, "{}: request {i} ({req:?})", $name);
+                    refused += usize::from(x != "ok");
+                }
+                assert!(refused > 0, "{}: the requests must reach the limit", $name);
+            }};
+        }
+        compare!("GcraLayer", GcraLayer::new(daily).key(key()));
+        compare!(
+            "TokenBucketLayer",
+            TokenBucketLayer::new(daily)
+                .key(key())
+                .cost(tower_limits::extract::CostFn::new(|r: &(&'static str, u64)| r.1))
+        );
+        compare!("SlidingWindowLayer", SlidingWindowLayer::new(daily).key(key()));
+        compare!("SlidingWindowLayer::approximate", SlidingWindowLayer::approximate(daily));
+        compare!("FixedWindowLayer", FixedWindowLayer::new(daily).key(key()));
+        compare!("GcraLayer global", GcraLayer::new(daily));
+        // A semaphore frees as soon as each request completes: nothing is refused in
+        // sequence, so hold three and check the fourth on both backends.
+        let memory = SemaphoreLayer::new(nz!(3)).key(key());
+        let policy = memory.policy().unwrap().clone();
+        let on_redis = memory.clone().on_backend(redis_common::manual(policy, "named").build(&conn).unwrap());
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let held = {
+            let gate = gate.clone();
+            tower::service_fn(move |_req: (&'static str, u64)| {
+                let gate = gate.clone();
+                async move {
+                    let _ = gate.acquire().await;
+                    Ok::<_, tower_limits::BoxError>(())
+                }
+            })
+        };
+        macro_rules! holds {
+            ($label:literal, $svc:expr) => {{
+                let mut svc = $svc;
+                let mut calls = Vec::new();
+                for _ in 0..3 {
+                    calls.push(tokio::spawn(svc.ready().await.unwrap().call(("carol", 1))));
+                }
+                // Once all three hold their permit, the fourth is refused.
+                let mut fourth = answer(svc.clone().oneshot(("carol", 1)).await);
+                for _ in 0..1000 {
+                    if fourth != "ok" {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                    fourth = answer(svc.clone().oneshot(("carol", 1)).await);
+                }
+                assert!(fourth.starts_with("ConcurrencyLimited"), "{}: {fourth}", $label);
+                // Another key has its own capacity: admitted, it holds until the gate opens.
+                let dave = tokio::spawn(svc.ready().await.unwrap().call(("dave", 1)));
+                gate.add_permits(4);
+                for call in calls {
+                    call.await.unwrap().unwrap();
+                }
+                assert_eq!(answer(dave.await.unwrap()), "ok", "{}: another key has its own", $label);
+                gate.forget_permits(gate.available_permits());
+            }};
+        }
+        holds!("memory", memory.layer(held.clone()));
+        holds!("redis", on_redis.layer(held.clone()));
+    });
+}

@@ -1076,3 +1076,36 @@ impl fmt::Debug for OwnedPermit {
         f.debug_struct("OwnedPermit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
     }
 }
+
+/// Sets of one limit, from a quota that is valid by construction.
+impl LimitSet {
+    /// One global GCRA limit of `quota`, named `gcra`, counting each acquisition's cost:
+    /// governor's `RateLimiter::direct`, with a permit, settling and exact waits.
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let limiter = LimitSet::gcra(Quota::per_second(nz!(2)));
+    /// let global = TenantKey::global();
+    /// assert!(limiter.acquire(&global, 2, Instant::ZERO).is_ok());
+    /// assert!(limiter.acquire(&global, 1, Instant::ZERO).is_err());
+    /// ```
+    #[must_use]
+    pub fn gcra(quota: crate::Quota) -> LimitSet {
+        Self::of_quota(crate::LimitPolicy::gcra("gcra", quota.rate(), quota.max_burst()))
+    }
+
+    /// One global token bucket of `quota` (its burst is the bucket's size), named
+    /// `token_bucket`, counting each acquisition's cost.
+    #[must_use]
+    pub fn token_bucket(quota: crate::Quota) -> LimitSet {
+        Self::of_quota(crate::LimitPolicy::token_bucket("token_bucket", quota.rate(), quota.max_burst()))
+    }
+
+    fn of_quota(limit: crate::LimitPolicy) -> LimitSet {
+        // A quota is valid by construction (see `rate::quota_tests`), and one global
+        // limit is a valid set.
+        LimitSet::new(crate::LimitSetPolicy::new().limit(limit.counting_cost()))
+            .unwrap_or_else(|e| unreachable!("a quota always builds: {e}"))
+    }
+}
