@@ -124,6 +124,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(args) => args,
         Err(e) => {
@@ -183,6 +187,11 @@ fn print_commands(addr: SocketAddr) {
         "  for i in 1 2 3; do curl -s -H 'authorization: Bearer carol-key' http://{addr}/slow & done; wait   # 2 in flight"
     );
     println!("  curl -i http://{addr}/   # no key: 401");
+    println!("a client that paces itself to alice's limit gets no 429:");
+    println!(
+        "  cargo run -p example-reqwest-client -- --url http://{addr}/ --header 'authorization: Bearer alice-key' \
+         --per-second 1 --requests 5"
+    );
 }
 
 /// One answer as the demonstration's client saw it.

@@ -100,6 +100,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(args) => args,
         Err(e) => {
