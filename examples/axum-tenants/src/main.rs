@@ -270,7 +270,7 @@ async fn demo(addr: SocketAddr) -> std::io::Result<usize> {
     println!("limits: per user 1/s with a burst of 3 and 2 in flight; per org 2/s with a burst of 5");
     let mut wrong = 0;
 
-    println!("\n1. alice (org acme) sends 4 requests at once: her own limit allows a burst of 3");
+    println!("\n1. alice (org acme) sends 4 requests in a row: her own limit allows a burst of 3");
     for want in [200, 200, 200, 429] {
         let a = get_as(addr, "/", Some("alice-key")).await?;
         show("alice", "/", &a);

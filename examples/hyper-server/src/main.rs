@@ -67,8 +67,8 @@ async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
 
 // ---- Running it: a scripted demonstration, or a server to try by hand. ----
 
-/// The demonstration's rate: two a second (with the burst of two above).
-const RATE: Rate = Rate::per_second(2);
+/// The demonstration's rate: one a second (with the burst of two above).
+const RATE: Rate = Rate::per_second(1);
 
 const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--port N]]";
 
@@ -125,7 +125,7 @@ async fn main() -> ExitCode {
     let server = tokio::spawn(serve(listener, RATE));
     if args.serve {
         println!("serving on http://{addr} (Ctrl-C to stop)");
-        println!("limits, for everyone together: 2 requests a second with a burst of 2, 4 in flight; try:");
+        println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight; try:");
         println!("  curl -i http://{addr}/");
         println!("  for i in 1 2 3; do curl -si http://{addr}/ | grep -iE '^(HTTP/|retry-after|ratelimit)'; done");
         return match server.await {
@@ -192,7 +192,7 @@ async fn step(addr: SocketAddr, n: usize, want: u16) -> std::io::Result<(bool, V
 /// differed from what the limits promise.
 async fn demo(addr: SocketAddr) -> std::io::Result<usize> {
     println!("hyper-server: one limited service for every connection, server on http://{addr}");
-    println!("limits, for everyone together: 2 requests a second with a burst of 2, 4 in flight");
+    println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight");
     println!("\n1. three requests, each on its own connection: the burst of 2 is shared by all connections");
     let mut wrong = 0;
     let mut last = Vec::new();

@@ -61,8 +61,8 @@ async fn serve(listener: TcpListener, rate: Rate) -> Result<(), tonic::transport
 
 // ---- Running it: a scripted demonstration, or a server to try by hand. ----
 
-/// The demonstration's rate: two calls a second per tenant (with the burst of three above).
-const RATE: Rate = Rate::per_second(2);
+/// The demonstration's rate: one call a second per tenant (with the burst of three above).
+const RATE: Rate = Rate::per_second(1);
 
 const USAGE: &str = "usage: cargo run -p example-tonic-health [-- --serve [--port N]]";
 
@@ -154,7 +154,7 @@ fn write_protoset() -> std::io::Result<PathBuf> {
 
 fn print_commands(addr: SocketAddr) {
     println!("serving grpc.health.v1.Health on {addr} (Ctrl-C to stop)");
-    println!("limits, per tenant (the bearer token): 2 calls a second with a burst of 3; try:");
+    println!("limits, per tenant (the bearer token): 1 call a second with a burst of 3; try:");
     match write_protoset() {
         Ok(protoset) => {
             let p = protoset.display();
@@ -212,7 +212,7 @@ fn show(who: &str, got: &Result<(), tonic::Status>, want: tonic::Code) -> (bool,
 /// differed from what the limits promise.
 async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
     println!("tonic-health: the gRPC health service limited per tenant, server on {addr}");
-    println!("limits, per tenant (the bearer token): 2 calls a second with a burst of 3");
+    println!("limits, per tenant (the bearer token): 1 call a second with a burst of 3");
     let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
         .expect("a socket address makes a valid URI")
         .connect()
@@ -221,7 +221,7 @@ async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
     let mut wrong = 0;
     let mut retry_ms = None;
 
-    println!("\n1. alice calls 4 times at once: a burst of 3, then the layer refuses");
+    println!("\n1. alice calls 4 times in a row: a burst of 3, then the layer refuses");
     for want in [tonic::Code::Ok, tonic::Code::Ok, tonic::Code::Ok, tonic::Code::ResourceExhausted] {
         let (ok, ms) = show("alice", &check(&mut client, Some("alice")).await, want);
         wrong += usize::from(!ok);
@@ -233,7 +233,7 @@ async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
     wrong += usize::from(!ok);
 
     // `retry-after-ms` is whole milliseconds, cut down: one more keeps the wait long enough.
-    let wait = Duration::from_millis(retry_ms.unwrap_or(500) + 1);
+    let wait = Duration::from_millis(retry_ms.unwrap_or(1_000) + 1);
     println!("\n3. alice waits the {}ms of retry-after-ms (+1), then calls again", wait.as_millis() - 1);
     let start = Instant::now();
     tokio::time::sleep(wait).await;
