@@ -28,7 +28,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use tower::{Layer, Service};
 use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{CostFn, KeyFn};
-use tower_limits::{Backend, FairQueueLayer, LimitSet, LimitSetLayer, Rate, TenantKey};
+use tower_limits::{Backend, FairQueueLayer, LimitSet, Rate, SemaphoreLayer, TenantKey, nz};
 
 const SIZES: [usize; 3] = [10, 1_000, 10_000];
 
@@ -85,7 +85,7 @@ fn skip_queue(c: &mut Criterion) {
             black_box(fut.as_mut().poll(&mut cx).is_ready())
         });
     });
-    let mut limit = LimitSetLayer::concurrency(64).unwrap().system_clock().layer(bare());
+    let mut limit = SemaphoreLayer::new(nz!(64)).system_clock().layer(bare());
     g.bench_function("limit_set_concurrency", |b| {
         b.iter(|| {
             let _ = limit.poll_ready(&mut cx);
@@ -96,8 +96,13 @@ fn skip_queue(c: &mut Criterion) {
     g.finish();
 }
 
-type Layered<B> =
-    FairQueueLayer<tower_limits::extract::GlobalKey, tower_limits::extract::One, tower_limits::ReturnError, B>;
+type Layered<B> = FairQueueLayer<
+    tower_limits::extract::GlobalKey,
+    tower_limits::extract::One,
+    tower_limits::extract::NoUsage,
+    tower_limits::ReturnError,
+    B,
+>;
 
 /// Calls `svc` with a request of `tenant`; the response future, not yet polled.
 fn call<S: Service<Req>>(svc: &mut S, tenant: usize, n: &mut u32) -> Pin<Box<S::Future>> {

@@ -20,8 +20,9 @@ use tower::{Layer, Service};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::GlobalKeyExtractor;
+use tower_limits::extract::{GlobalKey, NoUsage, One};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate};
+use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, nz};
 
 type Req = Request<()>;
 
@@ -55,16 +56,10 @@ where
 
 const HUGE: u64 = 1_000_000_000;
 
-fn ours_gcra(
-    rate: Rate,
-    burst: u64,
-) -> LimitSetLayer<
-    tower_limits::extract::GlobalKey,
-    tower_limits::extract::One,
-    tower_limits::extract::NoUsage,
-    HttpAnswer,
-> {
-    LimitSetLayer::gcra(rate, burst).expect("policy").system_clock().reject_with(HttpAnswer::new())
+fn ours_gcra(rate: Rate, burst: u64) -> GcraLayer<GlobalKey, One, NoUsage, HttpAnswer> {
+    GcraLayer::new(Quota::try_new(rate.amount(), rate.period()).and_then(|q| q.try_burst(burst)).expect("quota"))
+        .system_clock()
+        .reject_with(HttpAnswer::new())
 }
 
 fn allow(c: &mut Criterion) {
@@ -77,7 +72,7 @@ fn allow(c: &mut Criterion) {
         ours_gcra(Rate::per_second(HUGE), 1_000_000).layer(bare()),
         StatusCode::OK,
     );
-    let plain = LimitSetLayer::gcra(Rate::per_second(HUGE), 1_000_000).expect("policy").system_clock();
+    let plain = GcraLayer::new(Quota::per_second(nz!(HUGE)).burst(nz!(1_000_000))).system_clock();
     let mut plain = plain.layer(bare());
     c.bench_function("allow/tower_limits_gcra_error_mode", |b| {
         b.iter(|| {
@@ -116,7 +111,7 @@ fn deny(c: &mut Criterion) {
     let mut ours = ours_gcra(Rate::per_hour(1), 1).layer(bare());
     assert_eq!(drive(&mut ours), 200);
     bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::SERVICE_UNAVAILABLE);
-    let mut plain = LimitSetLayer::gcra(Rate::per_hour(1), 1).expect("policy").system_clock().layer(bare());
+    let mut plain = GcraLayer::new(Quota::per_hour(nz!(1)).burst(nz!(1))).system_clock().layer(bare());
     assert_eq!(drive(&mut plain), 200);
     c.bench_function("deny/tower_limits_gcra_error_mode", |b| {
         b.iter(|| {

@@ -12,7 +12,10 @@ use http_body_util::BodyExt;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, KeyFn, Usage, UsageFromExtension};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{BoxError, ErrorKind, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+use tower_limits::{
+    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate,
+    SemaphoreLayer, TenantKey, nz,
+};
 
 fn policy() -> LimitSetPolicy {
     LimitSetPolicy::new()
@@ -69,13 +72,46 @@ async fn a_tenant_limit_answers_429_with_its_fields() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_global_limit_answers_503_and_a_missing_key_401() {
-    let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().reject_with(HttpAnswer::new());
+async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401() {
+    // A rate limit paces its callers, global or keyed: 429.
+    let layer = GcraLayer::new(Quota::per_second(nz!(1))).reject_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
     let response = svc.oneshot(request(None, 1)).await.unwrap();
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()["retry-after"], "1");
+    assert_eq!(response.headers()["ratelimit-policy"], "\"gcra\";q=1;w=1");
+
+    // A global semaphore is the server's own capacity: 503.
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let rx = std::sync::Arc::new(tokio::sync::Mutex::new(Some(rx)));
+    let held = tower::service_fn(move |_req: Request<String>| {
+        let rx = rx.clone();
+        async move {
+            if let Some(rx) = rx.lock().await.take() {
+                let _ = rx.await;
+            }
+            Ok::<_, BoxError>(Response::new(String::new()))
+        }
+    });
+    let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).reject_with(HttpAnswer::new())).service(held);
+    let first = tokio::spawn(svc.clone().oneshot(request(None, 1)));
+    tokio::task::yield_now().await;
+    let response = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    tx.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+
+    // Either can be chosen otherwise.
+    let answer = HttpAnswer::new().with_status(|e: &LimitError| match e.kind() {
+        ErrorKind::RateLimited => StatusCode::SERVICE_UNAVAILABLE,
+        _ => e.status(),
+    });
+    let svc = ServiceBuilder::new()
+        .layer(GcraLayer::new(Quota::per_second(nz!(1))).reject_with(answer))
+        .service(ok_service());
+    assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(svc.oneshot(request(None, 1)).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
 
     let keyed = LimitSetLayer::new(policy())
         .unwrap()

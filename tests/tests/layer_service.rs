@@ -11,8 +11,8 @@ use tokio::time::Instant as TokioInstant;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_limits::extract::{KeyFn, UsageFn};
 use tower_limits::{
-    BoxError, ErrorKind, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, ServiceBuilderExt, TenantKey,
-    Unfinished,
+    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate,
+    SemaphoreLayer, TenantKey, Unfinished, nz,
 };
 use tower_test::mock;
 
@@ -26,7 +26,7 @@ fn echo() -> impl Service<u64, Response = u64, Error = Infallible, Future: Send>
 
 #[tokio::test(start_paused = true)]
 async fn clones_share_one_limit() {
-    let svc = ServiceBuilder::new().limit_set(LimitSetLayer::gcra(Rate::per_second(1), 2).unwrap()).service(echo());
+    let svc = ServiceBuilder::new().layer(GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(2)))).service(echo());
     let (a, b, c) = (svc.clone(), svc.clone(), svc);
     assert_eq!(a.oneshot(1).await.unwrap(), 1);
     assert_eq!(b.oneshot(2).await.unwrap(), 2);
@@ -39,7 +39,7 @@ async fn clones_share_one_limit() {
 
 #[tokio::test(start_paused = true)]
 async fn services_from_one_layer_share_state() {
-    let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap();
+    let layer = GcraLayer::new(Quota::per_second(nz!(1)));
     let first = ServiceBuilder::new().layer(layer.clone()).service(echo());
     let second = ServiceBuilder::new().layer(layer).service(echo());
     first.oneshot(1).await.unwrap();
@@ -48,7 +48,7 @@ async fn services_from_one_layer_share_state() {
 
 #[tokio::test(start_paused = true)]
 async fn poll_ready_forwards_the_inner_readiness_and_reserves_nothing() {
-    let layer = LimitSetLayer::concurrency(1).unwrap();
+    let layer = SemaphoreLayer::new(nz!(1));
     let (inner, mut handle) = mock::pair::<u64, u64>();
     let mut svc = tower_test::mock::Spawn::new(tower::Layer::layer(&layer, inner));
     handle.allow(0);
@@ -69,7 +69,7 @@ async fn poll_ready_forwards_the_inner_readiness_and_reserves_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn concurrency_comes_back_when_the_response_future_is_dropped() {
-    let layer = LimitSetLayer::concurrency(1).unwrap();
+    let layer = SemaphoreLayer::new(nz!(1));
     let (inner, mut handle) = mock::pair::<u64, u64>();
     handle.allow(100);
     let mut svc = tower::Layer::layer(&layer, inner);
@@ -179,7 +179,7 @@ async fn a_waiter_wakes_at_the_exact_instant() {
     let record = seen.clone();
     let start = TokioInstant::now();
     let svc = ServiceBuilder::new()
-        .limit_set(LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().wait(Duration::from_secs(10)))
+        .layer(GcraLayer::new(Quota::per_second(nz!(1))).wait(Duration::from_secs(10)))
         .service(tower::service_fn(move |x: u64| {
             record.lock().unwrap().push((x, start.elapsed()));
             async move { Ok::<_, Infallible>(x) }
@@ -198,7 +198,7 @@ async fn a_waiter_wakes_at_the_exact_instant() {
 
 #[tokio::test(start_paused = true)]
 async fn a_wait_longer_than_max_wait_fails_at_once() {
-    let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().wait(Duration::from_millis(500));
+    let layer = GcraLayer::new(Quota::per_second(nz!(1))).wait(Duration::from_millis(500));
     let svc = ServiceBuilder::new().layer(layer.clone()).service(echo());
     svc.clone().oneshot(1).await.unwrap();
     let start = TokioInstant::now();
@@ -209,7 +209,7 @@ async fn a_wait_longer_than_max_wait_fails_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_concurrency_waiter_wakes_on_release() {
-    let layer = LimitSetLayer::concurrency(1).unwrap().wait(Duration::from_secs(60));
+    let layer = SemaphoreLayer::new(nz!(1)).wait(Duration::from_secs(60));
     let (inner, mut handle) = mock::pair::<u64, u64>();
     handle.allow(10);
     let svc = tower::Layer::layer(&layer, inner);
@@ -231,7 +231,7 @@ async fn a_concurrency_waiter_wakes_on_release() {
 
 #[tokio::test(start_paused = true)]
 async fn a_concurrency_waiter_times_out_at_its_deadline() {
-    let layer = LimitSetLayer::concurrency(1).unwrap().wait(Duration::from_secs(3));
+    let layer = SemaphoreLayer::new(nz!(1)).wait(Duration::from_secs(3));
     let (inner, mut handle) = mock::pair::<u64, u64>();
     handle.allow(10);
     let svc = tower::Layer::layer(&layer, inner);
@@ -280,7 +280,7 @@ async fn futures_poll<F: std::future::Future + Unpin>(f: &mut F) -> Poll<F::Outp
 
 #[tokio::test(start_paused = true)]
 async fn a_full_wait_queue_refuses() {
-    let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().wait(Duration::from_secs(60)).max_waiters(2);
+    let layer = GcraLayer::new(Quota::per_second(nz!(1))).wait(Duration::from_secs(60)).max_waiters(2);
     let svc = ServiceBuilder::new().layer(layer.clone()).service(echo());
     svc.clone().oneshot(0).await.unwrap();
     let waiting: Vec<_> = (1..3).map(|i| tokio::spawn(svc.clone().oneshot(i))).collect();

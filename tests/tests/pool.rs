@@ -43,7 +43,11 @@ async fn the_chosen_account_reaches_the_inner_service() {
     bodies.sort();
     assert_eq!(bodies, ["sk-primary", "sk-secondary"]);
     let refused = svc.oneshot(Request::new(String::new())).await.unwrap();
-    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE, "every account is out: shared overload");
+    assert_eq!(
+        refused.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "every account is out: a rate limit, paced by Retry-After"
+    );
     assert_eq!(refused.headers()["retry-after"], "1", "the primary frees first, in one second");
 }
 
@@ -80,6 +84,6 @@ async fn an_upstream_refusal_benches_the_account() {
     let first = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
     assert_eq!(first.into_body(), "sk-secondary");
     let refused = svc.oneshot(Request::new(String::new())).await.unwrap();
-    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.headers()["retry-after"], "2", "the secondary frees before the primary's bench ends");
 }

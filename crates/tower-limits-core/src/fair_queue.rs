@@ -152,7 +152,7 @@ use std::hash::{BuildHasher, Hash};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use serde::{Deserialize, Serialize};
 
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 
 /// Tags count virtual time in units of 2^-FRACTION_BITS of one cost unit per weight.
 const FRACTION_BITS: u32 = 32;

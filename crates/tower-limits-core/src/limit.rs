@@ -1,7 +1,7 @@
 //! A validated limit of any algorithm, and the validated configuration of a set.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
 
 use crate::algorithm::{
@@ -9,8 +9,8 @@ use crate::algorithm::{
     SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, Snapshot, TokenBucket,
     TokenBucketState,
 };
-use crate::key::MAX_TIERS;
-use crate::policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, MAX_LIMITS, PolicyError, Scope};
+use serde::{Deserialize, Serialize};
+
 use crate::time::Instant;
 
 /// A validated limit of any algorithm.
@@ -64,53 +64,6 @@ macro_rules! dispatch {
 }
 
 impl Limit {
-    /// Builds the limit a policy describes.
-    ///
-    /// # Errors
-    /// A missing, unused or invalid parameter, naming the field.
-    pub fn from_policy(p: &LimitPolicy) -> Result<Limit, PolicyError> {
-        let kind = p.algorithm;
-        let unused = |field: &str, present: bool| {
-            if present { Err(PolicyError::new(field, format!("is not used by {}", kind.as_str()))) } else { Ok(()) }
-        };
-        let required = |field: &str| PolicyError::new(field, format!("is required by {}", kind.as_str()));
-        match kind {
-            AlgorithmKind::Gcra | AlgorithmKind::TokenBucket => {
-                unused("limit", p.limit.is_some())?;
-                unused("window", p.window.is_some())?;
-                unused("capacity", p.capacity.is_some())?;
-                let rate = p.rate.ok_or_else(|| required("rate"))?;
-                let burst = p.burst.unwrap_or(rate.amount());
-                Ok(if kind == AlgorithmKind::Gcra {
-                    Limit::Gcra(Gcra::new(rate, burst)?)
-                } else {
-                    Limit::TokenBucket(TokenBucket::new(rate, burst)?)
-                })
-            }
-            AlgorithmKind::SlidingWindowLog | AlgorithmKind::SlidingWindowCounter | AlgorithmKind::FixedWindow => {
-                unused("rate", p.rate.is_some())?;
-                unused("burst", p.burst.is_some())?;
-                unused("capacity", p.capacity.is_some())?;
-                let limit = p.limit.ok_or_else(|| required("limit"))?;
-                let window = p.window.ok_or_else(|| required("window"))?;
-                Ok(match kind {
-                    AlgorithmKind::SlidingWindowLog => Limit::SlidingWindowLog(SlidingWindowLog::new(limit, window)?),
-                    AlgorithmKind::SlidingWindowCounter => {
-                        Limit::SlidingWindowCounter(SlidingWindowCounter::new(limit, window)?)
-                    }
-                    _ => Limit::FixedWindow(FixedWindow::new(limit, window)?),
-                })
-            }
-            AlgorithmKind::Semaphore => {
-                unused("rate", p.rate.is_some())?;
-                unused("burst", p.burst.is_some())?;
-                unused("limit", p.limit.is_some())?;
-                unused("window", p.window.is_some())?;
-                Ok(Limit::Semaphore(Semaphore::new(p.capacity.ok_or_else(|| required("capacity"))?)?))
-            }
-        }
-    }
-
     /// The algorithm.
     #[must_use]
     pub fn kind(&self) -> AlgorithmKind {
@@ -218,6 +171,81 @@ impl Limit {
     }
 }
 
+/// The algorithm of a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlgorithmKind {
+    /// [`Gcra`](crate::algorithm::Gcra): `rate` and `burst`.
+    Gcra,
+    /// [`TokenBucket`](crate::algorithm::TokenBucket): `rate` and `burst`.
+    TokenBucket,
+    /// [`SlidingWindowLog`](crate::algorithm::SlidingWindowLog): `limit` and `window`.
+    SlidingWindowLog,
+    /// [`SlidingWindowCounter`](crate::algorithm::SlidingWindowCounter): `limit` and `window`.
+    SlidingWindowCounter,
+    /// [`FixedWindow`](crate::algorithm::FixedWindow): `limit` and `window`.
+    FixedWindow,
+    /// [`Semaphore`](crate::algorithm::Semaphore): `capacity`.
+    Semaphore,
+}
+
+impl AlgorithmKind {
+    /// The name used in policy files.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AlgorithmKind::Gcra => "gcra",
+            AlgorithmKind::TokenBucket => "token_bucket",
+            AlgorithmKind::SlidingWindowLog => "sliding_window_log",
+            AlgorithmKind::SlidingWindowCounter => "sliding_window_counter",
+            AlgorithmKind::FixedWindow => "fixed_window",
+            AlgorithmKind::Semaphore => "semaphore",
+        }
+    }
+}
+
+/// Whose capacity a limit counts: everyone's, or each key's at one tier.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum Scope {
+    /// One state shared by every request.
+    #[default]
+    Global,
+    /// One state per key at the named tier (and the tiers above it).
+    Tier(String),
+}
+
+impl Serialize for Scope {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Scope::Global => s.serialize_str("global"),
+            Scope::Tier(t) => s.serialize_str(t),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Scope {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok(if s == "global" { Scope::Global } else { Scope::Tier(s) })
+    }
+}
+
+/// What one request costs against a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Counts {
+    /// One per request, whatever the request's cost: requests per minute, concurrent
+    /// requests.
+    #[default]
+    Requests,
+    /// The request's cost (for example its estimated tokens), settled to the real usage
+    /// afterwards: tokens per minute.
+    Cost,
+}
+
+/// The most limits one set can hold.
+pub const MAX_LIMITS: usize = 16;
+
 /// One limit of a validated set.
 #[derive(Debug, Clone)]
 pub(crate) struct LimitDef {
@@ -246,7 +274,7 @@ pub(crate) struct Config {
     pub(crate) keyed_limits: usize,
 }
 
-static VERSIONS: AtomicU64 = AtomicU64::new(1);
+pub(crate) static VERSIONS: AtomicU64 = AtomicU64::new(1);
 
 /// Limit and tier names live as long as the process, so that a denial can name its limit
 /// without a reference count on the hot path. Each distinct name is stored once, so the
@@ -265,80 +293,6 @@ pub fn intern(name: &str) -> &'static str {
 }
 
 impl Config {
-    pub(crate) fn build(policy: &LimitSetPolicy) -> Result<Config, PolicyError> {
-        if policy.tiers.len() > MAX_TIERS {
-            return Err(PolicyError::new("tiers", format!("at most {MAX_TIERS} tiers, got {}", policy.tiers.len())));
-        }
-        for (i, tier) in policy.tiers.iter().enumerate() {
-            let field = format!("tiers[{i}]");
-            if tier.is_empty() {
-                return Err(PolicyError::new(field, "a tier needs a name"));
-            }
-            if tier == "global" {
-                return Err(PolicyError::new(field, "\"global\" is reserved for limits shared by every key"));
-            }
-            if policy.tiers[..i].contains(tier) {
-                return Err(PolicyError::new(field, format!("tier {tier:?} is listed twice")));
-            }
-        }
-        if policy.limits.is_empty() {
-            return Err(PolicyError::new("limit", "a limit set needs at least one limit"));
-        }
-        if policy.limits.len() > MAX_LIMITS {
-            return Err(PolicyError::new(
-                "limit",
-                format!("a limit set holds at most {MAX_LIMITS} limits, got {}", policy.limits.len()),
-            ));
-        }
-        if policy.max_keys == 0 {
-            return Err(PolicyError::new("max_keys", "must be at least 1"));
-        }
-        let keyed = policy.limits.iter().filter(|l| l.scope != Scope::Global).count();
-        if policy.max_keys < keyed {
-            return Err(PolicyError::new(
-                "max_keys",
-                format!("must be at least {keyed}, the number of keyed limits: one key needs a state in each"),
-            ));
-        }
-        let mut limits = Vec::with_capacity(policy.limits.len());
-        for (i, p) in policy.limits.iter().enumerate() {
-            let at = if p.name.is_empty() { format!("limits[{i}]") } else { format!("limits[{i}] ({})", p.name) };
-            if p.name.is_empty() {
-                return Err(PolicyError::new("name", "a limit needs a name").within(&at));
-            }
-            if let Some(j) = policy.limits[..i].iter().position(|q| q.name == p.name) {
-                return Err(
-                    PolicyError::new("name", format!("{:?} is already the name of limits[{j}]", p.name)).within(&at)
-                );
-            }
-            let tier = match &p.scope {
-                Scope::Global => None,
-                Scope::Tier(t) => Some(policy.tiers.iter().position(|x| x == t).ok_or_else(|| {
-                    let known = if policy.tiers.is_empty() {
-                        "the set declares no tiers".to_owned()
-                    } else {
-                        format!("tiers are {}", policy.tiers.join(", "))
-                    };
-                    PolicyError::new("scope", format!("unknown tier {t:?} ({known})")).within(&at)
-                })?),
-            };
-            let limit = Limit::from_policy(p).map_err(|e| e.within(&at))?;
-            limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit });
-        }
-        Ok(Config {
-            version: VERSIONS.fetch_add(1, Ordering::Relaxed),
-            tiers: policy.tiers.iter().map(|t| intern(t)).collect(),
-            has_global: limits.iter().any(|l| l.tier.is_none()),
-            has_tiered: limits.iter().any(|l| l.tier.is_some()),
-            has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
-            depth_needed: limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0),
-            max_keys: policy.max_keys,
-            fresh: limits.iter().map(|l| l.limit.fresh()).collect(),
-            keyed_limits: limits.iter().filter(|l| l.tier.is_some()).count(),
-            limits,
-        })
-    }
-
     /// The index in `self` of the limit that `other.limits[i]` became: same name, same
     /// algorithm and same scope, or none.
     pub(crate) fn successor(&self, other: &Config, i: usize) -> Option<usize> {
@@ -349,59 +303,5 @@ impl Config {
                 && l.tier.map(|t| self.tiers[t]) == old.tier.map(|t| other.tiers[t])
                 && l.tier == old.tier
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::rate::Rate;
-
-    fn err(policy: &LimitSetPolicy) -> String {
-        Config::build(policy).unwrap_err().to_string()
-    }
-
-    #[test]
-    fn validation_names_the_field() {
-        let base = || LimitSetPolicy::new().tiers(["org", "user"]);
-        assert_eq!(
-            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(0), 1))),
-            "limits[0] (rpm).rate: the amount must be at least 1"
-        );
-        assert_eq!(
-            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(10), 0))),
-            "limits[0] (rpm).burst: must be at least 1"
-        );
-        assert_eq!(
-            err(&base().limit(LimitPolicy::semaphore("c", 1)).limit(LimitPolicy::semaphore("c", 2))),
-            "limits[1] (c).name: \"c\" is already the name of limits[0]"
-        );
-        assert_eq!(
-            err(&base().limit(LimitPolicy::semaphore("c", 1).per("usr"))),
-            "limits[0] (c).scope: unknown tier \"usr\" (tiers are org, user)"
-        );
-        assert_eq!(err(&base()), "limit: a limit set needs at least one limit");
-        let mut p = LimitPolicy::semaphore("c", 1);
-        p.rate = Some(Rate::per_second(1));
-        assert_eq!(err(&base().limit(p)), "limits[0] (c).rate: is not used by semaphore");
-        let mut p = LimitPolicy::fixed_window("w", 1, Duration::from_secs(1));
-        p.window = None;
-        assert_eq!(err(&base().limit(p)), "limits[0] (w).window: is required by fixed_window");
-        assert_eq!(
-            err(&LimitSetPolicy::new().tiers(["org", "org"]).limit(LimitPolicy::semaphore("c", 1))),
-            "tiers[1]: tier \"org\" is listed twice"
-        );
-    }
-
-    #[test]
-    fn burst_defaults_to_the_rate_amount() {
-        let mut p = LimitPolicy::gcra("rpm", Rate::per_minute(600), 1);
-        p.burst = None;
-        match Limit::from_policy(&p).unwrap() {
-            Limit::Gcra(g) => assert_eq!(g.burst(), 600),
-            other => panic!("{other:?}"),
-        }
     }
 }

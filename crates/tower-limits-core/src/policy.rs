@@ -40,52 +40,22 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::algorithm::{FixedWindow, Gcra, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket};
+use crate::key::MAX_TIERS;
+use crate::limit::{Config, LimitDef, VERSIONS, intern};
 use crate::rate::Rate;
 
-/// A policy that does not make sense, with the field that says so.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyError {
-    field: String,
-    message: String,
-}
-
-impl PolicyError {
-    /// An error about `field`.
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        PolicyError { field: field.into(), message: message.into() }
-    }
-
-    /// The path of the offending field, such as `limits[2] (tokens-per-minute).burst`.
-    #[must_use]
-    pub fn field(&self) -> &str {
-        &self.field
-    }
-
-    /// What is wrong with it.
-    #[must_use]
-    pub fn message(&self) -> &str {
-        &self.message
-    }
-
-    /// The same error, with `prefix` put before the field path.
-    #[must_use]
-    pub fn within(mut self, prefix: &str) -> Self {
-        self.field = if self.field.is_empty() { prefix.to_owned() } else { format!("{prefix}.{}", self.field) };
-        self
-    }
-}
-
-impl fmt::Display for PolicyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.field.is_empty() { f.write_str(&self.message) } else { write!(f, "{}: {}", self.field, self.message) }
-    }
-}
-
-impl std::error::Error for PolicyError {}
+pub use crate::limit::{AlgorithmKind, Counts, Limit, MAX_LIMITS, Scope};
+pub use crate::policy_error::PolicyError;
+#[doc(hidden)]
+pub use crate::rate::RateRepr;
+pub use crate::rate::parse_rate;
+pub use crate::time::{format_duration, parse_duration};
 
 /// Why a policy file could not be loaded.
 #[derive(Debug)]
@@ -117,78 +87,6 @@ impl std::error::Error for LoadError {
             LoadError::Parse(_) => None,
         }
     }
-}
-
-/// The algorithm of a limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AlgorithmKind {
-    /// [`Gcra`](crate::algorithm::Gcra): `rate` and `burst`.
-    Gcra,
-    /// [`TokenBucket`](crate::algorithm::TokenBucket): `rate` and `burst`.
-    TokenBucket,
-    /// [`SlidingWindowLog`](crate::algorithm::SlidingWindowLog): `limit` and `window`.
-    SlidingWindowLog,
-    /// [`SlidingWindowCounter`](crate::algorithm::SlidingWindowCounter): `limit` and `window`.
-    SlidingWindowCounter,
-    /// [`FixedWindow`](crate::algorithm::FixedWindow): `limit` and `window`.
-    FixedWindow,
-    /// [`Semaphore`](crate::algorithm::Semaphore): `capacity`.
-    Semaphore,
-}
-
-impl AlgorithmKind {
-    /// The name used in policy files.
-    #[must_use]
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            AlgorithmKind::Gcra => "gcra",
-            AlgorithmKind::TokenBucket => "token_bucket",
-            AlgorithmKind::SlidingWindowLog => "sliding_window_log",
-            AlgorithmKind::SlidingWindowCounter => "sliding_window_counter",
-            AlgorithmKind::FixedWindow => "fixed_window",
-            AlgorithmKind::Semaphore => "semaphore",
-        }
-    }
-}
-
-/// Whose capacity a limit counts: everyone's, or each key's at one tier.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum Scope {
-    /// One state shared by every request.
-    #[default]
-    Global,
-    /// One state per key at the named tier (and the tiers above it).
-    Tier(String),
-}
-
-impl Serialize for Scope {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Scope::Global => s.serialize_str("global"),
-            Scope::Tier(t) => s.serialize_str(t),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for Scope {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Ok(if s == "global" { Scope::Global } else { Scope::Tier(s) })
-    }
-}
-
-/// What one request costs against a limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Counts {
-    /// One per request, whatever the request's cost: requests per minute, concurrent
-    /// requests.
-    #[default]
-    Requests,
-    /// The request's cost (for example its estimated tokens), settled to the real usage
-    /// afterwards: tokens per minute.
-    Cost,
 }
 
 /// One limit of a set.
@@ -297,9 +195,6 @@ impl LimitPolicy {
     }
 }
 
-/// The most limits one set can hold.
-pub const MAX_LIMITS: usize = 16;
-
 /// The default bound on tracked keys of a set.
 pub const DEFAULT_MAX_KEYS: usize = 100_000;
 
@@ -405,111 +300,7 @@ impl LimitSetPolicy {
     /// # Errors
     /// The first problem found, naming its field.
     pub fn validate(&self) -> Result<(), PolicyError> {
-        crate::limit::Config::build(self).map(|_| ())
-    }
-}
-
-/// Formats a duration in the largest unit that divides it (`90s` as `90s`, `2m` as `2m`).
-#[must_use]
-pub fn format_duration(d: Duration) -> String {
-    let n = d.as_nanos();
-    const UNITS: [(u128, &str); 7] = [
-        (86_400_000_000_000, "d"),
-        (3_600_000_000_000, "h"),
-        (60_000_000_000, "m"),
-        (1_000_000_000, "s"),
-        (1_000_000, "ms"),
-        (1_000, "us"),
-        (1, "ns"),
-    ];
-    if n == 0 {
-        return "0s".to_owned();
-    }
-    for (size, unit) in UNITS {
-        if n % size == 0 {
-            return format!("{}{unit}", n / size);
-        }
-    }
-    unreachable!("every duration is a whole number of nanoseconds")
-}
-
-/// Parses a duration such as `1m`, `500ms`, `1h30m` or `2d`.
-///
-/// # Errors
-/// A message saying what was expected.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    if text.is_empty() {
-        return Err("expected a duration such as \"1m\" or \"500ms\", got an empty string".into());
-    }
-    let mut total: u128 = 0;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
-        if digits == 0 {
-            return Err(format!("expected a number in duration {text:?}"));
-        }
-        let value: u128 = rest[..digits].parse().map_err(|_| format!("number too large in duration {text:?}"))?;
-        rest = &rest[digits..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
-        let nanos: u128 = match rest[..unit_len].trim() {
-            "ns" => 1,
-            "us" | "µs" => 1_000,
-            "ms" => 1_000_000,
-            "s" | "sec" => 1_000_000_000,
-            "m" | "min" => 60_000_000_000,
-            "h" => 3_600_000_000_000,
-            "d" => 86_400_000_000_000,
-            "" => return Err(format!("missing unit in duration {text:?} (use ns, us, ms, s, m, h or d)")),
-            other => return Err(format!("unknown unit {other:?} in duration {text:?} (use ns, us, ms, s, m, h or d)")),
-        };
-        rest = &rest[unit_len..];
-        total = value
-            .checked_mul(nanos)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(|| format!("duration {text:?} is too long"))?;
-    }
-    u64::try_from(total).map(Duration::from_nanos).map_err(|_| format!("duration {text:?} is too long"))
-}
-
-/// Parses a rate such as `600/1m`, `10/s` or `1000000/minute`.
-///
-/// # Errors
-/// A message saying what was expected.
-pub fn parse_rate(text: &str) -> Result<Rate, String> {
-    let (amount, period) =
-        text.split_once('/').ok_or_else(|| format!("expected a rate such as \"600/1m\" or \"10/s\", got {text:?}"))?;
-    let amount: u64 = amount
-        .trim()
-        .replace('_', "")
-        .parse()
-        .map_err(|_| format!("expected a whole number before '/' in rate {text:?}"))?;
-    let period = match period.trim() {
-        "s" | "sec" | "second" => Duration::from_secs(1),
-        "m" | "min" | "minute" => Duration::from_secs(60),
-        "h" | "hour" => Duration::from_secs(3600),
-        "d" | "day" => Duration::from_secs(86_400),
-        other => parse_duration(other)?,
-    };
-    Ok(Rate::new(amount, period))
-}
-
-/// The textual form of [`Rate`] in policy files.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-#[doc(hidden)]
-pub struct RateRepr(String);
-
-impl TryFrom<RateRepr> for Rate {
-    type Error = String;
-    fn try_from(r: RateRepr) -> Result<Rate, String> {
-        parse_rate(&r.0)
-    }
-}
-
-impl From<Rate> for RateRepr {
-    fn from(r: Rate) -> RateRepr {
-        RateRepr(r.to_string())
+        Config::build(self).map(|_| ())
     }
 }
 
@@ -528,6 +319,131 @@ mod opt_duration {
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
         let text = String::deserialize(d)?;
         super::parse_duration(&text).map(Some).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Limit {
+    /// Builds the limit a policy describes.
+    ///
+    /// # Errors
+    /// A missing, unused or invalid parameter, naming the field.
+    pub fn from_policy(p: &LimitPolicy) -> Result<Limit, PolicyError> {
+        let kind = p.algorithm;
+        let unused = |field: &str, present: bool| {
+            if present { Err(PolicyError::new(field, format!("is not used by {}", kind.as_str()))) } else { Ok(()) }
+        };
+        let required = |field: &str| PolicyError::new(field, format!("is required by {}", kind.as_str()));
+        match kind {
+            AlgorithmKind::Gcra | AlgorithmKind::TokenBucket => {
+                unused("limit", p.limit.is_some())?;
+                unused("window", p.window.is_some())?;
+                unused("capacity", p.capacity.is_some())?;
+                let rate = p.rate.ok_or_else(|| required("rate"))?;
+                let burst = p.burst.unwrap_or(rate.amount());
+                Ok(if kind == AlgorithmKind::Gcra {
+                    Limit::Gcra(Gcra::new(rate, burst)?)
+                } else {
+                    Limit::TokenBucket(TokenBucket::new(rate, burst)?)
+                })
+            }
+            AlgorithmKind::SlidingWindowLog | AlgorithmKind::SlidingWindowCounter | AlgorithmKind::FixedWindow => {
+                unused("rate", p.rate.is_some())?;
+                unused("burst", p.burst.is_some())?;
+                unused("capacity", p.capacity.is_some())?;
+                let limit = p.limit.ok_or_else(|| required("limit"))?;
+                let window = p.window.ok_or_else(|| required("window"))?;
+                Ok(match kind {
+                    AlgorithmKind::SlidingWindowLog => Limit::SlidingWindowLog(SlidingWindowLog::new(limit, window)?),
+                    AlgorithmKind::SlidingWindowCounter => {
+                        Limit::SlidingWindowCounter(SlidingWindowCounter::new(limit, window)?)
+                    }
+                    _ => Limit::FixedWindow(FixedWindow::new(limit, window)?),
+                })
+            }
+            AlgorithmKind::Semaphore => {
+                unused("rate", p.rate.is_some())?;
+                unused("burst", p.burst.is_some())?;
+                unused("limit", p.limit.is_some())?;
+                unused("window", p.window.is_some())?;
+                Ok(Limit::Semaphore(Semaphore::new(p.capacity.ok_or_else(|| required("capacity"))?)?))
+            }
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn build(policy: &LimitSetPolicy) -> Result<Config, PolicyError> {
+        if policy.tiers.len() > MAX_TIERS {
+            return Err(PolicyError::new("tiers", format!("at most {MAX_TIERS} tiers, got {}", policy.tiers.len())));
+        }
+        for (i, tier) in policy.tiers.iter().enumerate() {
+            let field = format!("tiers[{i}]");
+            if tier.is_empty() {
+                return Err(PolicyError::new(field, "a tier needs a name"));
+            }
+            if tier == "global" {
+                return Err(PolicyError::new(field, "\"global\" is reserved for limits shared by every key"));
+            }
+            if policy.tiers[..i].contains(tier) {
+                return Err(PolicyError::new(field, format!("tier {tier:?} is listed twice")));
+            }
+        }
+        if policy.limits.is_empty() {
+            return Err(PolicyError::new("limit", "a limit set needs at least one limit"));
+        }
+        if policy.limits.len() > MAX_LIMITS {
+            return Err(PolicyError::new(
+                "limit",
+                format!("a limit set holds at most {MAX_LIMITS} limits, got {}", policy.limits.len()),
+            ));
+        }
+        if policy.max_keys == 0 {
+            return Err(PolicyError::new("max_keys", "must be at least 1"));
+        }
+        let keyed = policy.limits.iter().filter(|l| l.scope != Scope::Global).count();
+        if policy.max_keys < keyed {
+            return Err(PolicyError::new(
+                "max_keys",
+                format!("must be at least {keyed}, the number of keyed limits: one key needs a state in each"),
+            ));
+        }
+        let mut limits = Vec::with_capacity(policy.limits.len());
+        for (i, p) in policy.limits.iter().enumerate() {
+            let at = if p.name.is_empty() { format!("limits[{i}]") } else { format!("limits[{i}] ({})", p.name) };
+            if p.name.is_empty() {
+                return Err(PolicyError::new("name", "a limit needs a name").within(&at));
+            }
+            if let Some(j) = policy.limits[..i].iter().position(|q| q.name == p.name) {
+                return Err(
+                    PolicyError::new("name", format!("{:?} is already the name of limits[{j}]", p.name)).within(&at)
+                );
+            }
+            let tier = match &p.scope {
+                Scope::Global => None,
+                Scope::Tier(t) => Some(policy.tiers.iter().position(|x| x == t).ok_or_else(|| {
+                    let known = if policy.tiers.is_empty() {
+                        "the set declares no tiers".to_owned()
+                    } else {
+                        format!("tiers are {}", policy.tiers.join(", "))
+                    };
+                    PolicyError::new("scope", format!("unknown tier {t:?} ({known})")).within(&at)
+                })?),
+            };
+            let limit = Limit::from_policy(p).map_err(|e| e.within(&at))?;
+            limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit });
+        }
+        Ok(Config {
+            version: VERSIONS.fetch_add(1, Ordering::Relaxed),
+            tiers: policy.tiers.iter().map(|t| intern(t)).collect(),
+            has_global: limits.iter().any(|l| l.tier.is_none()),
+            has_tiered: limits.iter().any(|l| l.tier.is_some()),
+            has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
+            depth_needed: limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0),
+            max_keys: policy.max_keys,
+            fresh: limits.iter().map(|l| l.limit.fresh()).collect(),
+            keyed_limits: limits.iter().filter(|l| l.tier.is_some()).count(),
+            limits,
+        })
     }
 }
 
@@ -578,5 +494,58 @@ mod tests {
         let err =
             LimitSetPolicy::from_toml("[[limit]]\nname = \"x\"\nalgorithm = \"gcra\"\nrat = \"1/s\"\n").unwrap_err();
         assert!(err.to_string().contains("unknown field `rat`"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod validation_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn err(policy: &LimitSetPolicy) -> String {
+        Config::build(policy).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let base = || LimitSetPolicy::new().tiers(["org", "user"]);
+        assert_eq!(
+            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(0), 1))),
+            "limits[0] (rpm).rate: the amount must be at least 1"
+        );
+        assert_eq!(
+            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(10), 0))),
+            "limits[0] (rpm).burst: must be at least 1"
+        );
+        assert_eq!(
+            err(&base().limit(LimitPolicy::semaphore("c", 1)).limit(LimitPolicy::semaphore("c", 2))),
+            "limits[1] (c).name: \"c\" is already the name of limits[0]"
+        );
+        assert_eq!(
+            err(&base().limit(LimitPolicy::semaphore("c", 1).per("usr"))),
+            "limits[0] (c).scope: unknown tier \"usr\" (tiers are org, user)"
+        );
+        assert_eq!(err(&base()), "limit: a limit set needs at least one limit");
+        let mut p = LimitPolicy::semaphore("c", 1);
+        p.rate = Some(Rate::per_second(1));
+        assert_eq!(err(&base().limit(p)), "limits[0] (c).rate: is not used by semaphore");
+        let mut p = LimitPolicy::fixed_window("w", 1, Duration::from_secs(1));
+        p.window = None;
+        assert_eq!(err(&base().limit(p)), "limits[0] (w).window: is required by fixed_window");
+        assert_eq!(
+            err(&LimitSetPolicy::new().tiers(["org", "org"]).limit(LimitPolicy::semaphore("c", 1))),
+            "tiers[1]: tier \"org\" is listed twice"
+        );
+    }
+
+    #[test]
+    fn burst_defaults_to_the_rate_amount() {
+        let mut p = LimitPolicy::gcra("rpm", Rate::per_minute(600), 1);
+        p.burst = None;
+        match Limit::from_policy(&p).unwrap() {
+            Limit::Gcra(g) => assert_eq!(g.burst(), 600),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -26,7 +26,8 @@ use std::time::Duration;
 use crate::backend::Backend;
 use crate::error::AcquireError;
 use crate::key::TenantKey;
-use crate::policy::{Counts, PolicyError};
+use crate::limit::Counts;
+use crate::policy_error::PolicyError;
 use crate::set::{Grant, LimitSet, LimitSnapshot};
 use crate::time::Instant;
 

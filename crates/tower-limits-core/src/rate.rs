@@ -9,12 +9,13 @@
 //! refused by validation rather than silently weakened.
 
 use std::fmt;
+use std::num::NonZeroU64;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::PolicyError;
-use crate::time::duration_to_nanos;
+use crate::policy_error::PolicyError;
+use crate::time::{duration_to_nanos, parse_duration};
 
 /// `amount` units per `period`: requests per minute, tokens per second, and so on.
 ///
@@ -27,7 +28,7 @@ use crate::time::duration_to_nanos;
 /// assert_eq!(Rate::new(3, Duration::from_secs(1)).interval().unwrap().as_nanos(), 333_333_334);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "crate::policy::RateRepr", into = "crate::policy::RateRepr")]
+#[serde(try_from = "crate::rate::RateRepr", into = "crate::rate::RateRepr")]
 pub struct Rate {
     amount: u64,
     period: Duration,
@@ -94,21 +95,234 @@ impl Rate {
         if period == 0 {
             return Err(PolicyError::new("rate", "the period must be longer than zero"));
         }
-        let interval = period.div_ceil(self.amount);
-        // interval * amount >= period; the excess is what rounding takes away.
-        let excess = u128::from(interval) * u128::from(self.amount) - u128::from(period);
-        if excess * 100 > u128::from(period) {
-            return Err(PolicyError::new(
+        match interval_of(self.amount, period) {
+            Some(interval) => Ok(interval),
+            None => Err(PolicyError::new(
                 "rate",
                 format!(
                     "{self} is too fast to represent at nanosecond resolution (one unit would \
-                     cost {interval}ns after rounding, over 1% below the policy); count in \
-                     larger units"
+                     cost {}ns after rounding, over 1% below the policy); count in larger units",
+                    period.div_ceil(self.amount)
                 ),
+            )),
+        }
+    }
+}
+
+/// The emission interval of `amount` units per `period` nanoseconds (both non-zero),
+/// rounded up, or `None` when rounding would take more than 1% of the rate away.
+const fn interval_of(amount: u64, period: u64) -> Option<u64> {
+    let interval = period.div_ceil(amount);
+    // interval * amount >= period; the excess is what rounding takes away.
+    let excess = interval as u128 * amount as u128 - period as u128;
+    if excess * 100 > period as u128 { None } else { Some(interval) }
+}
+
+/// Whether `burst` units of `interval` nanoseconds fit the span a limit can represent.
+const fn burst_fits(interval: u64, burst: u64) -> bool {
+    match interval.checked_mul(burst) {
+        Some(t) => t <= MAX_SPAN_NANOS,
+        None => false,
+    }
+}
+
+/// The longest span a limit's state can cover: 2^62 ns, about 146 years.
+pub(crate) const MAX_SPAN_NANOS: u64 = 1 << 62;
+
+/// A rate with its burst, valid by construction: what a rate limit is built from.
+///
+/// The constructors take [`NonZeroU64`] (write constants with [`nz!`](crate::nz)), so a
+/// constant quota needs no `Result` and no `unwrap`. The burst, the most admitted at once,
+/// defaults to the amount of one period (`per_second(100)` admits 100 at once after an
+/// idle second) and is set with [`Quota::burst`]. For quotas read from data, use
+/// [`Quota::try_new`] and [`Quota::try_burst`], whose errors name the field.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits_core::{Quota, nz};
+///
+/// let quota = Quota::per_second(nz!(100)).burst(nz!(20));
+/// assert_eq!(quota.amount(), 100);
+/// assert_eq!(quota.max_burst(), 20);
+/// assert_eq!(quota.interval(), Duration::from_millis(10));
+///
+/// // A constant quota is checked while compiling.
+/// const TOKENS: Quota = Quota::per_minute(nz!(1_000_000)).burst(nz!(100_000));
+/// assert_eq!(TOKENS.to_string(), "1000000/1m burst 100000");
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Quota {
+    amount: u64,
+    period: u64,
+    interval: u64,
+    burst: u64,
+}
+
+impl Quota {
+    /// `amount` per second, with a burst of `amount`.
+    ///
+    /// # Panics
+    /// When `amount` is over ten million: one unit would cost less time than nanosecond
+    /// resolution represents within 1% (count in larger units). In a `const`, while compiling.
+    #[must_use]
+    pub const fn per_second(amount: NonZeroU64) -> Quota {
+        Self::of_period(amount, 1_000_000_000)
+    }
+
+    /// `amount` per minute, with a burst of `amount`.
+    ///
+    /// # Panics
+    /// When `amount` is over 600 million (see [`Quota::per_second`]).
+    #[must_use]
+    pub const fn per_minute(amount: NonZeroU64) -> Quota {
+        Self::of_period(amount, 60_000_000_000)
+    }
+
+    /// `amount` per hour, with a burst of `amount`.
+    ///
+    /// # Panics
+    /// When `amount` is over 36 billion (see [`Quota::per_second`]).
+    #[must_use]
+    pub const fn per_hour(amount: NonZeroU64) -> Quota {
+        Self::of_period(amount, 3_600_000_000_000)
+    }
+
+    /// `amount` per day, with a burst of `amount`.
+    ///
+    /// # Panics
+    /// When `amount` is over 864 billion (see [`Quota::per_second`]).
+    #[must_use]
+    pub const fn per_day(amount: NonZeroU64) -> Quota {
+        Self::of_period(amount, 86_400_000_000_000)
+    }
+
+    const fn of_period(amount: NonZeroU64, period: u64) -> Quota {
+        let amount = amount.get();
+        match interval_of(amount, period) {
+            Some(interval) => Quota { amount, period, interval, burst: amount },
+            None => panic!("a quota this fast cannot be represented at nanosecond resolution; count in larger units"),
+        }
+    }
+
+    /// `amount` per `period`, from data: a zero amount or period, or a rate too fast to
+    /// represent, is an error naming the field `rate`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits_core::Quota;
+    ///
+    /// let quota = Quota::try_new(500, Duration::from_secs(10)).unwrap();
+    /// assert_eq!(quota.interval(), Duration::from_millis(20));
+    /// assert_eq!(Quota::try_new(0, Duration::from_secs(1)).unwrap_err().field(), "rate");
+    /// ```
+    ///
+    /// # Errors
+    /// What is wrong with the rate.
+    pub fn try_new(amount: u64, period: Duration) -> Result<Quota, PolicyError> {
+        let interval = Rate::new(amount, period).interval_nanos()?;
+        let period = duration_to_nanos(period);
+        if !burst_fits(interval, amount) {
+            return Err(PolicyError::new("rate", "a period this long cannot be represented (at most 146 years)"));
+        }
+        Ok(Quota { amount, period, interval, burst: amount })
+    }
+
+    /// The same rate with room for `burst` at once.
+    ///
+    /// # Panics
+    /// When `burst` units of the rate span more than 146 years, the longest a limit can
+    /// represent. In a `const`, while compiling.
+    #[must_use]
+    pub const fn burst(self, burst: NonZeroU64) -> Quota {
+        let burst = burst.get();
+        if !burst_fits(self.interval, burst) {
+            panic!("a burst this long cannot be represented: it spans more than 146 years");
+        }
+        Quota { burst, ..self }
+    }
+
+    /// [`Quota::burst`] from data.
+    ///
+    /// # Errors
+    /// A zero burst, or one spanning more than 146 years, naming the field `burst`.
+    pub fn try_burst(self, burst: u64) -> Result<Quota, PolicyError> {
+        if burst == 0 {
+            return Err(PolicyError::new("burst", "must be at least 1"));
+        }
+        if !burst_fits(self.interval, burst) {
+            return Err(PolicyError::new(
+                "burst",
+                format!("{burst} units at {}ns each is longer than the 146 years a limit can span", self.interval),
             ));
         }
-        Ok(interval)
+        Ok(Quota { burst, ..self })
     }
+
+    /// Units per period.
+    #[must_use]
+    pub const fn amount(&self) -> u64 {
+        self.amount
+    }
+
+    /// The period.
+    #[must_use]
+    pub const fn period(&self) -> Duration {
+        Duration::from_nanos(self.period)
+    }
+
+    /// The most admitted at once.
+    #[must_use]
+    pub const fn max_burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// What one unit costs in time, rounded up to the nanosecond.
+    #[must_use]
+    pub const fn interval(&self) -> Duration {
+        Duration::from_nanos(self.interval)
+    }
+
+    /// The rate, as policies write it.
+    #[must_use]
+    pub const fn rate(&self) -> Rate {
+        Rate::new(self.amount, Duration::from_nanos(self.period))
+    }
+}
+
+impl fmt::Debug for Quota {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Quota {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} burst {}", self.rate(), self.burst)
+    }
+}
+
+/// A [`NonZeroU64`] constant, checked while compiling: `nz!(100)`. Zero does not compile.
+///
+/// ```
+/// use tower_limits_core::{Quota, nz};
+///
+/// let quota = Quota::per_minute(nz!(600)).burst(nz!(10));
+/// assert_eq!(quota.max_burst(), 10);
+/// ```
+///
+/// ```compile_fail
+/// let zero = tower_limits_core::nz!(0);
+/// ```
+#[macro_export]
+macro_rules! nz {
+    ($n:expr) => {
+        const {
+            match ::core::num::NonZeroU64::new($n) {
+                ::core::option::Option::Some(n) => n,
+                ::core::option::Option::None => ::core::panic!("nz!(0): the value must be at least 1"),
+            }
+        }
+    };
 }
 
 impl fmt::Debug for Rate {
@@ -119,7 +333,7 @@ impl fmt::Debug for Rate {
 
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.amount, crate::policy::format_duration(self.period))
+        write!(f, "{}/{}", self.amount, crate::time::format_duration(self.period))
     }
 }
 
@@ -142,5 +356,103 @@ mod tests {
         // 600M/s would round to 2ns per unit: 17% below the policy.
         let err = Rate::per_second(600_000_000).interval_nanos().unwrap_err();
         assert!(err.to_string().contains("too fast"), "{err}");
+    }
+}
+
+/// Parses a rate such as `600/1m`, `10/s` or `1000000/minute`.
+///
+/// # Errors
+/// A message saying what was expected.
+pub fn parse_rate(text: &str) -> Result<Rate, String> {
+    let (amount, period) =
+        text.split_once('/').ok_or_else(|| format!("expected a rate such as \"600/1m\" or \"10/s\", got {text:?}"))?;
+    let amount: u64 = amount
+        .trim()
+        .replace('_', "")
+        .parse()
+        .map_err(|_| format!("expected a whole number before '/' in rate {text:?}"))?;
+    let period = match period.trim() {
+        "s" | "sec" | "second" => Duration::from_secs(1),
+        "m" | "min" | "minute" => Duration::from_secs(60),
+        "h" | "hour" => Duration::from_secs(3600),
+        "d" | "day" => Duration::from_secs(86_400),
+        other => parse_duration(other)?,
+    };
+    Ok(Rate::new(amount, period))
+}
+
+/// The textual form of [`Rate`] in policy files.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+#[doc(hidden)]
+pub struct RateRepr(String);
+
+impl TryFrom<RateRepr> for Rate {
+    type Error = String;
+    fn try_from(r: RateRepr) -> Result<Rate, String> {
+        parse_rate(&r.0)
+    }
+}
+
+impl From<Rate> for RateRepr {
+    fn from(r: Rate) -> RateRepr {
+        RateRepr(r.to_string())
+    }
+}
+
+#[cfg(test)]
+mod quota_tests {
+    use super::*;
+    use crate::{LimitPolicy, LimitSet, LimitSetPolicy};
+
+    /// Every quota the infallible constructors accept builds every rate algorithm.
+    fn builds(quota: Quota) {
+        for limit in [
+            LimitPolicy::gcra("q", quota.rate(), quota.max_burst()),
+            LimitPolicy::token_bucket("q", quota.rate(), quota.max_burst()),
+            LimitPolicy::sliding_window_log("q", quota.amount(), quota.period()),
+            LimitPolicy::sliding_window_counter("q", quota.amount(), quota.period()),
+            LimitPolicy::fixed_window("q", quota.amount(), quota.period()),
+        ] {
+            if let Err(e) = LimitSet::new(LimitSetPolicy::new().limit(limit)) {
+                panic!("{quota} does not build: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn constant_quotas_always_build() {
+        builds(Quota::per_second(crate::nz!(1)));
+        builds(Quota::per_second(crate::nz!(10_000_000)));
+        builds(Quota::per_minute(crate::nz!(600_000_000)));
+        builds(Quota::per_day(crate::nz!(1)).burst(crate::nz!(53_375)));
+        builds(Quota::per_hour(crate::nz!(7)).burst(crate::nz!(1)));
+        let widest = MAX_SPAN_NANOS / 1_000_000_000;
+        builds(Quota::per_second(crate::nz!(1)).burst(NonZeroU64::new(widest).unwrap()));
+    }
+
+    #[test]
+    #[should_panic(expected = "cannot be represented")]
+    fn too_fast_a_constant_panics() {
+        let _ = Quota::per_second(NonZeroU64::new(600_000_000).unwrap());
+    }
+
+    #[test]
+    #[should_panic(expected = "146 years")]
+    fn too_long_a_burst_panics() {
+        let _ = Quota::per_day(crate::nz!(1)).burst(crate::nz!(53_376));
+    }
+
+    #[test]
+    fn data_quotas_are_errors_naming_the_field() {
+        assert_eq!(Quota::try_new(0, Duration::from_secs(1)).unwrap_err().field(), "rate");
+        assert_eq!(Quota::try_new(1, Duration::ZERO).unwrap_err().field(), "rate");
+        assert_eq!(Quota::try_new(600_000_000, Duration::from_secs(1)).unwrap_err().field(), "rate");
+        assert_eq!(Quota::try_new(1, Duration::from_secs(u64::MAX)).unwrap_err().field(), "rate");
+        let q = Quota::try_new(1, Duration::from_secs(86_400)).unwrap();
+        assert_eq!(q.try_burst(0).unwrap_err().field(), "burst");
+        assert_eq!(q.try_burst(53_376).unwrap_err().field(), "burst");
+        assert_eq!(q.try_burst(53_375).unwrap().max_burst(), 53_375);
+        builds(q.try_burst(53_375).unwrap());
     }
 }

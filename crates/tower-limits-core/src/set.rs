@@ -54,8 +54,9 @@ use hashbrown::DefaultHashBuilder;
 use crate::algorithm::{Refusal, Snapshot};
 use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
 use crate::key::{MAX_TIERS, TenantKey};
-use crate::limit::{Config, LimitDef, LimitState};
-use crate::policy::{Counts, LimitSetPolicy, MAX_LIMITS, PolicyError};
+use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS};
+use crate::policy::LimitSetPolicy;
+use crate::policy_error::PolicyError;
 use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
 

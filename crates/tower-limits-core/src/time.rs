@@ -182,6 +182,69 @@ impl Clock for ManualClock {
     }
 }
 
+/// Formats a duration in the largest unit that divides it (`90s` as `90s`, `2m` as `2m`).
+#[must_use]
+pub fn format_duration(d: Duration) -> String {
+    let n = d.as_nanos();
+    const UNITS: [(u128, &str); 7] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+        (1, "ns"),
+    ];
+    if n == 0 {
+        return "0s".to_owned();
+    }
+    for (size, unit) in UNITS {
+        if n % size == 0 {
+            return format!("{}{unit}", n / size);
+        }
+    }
+    unreachable!("every duration is a whole number of nanoseconds")
+}
+
+/// Parses a duration such as `1m`, `500ms`, `1h30m` or `2d`.
+///
+/// # Errors
+/// A message saying what was expected.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("expected a duration such as \"1m\" or \"500ms\", got an empty string".into());
+    }
+    let mut total: u128 = 0;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!("expected a number in duration {text:?}"));
+        }
+        let value: u128 = rest[..digits].parse().map_err(|_| format!("number too large in duration {text:?}"))?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let nanos: u128 = match rest[..unit_len].trim() {
+            "ns" => 1,
+            "us" | "µs" => 1_000,
+            "ms" => 1_000_000,
+            "s" | "sec" => 1_000_000_000,
+            "m" | "min" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            "d" => 86_400_000_000_000,
+            "" => return Err(format!("missing unit in duration {text:?} (use ns, us, ms, s, m, h or d)")),
+            other => return Err(format!("unknown unit {other:?} in duration {text:?} (use ns, us, ms, s, m, h or d)")),
+        };
+        rest = &rest[unit_len..];
+        total = value
+            .checked_mul(nanos)
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(|| format!("duration {text:?} is too long"))?;
+    }
+    u64::try_from(total).map(Duration::from_nanos).map_err(|_| format!("duration {text:?} is too long"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

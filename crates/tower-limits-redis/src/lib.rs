@@ -163,6 +163,6 @@ pub use stats::RedisStats;
 /// The operator's guide (`docs/redis.md` in the repository): failure policies, key layout,
 /// cluster slots, leases, time and what to monitor.
 pub mod guide {
-    #[doc = include_str!("../../../docs/redis.md")]
+    #[doc = include_str!("../docs/redis.md")]
     pub mod operations {}
 }

@@ -14,7 +14,7 @@ use tower_limits_core::{Clock, Instant, SystemClock};
 /// third of the cost per request, but does not follow a paused tokio clock.
 ///
 /// Every layer clock of a process counts from one origin, so layers that share a backend
-/// (or code that passes a layer's [`now`](crate::LimitSetLayer::now) to a pool) agree
+/// (or code that passes a layer's [`now`](crate::LimitLayer::now) to a pool) agree
 /// on what an instant means.
 #[derive(Debug, Clone)]
 pub struct LayerClock {

@@ -83,14 +83,15 @@ impl LimitError {
         self.retry_after
     }
 
-    /// Whether the refusal is about capacity shared by every tenant (a global limit, the
-    /// shared queue, the key table, the backend): HTTP 503 rather than 429.
+    /// Whether the refusal is about the server's own capacity rather than the caller's
+    /// pace: a global concurrency limit, the shared queue (full, or waited on too long),
+    /// the key table, the backend. HTTP 503 rather than 429. A rate limit, global or
+    /// keyed, is never the server's capacity: it paces callers (429).
     #[must_use]
     pub fn is_shared(&self) -> bool {
         match self.kind {
-            ErrorKind::RateLimited | ErrorKind::ConcurrencyLimited | ErrorKind::WaitTimedOut => {
-                self.limit.is_some() && self.tier.is_none()
-            }
+            ErrorKind::RateLimited => false,
+            ErrorKind::ConcurrencyLimited | ErrorKind::WaitTimedOut => self.limit.is_some() && self.tier.is_none(),
             ErrorKind::QueueFull | ErrorKind::KeyTableFull | ErrorKind::Unavailable => true,
             ErrorKind::TenantQueueFull | ErrorKind::CostAboveCapacity | ErrorKind::MissingKey => false,
         }

@@ -1,11 +1,13 @@
-//! gRPC answers: a refusal as `RESOURCE_EXHAUSTED` (or `UNAVAILABLE` for shared overload),
+//! gRPC answers: a refusal as `RESOURCE_EXHAUSTED` (or `UNAVAILABLE` for the server's own
+//! capacity),
 //! with the retry delay in the `retry-after` metadata and the message.
 
 use crate::error::{ErrorKind, LimitError};
 
 impl LimitError {
-    /// The gRPC status for this refusal: `RESOURCE_EXHAUSTED` for a tenant's own limit,
-    /// `UNAVAILABLE` for shared overload, `UNAUTHENTICATED` without a key,
+    /// The gRPC status for this refusal: `RESOURCE_EXHAUSTED` for every rate limit and a
+    /// tenant's own limits, `UNAVAILABLE` for the server's own capacity (see
+    /// [`LimitError::is_shared`]), `UNAUTHENTICATED` without a key,
     /// `INVALID_ARGUMENT` for a cost that can never pass. The retry delay, when known,
     /// is in the `retry-after` metadata (whole seconds) and `retry-after-ms`.
     #[must_use]

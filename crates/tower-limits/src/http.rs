@@ -3,8 +3,8 @@
 //!
 //! | refusal | status |
 //! |---|---|
-//! | a tenant's own limit (keyed by a tier), its own queue, a wait that timed out on it | `429 Too Many Requests` |
-//! | a global limit, the shared queue, a full key table, an unavailable backend | `503 Service Unavailable` |
+//! | every rate limit, global or keyed; a tenant's own concurrency limit, its own queue, a wait that timed out on them | `429 Too Many Requests` |
+//! | the server's own capacity: a global semaphore, the shared queue (full or waited on too long), a full key table, an unavailable backend | `503 Service Unavailable` |
 //! | a cost above a limit's capacity (it can never pass) | `413 Content Too Large` |
 //! | no tenant key | `401 Unauthorized` |
 //!
@@ -23,20 +23,22 @@
 //! use std::time::Duration;
 //! use tower::{ServiceBuilder, ServiceExt};
 //! use tower_limits::http::HttpAnswer;
-//! use tower_limits::{LimitSetLayer, Rate};
+//! use tower_limits::{GcraLayer, Quota, nz};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! let layer = LimitSetLayer::gcra(Rate::per_second(1), 1).unwrap().reject_with(HttpAnswer::new());
+//! let layer = GcraLayer::new(Quota::per_second(nz!(1))).reject_with(HttpAnswer::new());
 //! let svc = ServiceBuilder::new().layer(layer).service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
 //! });
 //! let first = svc.clone().oneshot(http::Request::new(String::new())).await.unwrap();
 //! assert_eq!(first.status(), 200);
 //! let second = svc.oneshot(http::Request::new(String::new())).await.unwrap();
-//! assert_eq!(second.status(), 503); // a global limit: shared overload
+//! assert_eq!(second.status(), 429); // every rate limit paces its callers
 //! assert_eq!(second.headers()["retry-after"], "1");
 //! # }
 //! ```
+//!
+//! Every status can be chosen otherwise with [`HttpAnswer::with_status`].
 
 use std::fmt::Write as _;
 use std::marker::PhantomData;
@@ -278,12 +280,13 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 
 /// Refused HTTP requests are answered by the layer itself: `429` or `503` with
 /// `Retry-After` and the `RateLimit` fields (see the [module docs](crate::http)).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 #[must_use]
 pub struct HttpAnswer<J = EmptyBody> {
     openai: bool,
     on_success: bool,
     all_limits: bool,
+    status: fn(&LimitError) -> StatusCode,
     _body: PhantomData<J>,
 }
 
@@ -291,11 +294,41 @@ impl HttpAnswer {
     /// Empty-bodied refusals with `Retry-After` and `RateLimit` fields for the limit that
     /// refused.
     pub const fn new() -> Self {
-        HttpAnswer { openai: false, on_success: false, all_limits: false, _body: PhantomData }
+        HttpAnswer {
+            openai: false,
+            on_success: false,
+            all_limits: false,
+            status: LimitError::status,
+            _body: PhantomData,
+        }
+    }
+}
+
+impl Default for HttpAnswer {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
 impl<J> HttpAnswer<J> {
+    /// Chooses the status of each refusal (the default is [`LimitError::status`]).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::{ErrorKind, LimitError};
+    ///
+    /// // This API's clients expect 503 for every refusal but a missing key.
+    /// let answer = HttpAnswer::new().with_status(|e: &LimitError| match e.kind() {
+    ///     ErrorKind::MissingKey => StatusCode::UNAUTHORIZED,
+    ///     _ => StatusCode::SERVICE_UNAVAILABLE,
+    /// });
+    /// # drop(answer);
+    /// ```
+    pub const fn with_status(self, status: fn(&LimitError) -> StatusCode) -> Self {
+        HttpAnswer { status, ..self }
+    }
+
     /// Also the `x-ratelimit-*` fields OpenAI clients read (implies every limit's state).
     pub const fn with_openai_fields(self) -> Self {
         HttpAnswer { openai: true, all_limits: true, ..self }
@@ -313,7 +346,13 @@ impl<J> HttpAnswer<J> {
 
     /// Refusals carry a JSON problem document naming the limit and tier.
     pub const fn with_json_body(self) -> HttpAnswer<JsonBody> {
-        HttpAnswer { openai: self.openai, on_success: self.on_success, all_limits: self.all_limits, _body: PhantomData }
+        HttpAnswer {
+            openai: self.openai,
+            on_success: self.on_success,
+            all_limits: self.all_limits,
+            status: self.status,
+            _body: PhantomData,
+        }
     }
 
     fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
@@ -344,7 +383,7 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
 
     fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
         let mut response = Response::new(J::body(&error));
-        *response.status_mut() = error.status();
+        *response.status_mut() = (self.status)(&error);
         if let Some(content_type) = J::content_type() {
             response.headers_mut().insert(CONTENT_TYPE, content_type);
         }

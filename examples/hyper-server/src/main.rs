@@ -1,15 +1,16 @@
-//! **A limit around a bare hyper server, no framework.**
+//! **Limits around a bare hyper server, no framework.**
 //!
-//! What it shows: a [`LimitSetLayer`] in a tower `ServiceBuilder` around a plain
-//! `service_fn`; hyper serves each connection with a clone of that one service, and every
-//! clone shares the same limits, so the limit holds across connections. The limits here
-//! are global (one for everyone): a refusal is shared overload, answered by the layer
-//! ([`HttpAnswer`]) with `503 Service Unavailable`, `Retry-After` and the IETF
-//! `RateLimit-Policy` and `RateLimit` fields.
+//! What it shows: two named layers in a tower `ServiceBuilder` around a plain
+//! `service_fn`: a [`GcraLayer`] (a rate with a burst) and a [`SemaphoreLayer`] (requests
+//! in flight). Hyper serves each connection with a clone of that one service, and every
+//! clone shares the same limits, so they hold across connections. The limits here are
+//! global (one for everyone). Refusals are answered by the layers ([`HttpAnswer`]): the
+//! rate limit with `429 Too Many Requests`, `Retry-After` and the IETF `RateLimit-Policy`
+//! and `RateLimit` fields; the in-flight limit, the server's own capacity, with `503`.
 //!
-//! API used: `LimitSetLayer::new(LimitSetPolicy)`, `.reject_with(HttpAnswer::new())`,
-//! `ServiceBuilder::limit_set` (from [`ServiceBuilderExt`]), hyper-util's
-//! `TowerToHyperService`.
+//! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(2)))`,
+//! `SemaphoreLayer::new(nz!(4))`, `.reject_with(HttpAnswer::new())`,
+//! `ServiceBuilder::layer`, hyper-util's `TowerToHyperService`.
 //!
 //! Run: `cargo run -p example-hyper-server` (a scripted demonstration on a loopback port,
 //! a few seconds), or `cargo run -p example-hyper-server -- --serve` to keep the server up
@@ -33,26 +34,24 @@ use tokio::net::{TcpListener, TcpStream};
 use tower::ServiceBuilder;
 use tower_limits::extract::{GlobalKey, NoUsage, One};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, ServiceBuilderExt};
+use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 
-// ---- The limits: the one place this example builds its layer. ----
+// ---- The limits: the one place this example builds its layers. ----
 
-/// For everyone together: `rate` with a burst of two, and four requests in flight.
-fn limits(rate: Rate) -> LimitSetLayer<GlobalKey, One, NoUsage, HttpAnswer> {
-    LimitSetLayer::new(
-        LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("requests", rate, 2))
-            .limit(LimitPolicy::semaphore("in-flight", 4)),
-    )
-    .expect("the policy above is valid")
-    .reject_with(HttpAnswer::new())
+/// For everyone together: `quota` (a rate with a burst), and four requests in flight.
+fn limits(
+    quota: Quota,
+) -> (GcraLayer<GlobalKey, One, NoUsage, HttpAnswer>, SemaphoreLayer<GlobalKey, One, NoUsage, HttpAnswer>) {
+    (GcraLayer::new(quota).reject_with(HttpAnswer::new()), SemaphoreLayer::new(nz!(4)).reject_with(HttpAnswer::new()))
 }
 
 // ---- The server. ----
 
 /// Serves `listener` until it fails, every connection through one limited service.
-async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
-    let service = ServiceBuilder::new().limit_set(limits(rate)).service_fn(|_req: Request<Incoming>| async {
+async fn serve(listener: TcpListener, quota: Quota) -> std::io::Result<()> {
+    let (rate, in_flight) = limits(quota);
+    // The rate limit first: a request it refuses never takes a slot in flight.
+    let service = ServiceBuilder::new().layer(rate).layer(in_flight).service_fn(|_req: Request<Incoming>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello\n"))))
     });
     loop {
@@ -67,8 +66,8 @@ async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
 
 // ---- Running it: a scripted demonstration, or a server to try by hand. ----
 
-/// The demonstration's rate: one a second (with the burst of two above).
-const RATE: Rate = Rate::per_second(1);
+/// The demonstration's rate: one a second, with a burst of two.
+const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(2));
 
 const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--port N]]";
 
@@ -122,7 +121,7 @@ async fn main() -> ExitCode {
         eprintln!("error: the listener has no local address");
         return ExitCode::FAILURE;
     };
-    let server = tokio::spawn(serve(listener, RATE));
+    let server = tokio::spawn(serve(listener, QUOTA));
     if args.serve {
         println!("serving on http://{addr} (Ctrl-C to stop)");
         println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight; try:");
@@ -196,13 +195,13 @@ async fn demo(addr: SocketAddr) -> std::io::Result<usize> {
     println!("\n1. three requests, each on its own connection: the burst of 2 is shared by all connections");
     let mut wrong = 0;
     let mut last = Vec::new();
-    for (n, want) in [(1, 200), (2, 200), (3, 503)] {
+    for (n, want) in [(1, 200), (2, 200), (3, 429)] {
         let (ok, headers) = step(addr, n, want).await?;
         wrong += usize::from(!ok);
         last = headers;
     }
     let wait = last.iter().find(|(h, _)| h == "retry-after").and_then(|(_, v)| v.parse().ok()).unwrap_or(1);
-    println!("\n2. wait the {wait}s that Retry-After says (a global limit answers 503: the server is busy, not you)");
+    println!("\n2. wait the {wait}s that Retry-After says");
     tokio::time::sleep(Duration::from_secs(wait)).await;
     let (ok, _) = step(addr, 4, 200).await?;
     wrong += usize::from(!ok);
@@ -219,13 +218,13 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         // One a minute with a burst of two: the third request, on a third connection,
         // is refused whatever the timing of the test.
-        let server = tokio::spawn(serve(listener, Rate::per_minute(1)));
+        let server = tokio::spawn(serve(listener, Quota::per_minute(nz!(1)).burst(nz!(2))));
         let answers = [get(addr).await.unwrap(), get(addr).await.unwrap(), get(addr).await.unwrap()];
         assert_eq!(answers[0].0, 200);
         assert_eq!(answers[1].0, 200);
-        assert_eq!(answers[2].0, 503, "a global limit is shared overload");
+        assert_eq!(answers[2].0, 429, "every rate limit paces its callers");
         let field = |name: &str| answers[2].1.iter().find(|(h, _)| h == name).map(|(_, v)| v.clone());
-        assert_eq!(field("ratelimit-policy").as_deref(), Some("\"requests\";q=2;w=120"));
+        assert_eq!(field("ratelimit-policy").as_deref(), Some("\"gcra\";q=2;w=120"));
         let retry: u64 = field("retry-after").and_then(|v| v.parse().ok()).expect("a retry-after field");
         assert!((59..=60).contains(&retry), "the next slot opens a minute after the first: {retry}");
         server.abort();

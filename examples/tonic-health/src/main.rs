@@ -1,15 +1,16 @@
 //! **Per-tenant limits in a tonic gRPC server.**
 //!
-//! What it shows: the standard gRPC health service behind a [`LimitSetLayer`] added with
-//! `Server::builder().layer(..)`, limited per tenant (named by the `authorization`
+//! What it shows: the standard gRPC health service behind a named [`GcraLayer`] added with
+//! `Server::builder().layer(..)`, keyed per tenant (named by the `authorization`
 //! metadata, standing in for real authentication; a call without it is
 //! `UNAUTHENTICATED`). Refused calls are answered by the layer ([`GrpcAnswer`]) with
 //! `RESOURCE_EXHAUSTED`, a message naming the limit and its tier, and the retry delay in
 //! the `retry-after` (seconds) and `retry-after-ms` metadata. (Shared overload, a global
 //! limit, would be `UNAVAILABLE`.)
 //!
-//! API used: `LimitSetLayer::new(LimitSetPolicy)`, `.key(KeyFn::new(..))`,
-//! `.reject_with(GrpcAnswer)`, tonic's `Server::builder().layer(..)`.
+//! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(3)))`,
+//! `.key(KeyFn::new(..))` (a limit per key), `.reject_with(GrpcAnswer)`, tonic's
+//! `Server::builder().layer(..)`.
 //!
 //! Run: `cargo run -p example-tonic-health` (a scripted demonstration on a loopback port,
 //! a few seconds), or `cargo run -p example-tonic-health -- --serve` to keep the server up
@@ -27,7 +28,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 use tower_limits::extract::{KeyFn, NoUsage, One};
-use tower_limits::{GrpcAnswer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+use tower_limits::{GcraLayer, GrpcAnswer, Quota, TenantKey, nz};
 
 type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
 
@@ -35,14 +36,11 @@ type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
 
 /// The layer's type: the tenant from the call's metadata, one unit per call, refusals
 /// answered as gRPC statuses.
-type Limits = LimitSetLayer<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, GrpcRequest>, One, NoUsage, GrpcAnswer>;
+type Limits = GcraLayer<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, GrpcRequest>, One, NoUsage, GrpcAnswer>;
 
-/// Per tenant: `rate` with a burst of three calls.
-fn limits(rate: Rate) -> Limits {
-    LimitSetLayer::new(LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::gcra("calls", rate, 3).per("tenant")))
-        .expect("the policy above is valid")
-        .key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>))
-        .reject_with(GrpcAnswer)
+/// `quota` (a rate with a burst) for each tenant.
+fn limits(quota: Quota) -> Limits {
+    GcraLayer::new(quota).key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>)).reject_with(GrpcAnswer)
 }
 
 // ---- The server. ----
@@ -53,16 +51,16 @@ fn tenant(req: &GrpcRequest) -> Option<TenantKey> {
     TenantKey::single(token).ok()
 }
 
-/// Serves the health service on `listener`, limited per tenant to `rate`.
-async fn serve(listener: TcpListener, rate: Rate) -> Result<(), tonic::transport::Error> {
+/// Serves the health service on `listener`, limited per tenant to `quota`.
+async fn serve(listener: TcpListener, quota: Quota) -> Result<(), tonic::transport::Error> {
     let (_reporter, health) = tonic_health::server::health_reporter();
-    Server::builder().layer(limits(rate)).add_service(health).serve_with_incoming(TcpIncoming::from(listener)).await
+    Server::builder().layer(limits(quota)).add_service(health).serve_with_incoming(TcpIncoming::from(listener)).await
 }
 
 // ---- Running it: a scripted demonstration, or a server to try by hand. ----
 
-/// The demonstration's rate: one call a second per tenant (with the burst of three above).
-const RATE: Rate = Rate::per_second(1);
+/// The demonstration's quota: one call a second per tenant, with a burst of three.
+const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(3));
 
 const USAGE: &str = "usage: cargo run -p example-tonic-health [-- --serve [--port N]]";
 
@@ -116,7 +114,7 @@ async fn main() -> ExitCode {
         eprintln!("error: the listener has no local address");
         return ExitCode::FAILURE;
     };
-    let server = tokio::spawn(serve(listener, RATE));
+    let server = tokio::spawn(serve(listener, QUOTA));
     if args.serve {
         print_commands(addr);
         return match server.await {
@@ -257,7 +255,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         // Six a minute: the next call fits ten seconds after the first, whatever the
         // timing of the test.
-        let server = tokio::spawn(serve(listener, Rate::per_minute(6)));
+        let server = tokio::spawn(serve(listener, Quota::per_minute(nz!(6)).burst(nz!(3))));
         let channel =
             tonic::transport::Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
         let mut client = HealthClient::new(channel);
@@ -266,7 +264,7 @@ mod tests {
         }
         let status = check(&mut client, Some("alice")).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-        assert!(status.message().contains("rate limited by \"calls\" (tier tenant)"), "{}", status.message());
+        assert!(status.message().contains("rate limited by \"gcra\" (tier key)"), "{}", status.message());
         let retry_ms: u64 = status.metadata().get("retry-after-ms").unwrap().to_str().unwrap().parse().unwrap();
         assert!((9_000..=10_000).contains(&retry_ms), "the next call fits ten seconds after the first: {retry_ms}");
         assert_eq!(status.metadata().get("retry-after").unwrap(), "10");

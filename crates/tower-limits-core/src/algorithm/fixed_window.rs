@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::time::{Instant, duration_to_nanos};
 
 /// At most `limit` units per aligned window of length `window`.

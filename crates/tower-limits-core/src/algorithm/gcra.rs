@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::rate::Rate;
 use crate::time::Instant;
 

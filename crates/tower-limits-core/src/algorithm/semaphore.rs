@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::time::Instant;
 
 /// At most `capacity` permits held at once; acquisitions may take several.

@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::time::{Instant, duration_to_nanos};
 
 /// About `limit` units per `window`, from two counters (see the module docs for the

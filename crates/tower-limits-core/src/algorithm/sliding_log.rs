@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::time::{Instant, duration_to_nanos};
 
 /// At most `limit` units in any window of length `window`, exactly.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::gcra::tolerance;
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy::PolicyError;
+use crate::policy_error::PolicyError;
 use crate::rate::Rate;
 use crate::time::Instant;
 

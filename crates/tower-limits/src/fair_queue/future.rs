@@ -14,7 +14,7 @@ use tower_service::Service;
 
 use super::shared::{Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
-use crate::extract::{Annotate, NoAnnotation, NoUsage, UsageExtractor};
+use crate::extract::{Annotate, NoAnnotation, UsageExtractor};
 use crate::reject::Rejection;
 
 /// What an admitted request holds while the inner service works: a slot and the rate
@@ -178,7 +178,7 @@ pin_project! {
     /// one; a request granted but not yet called returns its slot and refunds its grant;
     /// a called one releases its slot (its rate cost stays charged: the work may have
     /// been done). Each time, the next request in fair order is dispatched.
-    pub struct ResponseFuture<S, Req, R, B, U = NoUsage, A = NoAnnotation>
+    pub struct ResponseFuture<S, Req, U, R, B, A = NoAnnotation>
     where
         S: Service<Req>,
         B: Backend,
@@ -190,7 +190,7 @@ pin_project! {
     }
 }
 
-impl<S, Req, R, B, U, A> ResponseFuture<S, Req, R, B, U, A>
+impl<S, Req, U, R, B, A> ResponseFuture<S, Req, U, R, B, A>
 where
     S: Service<Req>,
     B: Backend,
@@ -208,7 +208,7 @@ where
     }
 }
 
-impl<S, Req, R, B, U, A> Future for ResponseFuture<S, Req, R, B, U, A>
+impl<S, Req, U, R, B, A> Future for ResponseFuture<S, Req, U, R, B, A>
 where
     S: Service<Req>,
     R: Rejection<S::Response, S::Error>,
@@ -269,7 +269,7 @@ where
     }
 }
 
-impl<S, Req, R, B, U, A> fmt::Debug for ResponseFuture<S, Req, R, B, U, A>
+impl<S, Req, U, R, B, A> fmt::Debug for ResponseFuture<S, Req, U, R, B, A>
 where
     S: Service<Req>,
     B: Backend,

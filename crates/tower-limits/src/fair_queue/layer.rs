@@ -23,7 +23,7 @@ use crate::reject::ReturnError;
 /// ([`NoRate`] for concurrency only), the usage extractor `U` settling the rate's grant,
 /// and how the grant is recorded on the request `A`; the builder methods set them.
 #[must_use]
-pub struct FairQueueLayer<K = GlobalKey, C = One, R = ReturnError, B: Backend = NoRate, U = NoUsage, A = NoAnnotation> {
+pub struct FairQueueLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B: Backend = NoRate, A = NoAnnotation> {
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
     pub(crate) cost: C,
@@ -32,7 +32,7 @@ pub struct FairQueueLayer<K = GlobalKey, C = One, R = ReturnError, B: Backend = 
     pub(crate) annotate: A,
 }
 
-impl<K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clone for FairQueueLayer<K, C, R, B, U, A> {
+impl<K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Clone for FairQueueLayer<K, C, U, R, B, A> {
     fn clone(&self) -> Self {
         FairQueueLayer {
             shared: self.shared.clone(),
@@ -45,8 +45,8 @@ impl<K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clone for Fai
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend, U: fmt::Debug, A: fmt::Debug> fmt::Debug
-    for FairQueueLayer<K, C, R, B, U, A>
+impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B: Backend, A: fmt::Debug> fmt::Debug
+    for FairQueueLayer<K, C, U, R, B, A>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueLayer")
@@ -76,7 +76,7 @@ impl FairQueueLayer {
     }
 }
 
-impl<B: Backend> FairQueueLayer<GlobalKey, One, ReturnError, B> {
+impl<B: Backend> FairQueueLayer<GlobalKey, One, NoUsage, ReturnError, B> {
     /// A fair queue in front of a rate: each request, in fair order, acquires its cost
     /// from `backend` (for example a [`LimitSet`](crate::LimitSet) with a global
     /// tokens-per-minute limit). When the next request does not fit yet, it waits for
@@ -114,7 +114,7 @@ impl<B: Backend> FairQueueLayer<GlobalKey, One, ReturnError, B> {
     }
 }
 
-impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
+impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     /// A new state with changed settings. Services built before keep the old one.
     fn with_fixed(self, f: impl FnOnce(&mut Fixed<B>)) -> Self {
         let mut fixed = self.shared.fixed.clone();
@@ -128,14 +128,14 @@ impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
 
     /// How requests are keyed: each distinct key is a tenant of the queue (see
     /// [`crate::extract`]). Until one is set, every request is the same tenant.
-    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, R, B, U, A> {
+    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, U, R, B, A> {
         let FairQueueLayer { shared, cost, rejection, usage, annotate, .. } = self;
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
 
     /// What a request costs: its share of the queue and what it acquires from the rate.
     /// Defaults to one per request.
-    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, R, B, U, A> {
+    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, U, R, B, A> {
         let FairQueueLayer { shared, keys, rejection, usage, annotate, .. } = self;
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
@@ -143,7 +143,7 @@ impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
     /// How refusals surface: as errors ([`ReturnError`], the default), or as HTTP
     /// answers ([`crate::http::HttpAnswer`]: 429 for a full tenant queue, 503 for a full
     /// queue or a queueing timeout).
-    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, R2, B, U, A> {
+    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, U, R2, B, A> {
         let FairQueueLayer { shared, keys, cost, usage, annotate, .. } = self;
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
@@ -152,7 +152,7 @@ impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
     /// with (for example [`UsageFromExtension`](crate::extract::UsageFromExtension): the
     /// tokens an upstream reports). A settle that gives cost back lets the request
     /// waiting at the rate gate try again at once. Without it the estimate stands.
-    pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<K, C, R, B, U2, A> {
+    pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<K, C, U2, R, B, A> {
         let FairQueueLayer { shared, keys, cost, rejection, annotate, .. } = self;
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
@@ -161,7 +161,7 @@ impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
     /// sees it: for a [`LimitPool`](tower_limits_core::LimitPool) backend,
     /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
     /// upstream account to call) in the request's extensions.
-    pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<K, C, R, B, U, A2> {
+    pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<K, C, U, R, B, A2> {
         let FairQueueLayer { shared, keys, cost, rejection, usage, .. } = self;
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
@@ -233,8 +233,8 @@ impl<K, C, R, B: Backend, U, A> FairQueueLayer<K, C, R, B, U, A> {
     }
 }
 
-impl<S, K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Layer<S> for FairQueueLayer<K, C, R, B, U, A> {
-    type Service = FairQueueService<S, K, C, R, B, U, A>;
+impl<S, K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Layer<S> for FairQueueLayer<K, C, U, R, B, A> {
+    type Service = FairQueueService<S, K, C, U, R, B, A>;
 
     fn layer(&self, inner: S) -> Self::Service {
         FairQueueService {

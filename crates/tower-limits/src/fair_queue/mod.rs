@@ -154,7 +154,7 @@
 //!   queue one tenant can fill.
 //! - **The fair queue outside, per-tenant limits inside**: the fair order is decided
 //!   first, then a tenant over its quota is refused (or, with
-//!   [`LimitSetLayer::wait`](crate::LimitSetLayer::wait), waits while holding a shared
+//!   [`LimitSetLayer::wait`](crate::LimitLayer::wait), waits while holding a shared
 //!   slot): its turn is spent and its slot idles. Use it only when the per-tenant limits
 //!   must see requests in fair order; prefer refusing fast.
 //!

@@ -8,7 +8,7 @@ use tower_service::Service;
 use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
 use super::shared::{Arrival, FairQueueLayerStats, Shared};
 use crate::error::{ErrorKind, LimitError};
-use crate::extract::{Annotate, CostExtractor, KeyExtractor, NoAnnotation, NoUsage, UsageExtractor};
+use crate::extract::{Annotate, CostExtractor, KeyExtractor, NoAnnotation, UsageExtractor};
 use crate::reject::Rejection;
 
 /// The service built by [`FairQueueLayer`](super::FairQueueLayer).
@@ -18,7 +18,7 @@ use crate::reject::Rejection;
 /// that finds nothing queued and capacity free is admitted at once; any other waits for
 /// its fair turn in the response future, which then calls the ready service it took
 /// along (a clone stays behind for the next request). Clones share one queue.
-pub struct FairQueueService<S, K, C, R, B: Backend, U = NoUsage, A = NoAnnotation> {
+pub struct FairQueueService<S, K, C, U, R, B: Backend, A = NoAnnotation> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
@@ -28,7 +28,7 @@ pub struct FairQueueService<S, K, C, R, B: Backend, U = NoUsage, A = NoAnnotatio
     pub(crate) annotate: A,
 }
 
-impl<S, K, C, R, B: Backend, U, A> FairQueueService<S, K, C, R, B, U, A> {
+impl<S, K, C, U, R, B: Backend, A> FairQueueService<S, K, C, U, R, B, A> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -51,8 +51,8 @@ impl<S, K, C, R, B: Backend, U, A> FairQueueService<S, K, C, R, B, U, A> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clone
-    for FairQueueService<S, K, C, R, B, U, A>
+impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Clone
+    for FairQueueService<S, K, C, U, R, B, A>
 {
     fn clone(&self) -> Self {
         FairQueueService {
@@ -67,8 +67,8 @@ impl<S: Clone, K: Clone, C: Clone, R: Clone, B: Backend, U: Clone, A: Clone> Clo
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend, U, A> fmt::Debug
-    for FairQueueService<S, K, C, R, B, U, A>
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R: fmt::Debug, B: Backend, A> fmt::Debug
+    for FairQueueService<S, K, C, U, R, B, A>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueService")
@@ -81,7 +81,7 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug, B: Backend, U, 
     }
 }
 
-impl<S, Req, K, C, R, B, U, A> Service<Req> for FairQueueService<S, K, C, R, B, U, A>
+impl<S, Req, K, C, U, R, B, A> Service<Req> for FairQueueService<S, K, C, U, R, B, A>
 where
     S: Service<Req> + Clone,
     K: KeyExtractor<Req>,
@@ -93,7 +93,7 @@ where
 {
     type Response = R::Response;
     type Error = R::Error;
-    type Future = ResponseFuture<S, Req, R, B, U, A>;
+    type Future = ResponseFuture<S, Req, U, R, B, A>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))

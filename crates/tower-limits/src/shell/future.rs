@@ -86,7 +86,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// The response future of [`LimitSetService`](super::LimitSetService).
+    /// The response future of [`LimitService`](super::LimitService).
     ///
     /// # Cancel safety
     /// Dropping it at any point gives back what it holds: a waiting request leaves its

@@ -1,13 +1,13 @@
 //! Limit sets as Tower middleware: every limit of a set acquired for each request, all or
 //! nothing.
 //!
-//! A [`LimitSetLayer`] wraps a service; each request is keyed (by default everyone shares
+//! A [`LimitSetLayer`](crate::LimitSetLayer) wraps a service; each request is keyed (by default everyone shares
 //! the global key), costed (by default one), and admitted only if every limit of the set
 //! has room. Admitted requests hold a permit until their response completes: then the
 //! permit settles with the real usage if the response reports one, keeps or refunds the
 //! cost after an inner error (configurable) and releases concurrency. Refused requests fail fast with a
 //! [`LimitError`](crate::LimitError) naming the limit, tier and retry time, or, with
-//! [`wait`](LimitSetLayer::wait), wait in arrival order for exactly as long as needed.
+//! [`wait`](crate::LimitLayer::wait), wait in arrival order for exactly as long as needed.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -47,9 +47,9 @@
 mod future;
 mod layer;
 mod service;
-mod shared;
+pub(crate) mod shared;
 
 pub use future::ResponseFuture;
-pub use layer::LimitSetLayer;
-pub use service::LimitSetService;
+pub use layer::LimitLayer;
+pub use service::LimitService;
 pub use shared::{LayerStats, Unfinished};

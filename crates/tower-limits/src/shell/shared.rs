@@ -21,7 +21,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tower_limits_core::TenantKey;
+use tower_limits_core::{LimitSet, LimitSetPolicy, Scope, TenantKey};
 
 use crate::clock::LayerClock;
 
@@ -71,6 +71,8 @@ pub struct LayerStats {
 
 pub(crate) struct Shared<B> {
     pub(crate) backend: B,
+    /// The policy an in-memory backend was built from, when there is one.
+    pub(crate) source: Option<Source<B>>,
     pub(crate) clock: LayerClock,
     pub(crate) settings: Settings,
     pub(crate) waiters: Waiters,
@@ -83,6 +85,7 @@ impl<B> Shared<B> {
     pub(crate) fn new(backend: B, clock: LayerClock, settings: Settings) -> Self {
         Shared {
             backend,
+            source: None,
             clock,
             settings,
             waiters: Waiters::default(),
@@ -105,6 +108,56 @@ impl<B> Shared<B> {
 impl<B> fmt::Debug for Shared<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Shared").field("settings", &self.settings).finish_non_exhaustive()
+    }
+}
+
+/// The policy a layer's backend was built from, and how to build it again: a named
+/// single-limit layer starts global and becomes per key when it is given a key extractor.
+pub(crate) struct Source<B> {
+    pub(crate) policy: LimitSetPolicy,
+    /// A named layer's one global limit, still to be scoped per key by `key`.
+    pub(crate) single: bool,
+    build: fn(LimitSetPolicy) -> B,
+}
+
+impl<B> Clone for Source<B> {
+    fn clone(&self) -> Self {
+        Source { policy: self.policy.clone(), single: self.single, build: self.build }
+    }
+}
+
+/// The tier a named layer's limit is keyed by once it has a key extractor.
+pub(crate) const KEY_TIER: &str = "key";
+
+impl Source<LimitSet> {
+    pub(crate) fn memory(policy: LimitSetPolicy) -> Self {
+        Source { policy, single: false, build: rebuild }
+    }
+
+    pub(crate) fn single(policy: LimitSetPolicy) -> Self {
+        Source { policy, single: true, build: rebuild }
+    }
+}
+
+fn rebuild(policy: LimitSetPolicy) -> LimitSet {
+    // Only policies that built once, scoped by one more tier, come here.
+    LimitSet::new(policy).unwrap_or_else(|e| unreachable!("a valid policy scoped per key is valid: {e}"))
+}
+
+impl<B> Source<B> {
+    /// The same limits, each kept per key.
+    pub(crate) fn keyed(&self) -> Self {
+        let mut policy = self.policy.clone();
+        policy.tiers = vec![KEY_TIER.to_owned()];
+        for limit in &mut policy.limits {
+            limit.scope = Scope::Tier(KEY_TIER.to_owned());
+        }
+        Source { policy, single: false, build: self.build }
+    }
+
+    /// A backend enforcing [`Source::keyed`].
+    pub(crate) fn per_key(&self) -> B {
+        (self.build)(self.keyed().policy)
     }
 }
 

@@ -14,13 +14,13 @@ use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, CostExtractor, KeyExtractor, UsageExtractor};
 use crate::reject::Rejection;
 
-/// The service built by [`LimitSetLayer`](super::LimitSetLayer).
+/// The service built by [`LimitSetLayer`](crate::LimitSetLayer).
 ///
 /// `poll_ready` only forwards the inner service's readiness: nothing is reserved before
 /// a request exists, so an idle connection pins no capacity. The decision is made in
 /// `call`; the inner service is called only once the request is admitted. Clones share
 /// the limits.
-pub struct LimitSetService<S, K, C, U, R, B, A = crate::extract::NoAnnotation> {
+pub struct LimitService<S, K, C, U, R, B, A = crate::extract::NoAnnotation> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) keys: K,
@@ -30,7 +30,7 @@ pub struct LimitSetService<S, K, C, U, R, B, A = crate::extract::NoAnnotation> {
     pub(crate) annotate: A,
 }
 
-impl<S, K, C, U, R, B, A> LimitSetService<S, K, C, U, R, B, A> {
+impl<S, K, C, U, R, B, A> LimitService<S, K, C, U, R, B, A> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -47,9 +47,9 @@ impl<S, K, C, U, R, B, A> LimitSetService<S, K, C, U, R, B, A> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for LimitSetService<S, K, C, U, R, B, A> {
+impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for LimitService<S, K, C, U, R, B, A> {
     fn clone(&self) -> Self {
-        LimitSetService {
+        LimitService {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
             keys: self.keys.clone(),
@@ -61,9 +61,9 @@ impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for Li
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B, A> fmt::Debug for LimitSetService<S, K, C, U, R, B, A> {
+impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B, A> fmt::Debug for LimitService<S, K, C, U, R, B, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LimitSetService")
+        f.debug_struct("LimitService")
             .field("inner", &self.inner)
             .field("keys", &self.keys)
             .field("cost", &self.cost)
@@ -72,7 +72,7 @@ impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B, A> fmt::Debug for Lim
     }
 }
 
-impl<S, Req, K, C, U, R, B, A> Service<Req> for LimitSetService<S, K, C, U, R, B, A>
+impl<S, Req, K, C, U, R, B, A> Service<Req> for LimitService<S, K, C, U, R, B, A>
 where
     A: Annotate<Req, B::Grant>,
     S: Service<Req> + Clone + Send + 'static,
@@ -140,7 +140,7 @@ where
     }
 }
 
-impl<S, K, C, U, R, B, A> LimitSetService<S, K, C, U, R, B, A>
+impl<S, K, C, U, R, B, A> LimitService<S, K, C, U, R, B, A>
 where
     B: Backend,
     U: Clone,

@@ -1,0 +1,303 @@
+use std::any::TypeId;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+use tower_limits_core::{Backend, LimitSet, LimitSetPolicy, LimitSetStats, PolicyError, TenantKey};
+
+use super::service::LimitService;
+use super::shared::{Settings, Shared, Source, Unfinished};
+use crate::clock::LayerClock;
+use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::layers::door;
+use crate::reject::ReturnError;
+
+/// The one limit layer under every named one: applies a [`LimitSet`] (or any
+/// [`Backend`]) to every request of the wrapped service, every limit of the set, all or
+/// nothing.
+///
+/// Users name it through its aliases: [`LimitSetLayer`](crate::LimitSetLayer) and the
+/// named layers ([`GcraLayer`](crate::GcraLayer),
+/// [`TokenBucketLayer`](crate::TokenBucketLayer), ...), which differ only in the door `D`,
+/// which chooses the constructors: a single-limit layer is a set of one, with the same
+/// service, the same response future and the same builder verbs, documented here.
+///
+/// The layer is a small `Clone` value. Every service it builds, and every clone of those
+/// services, shares one state: the limits hold across all of them.
+///
+/// The type parameters, in the same order on every layer of this crate: the key extractor
+/// `K`, the cost extractor `C`, the usage extractor `U`, how refusals surface `R`, the
+/// backend `B` and how a grant is recorded on the request `A` (then the door `D`). The
+/// builder methods set them; user code rarely spells one.
+#[must_use]
+pub struct LimitLayer<K, C, U, R, B, A, D> {
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) keys: K,
+    pub(crate) cost: C,
+    pub(crate) usage: U,
+    pub(crate) rejection: R,
+    pub(crate) annotate: A,
+    pub(crate) door: PhantomData<fn() -> D>,
+}
+
+impl<K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone, D> Clone for LimitLayer<K, C, U, R, B, A, D> {
+    fn clone(&self) -> Self {
+        LimitLayer {
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            usage: self.usage.clone(),
+            rejection: self.rejection.clone(),
+            annotate: self.annotate.clone(),
+            door: PhantomData,
+        }
+    }
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B, A, D: door::Door> fmt::Debug
+    for LimitLayer<K, C, U, R, B, A, D>
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(D::NAME)
+            .field("keys", &self.keys)
+            .field("cost", &self.cost)
+            .field("usage", &self.usage)
+            .field("rejection", &self.rejection)
+            .field("settings", &self.shared.settings)
+            .finish()
+    }
+}
+
+impl crate::LimitSetLayer {
+    /// A layer enforcing `policy` in memory. Limits keyed by a tier need a key extractor
+    /// ([`LimitSetLayer::key`](crate::LimitLayer::key)); until one is set every request has the global key.
+    ///
+    /// ```
+    /// use tower::ServiceBuilder;
+    /// use tower_limits::extract::FromExtension;
+    /// use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+    ///
+    /// // Policies are data (a file, a database row): building them can fail, naming the field.
+    /// let policy = LimitSetPolicy::new()
+    ///     .tiers(["org", "user"])
+    ///     .limit(LimitPolicy::gcra("requests", Rate::per_minute(600), 20).per("user"))
+    ///     .limit(LimitPolicy::semaphore("concurrent", 8).per("org"));
+    /// let limits = LimitSetLayer::new(policy)?.key(FromExtension::<TenantKey>::new());
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(limits)
+    ///     .service_fn(|_req: http::Request<String>| async { Ok::<_, std::convert::Infallible>(()) });
+    /// # drop(svc);
+    /// # Ok::<(), tower_limits::PolicyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The policy's first problem, naming its field.
+    pub fn new(policy: LimitSetPolicy) -> Result<Self, PolicyError> {
+        let set = LimitSet::new(policy.clone())?;
+        let mut layer = Self::with_backend(set);
+        if let Some(shared) = Arc::get_mut(&mut layer.shared) {
+            shared.source = Some(Source::memory(policy));
+        }
+        Ok(layer)
+    }
+}
+
+impl<B: Backend> crate::LimitSetLayer<GlobalKey, One, NoUsage, ReturnError, B> {
+    /// A layer over any backend (for example Redis, shared by a fleet).
+    pub fn with_backend(backend: B) -> Self {
+        Self::from_shared(Shared::new(backend, LayerClock::default(), Settings::default()))
+    }
+}
+
+impl<B: Backend, D> LimitLayer<GlobalKey, One, NoUsage, ReturnError, B, NoAnnotation, D> {
+    pub(crate) fn from_shared(shared: Shared<B>) -> Self {
+        LimitLayer {
+            shared: Arc::new(shared),
+            keys: GlobalKey,
+            cost: One,
+            usage: NoUsage,
+            rejection: ReturnError,
+            annotate: NoAnnotation,
+            door: PhantomData,
+        }
+    }
+}
+
+impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
+    fn with_settings(self, f: impl FnOnce(&mut Settings, &mut LayerClock)) -> Self {
+        let mut settings = self.shared.settings.clone();
+        let mut clock = self.shared.clock.clone();
+        f(&mut settings, &mut clock);
+        let mut shared = Shared::new(self.shared.backend.clone(), clock, settings);
+        shared.source = self.shared.source.clone();
+        LimitLayer { shared: Arc::new(shared), ..self }
+    }
+
+    /// How requests are keyed (see [`crate::extract`]).
+    ///
+    /// On a named single-limit layer ([`GcraLayer`](crate::GcraLayer) and the others), a
+    /// key extractor other than [`GlobalKey`] makes the limit per key: each key gets its
+    /// own state (a fresh one: set the key before serving). On a [`LimitSetLayer`](crate::LimitSetLayer) built
+    /// from a policy, each limit keeps the scope its policy gives it.
+    pub fn key<K2: 'static>(self, keys: K2) -> LimitLayer<K2, C, U, R, B, A, D> {
+        let shared = match &self.shared.source {
+            Some(source) if source.single && TypeId::of::<K2>() != TypeId::of::<GlobalKey>() => {
+                let mut shared = Shared::new(source.per_key(), self.shared.clock.clone(), self.shared.settings.clone());
+                shared.source = Some(source.keyed());
+                Arc::new(shared)
+            }
+            _ => self.shared,
+        };
+        let LimitLayer { cost, usage, rejection, annotate, door, .. } = self;
+        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// What a request costs against limits that count cost.
+    pub fn cost<C2>(self, cost: C2) -> LimitLayer<K, C2, U, R, B, A, D> {
+        let LimitLayer { shared, keys, usage, rejection, annotate, door, .. } = self;
+        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// Where the real usage is read from a response, to settle the permit with.
+    pub fn usage<U2>(self, usage: U2) -> LimitLayer<K, C, U2, R, B, A, D> {
+        let LimitLayer { shared, keys, cost, rejection, annotate, door, .. } = self;
+        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// How refusals surface: as errors ([`ReturnError`], the default, for axum's
+    /// `HandleErrorLayer`), or as HTTP answers ([`crate::http::HttpAnswer`]).
+    pub fn reject_with<R2>(self, rejection: R2) -> LimitLayer<K, C, U, R2, B, A, D> {
+        let LimitLayer { shared, keys, cost, usage, annotate, door, .. } = self;
+        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// How the grant is recorded on the request before the inner service sees it: for a
+    /// [`LimitPool`](tower_limits_core::LimitPool) backend,
+    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
+    /// request's extensions.
+    pub fn annotate<A2>(self, annotate: A2) -> LimitLayer<K, C, U, R, B, A2, D> {
+        let LimitLayer { shared, keys, cost, usage, rejection, door, .. } = self;
+        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// Requests without a key use `key` instead of being refused.
+    pub fn default_key(self, key: TenantKey) -> Self {
+        self.with_settings(|s, _| s.default_key = Some(key))
+    }
+
+    /// Wait for capacity instead of refusing, for at most `max_wait`; a request whose wait
+    /// would be longer fails at once. Waiters of one key are served in arrival order,
+    /// wake at the exact instant they can pass (or when concurrency is released), and a
+    /// dropped waiter leaves the queue and gives back everything. For clients and batch
+    /// jobs; servers usually refuse fast (the default).
+    pub fn wait(self, max_wait: Duration) -> Self {
+        self.with_settings(|s, _| s.max_wait = Some(max_wait))
+    }
+
+    /// The most requests waiting at once (with [`LimitSetLayer::wait`](crate::LimitLayer::wait)); beyond it they
+    /// are refused with [`crate::ErrorKind::QueueFull`]. Defaults to 10,000.
+    pub fn max_waiters(self, max_waiters: usize) -> Self {
+        self.with_settings(|s, _| s.max_waiters = max_waiters)
+    }
+
+    /// What happens to the charged cost when the inner service fails: keep it (the
+    /// default: an error may come after the work was done, and a retrying client stays
+    /// paced) or refund it (for clients whose errors mean nothing was sent).
+    pub fn on_error(self, what: Unfinished) -> Self {
+        self.with_settings(|s, _| s.on_error = what)
+    }
+
+    /// What happens to the charged cost when the response future is dropped before it
+    /// completes (the client went away): keep it (the default: the work may have been
+    /// done) or refund it. Concurrency is released either way.
+    pub fn on_cancel(self, what: Unfinished) -> Self {
+        self.with_settings(|s, _| s.on_cancel = what)
+    }
+
+    /// Reads time from the CPU's counter instead of `tokio::time`: cheaper per request,
+    /// but it does not follow `tokio::time::pause()`.
+    pub fn system_clock(self) -> Self {
+        self.with_settings(|_, c| *c = LayerClock::system())
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.shared.backend
+    }
+
+    /// The policy the layer enforces, when it was built from one (by
+    /// [`LimitSetLayer::new`](crate::LimitLayer::new) or a named layer's constructor, after [`key`](Self::key)):
+    /// what to give another backend, such as Redis, to enforce the same limits there.
+    #[must_use]
+    pub fn policy(&self) -> Option<&LimitSetPolicy> {
+        self.shared.source.as_ref().map(|s| &s.policy)
+    }
+
+    /// The same layer over another backend (for example Redis built from
+    /// [`policy`](Self::policy), shared by a fleet), with the same settings.
+    ///
+    /// ```
+    /// use tower_limits::extract::PeerIp;
+    /// use tower_limits::{GcraLayer, LimitSet, Quota, nz};
+    ///
+    /// let in_memory = GcraLayer::new(Quota::per_second(nz!(10))).key(PeerIp);
+    /// let policy = in_memory.policy().unwrap().clone();
+    /// // In production: tower_limits_redis::RedisBackend::builder(policy).build(&connection)?
+    /// let elsewhere = LimitSet::new(policy).unwrap();
+    /// let layer = in_memory.on_backend(elsewhere);
+    /// # drop(layer);
+    /// ```
+    pub fn on_backend<B2: Backend>(self, backend: B2) -> LimitLayer<K, C, U, R, B2, A, D> {
+        let shared = Shared::new(backend, self.shared.clock.clone(), self.shared.settings.clone());
+        let LimitLayer { keys, cost, usage, rejection, annotate, door, .. } = self;
+        LimitLayer { shared: Arc::new(shared), keys, cost, usage, rejection, annotate, door }
+    }
+
+    /// Now, on the layer's clock: the instant to pass to the backend's own methods
+    /// (for example [`LimitPool::observe`](tower_limits_core::LimitPool::observe)).
+    #[must_use]
+    pub fn now(&self) -> tower_limits_core::Instant {
+        use tower_limits_core::Clock;
+        self.shared.clock.now()
+    }
+
+    /// Counters of the layer itself (waits and timeouts); see
+    /// [`LimitSetLayer::stats`](crate::LimitLayer::stats) for the limits' own.
+    #[must_use]
+    pub fn layer_stats(&self) -> super::LayerStats {
+        self.shared.layer_stats()
+    }
+}
+
+impl<K, C, U, R, A, D> LimitLayer<K, C, U, R, LimitSet, A, D> {
+    /// Per-limit counters of the in-memory set, with the layer's own.
+    #[must_use]
+    pub fn stats(&self) -> LimitSetStats {
+        self.shared.backend.stats()
+    }
+}
+
+impl<S, K, C, U, R, B, A, D> Layer<S> for LimitLayer<K, C, U, R, B, A, D>
+where
+    K: Clone,
+    C: Clone,
+    U: Clone,
+    R: Clone,
+    A: Clone,
+{
+    type Service = LimitService<S, K, C, U, R, B, A>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LimitService {
+            inner,
+            shared: self.shared.clone(),
+            keys: self.keys.clone(),
+            cost: self.cost.clone(),
+            usage: self.usage.clone(),
+            rejection: self.rejection.clone(),
+            annotate: self.annotate.clone(),
+        }
+    }
+}
