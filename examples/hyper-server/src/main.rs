@@ -38,10 +38,13 @@ use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 
 // ---- The limits: the one place this example builds its layers. ----
 
+/// The layers' types: global (one state for everyone), one unit per request, refusals
+/// answered as HTTP.
+type RateLimit = GcraLayer<GlobalKey, One, NoUsage, HttpAnswer>;
+type InFlight = SemaphoreLayer<GlobalKey, One, NoUsage, HttpAnswer>;
+
 /// For everyone together: `quota` (a rate with a burst), and four requests in flight.
-fn limits(
-    quota: Quota,
-) -> (GcraLayer<GlobalKey, One, NoUsage, HttpAnswer>, SemaphoreLayer<GlobalKey, One, NoUsage, HttpAnswer>) {
+fn limits(quota: Quota) -> (RateLimit, InFlight) {
     (GcraLayer::new(quota).reject_with(HttpAnswer::new()), SemaphoreLayer::new(nz!(4)).reject_with(HttpAnswer::new()))
 }
 
