@@ -1,11 +1,26 @@
-//! A bare hyper server (no framework) with a `LimitSetLayer` in a `ServiceBuilder`:
-//! every connection's service is a clone of one limited service, so the limit holds
-//! across connections.
+//! **Limits around a bare hyper server, no framework.**
 //!
-//! Run it with `cargo run -p example-hyper-server`.
-#![allow(clippy::print_stdout)] // a demo server says where it listens
+//! What it shows: two named layers in a tower `ServiceBuilder` around a plain
+//! `service_fn`: a [`GcraLayer`] (a rate with a burst) and a [`SemaphoreLayer`] (requests
+//! in flight). Hyper serves each connection with a clone of that one service, and every
+//! clone shares the same limits, so they hold across connections. The limits here are
+//! global (one for everyone). Refusals are answered by the layers ([`HttpAnswer`]): the
+//! rate limit with `429 Too Many Requests`, `Retry-After` and the IETF `RateLimit-Policy`
+//! and `RateLimit` fields; the in-flight limit, the server's own capacity, with `503`.
+//!
+//! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(2)))`,
+//! `SemaphoreLayer::new(nz!(4))`, `.reject_with(HttpAnswer::new())`,
+//! `ServiceBuilder::layer`, hyper-util's `TowerToHyperService`.
+//!
+//! Run: `cargo run -p example-hyper-server` (a scripted demonstration on a loopback port,
+//! a few seconds), or `cargo run -p example-hyper-server -- --serve` to keep the server up
+//! and try it with curl.
+#![allow(clippy::print_stdout)] // a demonstration prints what happens
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -14,21 +29,32 @@ use hyper::server::conn::http1;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tower::ServiceBuilder;
+use tower_limits::extract::{GlobalKey, NoUsage, One};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate};
+use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 
-/// Serves `listener` forever: `rate` for everyone with a burst of two, four in flight.
-async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
-    let limits = LimitSetLayer::new(
-        LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("requests", rate, 2))
-            .limit(LimitPolicy::semaphore("in-flight", 4)),
-    )
-    .expect("a valid policy")
-    .reject_with(HttpAnswer::new());
-    let service = ServiceBuilder::new().layer(limits).service_fn(|_req: Request<Incoming>| async {
+// ---- The limits: the one place this example builds its layers. ----
+
+/// The layers' types: global (one state for everyone), one unit per request, refusals
+/// answered as HTTP.
+type RateLimit = GcraLayer<GlobalKey, One, NoUsage, HttpAnswer>;
+type InFlight = SemaphoreLayer<GlobalKey, One, NoUsage, HttpAnswer>;
+
+/// For everyone together: `quota` (a rate with a burst), and four requests in flight.
+fn limits(quota: Quota) -> (RateLimit, InFlight) {
+    (GcraLayer::new(quota).reject_with(HttpAnswer::new()), SemaphoreLayer::new(nz!(4)).reject_with(HttpAnswer::new()))
+}
+
+// ---- The server. ----
+
+/// Serves `listener` until it fails, every connection through one limited service.
+async fn serve(listener: TcpListener, quota: Quota) -> std::io::Result<()> {
+    let (rate, in_flight) = limits(quota);
+    // The rate limit first: a request it refuses never takes a slot in flight.
+    let service = ServiceBuilder::new().layer(rate).layer(in_flight).service_fn(|_req: Request<Incoming>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello\n"))))
     });
     loop {
@@ -41,28 +67,153 @@ async fn serve(listener: TcpListener, rate: Rate) -> std::io::Result<()> {
     }
 }
 
+// ---- Running it: a scripted demonstration, or a server to try by hand. ----
+
+/// The demonstration's rate: one a second, with a burst of two.
+const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(2));
+
+const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--port N]]";
+
+/// What the command line asks for.
+#[derive(Debug)]
+struct Args {
+    serve: bool,
+    port: u16,
+}
+
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut out = Args { serve: false, port: 0 };
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--serve" => out.serve = true,
+            "--port" => {
+                let v = it.next().ok_or("--port needs a number, for example --port 3001")?;
+                out.port = v.parse().map_err(|_| format!("--port {v:?} is not a port number (0 to 65535)"))?;
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if out.port != 0 && !out.serve {
+        return Err("--port goes with --serve (the demonstration picks its own port)".into());
+    }
+    Ok(out)
+}
+
 #[tokio::main]
-async fn main() -> std::io::Result<()> {
-    let listener = TcpListener::bind("127.0.0.1:3001").await?;
-    println!("listening on http://{}", listener.local_addr()?);
-    serve(listener, Rate::per_second(2)).await
+async fn main() -> ExitCode {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}; {USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok(addr) = listener.local_addr() else {
+        eprintln!("error: the listener has no local address");
+        return ExitCode::FAILURE;
+    };
+    let server = tokio::spawn(serve(listener, QUOTA));
+    if args.serve {
+        println!("serving on http://{addr} (Ctrl-C to stop)");
+        println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight; try:");
+        println!("  curl -i http://{addr}/");
+        println!("  for i in 1 2 3; do curl -si http://{addr}/ | grep -iE '^(HTTP/|retry-after|ratelimit)'; done");
+        return match server.await {
+            Ok(Ok(())) => ExitCode::SUCCESS,
+            Ok(Err(e)) => {
+                eprintln!("error: the server stopped: {e}");
+                ExitCode::FAILURE
+            }
+            Err(e) => {
+                eprintln!("error: the server task failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match demo(addr).await {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(n) => {
+            println!("\n{n} answer(s) differed from what the limits promise");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One request on a fresh connection, as curl would send it: the status and the
+/// header lines (names in lowercase).
+async fn get(addr: SocketAddr) -> std::io::Result<(u16, Vec<(String, String)>)> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.write_all(format!("GET / HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes()).await?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await?;
+    let head = raw.split("\r\n\r\n").next().unwrap_or_default();
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Ok((status, headers))
+}
+
+/// Sends one request on connection `n`, prints the answer, and says whether it was `want`.
+async fn step(addr: SocketAddr, n: usize, want: u16) -> std::io::Result<(bool, Vec<(String, String)>)> {
+    let (status, headers) = get(addr).await?;
+    let field = |name: &str| headers.iter().find(|(h, _)| h == name).map_or("-", |(_, v)| v.as_str());
+    if status == 200 {
+        println!("  connection {n}: 200 OK");
+    } else {
+        let reason = hyper::StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("");
+        println!("  connection {n}: {status} {reason}, Retry-After: {}", field("retry-after"));
+        println!("                RateLimit-Policy: {}", field("ratelimit-policy"));
+        println!("                RateLimit: {}", field("ratelimit"));
+    }
+    if status != want {
+        println!("  ^ expected {want}");
+    }
+    Ok((status == want, headers))
+}
+
+/// Drives the scripted sequence against the server at `addr`; returns how many answers
+/// differed from what the limits promise.
+async fn demo(addr: SocketAddr) -> std::io::Result<usize> {
+    println!("hyper-server: one limited service for every connection, server on http://{addr}");
+    println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight");
+    println!("\n1. three requests, each on its own connection: the burst of 2 is shared by all connections");
+    let mut wrong = 0;
+    let mut last = Vec::new();
+    for (n, want) in [(1, 200), (2, 200), (3, 429)] {
+        let (ok, headers) = step(addr, n, want).await?;
+        wrong += usize::from(!ok);
+        last = headers;
+    }
+    let wait = last.iter().find(|(h, _)| h == "retry-after").and_then(|(_, v)| v.parse().ok()).unwrap_or(1);
+    println!("\n2. wait the {wait}s that Retry-After says");
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let (ok, _) = step(addr, 4, 200).await?;
+    wrong += usize::from(!ok);
+    Ok(wrong)
 }
 
 #[cfg(test)]
 mod tests {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
-
     use super::*;
-
-    /// One request on a fresh connection; the status line and headers.
-    async fn get(addr: std::net::SocketAddr) -> String {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        stream.write_all(b"GET / HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n").await.unwrap();
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer).await.unwrap();
-        answer
-    }
 
     #[tokio::test]
     async fn the_limit_holds_across_connections() {
@@ -70,18 +221,26 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         // One a minute with a burst of two: the third request, on a third connection,
         // is refused whatever the timing of the test.
-        let server = tokio::spawn(serve(listener, Rate::per_minute(1)));
-        let answers = [get(addr).await, get(addr).await, get(addr).await];
-        assert!(answers[0].starts_with("HTTP/1.1 200"), "{}", answers[0]);
-        assert!(answers[1].starts_with("HTTP/1.1 200"), "{}", answers[1]);
-        assert!(answers[2].starts_with("HTTP/1.1 429"), "every rate limit paces its callers: {}", answers[2]);
-        assert!(answers[2].contains("ratelimit-policy: \"requests\";q=2;w=120"), "{}", answers[2]);
-        let retry: u64 = answers[2]
-            .lines()
-            .find_map(|l| l.strip_prefix("retry-after: "))
-            .and_then(|v| v.trim().parse().ok())
-            .expect("a retry-after field");
+        let server = tokio::spawn(serve(listener, Quota::per_minute(nz!(1)).burst(nz!(2))));
+        let answers = [get(addr).await.unwrap(), get(addr).await.unwrap(), get(addr).await.unwrap()];
+        assert_eq!(answers[0].0, 200);
+        assert_eq!(answers[1].0, 200);
+        assert_eq!(answers[2].0, 429, "every rate limit paces its callers");
+        let field = |name: &str| answers[2].1.iter().find(|(h, _)| h == name).map(|(_, v)| v.clone());
+        assert_eq!(field("ratelimit-policy").as_deref(), Some("\"gcra\";q=2;w=120"));
+        let retry: u64 = field("retry-after").and_then(|v| v.parse().ok()).expect("a retry-after field");
         assert!((59..=60).contains(&retry), "the next slot opens a minute after the first: {retry}");
         server.abort();
+    }
+
+    #[test]
+    fn arguments_are_checked() {
+        let args = |a: &[&str]| parse_args(a.iter().map(|s| (*s).to_owned()));
+        assert!(!args(&[]).unwrap().serve);
+        let serve = args(&["--serve", "--port", "3001"]).unwrap();
+        assert!(serve.serve && serve.port == 3001);
+        assert!(args(&["--serve", "--port", "99999"]).unwrap_err().contains("not a port number"));
+        assert!(args(&["--port", "3001"]).unwrap_err().contains("goes with --serve"));
+        assert!(args(&["serve"]).unwrap_err().contains("unknown argument \"serve\""));
     }
 }

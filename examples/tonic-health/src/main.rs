@@ -1,19 +1,49 @@
-//! A tonic gRPC server behind a limit set: the standard health service, limited per
-//! tenant (named by the `authorization` metadata, standing in for real authentication) to
-//! a burst of three calls and one every ten seconds. Refused calls are answered by the layer with
-//! `RESOURCE_EXHAUSTED` and the retry delay in the `retry-after` and `retry-after-ms`
-//! metadata (shared overload, a global limit, would be `UNAVAILABLE`).
+//! **Per-tenant limits in a tonic gRPC server.**
 //!
-//! Run it with `cargo run -p example-tonic-health`.
-#![allow(clippy::print_stdout)] // a demo server says where it listens
+//! What it shows: the standard gRPC health service behind a named [`GcraLayer`] added with
+//! `Server::builder().layer(..)`, keyed per tenant (named by the `authorization`
+//! metadata, standing in for real authentication; a call without it is
+//! `UNAUTHENTICATED`). Refused calls are answered by the layer ([`GrpcAnswer`]) with
+//! `RESOURCE_EXHAUSTED`, a message naming the limit and its tier, and the retry delay in
+//! the `retry-after` (seconds) and `retry-after-ms` metadata. (Shared overload, a global
+//! limit, would be `UNAVAILABLE`.)
+//!
+//! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(3)))`,
+//! `.key(KeyFn::new(..))` (a limit per key), `.reject_with(GrpcAnswer)`, tonic's
+//! `Server::builder().layer(..)`.
+//!
+//! Run: `cargo run -p example-tonic-health` (a scripted demonstration on a loopback port,
+//! a few seconds), or `cargo run -p example-tonic-health -- --serve` to keep the server up
+//! and try it with grpcurl.
+#![allow(clippy::print_stdout)] // a demonstration prints what happens
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
-use tower_limits::extract::KeyFn;
-use tower_limits::{GrpcAnswer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+use tower_limits::extract::{KeyFn, NoUsage, One};
+use tower_limits::{GcraLayer, GrpcAnswer, Quota, TenantKey, nz};
 
 type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
+
+// ---- The limits: the one place this example builds its layer. ----
+
+/// The layer's type: the tenant from the call's metadata, one unit per call, refusals
+/// answered as gRPC statuses.
+type Limits = GcraLayer<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, GrpcRequest>, One, NoUsage, GrpcAnswer>;
+
+/// `quota` (a rate with a burst) for each tenant.
+fn limits(quota: Quota) -> Limits {
+    GcraLayer::new(quota).key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>)).reject_with(GrpcAnswer)
+}
+
+// ---- The server. ----
 
 /// The tenant named by the bearer token in the call's metadata.
 fn tenant(req: &GrpcRequest) -> Option<TenantKey> {
@@ -21,59 +51,242 @@ fn tenant(req: &GrpcRequest) -> Option<TenantKey> {
     TenantKey::single(token).ok()
 }
 
-/// Serves the health service on `listener`, limited per tenant.
-async fn serve(listener: TcpListener) -> Result<(), tonic::transport::Error> {
+/// Serves the health service on `listener`, limited per tenant to `quota`.
+async fn serve(listener: TcpListener, quota: Quota) -> Result<(), tonic::transport::Error> {
     let (_reporter, health) = tonic_health::server::health_reporter();
-    let policy =
-        LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::gcra("calls", Rate::per_minute(6), 3).per("tenant"));
-    let limits = LimitSetLayer::new(policy)
-        .expect("a valid policy")
-        .key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>))
-        .reject_with(GrpcAnswer);
-    Server::builder().layer(limits).add_service(health).serve_with_incoming(TcpIncoming::from(listener)).await
+    Server::builder().layer(limits(quota)).add_service(health).serve_with_incoming(TcpIncoming::from(listener)).await
+}
+
+// ---- Running it: a scripted demonstration, or a server to try by hand. ----
+
+/// The demonstration's quota: one call a second per tenant, with a burst of three.
+const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(3));
+
+const USAGE: &str = "usage: cargo run -p example-tonic-health [-- --serve [--port N]]";
+
+/// What the command line asks for.
+#[derive(Debug)]
+struct Args {
+    serve: bool,
+    port: u16,
+}
+
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut out = Args { serve: false, port: 0 };
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--serve" => out.serve = true,
+            "--port" => {
+                let v = it.next().ok_or("--port needs a number, for example --port 50051")?;
+                out.port = v.parse().map_err(|_| format!("--port {v:?} is not a port number (0 to 65535)"))?;
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if out.port != 0 && !out.serve {
+        return Err("--port goes with --serve (the demonstration picks its own port)".into());
+    }
+    Ok(out)
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let listener = TcpListener::bind("127.0.0.1:50051").await?;
-    println!("gRPC health service on {}", listener.local_addr()?);
-    serve(listener).await?;
-    Ok(())
+async fn main() -> ExitCode {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}; {USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok(addr) = listener.local_addr() else {
+        eprintln!("error: the listener has no local address");
+        return ExitCode::FAILURE;
+    };
+    let server = tokio::spawn(serve(listener, QUOTA));
+    if args.serve {
+        print_commands(addr);
+        return match server.await {
+            Ok(Ok(())) => ExitCode::SUCCESS,
+            Ok(Err(e)) => {
+                eprintln!("error: the server stopped: {e}");
+                ExitCode::FAILURE
+            }
+            Err(e) => {
+                eprintln!("error: the server task failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match demo(addr).await {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(n) => {
+            println!("\n{n} answer(s) differed from what the limits promise");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes the health service's descriptors where grpcurl can read them (the server has no
+/// reflection service: grpcurl's `-protoset` stands in for it).
+fn write_protoset() -> std::io::Result<PathBuf> {
+    let path = std::env::temp_dir().join("grpc-health-v1.protoset");
+    std::fs::write(&path, tonic_health::pb::FILE_DESCRIPTOR_SET)?;
+    Ok(path)
+}
+
+fn print_commands(addr: SocketAddr) {
+    println!("serving grpc.health.v1.Health on {addr} (Ctrl-C to stop)");
+    println!("limits, per tenant (the bearer token): 1 call a second with a burst of 3; try:");
+    match write_protoset() {
+        Ok(protoset) => {
+            let p = protoset.display();
+            let call = format!("grpcurl -plaintext -protoset {p} -H 'authorization: Bearer alice'");
+            println!("  {call} {addr} grpc.health.v1.Health/Check");
+            println!(
+                "  for i in 1 2 3 4; do {call} {addr} grpc.health.v1.Health/Check; done   # the 4th: ResourceExhausted"
+            );
+            println!(
+                "  grpcurl -plaintext -protoset {p} {addr} grpc.health.v1.Health/Check   # no key: Unauthenticated"
+            );
+        }
+        Err(e) => println!("  (cannot write the protoset grpcurl needs to the temporary directory: {e})"),
+    }
+}
+
+/// One health check as `tenant` (or without a key), as a client sees it.
+async fn check(
+    client: &mut HealthClient<tonic::transport::Channel>,
+    tenant: Option<&str>,
+) -> Result<(), tonic::Status> {
+    let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
+    if let Some(t) = tenant {
+        let value = format!("Bearer {t}").parse().map_err(|_| tonic::Status::invalid_argument("a bad tenant name"))?;
+        req.metadata_mut().insert("authorization", value);
+    }
+    client.check(req).await.map(drop)
+}
+
+/// Prints one call's outcome and says whether it was `want`; returns the refusal's
+/// `retry-after-ms`, if any.
+fn show(who: &str, got: &Result<(), tonic::Status>, want: tonic::Code) -> (bool, Option<u64>) {
+    let code = match got {
+        Ok(()) => {
+            println!("  {who:<6} Check  OK (SERVING)");
+            tonic::Code::Ok
+        }
+        Err(status) => {
+            let md = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+            println!("  {who:<6} Check  {:?}: {}", status.code(), status.message());
+            if let (Some(s), Some(ms)) = (md("retry-after"), md("retry-after-ms")) {
+                println!("  {:<13} metadata retry-after: {s}, retry-after-ms: {ms}", "");
+            }
+            status.code()
+        }
+    };
+    if code != want {
+        println!("  ^ expected {want:?}");
+    }
+    let retry_ms = got.as_ref().err().and_then(|s| s.metadata().get("retry-after-ms")?.to_str().ok()?.parse().ok());
+    (code == want, retry_ms)
+}
+
+/// Drives the scripted sequence against the server at `addr`; returns how many answers
+/// differed from what the limits promise.
+async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
+    println!("tonic-health: the gRPC health service limited per tenant, server on {addr}");
+    println!("limits, per tenant (the bearer token): 1 call a second with a burst of 3");
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .expect("a socket address makes a valid URI")
+        .connect()
+        .await?;
+    let mut client = HealthClient::new(channel);
+    let mut wrong = 0;
+    let mut retry_ms = None;
+
+    println!("\n1. alice calls 4 times in a row: a burst of 3, then the layer refuses");
+    for want in [tonic::Code::Ok, tonic::Code::Ok, tonic::Code::Ok, tonic::Code::ResourceExhausted] {
+        let (ok, ms) = show("alice", &check(&mut client, Some("alice")).await, want);
+        wrong += usize::from(!ok);
+        retry_ms = ms.or(retry_ms);
+    }
+
+    println!("\n2. bob has his own limit");
+    let (ok, _) = show("bob", &check(&mut client, Some("bob")).await, tonic::Code::Ok);
+    wrong += usize::from(!ok);
+
+    // `retry-after-ms` is whole milliseconds, cut down: one more keeps the wait long enough.
+    let wait = Duration::from_millis(retry_ms.unwrap_or(1_000) + 1);
+    println!("\n3. alice waits the {}ms of retry-after-ms (+1), then calls again", wait.as_millis() - 1);
+    let start = Instant::now();
+    tokio::time::sleep(wait).await;
+    let (ok, _) = show("alice", &check(&mut client, Some("alice")).await, tonic::Code::Ok);
+    println!("  {:<13} (after {:.3}s)", "", start.elapsed().as_secs_f64());
+    wrong += usize::from(!ok);
+
+    println!("\n4. a call without a key");
+    let (ok, _) = show("?", &check(&mut client, None).await, tonic::Code::Unauthenticated);
+    wrong += usize::from(!ok);
+    Ok(wrong)
 }
 
 #[cfg(test)]
 mod tests {
-    use tonic_health::pb::HealthCheckRequest;
-    use tonic_health::pb::health_client::HealthClient;
-
     use super::*;
-
-    fn check_as(tenant: &str) -> tonic::Request<HealthCheckRequest> {
-        let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
-        req.metadata_mut().insert("authorization", format!("Bearer {tenant}").parse().unwrap());
-        req
-    }
 
     #[tokio::test]
     async fn refused_calls_carry_the_retry_delay() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(serve(listener));
+        // Six a minute: the next call fits ten seconds after the first, whatever the
+        // timing of the test.
+        let server = tokio::spawn(serve(listener, Quota::per_minute(nz!(6)).burst(nz!(3))));
         let channel =
             tonic::transport::Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
         let mut client = HealthClient::new(channel);
         for _ in 0..3 {
-            client.check(check_as("alice")).await.expect("within the burst");
+            check(&mut client, Some("alice")).await.expect("within the burst");
         }
-        let status = client.check(check_as("alice")).await.unwrap_err();
+        let status = check(&mut client, Some("alice")).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-        assert!(status.message().contains("rate limited by \"calls\" (tier tenant)"), "{}", status.message());
+        assert!(status.message().contains("rate limited by \"gcra\" (tier key)"), "{}", status.message());
         let retry_ms: u64 = status.metadata().get("retry-after-ms").unwrap().to_str().unwrap().parse().unwrap();
         assert!((9_000..=10_000).contains(&retry_ms), "the next call fits ten seconds after the first: {retry_ms}");
         assert_eq!(status.metadata().get("retry-after").unwrap(), "10");
-        client.check(check_as("bob")).await.expect("another tenant has its own limit");
-        let anonymous = client.check(tonic::Request::new(HealthCheckRequest { service: String::new() })).await;
-        assert_eq!(anonymous.unwrap_err().code(), tonic::Code::Unauthenticated);
+        check(&mut client, Some("bob")).await.expect("another tenant has its own limit");
+        assert_eq!(check(&mut client, None).await.unwrap_err().code(), tonic::Code::Unauthenticated);
         server.abort();
+    }
+
+    #[test]
+    fn the_protoset_for_grpcurl_is_written() {
+        let path = write_protoset().unwrap();
+        assert_eq!(std::fs::read(path).unwrap(), tonic_health::pb::FILE_DESCRIPTOR_SET);
+    }
+
+    #[test]
+    fn arguments_are_checked() {
+        let args = |a: &[&str]| parse_args(a.iter().map(|s| (*s).to_owned()));
+        assert!(!args(&[]).unwrap().serve);
+        let serve = args(&["--serve", "--port", "50051"]).unwrap();
+        assert!(serve.serve && serve.port == 50051);
+        assert!(args(&["--serve", "--port", "-1"]).unwrap_err().contains("not a port number"));
+        assert!(args(&["--port", "50051"]).unwrap_err().contains("goes with --serve"));
+        assert!(args(&["--help-me"]).unwrap_err().contains("unknown argument"));
     }
 }
