@@ -24,7 +24,7 @@ impl LimitError {
             if let Ok(v) = crate::http::whole_seconds(wait).to_string().parse() {
                 md.insert("retry-after", v);
             }
-            if let Ok(v) = wait.as_millis().to_string().parse() {
+            if let Ok(v) = crate::http::whole_millis(wait).to_string().parse() {
                 md.insert("retry-after-ms", v);
             }
         }

@@ -105,7 +105,7 @@ impl LimitError {
             let _ = write!(out, ",\"tier\":{}", json_string(tier));
         }
         if let Some(wait) = self.retry_after() {
-            let _ = write!(out, ",\"retry_after_ms\":{}", wait.as_millis());
+            let _ = write!(out, ",\"retry_after_ms\":{}", whole_millis(wait));
         }
         out.push('}');
         out
@@ -126,6 +126,12 @@ pub fn kind_name(kind: ErrorKind) -> &'static str {
         ErrorKind::KeyTableFull => "key_table_full",
         ErrorKind::Unavailable => "unavailable",
     }
+}
+
+/// Whole milliseconds, rounded up: a client that waits exactly this long is not early.
+#[must_use]
+pub fn whole_millis(d: Duration) -> u128 {
+    d.as_nanos().div_ceil(1_000_000)
 }
 
 /// Whole seconds, rounded up: `Retry-After` never says `0` for a non-zero wait.
@@ -415,6 +421,9 @@ mod tests {
         assert_eq!(whole_seconds(Duration::from_secs(2)), 2);
         assert_eq!(whole_seconds(Duration::from_millis(2001)), 3);
         assert_eq!(whole_seconds(Duration::ZERO), 0);
+        assert_eq!(whole_millis(Duration::from_nanos(1)), 1);
+        assert_eq!(whole_millis(Duration::from_micros(2_000)), 2);
+        assert_eq!(whole_millis(Duration::from_micros(2_001)), 3);
     }
 
     #[test]

@@ -230,9 +230,9 @@ async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
     let (ok, _) = show("bob", &check(&mut client, Some("bob")).await, tonic::Code::Ok);
     wrong += usize::from(!ok);
 
-    // `retry-after-ms` is whole milliseconds, cut down: one more keeps the wait long enough.
-    let wait = Duration::from_millis(retry_ms.unwrap_or(1_000) + 1);
-    println!("\n3. alice waits the {}ms of retry-after-ms (+1), then calls again", wait.as_millis() - 1);
+    // `retry-after-ms` is rounded up: waiting exactly that long is never early.
+    let wait = Duration::from_millis(retry_ms.unwrap_or(1_000));
+    println!("\n3. alice waits the {}ms of retry-after-ms, then calls again", wait.as_millis());
     let start = Instant::now();
     tokio::time::sleep(wait).await;
     let (ok, _) = show("alice", &check(&mut client, Some("alice")).await, tonic::Code::Ok);
