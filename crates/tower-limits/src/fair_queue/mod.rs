@@ -18,11 +18,11 @@
 //! use tower_limits::extract::KeyFn;
 //! use tower_limits::{FairQueueLayer, TenantKey};
 //!
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
-//! // One upstream slot; "interactive" weighs three times "bulk".
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() -> Result<(), tower_limits::PolicyError> {
+//! // One upstream slot; "interactive" weighs three times "bulk". The weights are data
+//! // (a configuration file): the layer checks them and names a bad one.
 //! let config = FairQueueConfig::new().weight("bulk", 1).weight("interactive", 3);
-//! let fair = FairQueueLayer::concurrency(config, 1)
-//!     .unwrap()
+//! let fair = FairQueueLayer::concurrency(config, 1)?
 //!     .key(KeyFn::new(|tenant: &&'static str| TenantKey::single(tenant).ok()));
 //!
 //! let served = Arc::new(Mutex::new(String::new()));
@@ -43,7 +43,7 @@
 //! // turns in four until its queue is empty. First come, first served would have made
 //! // it wait for all 30 bulk requests.
 //! assert_eq!(&served.lock().unwrap()[..15], "BBIIIBIIIBIIIBI");
-//! # }
+//! # Ok(()) }
 //! ```
 //!
 //! # Capacity
@@ -173,8 +173,7 @@
 //!     LimitSetPolicy::new()
 //!         .tiers(["org"])
 //!         .limit(LimitPolicy::token_bucket("org_tokens", Rate::per_minute(200_000), 50_000).per("org").counting_cost()),
-//! )
-//! .unwrap()
+//! )?
 //! .key(FromExtension::<TenantKey>::new())
 //! .cost(CostFromExtension)
 //! .reject_with(HttpAnswer::new());
@@ -183,11 +182,9 @@
 //! // shared by org in fair order.
 //! let upstream = LimitSet::new(LimitSetPolicy::new().limit(
 //!     LimitPolicy::token_bucket("upstream_tokens", Rate::per_minute(1_000_000), 100_000).counting_cost(),
-//! ))
-//! .unwrap();
+//! ))?;
 //! let config = FairQueueConfig::new().weight("acme", 4).tenant_queue_limit(32);
-//! let fair = FairQueueLayer::rate_and_concurrency(config, upstream, 64)
-//!     .unwrap()
+//! let fair = FairQueueLayer::rate_and_concurrency(config, upstream, 64)?
 //!     .key(FromExtension::<TenantKey>::new())
 //!     .cost(CostFromExtension)
 //!     .reject_with(HttpAnswer::new());
@@ -196,6 +193,7 @@
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("embedded")))
 //! });
 //! # drop(svc);
+//! # Ok::<(), tower_limits::PolicyError>(())
 //! ```
 //!
 //! # Observing it

@@ -1,13 +1,21 @@
-//! Limit sets as Tower middleware: every limit of a set acquired for each request, all or
-//! nothing.
+//! The one middleware under every limit layer: its layer ([`LimitLayer`]), service
+//! ([`LimitService`]), response future and permit guard, and the waiting of wait mode.
 //!
-//! A [`LimitSetLayer`](crate::LimitSetLayer) wraps a service; each request is keyed (by default everyone shares
-//! the global key), costed (by default one), and admitted only if every limit of the set
-//! has room. Admitted requests hold a permit until their response completes: then the
-//! permit settles with the real usage if the response reports one, keeps or refunds the
-//! cost after an inner error (configurable) and releases concurrency. Refused requests fail fast with a
-//! [`LimitError`](crate::LimitError) naming the limit, tier and retry time, or, with
-//! [`wait`](crate::LimitLayer::wait), wait in arrival order for exactly as long as needed.
+//! Every named layer ([`GcraLayer`](crate::GcraLayer), [`SemaphoreLayer`](crate::SemaphoreLayer),
+//! ...) and the [`LimitSetLayer`](crate::LimitSetLayer) are this middleware over a
+//! [`Backend`](crate::Backend): a set of one limit or of several, in memory or on Redis.
+//! There is no second implementation.
+//!
+//! The life of a request: it is keyed (by default everyone shares the global key),
+//! costed (by default one), and admitted only if every limit of the set has room, all or
+//! nothing, in `call` (`poll_ready` only forwards the inner service's readiness, so an
+//! idle connection pins nothing). An admitted request holds its permit until its response
+//! completes: then the permit settles with the real usage if the response reports one,
+//! keeps or refunds the cost after an inner error (configurable) and releases
+//! concurrency; dropped before that, it does what `on_cancel` says. A refused request
+//! fails fast with a [`LimitError`](crate::LimitError) naming the limit, tier and retry
+//! time, or, with [`wait`](crate::LimitLayer::wait), waits in arrival order for exactly as
+//! long as needed.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -16,15 +24,14 @@
 //! use tower_limits::http::HttpAnswer;
 //! use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
 //!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_limits::BoxError> {
 //! let limits = LimitSetLayer::new(
 //!     LimitSetPolicy::new()
 //!         .tiers(["org", "user"])
 //!         .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 10).per("user"))
 //!         .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(100_000), 20_000).per("org").counting_cost())
 //!         .limit(LimitPolicy::semaphore("concurrent", 4).per("org")),
-//! )
-//! .unwrap()
+//! )?
 //! .key(FromExtension::<TenantKey>::new())
 //! .cost(CostFromExtension)
 //! .usage(UsageFromExtension)
@@ -37,11 +44,11 @@
 //! });
 //!
 //! let mut req = http::Request::new(String::new());
-//! req.extensions_mut().insert(TenantKey::new(["acme", "alice"]).unwrap()); // from the auth layer
+//! req.extensions_mut().insert(TenantKey::new(["acme", "alice"])?); // from the auth layer
 //! req.extensions_mut().insert(Cost(812)); // estimated tokens
-//! let response = svc.oneshot(req).await.unwrap();
+//! let response = svc.oneshot(req).await?;
 //! assert_eq!(response.status(), 200);
-//! # }
+//! # Ok(()) }
 //! ```
 
 mod future;
