@@ -19,8 +19,8 @@ use http::{Request, Response, StatusCode};
 use tower::{Layer, Service};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::key_extractor::GlobalKeyExtractor;
-use tower_limits::extract::{GlobalKey, NoUsage, One};
+use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
+use tower_limits::extract::{GlobalKey, NoUsage, One, PeerIp};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, nz};
 
@@ -34,12 +34,17 @@ fn bare()
 
 /// One request through `svc`, polled to completion with a no-op waker: the status.
 fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> u16 {
+    drive_with(svc, Request::new(()))
+}
+
+/// `req` through `svc`: the status.
+fn drive_with<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> u16 {
     let mut cx = Context::from_waker(Waker::noop());
     match svc.poll_ready(&mut cx) {
         Poll::Ready(Ok(())) => {}
         _ => return 0,
     }
-    let fut = pin!(svc.call(Request::new(())));
+    let fut = pin!(svc.call(req));
     match fut.poll(&mut cx) {
         Poll::Ready(Ok(response)) => response.status().as_u16(),
         _ => 0,
@@ -105,12 +110,79 @@ fn allow(c: &mut Criterion) {
     bench_service(c, "allow/tower_governor", GovernorLayer::<_, _, Body>::new(config).layer(bare()), StatusCode::OK);
 }
 
+/// A request from a peer, as axum (`ConnectInfo`) and a bare hyper accept loop
+/// (`SocketAddr`) record it: both layers find their key in it.
+fn from_peer(n: u32) -> Req {
+    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
+    let mut req = Request::new(());
+    req.extensions_mut().insert(addr);
+    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
+    req
+}
+
+/// The modes users compare: the `RateLimit` fields on every success against
+/// tower_governor's `use_headers`, and a limit per peer IP against its
+/// `PeerIpKeyExtractor` (1,000 peers in turn).
+fn modes(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let _enter = rt.enter();
+    let headers = GcraLayer::new(Quota::per_second(nz!(HUGE)).burst(nz!(1_000_000)))
+        .system_clock()
+        .reject_with(HttpAnswer::new().on_success());
+    let mut ours = headers.layer(bare());
+    assert!(matches!(drive(&mut ours), 200));
+    c.bench_function("headers/tower_limits_gcra_on_success", |b| b.iter(|| black_box(drive(&mut ours))));
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(1_000_000)
+        .key_extractor(GlobalKeyExtractor)
+        .use_headers()
+        .finish()
+        .expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    c.bench_function("headers/tower_governor_use_headers", |b| b.iter(|| black_box(drive(&mut theirs))));
+
+    let per_ip = GcraLayer::new(Quota::per_second(nz!(HUGE)).burst(nz!(1_000_000)))
+        .key(PeerIp)
+        .system_clock()
+        .reject_with(HttpAnswer::new());
+    let mut ours = per_ip.layer(bare());
+    let mut n = 0u32;
+    assert_eq!(drive_with(&mut ours, from_peer(0)), 200);
+    c.bench_function("peer_ip/tower_limits_gcra", |b| {
+        b.iter(|| {
+            n = (n + 1) % 1_000;
+            black_box(drive_with(&mut ours, from_peer(n)))
+        })
+    });
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(1_000_000)
+        .key_extractor(PeerIpKeyExtractor)
+        .finish()
+        .expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    assert_eq!(drive_with(&mut theirs, from_peer(0)), 200);
+    c.bench_function("peer_ip/tower_governor", |b| {
+        b.iter(|| {
+            n = (n + 1) % 1_000;
+            black_box(drive_with(&mut theirs, from_peer(n)))
+        })
+    });
+    c.bench_function("peer_ip/request_only", |b| {
+        b.iter(|| {
+            n = (n + 1) % 1_000;
+            black_box(from_peer(n))
+        })
+    });
+}
+
 fn deny(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
     let _enter = rt.enter();
     let mut ours = ours_gcra(Rate::per_hour(1), 1).layer(bare());
     assert_eq!(drive(&mut ours), 200);
-    bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::SERVICE_UNAVAILABLE);
+    bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::TOO_MANY_REQUESTS);
     let mut plain = GcraLayer::new(Quota::per_hour(nz!(1)).burst(nz!(1))).system_clock().layer(bare());
     assert_eq!(drive(&mut plain), 200);
     c.bench_function("deny/tower_limits_gcra_error_mode", |b| {
@@ -135,6 +207,6 @@ fn deny(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = allow, deny
+    targets = allow, deny, modes
 }
 criterion_main!(benches);

@@ -7,9 +7,14 @@
 //! users, and a limit on `agent` never confuses two users' `agent-1`.
 //!
 //! The path is stored once, joined, so every tier's key is a prefix of one string:
-//! looking a tier up allocates nothing, and cloning a key is a reference count.
+//! looking a tier up allocates nothing. A path of up to 39 bytes (an IP address in any
+//! form, most tenant paths) is stored inside the key itself: building one allocates
+//! nothing, and cloning it is a copy, touching no shared reference count (which every
+//! core would otherwise write). Longer paths are shared behind a reference count.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 /// The most tiers a key can have.
@@ -29,15 +34,43 @@ const SEPARATOR: char = '\u{1f}';
 /// assert_eq!(key.to_string(), "acme/engineering/alice");
 /// ```
 ///
-/// The global key holds nothing; any other key one shared string and the offsets of its
-/// tiers, so that finding a tier's key is a slice, not a search.
-#[derive(Clone, PartialEq, Eq, Hash, Default)]
+/// The global key holds nothing; any other key its joined path (inline when short) and
+/// the offsets of its tiers, so that finding a tier's key is a slice, not a search.
+#[derive(Clone, Default)]
 pub struct TenantKey {
-    /// The parts joined by the separator; `None` for the key with no tier.
-    path: Option<Arc<str>>,
+    /// The parts joined by the separator.
+    path: Path,
     /// `ends[i]` is the byte length of the path up to and including part `i`.
     ends: [u16; MAX_TIERS],
     depth: u8,
+}
+
+/// The most bytes a path keeps inline: the longest text of an IPv6 address.
+const INLINE: usize = 39;
+
+#[derive(Clone, Default)]
+enum Path {
+    /// The key with no tier.
+    #[default]
+    Global,
+    /// A short path, its length the end of the last tier.
+    Inline([u8; INLINE]),
+    Shared(Arc<str>),
+}
+
+impl PartialEq for TenantKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.depth == other.depth && self.ends == other.ends && self.full() == other.full()
+    }
+}
+
+impl Eq for TenantKey {}
+
+impl Hash for TenantKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.depth.hash(state);
+        self.full().hash(state);
+    }
 }
 
 /// Why a [`TenantKey`] could not be built.
@@ -69,7 +102,35 @@ impl TenantKey {
     /// The key with no tier: what global limits use. Costs nothing to build or clone.
     #[must_use]
     pub const fn global() -> Self {
-        TenantKey { path: None, ends: [0; MAX_TIERS], depth: 0 }
+        TenantKey { path: Path::Global, ends: [0; MAX_TIERS], depth: 0 }
+    }
+
+    /// A key of one tier: an IP address, as text (`192.0.2.7`, `2001:db8::1`). Builds
+    /// without allocating, for limits per client address.
+    ///
+    /// ```
+    /// use std::net::IpAddr;
+    /// use tower_limits_core::TenantKey;
+    ///
+    /// let ip: IpAddr = "2001:db8::7".parse().unwrap();
+    /// assert_eq!(TenantKey::from_ip(ip).to_string(), "2001:db8::7");
+    /// assert_eq!(TenantKey::from_ip(ip), TenantKey::single("2001:db8::7").unwrap());
+    /// ```
+    #[must_use]
+    pub fn from_ip(ip: IpAddr) -> Self {
+        let mut bytes = [0u8; INLINE];
+        let len = match ip {
+            IpAddr::V4(v4) => write_ipv4(&mut bytes, v4.octets()),
+            IpAddr::V6(v6) => {
+                let mut out = Cursor { bytes: &mut bytes, len: 0 };
+                // An IPv6 address is at most 39 bytes of text: the write cannot fail.
+                let _ = fmt::write(&mut out, format_args!("{v6}"));
+                out.len
+            }
+        };
+        let mut ends = [0u16; MAX_TIERS];
+        ends[0] = len as u16;
+        TenantKey { path: Path::Inline(bytes), ends, depth: 1 }
     }
 
     /// A key of one tier.
@@ -108,7 +169,30 @@ impl TenantKey {
             ends[depth] = u16::try_from(path.len()).map_err(|_| KeyError::TooLong)?;
             depth += 1;
         }
-        Ok(TenantKey { path: (depth > 0).then(|| Arc::from(path)), ends, depth: depth as u8 })
+        let path = if depth == 0 {
+            Path::Global
+        } else if path.len() <= INLINE {
+            let mut bytes = [0u8; INLINE];
+            bytes[..path.len()].copy_from_slice(path.as_bytes());
+            Path::Inline(bytes)
+        } else {
+            Path::Shared(Arc::from(path))
+        };
+        Ok(TenantKey { path, ends, depth: depth as u8 })
+    }
+
+    /// The whole joined path (`None` for the global key).
+    #[inline]
+    fn full(&self) -> Option<&str> {
+        match &self.path {
+            Path::Global => None,
+            Path::Inline(bytes) => {
+                let len = usize::from(self.ends[usize::from(self.depth).saturating_sub(1)]);
+                // Inline bytes are always a copy of a whole `str`, cut at its end.
+                std::str::from_utf8(&bytes[..len]).ok()
+            }
+            Path::Shared(path) => Some(path),
+        }
     }
 
     /// How many tiers the key has.
@@ -121,7 +205,7 @@ impl TenantKey {
     /// The identifier at tier `i`, if the key is that deep.
     #[must_use]
     pub fn part(&self, i: usize) -> Option<&str> {
-        let path = self.path.as_deref()?;
+        let path = self.full()?;
         if i >= self.depth() {
             return None;
         }
@@ -139,7 +223,7 @@ impl TenantKey {
     #[must_use]
     #[inline]
     pub fn prefix(&self, tiers: usize) -> Option<&str> {
-        match (tiers, self.path.as_deref()) {
+        match (tiers, self.full()) {
             (0, _) => Some(""),
             (n, Some(path)) if n <= self.depth() => Some(&path[..usize::from(self.ends[n - 1])]),
             _ => None,
@@ -150,7 +234,7 @@ impl TenantKey {
     #[must_use]
     #[inline]
     pub fn is_global(&self) -> bool {
-        self.path.is_none()
+        matches!(self.path, Path::Global)
     }
 
     /// The first part: the broadest tier, which decides where the key's state lives.
@@ -176,6 +260,46 @@ impl fmt::Display for TenantKey {
 impl fmt::Debug for TenantKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.parts()).finish()
+    }
+}
+
+/// Writes an IPv4 address as dotted decimal; answers its length (at most 15).
+fn write_ipv4(out: &mut [u8; INLINE], octets: [u8; 4]) -> usize {
+    let mut len = 0;
+    for (i, octet) in octets.into_iter().enumerate() {
+        if i > 0 {
+            out[len] = b'.';
+            len += 1;
+        }
+        if octet >= 100 {
+            out[len] = b'0' + octet / 100;
+            len += 1;
+        }
+        if octet >= 10 {
+            out[len] = b'0' + (octet / 10) % 10;
+            len += 1;
+        }
+        out[len] = b'0' + octet % 10;
+        len += 1;
+    }
+    len
+}
+
+/// A `fmt::Write` into a fixed buffer.
+struct Cursor<'a> {
+    bytes: &'a mut [u8; INLINE],
+    len: usize,
+}
+
+impl fmt::Write for Cursor<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len + s.len();
+        if end > INLINE {
+            return Err(fmt::Error);
+        }
+        self.bytes[self.len..end].copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
     }
 }
 
@@ -207,5 +331,44 @@ mod tests {
         assert_eq!(TenantKey::new(["x"; 9]), Err(KeyError::TooManyTiers(9)));
         assert_eq!(TenantKey::new([&*"x".repeat(70_000)]), Err(KeyError::TooLong));
         assert_eq!(TenantKey::global().depth(), 0);
+    }
+
+    #[test]
+    fn short_and_long_paths_behave_alike() {
+        let long = "x".repeat(INLINE + 1);
+        for parts in [vec!["acme", "alice"], vec![&long, "bob"], vec!["a"; MAX_TIERS], vec![&long[..INLINE]]] {
+            let key = TenantKey::new(&parts).unwrap();
+            assert_eq!(key.parts().collect::<Vec<_>>(), parts);
+            assert_eq!(key, key.clone());
+            assert_eq!(key.prefix(1), Some(parts[0]));
+            let hashes = [&key, &TenantKey::new(&parts).unwrap()].map(|k| {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                k.hash(&mut h);
+                h.finish()
+            });
+            assert_eq!(hashes[0], hashes[1]);
+        }
+        assert_ne!(TenantKey::new(["ab"]).unwrap(), TenantKey::new(["a", "b"]).unwrap());
+        assert_ne!(TenantKey::single("").unwrap(), TenantKey::global());
+    }
+
+    #[test]
+    fn ip_keys_are_their_text() {
+        for text in [
+            "0.0.0.0",
+            "9.10.100.255",
+            "192.0.2.7",
+            "::",
+            "::1",
+            "2001:db8::7",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+            "::ffff:192.0.2.1",
+        ] {
+            let ip: IpAddr = text.parse().unwrap();
+            let key = TenantKey::from_ip(ip);
+            assert_eq!(key.to_string(), ip.to_string());
+            assert_eq!(key, TenantKey::single(ip.to_string()).unwrap());
+            assert_eq!(key.root(), ip.to_string());
+        }
     }
 }

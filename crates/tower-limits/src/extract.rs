@@ -179,7 +179,7 @@ impl<B> KeyExtractor<http::Request<B>> for PeerIp {
             .map(std::net::SocketAddr::ip)
             .or_else(|| req.extensions().get::<std::net::IpAddr>().copied())
             .ok_or(KeyMissing::new("no peer address extension"))?;
-        TenantKey::single(ip.to_string()).map_err(|_| KeyMissing::new("unusable peer address"))
+        Ok(TenantKey::from_ip(ip))
     }
 }
 
