@@ -24,6 +24,7 @@ fn config_text(plan: &str, extra: &str) -> String {
 [gateway]
 max_request_tokens = 100
 max_wait = "60s"
+models = ["m"]
 tenant_queue = 200
 
 [mirror]
