@@ -463,7 +463,7 @@ where
                 Ok(r) => r,
                 Err(e) => return Ok(e.response()),
             };
-            if !settings.models.iter().any(|m| *m == request.model) {
+            if !settings.models.contains(&request.model) {
                 return Ok(api::error_with_param(
                     StatusCode::NOT_FOUND,
                     "invalid_request_error",

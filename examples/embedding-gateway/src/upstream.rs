@@ -195,6 +195,15 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
         Ok(r) => r,
         Err(e) => return e.response(),
     };
+    if request.dimensions.is_some_and(|d| d > 4096) {
+        return api::error_with_param(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_dimensions",
+            Some("dimensions"),
+            "this model gives at most 4096 dimensions",
+        );
+    }
     let tokens = request.tokens();
     let (verdict, state) = account.admit(now, tokens);
     let mut response = match verdict {
