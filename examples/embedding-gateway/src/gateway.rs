@@ -312,6 +312,7 @@ impl Gateway {
                 body_timeout: config.gateway.body_timeout,
                 models: config.gateway.models.iter().cloned().collect(),
             })
+            .map_future(|answer: BoxFuture| async move { Ok::<_, Infallible>(with_openai_error(answer.await?).await) })
             .service(PlanLimits { plans: slot });
         let router = crate::health::routes(
             Router::new().route("/v1/embeddings", post_service(stack)),
@@ -356,6 +357,35 @@ impl Gateway {
         self.health.set_redis(backends);
         Ok(())
     }
+}
+
+/// The limit layers' refusals (`application/problem+json`, naming kind, limit and tier)
+/// with an OpenAI `error` object added, so that OpenAI's SDKs show their message:
+/// `{"error": {"message": <detail>, "type": "rate_limit_error" | "server_error", "param":
+/// null, "code": <kind>}}`. Every other answer passes untouched.
+async fn with_openai_error(answer: Response<Body>) -> Response<Body> {
+    let is_problem = answer.headers().get(header::CONTENT_TYPE).is_some_and(|v| v == "application/problem+json");
+    if !is_problem {
+        return answer;
+    }
+    let (mut parts, body) = answer.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    // The library's refusal bodies are small and already in memory.
+    let Ok(bytes) = Limited::new(body, 64 * 1024).collect().await.map(|b| b.to_bytes()) else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let Ok(serde_json::Value::Object(mut problem)) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    let kind = if parts.status == StatusCode::TOO_MANY_REQUESTS { "rate_limit_error" } else { "server_error" };
+    let error = serde_json::json!({
+        "message": problem.get("detail").cloned().unwrap_or_else(|| "refused".into()),
+        "type": kind,
+        "param": null,
+        "code": problem.get("kind").cloned().unwrap_or(serde_json::Value::Null),
+    });
+    problem.insert("error".into(), error);
+    Response::from_parts(parts, Body::from(serde_json::Value::Object(problem).to_string()))
 }
 
 /// `share` of every limit of `policy` (`1 / replicas`, at least 1 of each): what one
