@@ -4,16 +4,28 @@
 //! ```text
 //! POST /v1/embeddings
 //!   AuthLayer          Bearer key -> TenantKey + Identity          401
-//!   Prepare            body -> Cost(tokens), before the call      400, 413
+//!   Prepare            body (within body_timeout) -> the inputs    408, 400, 404 (model),
+//!                      in any OpenAI form -> Cost(tokens)          413
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (RateLimit fields,
-//!                      concurrency per tenant (LimitSetLayer)          JSON naming tier+limit)
+//!                      concurrency per tenant (LimitSetLayer,          JSON naming tier+limit
+//!                      in memory or on Redis)                          and OpenAI's error)
 //!   FairQueueLayer     tenants (orgs) take turns by weight for     429 tenant queue full,
 //!                      the LimitPool of upstream accounts; the     503 queue full or
 //!                      turn waits at the gate for an account       max_wait passed
 //!                      with room; InsertChosen names it
-//!   UpstreamCall       POST to the chosen account; Usage(total_tokens) settles every
-//!                      layer above; the upstream's x-ratelimit-* feed LimitPool::observe
+//!   UpstreamCall       POST to the chosen account within           504 upstream_timeout,
+//!                      upstream_timeout; Usage(total_tokens)       502 unreachable,
+//!                      settles every layer above; the upstream's   503 upstream 429
+//!                      x-ratelimit-* feed LimitPool::observe
+//! GET /v1/models, /healthz, /readyz                               see [`crate::health`]
 //! ```
+//!
+//! Each layer adds what it knows to the answer's [`AccessInfo`] (tenant, tokens, time
+//! queued, time upstream, account), which the server's access line reports.
+//!
+//! With Redis, the plans' services sit in a [`PlanSlot`]: a gateway can start before
+//! Redis answers ([`Gateway::awaiting_redis`], following `gateway.backend_failure`) and
+//! move its limits there when it does ([`Gateway::connect_redis`]).
 
 use std::convert::Infallible;
 use std::fmt;

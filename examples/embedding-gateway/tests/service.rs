@@ -370,6 +370,38 @@ async fn every_error_has_a_json_body_and_health_answers() {
 }
 
 #[test]
+fn the_service_keys_have_defaults_and_are_checked_with_their_line() {
+    use std::time::Duration;
+    let g = parse_config(&config_text("", "org = { rpm = 60 }", "http://127.0.0.1:9")).gateway;
+    assert_eq!(
+        (g.header_timeout, g.idle_timeout, g.body_timeout, g.shutdown_grace, g.upstream_timeout),
+        (
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+            Duration::from_secs(20),
+            Duration::from_secs(30)
+        )
+    );
+    assert_eq!(g.max_connections, 512);
+    let cases = [
+        ("header_timeout = \"0s\"", "gateway.header_timeout", "longer than zero"),
+        ("idle_timeout = \"soon\"", "gateway.idle_timeout", ""),
+        ("max_connections = 0", "gateway.max_connections", "at least 1"),
+        ("on_upstream_timeout = \"maybe\"", "gateway.on_upstream_timeout", "\"keep\" or \"refund\""),
+        ("backend_failure = \"pray\"", "gateway.backend_failure", "\"fail_closed\""),
+    ];
+    for (key, field, message) in cases {
+        let text = config_text(key, "org = { rpm = 60 }", "http://127.0.0.1:9");
+        let err = Config::parse(&text, Some("bad.toml")).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.message.contains(message), "{err}");
+        let line = text.lines().position(|l| l == key).unwrap() + 1;
+        assert_eq!(err.line, Some(line), "{err}");
+    }
+}
+
+#[test]
 fn duplicate_configuration_keys_are_named() {
     let text = config_text("max_wait = \"1s\"", "org = { rpm = 60 }", "http://127.0.0.1:9");
     let err = Config::parse(&text, Some("dup.toml")).unwrap_err();
