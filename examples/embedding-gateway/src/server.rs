@@ -14,10 +14,13 @@
 //! - **idle**: a keep-alive connection between requests. Longer than `idle_timeout`: it is
 //!   closed.
 //!
-//! At most `max_connections` connections are open at once. When they are all taken the
-//! server stops accepting: new connections wait in the kernel's listen backlog, which
-//! costs no file descriptor, until a connection closes (the timeouts above make sure one
-//! does). That is logged, at most once every few seconds. Failing `accept` calls (out of
+//! At most `max_connections` connections are open at once. When they are all taken, the
+//! connection that has waited longest without a request in flight (for its headers, or
+//! idle between requests) is closed to make room, and the next connection is accepted in
+//! its place: a crowd of silent connections cannot keep real clients out. When every
+//! connection has a request in flight, new connections wait in the kernel's listen
+//! backlog, which costs no file descriptor, until one closes. Either is logged, at most
+//! once every few seconds. Failing `accept` calls (out of
 //! file descriptors) are logged the same way and retried after a short pause, never in a
 //! busy loop.
 //!
@@ -35,7 +38,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -47,7 +50,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
@@ -206,6 +209,57 @@ async fn watchdog(mut phase: watch::Receiver<Phase>, settings: ServerSettings) -
     }
 }
 
+/// The open connections that may be evicted to make room, with their phases.
+#[derive(Debug, Default)]
+struct Registry {
+    next: std::sync::atomic::AtomicU64,
+    open: std::sync::Mutex<std::collections::HashMap<u64, (watch::Receiver<Phase>, Arc<Notify>)>>,
+}
+
+impl Registry {
+    fn next_id(&self) -> u64 {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn register(&self, id: u64, phase: watch::Receiver<Phase>) -> Arc<Notify> {
+        let evict = Arc::new(Notify::new());
+        self.open.lock().unwrap_or_else(PoisonError::into_inner).insert(id, (phase, evict.clone()));
+        evict
+    }
+
+    /// Tells the connection waiting longest for headers or for its next request to close;
+    /// whether there was one.
+    fn evict_oldest_waiting(&self) -> bool {
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let oldest = open
+            .iter()
+            .filter_map(|(id, (phase, _))| match *phase.borrow() {
+                Phase::Head { since } | Phase::Idle { since } => Some((since, *id)),
+                Phase::Busy { .. } => None,
+            })
+            .min();
+        let Some((_, id)) = oldest else { return false };
+        if let Some((_, evict)) = open.remove(&id) {
+            evict.notify_one();
+        }
+        true
+    }
+}
+
+/// A connection's place: its permit, and its entry in the registry (removed on drop).
+struct Slot {
+    permit: OwnedSemaphorePermit,
+    registry: Arc<Registry>,
+    id: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.registry.open.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+        let _ = &self.permit;
+    }
+}
+
 /// Rate-limited warnings of the accept loop.
 #[derive(Debug, Default)]
 struct AcceptLogs {
@@ -230,17 +284,37 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let logs = AcceptLogs::default();
+    let registry = Arc::new(Registry::default());
     let mut shutdown = pin!(shutdown);
     loop {
         while connections.try_join_next().is_some() {}
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = &mut shutdown => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                if let Some(suppressed) = logs.failed.ready() {
+                    tracing::warn!(error = %e, suppressed, "cannot accept a connection (out of file descriptors?); retrying");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         let permit = match permits.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
+                // Make room: the connection that has waited longest without a request in
+                // flight gives its place to this one.
+                let evicted = registry.evict_oldest_waiting();
                 if let Some(suppressed) = logs.full.ready() {
                     tracing::warn!(
                         max_connections = settings.max_connections,
+                        evicted,
                         suppressed,
-                        "connection limit reached: new connections wait in the listen backlog (gateway.max_connections)"
+                        "connection limit reached: closing the longest-waiting connection without a request \
+                         in flight, if any; otherwise new connections wait (gateway.max_connections)"
                     );
                 }
                 tokio::select! {
@@ -252,22 +326,8 @@ pub async fn serve(
                 }
             }
         };
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            () = &mut shutdown => break,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                connections.spawn(connection(stream, peer, router.clone(), settings, permit, stop_rx.clone()));
-            }
-            Err(e) => {
-                if let Some(suppressed) = logs.failed.ready() {
-                    tracing::warn!(error = %e, suppressed, "cannot accept a connection (out of file descriptors?); retrying");
-                }
-                drop(permit);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        let slot = Slot { permit, registry: registry.clone(), id: registry.next_id() };
+        connections.spawn(connection(stream, peer, router.clone(), settings, slot, stop_rx.clone()));
     }
 
     // Drain: not ready first, then no new connections, then close what is idle and let
@@ -300,12 +360,13 @@ async fn connection(
     peer: SocketAddr,
     router: Router,
     settings: ServerSettings,
-    permit: OwnedSemaphorePermit,
+    slot: Slot,
     mut stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
     let (phase_tx, phase_rx) = watch::channel(Phase::Head { since: Instant::now() });
     let phase: PhaseTx = Arc::new(phase_tx);
+    let evict = slot.registry.register(slot.id, phase_rx.clone());
     let io = TokioIo::new(Watched { stream, phase: phase.clone() });
     let service_phase = phase.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -335,6 +396,10 @@ async fn connection(
                 tracing::debug!(%peer, reason = why, "closing connection");
                 break;
             }
+            () = evict.notified() => {
+                tracing::debug!(%peer, "closing connection to make room (max_connections)");
+                break;
+            }
             changed = stop.changed(), if !draining => {
                 if changed.is_err() || *stop.borrow() {
                     draining = true;
@@ -343,7 +408,7 @@ async fn connection(
             }
         }
     }
-    drop(permit);
+    drop(slot);
 }
 
 async fn handle(router: Router, req: Request<Incoming>, in_flight: InFlight, access_log: bool) -> Response<Body> {

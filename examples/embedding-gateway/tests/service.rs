@@ -136,14 +136,17 @@ async fn stalled_clients_are_closed_within_their_timeouts() {
 }
 
 #[tokio::test]
-async fn beyond_max_connections_new_connections_wait_instead_of_failing() {
-    let (running, _) = gateway_with("max_connections = 2\nheader_timeout = \"300ms\"", "org = { rpm = 6000 }").await;
+async fn at_max_connections_a_silent_connection_makes_room_for_a_real_client() {
+    // Headers may take a minute: only the limit can free a connection here.
+    let (running, _) = gateway_with("max_connections = 2\nheader_timeout = \"60s\"", "org = { rpm = 6000 }").await;
     // Two clients take every connection and send nothing.
-    let _a = TcpStream::connect(running.addr).await.unwrap();
+    let mut a = TcpStream::connect(running.addr).await.unwrap();
     let _b = TcpStream::connect(running.addr).await.unwrap();
-    // A real client is answered once the header timeout frees a connection.
+    // A real client is answered at once: the oldest silent connection is closed for it.
     let answer = http(running.addr, "GET", "/healthz", None, None).await;
     assert_eq!(answer.status, 200);
+    let mut read = Vec::new();
+    assert!(closed_by_peer(&mut a, &mut read).await, "the oldest silent connection was not the one closed");
     running.stop().await;
 }
 
