@@ -213,8 +213,11 @@ async fn watchdog(mut phase: watch::Receiver<Phase>, settings: ServerSettings) -
 #[derive(Debug, Default)]
 struct Registry {
     next: std::sync::atomic::AtomicU64,
-    open: std::sync::Mutex<std::collections::HashMap<u64, (watch::Receiver<Phase>, Arc<Notify>)>>,
+    open: std::sync::Mutex<std::collections::HashMap<u64, Evictable>>,
 }
+
+/// An open connection's phase, and how to tell it to close.
+type Evictable = (watch::Receiver<Phase>, Arc<Notify>);
 
 impl Registry {
     fn next_id(&self) -> u64 {
@@ -255,8 +258,8 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        // The permit is released right after, with the other fields.
         self.registry.open.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
-        let _ = &self.permit;
     }
 }
 
