@@ -251,7 +251,8 @@ impl Registry {
 
 /// A connection's place: its permit, and its entry in the registry (removed on drop).
 struct Slot {
-    permit: OwnedSemaphorePermit,
+    /// Held, never read: dropping it frees the place.
+    _permit: OwnedSemaphorePermit,
     registry: Arc<Registry>,
     id: u64,
 }
@@ -329,7 +330,7 @@ pub async fn serve(
                 }
             }
         };
-        let slot = Slot { permit, registry: registry.clone(), id: registry.next_id() };
+        let slot = Slot { _permit: permit, registry: registry.clone(), id: registry.next_id() };
         connections.spawn(connection(stream, peer, router.clone(), settings, slot, stop_rx.clone()));
     }
 
