@@ -533,7 +533,8 @@ where
             parts.extensions.insert(Cost(tokens));
             parts.extensions.insert(Prepared { body, tokens, inputs: request.inputs.len() });
             let mut response = inner.call(Request::from_parts(parts, Body::empty())).await?;
-            response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens = Some(tokens);
+            // The upstream's count when it gave one, the estimate otherwise.
+            response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens.get_or_insert(tokens);
             Ok(response)
         })
     }
@@ -545,7 +546,7 @@ where
 pub struct AccessInfo {
     /// The tenant, once authenticated.
     pub tenant: Option<Arc<str>>,
-    /// The request's tokens (the estimate; the answer's usage when it came).
+    /// The request's tokens: the upstream's count when it answered, the estimate otherwise.
     pub tokens: Option<u64>,
     /// From arrival to the upstream call.
     pub queued: Option<Duration>,
@@ -709,7 +710,8 @@ impl UpstreamCall {
         if let Some(q) = queued {
             h.insert(QUEUE_TIME_HEADER, HeaderValue::from(q.as_micros() as u64));
         }
-        out.extensions_mut().insert(info);
+        let usage = out.extensions().get::<Usage>().map(|u| u.0);
+        out.extensions_mut().insert(AccessInfo { tokens: usage.or(info.tokens), ..info });
         out
     }
 
