@@ -485,7 +485,7 @@ fn after_a_redis_stall_nothing_in_flight_means_nothing_held() {
         }
         // Redis stalls; requests meanwhile time out until the breaker opens.
         let sleeper = server.clone();
-        let stall = tokio::task::spawn_blocking(move || sleeper.command(&["DEBUG", "SLEEP", "1.5"]));
+        let stall = tokio::task::spawn_blocking(move || sleeper.command(&["DEBUG", "SLEEP", "2.5"]));
         loop {
             let (status, body) = send("sk-globex-bob", "pass").await;
             assert!(tokio::time::Instant::now() < deadline, "redis never stalled");
