@@ -917,7 +917,12 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
     let deadline = tokio::time::Instant::now() + retry_for;
     let mut backoff = Duration::from_millis(10);
     loop {
-        if inner.breaker.gate() != Gate::Open {
+        // Sent even while the breaker is open (the breaker spares the request path, and
+        // the backoff bounds these): sent now, a release (and the settle it waits for)
+        // reaches Redis before any acquisition sent later on the connection. Held back,
+        // the holds of requests that ended during a stall outlived it and refused new
+        // requests until the release's backoff ran out.
+        {
             let (now_us, now_sub) = inner.now_args(op.now);
             let n = |v: u64| v.min(EXACT).to_string();
             let (us, sub, acq) = (n(op.us), n(op.sub), n(op.acquired));

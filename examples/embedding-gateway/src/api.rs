@@ -1,37 +1,229 @@
 //! The OpenAI-compatible wire format of `POST /v1/embeddings`, and error bodies.
+//!
+//! Every error the gateway itself answers, whatever its status, has a JSON body in
+//! OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 use axum::body::Body;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
-/// The request body: `{"model": "...", "input": "text" or ["text", ...]}`. Other fields
-/// (`encoding_format`, `user`, ...) are accepted and passed on untouched.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// The most inputs one request may carry (OpenAI's limit).
+pub const MAX_INPUTS: usize = 2048;
+
+/// A request body of `POST /v1/embeddings`, checked: `{"model": "...", "input": ...}`
+/// with the optional `dimensions` and `encoding_format`. Other fields (`user`, ...) are
+/// accepted and passed on untouched.
+///
+/// `input` takes every form OpenAI takes: a string, an array of strings, an array of
+/// token ids, or an array of arrays of token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EmbeddingRequest {
     /// The model asked for.
     pub model: String,
-    /// One text or several.
-    pub input: Input,
+    /// The inputs, in order (one for a string or a single token array).
+    pub inputs: Vec<Input>,
+    /// The length of the vectors asked for, if any.
+    pub dimensions: Option<u64>,
+    /// How the vectors are to be encoded.
+    pub encoding_format: EncodingFormat,
 }
 
-/// One input text or several.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(untagged)]
+/// One input of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Input {
-    /// A single text.
-    One(String),
-    /// A batch of texts.
-    Many(Vec<String>),
+    /// A text.
+    Text(String),
+    /// Token ids, each one token.
+    Tokens(Vec<u64>),
 }
 
 impl Input {
-    /// The texts, in order.
+    /// Its tokens: counted by [`tokenizer`](crate::tokenizer) for a text, one per id for
+    /// token ids.
     #[must_use]
-    pub fn texts(&self) -> Vec<&str> {
+    pub fn tokens(&self) -> u64 {
         match self {
-            Input::One(s) => vec![s.as_str()],
-            Input::Many(v) => v.iter().map(String::as_str).collect(),
+            Input::Text(t) => crate::tokenizer::count(t),
+            Input::Tokens(ids) => ids.len() as u64,
         }
+    }
+
+    /// A stable text standing for the input, to seed the mock's embedding with.
+    #[must_use]
+    pub fn seed_text(&self) -> String {
+        match self {
+            Input::Text(t) => t.clone(),
+            Input::Tokens(ids) => ids.iter().map(u64::to_string).collect::<Vec<_>>().join(" "),
+        }
+    }
+}
+
+/// How vectors are encoded in the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EncodingFormat {
+    /// Arrays of numbers (the default).
+    #[default]
+    Float,
+    /// Base64 of the little-endian `f32`s, as OpenAI sends it.
+    Base64,
+}
+
+/// Why a request body was refused: the parameter at fault and a message in the terms of
+/// the API (`400`, `invalid_request_error`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestError {
+    /// The parameter at fault (`input`, `model`, ...), if one is.
+    pub param: Option<&'static str>,
+    /// A short machine-readable code.
+    pub code: &'static str,
+    /// What is wrong, for a person.
+    pub message: String,
+}
+
+impl RequestError {
+    fn new(param: Option<&'static str>, code: &'static str, message: impl Into<String>) -> Self {
+        RequestError { param, code, message: message.into() }
+    }
+
+    /// The `400` answer.
+    #[must_use]
+    pub fn response(&self) -> Response<Body> {
+        error_with_param(StatusCode::BAD_REQUEST, "invalid_request_error", self.code, self.param, &self.message)
+    }
+}
+
+const INPUT_FORMS: &str = "a string, an array of strings, an array of token ids (whole numbers) \
+     or an array of arrays of token ids";
+
+impl EmbeddingRequest {
+    /// Reads and checks a request body.
+    ///
+    /// # Errors
+    /// What is wrong with it, naming the parameter.
+    pub fn parse(body: &[u8]) -> Result<Self, RequestError> {
+        let value: serde_json::Value = serde_json::from_slice(body)
+            .map_err(|e| RequestError::new(None, "invalid_json", format!("the body is not valid JSON: {e}")))?;
+        let serde_json::Value::Object(map) = value else {
+            return Err(RequestError::new(
+                None,
+                "invalid_json",
+                "the body must be a JSON object such as {\"model\": \"...\", \"input\": \"some text\"}",
+            ));
+        };
+        let model = match map.get("model") {
+            Some(serde_json::Value::String(m)) if !m.is_empty() => m.clone(),
+            None | Some(serde_json::Value::Null) => {
+                return Err(RequestError::new(Some("model"), "missing_model", "you must name a `model`"));
+            }
+            Some(_) => {
+                return Err(RequestError::new(Some("model"), "invalid_model", "`model` must be a non-empty string"));
+            }
+        };
+        let input = map.get("input").filter(|v| !v.is_null()).ok_or_else(|| {
+            RequestError::new(Some("input"), "missing_input", format!("`input` is missing: give {INPUT_FORMS}"))
+        })?;
+        let inputs = parse_input(input)?;
+        let dimensions = match map.get("dimensions") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(d) if (1..=65_536).contains(&d) => Some(d),
+                _ => {
+                    return Err(RequestError::new(
+                        Some("dimensions"),
+                        "invalid_dimensions",
+                        "`dimensions` must be a whole number of at least 1",
+                    ));
+                }
+            },
+        };
+        let encoding_format = match map.get("encoding_format") {
+            None | Some(serde_json::Value::Null) => EncodingFormat::Float,
+            Some(serde_json::Value::String(f)) if f == "float" => EncodingFormat::Float,
+            Some(serde_json::Value::String(f)) if f == "base64" => EncodingFormat::Base64,
+            Some(_) => {
+                return Err(RequestError::new(
+                    Some("encoding_format"),
+                    "invalid_encoding_format",
+                    "`encoding_format` must be \"float\" or \"base64\"",
+                ));
+            }
+        };
+        Ok(EmbeddingRequest { model, inputs, dimensions, encoding_format })
+    }
+
+    /// The tokens of every input.
+    #[must_use]
+    pub fn tokens(&self) -> u64 {
+        self.inputs.iter().map(Input::tokens).sum()
+    }
+}
+
+fn parse_input(input: &serde_json::Value) -> Result<Vec<Input>, RequestError> {
+    use serde_json::Value;
+    let wrong = || RequestError::new(Some("input"), "invalid_input", format!("`input` must be {INPUT_FORMS}"));
+    let empty = |what: String| {
+        RequestError::new(Some("input"), "invalid_input", format!("{what} is empty: every input needs text or tokens"))
+    };
+    let token = |v: &Value, at: String| {
+        v.as_u64().ok_or_else(|| {
+            RequestError::new(
+                Some("input"),
+                "invalid_input",
+                format!("{at} is not a token id: token ids are whole numbers of at least 0"),
+            )
+        })
+    };
+    match input {
+        Value::String(s) if s.is_empty() => Err(empty("`input`".into())),
+        Value::String(s) => Ok(vec![Input::Text(s.clone())]),
+        Value::Array(items) => {
+            if items.is_empty() {
+                return Err(empty("`input`".into()));
+            }
+            if items.len() > MAX_INPUTS {
+                return Err(RequestError::new(
+                    Some("input"),
+                    "too_many_inputs",
+                    format!("`input` has {} items; a request may carry at most {MAX_INPUTS}", items.len()),
+                ));
+            }
+            match &items[0] {
+                // One token array.
+                Value::Number(_) => {
+                    let ids = items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| token(v, format!("`input[{i}]`")))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Ok(vec![Input::Tokens(ids)])
+                }
+                Value::String(_) => items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::String(s) if s.is_empty() => Err(empty(format!("`input[{i}]`"))),
+                        Value::String(s) => Ok(Input::Text(s.clone())),
+                        _ => Err(wrong()),
+                    })
+                    .collect(),
+                Value::Array(_) => items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| match v {
+                        Value::Array(ids) if ids.is_empty() => Err(empty(format!("`input[{i}]`"))),
+                        Value::Array(ids) => ids
+                            .iter()
+                            .enumerate()
+                            .map(|(j, t)| token(t, format!("`input[{i}][{j}]`")))
+                            .collect::<Result<Vec<_>, _>>()
+                            .map(Input::Tokens),
+                        _ => Err(wrong()),
+                    })
+                    .collect(),
+                _ => Err(wrong()),
+            }
+        }
+        _ => Err(wrong()),
     }
 }
 
@@ -56,7 +248,38 @@ pub struct Embedding {
     /// The input's position.
     pub index: usize,
     /// The vector.
-    pub embedding: Vec<f32>,
+    pub embedding: Vector,
+}
+
+/// A vector as sent: numbers, or base64 of little-endian `f32`s.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Vector {
+    /// `encoding_format: "float"`.
+    Float(Vec<f32>),
+    /// `encoding_format: "base64"`.
+    Base64(String),
+}
+
+/// Base64 (standard alphabet, padded) of the little-endian bytes of `v`: what OpenAI
+/// sends for `encoding_format: "base64"`.
+#[must_use]
+pub fn base64_f32(v: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 /// The `usage` member of an answer.
@@ -75,10 +298,23 @@ pub struct UsageOnly {
     pub usage: UsageReport,
 }
 
-/// A JSON error answer in OpenAI's shape: `{"error": {"message", "type", "code"}}`.
+/// A JSON error answer in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
+/// (`param` null).
 #[must_use]
 pub fn error_response(status: StatusCode, kind: &str, code: &str, message: &str) -> Response<Body> {
-    let body = serde_json::json!({ "error": { "message": message, "type": kind, "code": code } });
+    error_with_param(status, kind, code, None, message)
+}
+
+/// A JSON error answer in OpenAI's shape naming the parameter at fault.
+#[must_use]
+pub fn error_with_param(
+    status: StatusCode,
+    kind: &str,
+    code: &str,
+    param: Option<&str>,
+    message: &str,
+) -> Response<Body> {
+    let body = serde_json::json!({ "error": { "message": message, "type": kind, "param": param, "code": code } });
     let mut response = Response::new(Body::from(body.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -138,10 +138,16 @@ where
             response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return Box::pin(std::future::ready(Ok(response)));
         };
+        let tenant = identity.tenant.clone();
         req.extensions_mut().insert(identity.key.clone());
         req.extensions_mut().insert(identity.fair.clone());
         req.extensions_mut().insert(identity);
         req.extensions_mut().insert(arrived);
-        Box::pin(self.inner.call(req))
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let mut response = fut.await?;
+            response.extensions_mut().get_or_insert_default::<crate::gateway::AccessInfo>().tenant = Some(tenant);
+            Ok(response)
+        })
     }
 }

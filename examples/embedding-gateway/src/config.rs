@@ -96,6 +96,50 @@ pub struct GatewaySettings {
     pub queue: usize,
     /// How an upstream account is chosen for each request.
     pub selection: Selection,
+    /// The models `GET /v1/models` lists and requests may name (others: `404`).
+    pub models: Vec<String>,
+    /// How long a client has to send a request's headers once its connection is open, or
+    /// once it sent the first byte of the next request.
+    pub header_timeout: Duration,
+    /// How long a keep-alive connection may sit idle between requests.
+    pub idle_timeout: Duration,
+    /// How long a client has to send a request's body once its headers arrived (`408`).
+    pub body_timeout: Duration,
+    /// The most client connections open at once; beyond it new connections wait in the
+    /// listen backlog until one closes.
+    pub max_connections: usize,
+    /// On SIGTERM or SIGINT: how long requests in flight get to finish before the process
+    /// exits anyway.
+    pub shutdown_grace: Duration,
+    /// The longest an upstream call may take, answer included (`504` after it).
+    pub upstream_timeout: Duration,
+    /// Whether a request whose upstream call timed out keeps its token charge (the
+    /// upstream may have counted it) or gets it back.
+    pub on_upstream_timeout: TimeoutCharge,
+    /// What the tenants' limits do while their shared backend (Redis) cannot answer.
+    pub backend_failure: BackendFailure,
+}
+
+/// What a request whose upstream call timed out is charged (`gateway.on_upstream_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeoutCharge {
+    /// Keep the estimate: the upstream may have counted the request (`"keep"`, the default).
+    Keep,
+    /// Give the tokens back to the tenant's plan and to the account's mirror (`"refund"`).
+    Refund,
+}
+
+/// What the tenants' limits do while Redis cannot answer (`gateway.backend_failure`;
+/// only with `--redis`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendFailure {
+    /// Refuse with `503` (`"fail_closed"`).
+    FailClosed,
+    /// Admit without the tenants' limits (`"fail_open"`); the upstream mirrors still hold.
+    FailOpen,
+    /// Decide in this replica with `1 / replicas` of every limit (`"fallback"`, the
+    /// default).
+    Fallback,
 }
 
 /// How each upstream account's local mirror is sized (see the crate docs for why).
@@ -289,6 +333,15 @@ struct RawGateway {
     tenant_queue: Option<S<u64>>,
     queue: Option<S<u64>>,
     selection: Option<S<String>>,
+    models: Option<S<Vec<S<String>>>>,
+    header_timeout: Option<S<String>>,
+    idle_timeout: Option<S<String>>,
+    body_timeout: Option<S<String>>,
+    max_connections: Option<S<u64>>,
+    shutdown_grace: Option<S<String>>,
+    upstream_timeout: Option<S<String>>,
+    on_upstream_timeout: Option<S<String>>,
+    backend_failure: Option<S<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -418,7 +471,10 @@ impl Config {
     /// Its first problem, with field and line.
     pub fn parse(text: &str, file: Option<&str>) -> Result<Self, ConfigError> {
         let src = Source { text, file: file.map(str::to_owned) };
-        let de = toml::Deserializer::parse(text).map_err(|e| src.error(e.span(), "", e.message().to_owned()))?;
+        let de = toml::Deserializer::parse(text).map_err(|e| match duplicate_key(text, e.message(), e.span()) {
+            Some((field, message)) => src.error(e.span(), field, message),
+            None => src.error(e.span(), "", e.message().to_owned()),
+        })?;
         let raw: Raw = serde_path_to_error::deserialize(de).map_err(|e| {
             // Spanned values add a segment of their own to the path.
             let field = e.path().to_string();
@@ -430,6 +486,34 @@ impl Config {
         })?;
         validate(&src, raw)
     }
+}
+
+/// For TOML's "duplicate key" error, which points at the key without naming it: the key's
+/// dotted path (under the table header above it) and a message naming it.
+fn duplicate_key(text: &str, message: &str, span: Option<Range<usize>>) -> Option<(String, String)> {
+    if !message.starts_with("duplicate key") {
+        return None;
+    }
+    let span = span?;
+    let key = text.get(span.clone())?.trim().trim_matches(|c| c == '"' || c == '\'');
+    if key.is_empty() {
+        return None;
+    }
+    // The table the key is in: the last header before it (`[gateway]`, `[[tenant]]`).
+    let before = text.get(..span.start)?;
+    let table = before
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_start_matches('[').split(']').next().unwrap_or("").trim().to_owned());
+    let field = match &table {
+        // A key of the table's header line itself (`[plan.basic]` twice) names the table.
+        Some(t) if !t.is_empty() && !t.ends_with(key) => format!("{t}.{key}"),
+        Some(t) if !t.is_empty() => t.clone(),
+        _ => key.to_owned(),
+    };
+    Some((field.clone(), format!("`{field}` is set twice (a key may appear once per table)")))
 }
 
 fn duration(src: &Source<'_>, value: &S<String>, field: &str) -> Result<Duration, ConfigError> {
@@ -530,6 +614,75 @@ fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError> {
                     v,
                     "gateway.selection",
                     format!("{other:?} is not one of \"round_robin\", \"random\", \"most_headroom\""),
+                ));
+            }
+        },
+    };
+
+    let models = match &g.models {
+        None => vec!["mock-embedding-small".to_owned()],
+        Some(list) => {
+            if list.get_ref().is_empty() {
+                return Err(src.at(list, "gateway.models", "name at least one model"));
+            }
+            let mut seen = HashSet::new();
+            for (i, m) in list.get_ref().iter().enumerate() {
+                if m.get_ref().trim().is_empty() {
+                    return Err(src.at(m, format!("gateway.models[{i}]"), "must not be empty"));
+                }
+                if !seen.insert(m.get_ref().clone()) {
+                    return Err(src.at(m, format!("gateway.models[{i}]"), format!("{:?} is named twice", m.get_ref())));
+                }
+            }
+            list.get_ref().iter().map(|m| m.get_ref().clone()).collect()
+        }
+    };
+    let positive = |v: &Option<S<String>>, field: &str, default: Duration| -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(v) => {
+                let d = duration(src, v, field)?;
+                if d.is_zero() || d > Duration::from_secs(24 * 3600) {
+                    return Err(src.at(v, field, "must be longer than zero and at most 24h"));
+                }
+                Ok(d)
+            }
+        }
+    };
+    let header_timeout = positive(&g.header_timeout, "gateway.header_timeout", Duration::from_secs(10))?;
+    let idle_timeout = positive(&g.idle_timeout, "gateway.idle_timeout", Duration::from_secs(60))?;
+    let body_timeout = positive(&g.body_timeout, "gateway.body_timeout", Duration::from_secs(30))?;
+    let shutdown_grace = positive(&g.shutdown_grace, "gateway.shutdown_grace", Duration::from_secs(20))?;
+    let upstream_timeout = positive(&g.upstream_timeout, "gateway.upstream_timeout", Duration::from_secs(30))?;
+    let max_connections = match &g.max_connections {
+        Some(v) => at_least(src, v, "gateway.max_connections", 1, 1 << 20)? as usize,
+        None => 512,
+    };
+    let on_upstream_timeout = match &g.on_upstream_timeout {
+        None => TimeoutCharge::Keep,
+        Some(v) => match v.get_ref().as_str() {
+            "keep" => TimeoutCharge::Keep,
+            "refund" => TimeoutCharge::Refund,
+            other => {
+                return Err(src.at(
+                    v,
+                    "gateway.on_upstream_timeout",
+                    format!("{other:?} is not \"keep\" or \"refund\""),
+                ));
+            }
+        },
+    };
+    let backend_failure = match &g.backend_failure {
+        None => BackendFailure::Fallback,
+        Some(v) => match v.get_ref().as_str() {
+            "fail_closed" => BackendFailure::FailClosed,
+            "fail_open" => BackendFailure::FailOpen,
+            "fallback" => BackendFailure::Fallback,
+            other => {
+                return Err(src.at(
+                    v,
+                    "gateway.backend_failure",
+                    format!("{other:?} is not one of \"fail_closed\", \"fail_open\", \"fallback\""),
                 ));
             }
         },
@@ -809,6 +962,15 @@ fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError> {
             tenant_queue,
             queue,
             selection,
+            models,
+            header_timeout,
+            idle_timeout,
+            body_timeout,
+            max_connections,
+            shutdown_grace,
+            upstream_timeout,
+            on_upstream_timeout,
+            backend_failure,
         },
         mirror,
         upstream,

@@ -4,22 +4,35 @@
 //! ```text
 //! POST /v1/embeddings
 //!   AuthLayer          Bearer key -> TenantKey + Identity          401
-//!   Prepare            body -> Cost(tokens), before the call      400, 413
+//!   Prepare            body (within body_timeout) -> the inputs    408, 400, 404 (model),
+//!                      in any OpenAI form -> Cost(tokens)          413
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (RateLimit fields,
-//!                      concurrency per tenant (LimitSetLayer)          JSON naming tier+limit)
+//!                      concurrency per tenant (LimitSetLayer,          JSON naming tier+limit
+//!                      in memory or on Redis)                          and OpenAI's error)
 //!   FairQueueLayer     tenants (orgs) take turns by weight for     429 tenant queue full,
 //!                      the LimitPool of upstream accounts; the     503 queue full or
 //!                      turn waits at the gate for an account       max_wait passed
 //!                      with room; InsertChosen names it
-//!   UpstreamCall       POST to the chosen account; Usage(total_tokens) settles every
-//!                      layer above; the upstream's x-ratelimit-* feed LimitPool::observe
+//!   UpstreamCall       POST to the chosen account within           504 upstream_timeout,
+//!                      upstream_timeout; Usage(total_tokens)       502 unreachable,
+//!                      settles every layer above; the upstream's   503 upstream 429
+//!                      x-ratelimit-* feed LimitPool::observe
+//! GET /v1/models, /healthz, /readyz                               see [`crate::health`]
 //! ```
+//!
+//! Each layer adds what it knows to the answer's [`AccessInfo`] (tenant, tokens, time
+//! queued, time upstream, account), which the server's access line reports.
+//!
+//! With Redis, the plans' services sit in a [`PlanSlot`]: a gateway can start before
+//! Redis answers ([`Gateway::awaiting_redis`], following `gateway.backend_failure`) and
+//! move its limits there when it does ([`Gateway::connect_redis`]).
 
 use std::convert::Infallible;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -31,14 +44,17 @@ use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
 use tower_limits::http::{HttpAnswer, upstream_report};
-use tower_limits::{Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, TenantKey};
-use tower_limits_redis::{RedisBackend, RedisConnection};
+use tower_limits::{
+    Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
+};
+use tower_limits_redis::{FailurePolicy, RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest, UsageOnly};
 use crate::auth::{Arrived, AuthLayer, FairTenant, Identity};
-use crate::config::{Account, Config};
-use crate::tokenizer;
+use crate::config::{Account, BackendFailure, Config, TimeoutCharge};
+use crate::health::Health;
+use crate::logging::Throttle;
 
 /// How the gateway reaches the upstream: HTTP in production, or a router in the same
 /// process (tests).
@@ -73,8 +89,16 @@ pub fn in_process(router: Router) -> Transport {
 pub struct GatewayStats {
     /// Answers `429` from the upstream (the mirror's whole point is to keep this at zero).
     pub upstream_refusals: AtomicU64,
-    /// Upstream calls that failed (connection errors, unreadable answers).
+    /// Upstream calls that failed (connection errors, unreadable answers, 5xx).
     pub upstream_errors: AtomicU64,
+    /// Upstream calls that took longer than `gateway.upstream_timeout` (answered `504`).
+    pub upstream_timeouts: AtomicU64,
+    /// Rate limits the warnings about upstream errors.
+    pub error_log: Throttle,
+    /// Rate limits the warnings about upstream `429`s.
+    pub refusal_log: Throttle,
+    /// Rate limits the warnings about upstream timeouts.
+    pub timeout_log: Throttle,
 }
 
 /// The request's body and token count, as read by [`Prepare`].
@@ -128,17 +152,57 @@ impl Sharing {
 }
 
 /// The service behind each plan's limits, its backend's type erased.
-type PlanService = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
+pub type PlanService = BoxCloneSyncService<Request<Body>, Response<Body>, Infallible>;
 
 /// A built gateway: its router and what the demo and tests look at.
 #[derive(Debug, Clone)]
 pub struct Gateway {
-    /// `POST /v1/embeddings`.
+    /// `POST /v1/embeddings`, `GET /v1/models`, `/healthz`, `/readyz`; JSON errors for the
+    /// rest.
     pub router: Router,
     /// The upstream accounts' mirrors.
     pub pool: LimitPool<Account>,
     /// Counters.
     pub stats: Arc<GatewayStats>,
+    /// Liveness, readiness and the limits backend's state.
+    pub health: Arc<Health>,
+    /// Builds the plans' Redis-backed services once a connection exists (see
+    /// [`Gateway::connect_redis`]).
+    redis_plans: Option<Arc<RedisPlans>>,
+}
+
+/// What it takes to build the plans' services on Redis later.
+struct RedisPlans {
+    plans: Vec<(String, LimitSetPolicy)>,
+    namespace: String,
+    failure: FailurePolicy,
+    inner: PlanService,
+    slot: PlanSlot,
+}
+
+impl fmt::Debug for RedisPlans {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPlans").field("namespace", &self.namespace).finish_non_exhaustive()
+    }
+}
+
+/// The plans' services, replaceable while the gateway serves (when Redis answers for the
+/// first time).
+pub type PlanSlot = Arc<RwLock<Arc<[PlanService]>>>;
+
+/// Every plan's limits: a `LimitSetLayer` (in memory or on Redis) keyed by the tenant's
+/// tiers, costed by its tokens, settled by the upstream's usage, over `inner`.
+macro_rules! plan_layer {
+    ($layer:expr, $inner:expr) => {
+        BoxCloneSyncService::new(
+            $layer
+                .key(FromExtension::<TenantKey>::new())
+                .cost(CostFromExtension)
+                .usage(UsageFromExtension)
+                .reject_with(HttpAnswer::new().with_json_body().with_openai_fields().on_success())
+                .layer($inner),
+        )
+    };
 }
 
 impl Gateway {
@@ -157,7 +221,25 @@ impl Gateway {
     /// A plan or pool the library refuses, or accounts too small to split between the
     /// replicas.
     pub fn with_sharing(config: &Config, transport: Transport, sharing: &Sharing) -> Result<Self, BoxError> {
-        let replicas = sharing.replicas();
+        let gateway = Self::build(config, transport, sharing.replicas(), !matches!(sharing, Sharing::InMemory))?;
+        if let Sharing::Redis { connection, namespace, .. } = sharing {
+            gateway.connect_redis_in(connection, Some(namespace))?;
+        }
+        Ok(gateway)
+    }
+
+    /// Builds one of `replicas` replicas sharing the tenants' limits through Redis, before
+    /// Redis could be reached: until [`Gateway::connect_redis`], the tenants' limits follow
+    /// `gateway.backend_failure` (refuse with `503`, admit, or decide in this replica with
+    /// `1 / replicas` of every limit).
+    ///
+    /// # Errors
+    /// As [`Gateway::with_sharing`].
+    pub fn awaiting_redis(config: &Config, transport: Transport, replicas: u64) -> Result<Self, BoxError> {
+        Self::build(config, transport, replicas.max(1), true)
+    }
+
+    fn build(config: &Config, transport: Transport, replicas: u64, redis: bool) -> Result<Self, BoxError> {
         let mut pool = LimitPool::builder(config.gateway.selection);
         for account in &config.accounts {
             let mirror = account
@@ -186,65 +268,172 @@ impl Gateway {
             .max_queue_time(config.gateway.max_wait)
             .reject_with(HttpAnswer::new().with_json_body());
         let clock = shared.clone();
-        let call =
-            UpstreamCall { transport, pool: pool.clone(), now: Arc::new(move || clock.now()), stats: stats.clone() };
-        let inner = ServiceBuilder::new().layer(shared).service(call);
+        let now: Arc<dyn Fn() -> Instant + Send + Sync> = Arc::new(move || clock.now());
+        let call = UpstreamCall {
+            transport,
+            timeout: config.gateway.upstream_timeout,
+            on_timeout: config.gateway.on_upstream_timeout,
+            pool: pool.clone(),
+            now: now.clone(),
+            stats: stats.clone(),
+        };
+        let inner: PlanService = BoxCloneSyncService::new(ServiceBuilder::new().layer(shared).service(call));
 
-        let answer = HttpAnswer::new().with_json_body().with_openai_fields().on_success();
+        let failure = config.gateway.backend_failure;
         let mut plans: Vec<PlanService> = Vec::new();
         for plan in &config.plans {
-            let service = match sharing {
-                Sharing::InMemory => BoxCloneSyncService::new(
-                    LimitSetLayer::new(plan.policy.clone())?
-                        .key(FromExtension::<TenantKey>::new())
-                        .cost(CostFromExtension)
-                        .usage(UsageFromExtension)
-                        .reject_with(answer)
-                        .layer(inner.clone()),
-                ),
-                Sharing::Redis { connection, namespace, .. } => {
-                    let backend = RedisBackend::builder(plan.policy.clone())
-                        .namespace(format!("{namespace}:plan:{}", plan.name))
-                        // Loopback or LAN: generous for a busy machine, still short.
-                        .timeout(std::time::Duration::from_millis(250))
-                        .build(connection)?;
-                    BoxCloneSyncService::new(
-                        LimitSetLayer::with_backend(backend)
-                            .key(FromExtension::<TenantKey>::new())
-                            .cost(CostFromExtension)
-                            .usage(UsageFromExtension)
-                            .reject_with(answer)
-                            .layer(inner.clone()),
-                    )
+            let service = match (redis, failure) {
+                (false, _) => plan_layer!(LimitSetLayer::new(plan.policy.clone())?, inner.clone()),
+                // Until Redis answers: the failure policy.
+                (true, BackendFailure::FailClosed) => BoxCloneSyncService::new(tower::service_fn(|_req| async {
+                    Ok::<_, Infallible>(api::error_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "limits_unavailable",
+                        "the tenants' limits cannot be checked right now (their store does not answer); try again",
+                    ))
+                })),
+                (true, BackendFailure::FailOpen) => inner.clone(),
+                (true, BackendFailure::Fallback) => {
+                    plan_layer!(LimitSetLayer::new(share_of(&plan.policy, replicas))?, inner.clone())
                 }
             };
             plans.push(service);
         }
+        let slot: PlanSlot = Arc::new(RwLock::new(plans.into()));
+        let health = Arc::new(Health::new(pool.clone(), now, failure, redis));
+        let redis_plans = redis.then(|| {
+            Arc::new(RedisPlans {
+                plans: config.plans.iter().map(|p| (p.name.clone(), p.policy.clone())).collect(),
+                namespace: "egw".to_owned(),
+                failure: match failure {
+                    BackendFailure::FailClosed => FailurePolicy::FailClosed,
+                    BackendFailure::FailOpen => FailurePolicy::FailOpen,
+                    BackendFailure::Fallback => FailurePolicy::Fallback { share: 1.0 / replicas as f64 },
+                },
+                inner: inner.clone(),
+                slot: slot.clone(),
+            })
+        });
 
         let stack = ServiceBuilder::new()
             .layer(AuthLayer::new(config))
             .layer(PrepareLayer {
                 max_body_bytes: config.gateway.max_body_bytes,
                 max_tokens: config.gateway.max_request_tokens,
+                body_timeout: config.gateway.body_timeout,
+                models: config.gateway.models.iter().cloned().collect(),
             })
-            .service(PlanLimits { plans: plans.into() });
-        let router = Router::new().route("/v1/embeddings", post_service(stack));
-        Ok(Gateway { router, pool, stats })
+            .map_future(|answer: BoxFuture| async move { Ok::<_, Infallible>(with_openai_error(answer.await?).await) })
+            .service(PlanLimits { plans: slot });
+        let router = crate::health::routes(
+            Router::new().route("/v1/embeddings", post_service(stack)),
+            &health,
+            &config.gateway.models,
+        );
+        Ok(Gateway { router, pool, stats, health, redis_plans })
+    }
+
+    /// Moves the tenants' limits to Redis on `connection` (a gateway built with
+    /// [`Gateway::with_sharing`] on Redis, or [`Gateway::awaiting_redis`]); requests
+    /// already admitted keep what they hold until they end. Does nothing for a gateway in
+    /// memory.
+    ///
+    /// # Errors
+    /// A plan the Redis backend refuses.
+    pub fn connect_redis(&self, connection: &RedisConnection) -> Result<(), BoxError> {
+        self.connect_redis_in(connection, None)
+    }
+
+    /// As [`Gateway::connect_redis`], with the prefix of every key (`egw` by default):
+    /// replicas of one deployment share it.
+    ///
+    /// # Errors
+    /// As [`Gateway::connect_redis`].
+    pub fn connect_redis_in(&self, connection: &RedisConnection, namespace: Option<&str>) -> Result<(), BoxError> {
+        let Some(r) = &self.redis_plans else { return Ok(()) };
+        let namespace = namespace.unwrap_or(&r.namespace);
+        let mut services = Vec::new();
+        let mut backends = Vec::new();
+        for (name, policy) in &r.plans {
+            let backend = RedisBackend::builder(policy.clone())
+                .namespace(format!("{namespace}:plan:{name}"))
+                // Loopback or LAN: generous for a busy machine, still short.
+                .timeout(Duration::from_millis(250))
+                .on_failure(r.failure)
+                .build(connection)?;
+            backends.push(backend.clone());
+            services.push(plan_layer!(LimitSetLayer::with_backend(backend), r.inner.clone()));
+        }
+        *r.slot.write().unwrap_or_else(PoisonError::into_inner) = services.into();
+        self.health.set_redis(backends);
+        Ok(())
     }
 }
 
-/// Reads the body, counts its tokens and puts the [`Cost`] in the request's extensions.
-#[derive(Debug, Clone, Copy)]
+/// The limit layers' refusals (`application/problem+json`, naming kind, limit and tier)
+/// with an OpenAI `error` object added, so that OpenAI's SDKs show their message:
+/// `{"error": {"message": <detail>, "type": "rate_limit_error" | "server_error", "param":
+/// null, "code": <kind>}}`. Every other answer passes untouched.
+async fn with_openai_error(answer: Response<Body>) -> Response<Body> {
+    let is_problem = answer.headers().get(header::CONTENT_TYPE).is_some_and(|v| v == "application/problem+json");
+    if !is_problem {
+        return answer;
+    }
+    let (mut parts, body) = answer.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    // The library's refusal bodies are small and already in memory.
+    let Ok(bytes) = Limited::new(body, 64 * 1024).collect().await.map(|b| b.to_bytes()) else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let Ok(serde_json::Value::Object(mut problem)) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    let kind = if parts.status == StatusCode::TOO_MANY_REQUESTS { "rate_limit_error" } else { "server_error" };
+    let error = serde_json::json!({
+        "message": problem.get("detail").cloned().unwrap_or_else(|| "refused".into()),
+        "type": kind,
+        "param": null,
+        "code": problem.get("kind").cloned().unwrap_or(serde_json::Value::Null),
+    });
+    problem.insert("error".into(), error);
+    Response::from_parts(parts, Body::from(serde_json::Value::Object(problem).to_string()))
+}
+
+/// `share` of every limit of `policy` (`1 / replicas`, at least 1 of each): what one
+/// replica may use on its own while the shared store is away.
+fn share_of(policy: &LimitSetPolicy, replicas: u64) -> LimitSetPolicy {
+    let mut policy = policy.clone();
+    if replicas <= 1 {
+        return policy;
+    }
+    let part = |n: u64| (n / replicas).max(1);
+    for l in &mut policy.limits {
+        if let Some(rate) = l.rate {
+            l.rate = Some(Rate::new(rate.amount(), rate.period().saturating_mul(replicas as u32)));
+        }
+        l.burst = l.burst.map(part);
+        l.limit = l.limit.map(part);
+        l.capacity = l.capacity.map(part);
+    }
+    policy
+}
+
+/// Reads the body (within `body_timeout`, `408` after it), checks it, counts its tokens
+/// and puts the [`Cost`] in the request's extensions.
+#[derive(Debug, Clone)]
 pub struct PrepareLayer {
     max_body_bytes: usize,
     max_tokens: u64,
+    body_timeout: Duration,
+    models: Arc<[String]>,
 }
 
 impl<S> Layer<S> for PrepareLayer {
     type Service = Prepare<S>;
 
     fn layer(&self, inner: S) -> Prepare<S> {
-        Prepare { inner, settings: *self }
+        Prepare { inner, settings: self.clone() }
     }
 }
 
@@ -272,15 +461,14 @@ where
         // The service polled ready goes with the request.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let settings = self.settings;
+        let settings = self.settings.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
-            let bad = |code: &str, message: &str| {
-                Ok(api::error_response(StatusCode::BAD_REQUEST, "invalid_request_error", code, message))
-            };
-            let body = match Limited::new(body, settings.max_body_bytes).collect().await {
-                Ok(b) => b.to_bytes(),
-                Err(_) => {
+            let read =
+                tokio::time::timeout(settings.body_timeout, Limited::new(body, settings.max_body_bytes).collect());
+            let body = match read.await {
+                Ok(Ok(b)) => b.to_bytes(),
+                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
                     return Ok(api::error_response(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "invalid_request_error",
@@ -288,48 +476,99 @@ where
                         &format!("the body is larger than {} bytes", settings.max_body_bytes),
                     ));
                 }
+                Ok(Err(_)) => {
+                    let mut r = api::error_response(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "body_incomplete",
+                        "the connection failed before the whole body arrived",
+                    );
+                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return Ok(r);
+                }
+                Err(_) => {
+                    let mut r = api::error_response(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "body_timeout",
+                        &format!(
+                            "the body did not arrive within {} (gateway.body_timeout)",
+                            tower_limits::core::policy::format_duration(settings.body_timeout)
+                        ),
+                    );
+                    // The rest of the body may still come: the connection cannot be reused.
+                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return Ok(r);
+                }
             };
-            let request: EmbeddingRequest = match serde_json::from_slice(&body) {
+            let request = match EmbeddingRequest::parse(&body) {
                 Ok(r) => r,
-                Err(e) => return bad("invalid_json", &format!("expected {{\"model\", \"input\"}}: {e}")),
+                Err(e) => return Ok(e.response()),
             };
-            let texts = request.input.texts();
-            if texts.is_empty() || texts.iter().any(|t| t.is_empty()) {
-                return bad("invalid_input", "`input` must be a non-empty string or a non-empty array of them");
+            if !settings.models.contains(&request.model) {
+                return Ok(api::error_with_param(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    "model_not_found",
+                    Some("model"),
+                    &format!(
+                        "the model {:?} does not exist here; this gateway serves {}",
+                        request.model,
+                        settings.models.join(", ")
+                    ),
+                ));
             }
-            let tokens = tokenizer::count_all(&texts);
+            let tokens = request.tokens();
             if tokens > settings.max_tokens {
-                return Ok(api::error_response(
+                let mut r = api::error_with_param(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "invalid_request_error",
                     "too_many_tokens",
+                    Some("input"),
                     &format!("{tokens} tokens; a request may carry at most {}", settings.max_tokens),
-                ));
+                );
+                r.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
+                return Ok(r);
             }
             parts.extensions.insert(Cost(tokens));
-            parts.extensions.insert(Prepared { body, tokens, inputs: texts.len() });
-            inner.call(Request::from_parts(parts, Body::empty())).await
+            parts.extensions.insert(Prepared { body, tokens, inputs: request.inputs.len() });
+            let mut response = inner.call(Request::from_parts(parts, Body::empty())).await?;
+            // The upstream's count when it gave one, the estimate otherwise.
+            response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens.get_or_insert(tokens);
+            Ok(response)
         })
     }
 }
 
-/// Sends each request through the limits of its tenant's plan.
-#[derive(Clone)]
-pub struct PlanLimits<S = PlanService> {
-    plans: Arc<[S]>,
+/// What the access log line of a request reports beyond its status: filled in on the
+/// way out by the layers that know it.
+#[derive(Debug, Clone, Default)]
+pub struct AccessInfo {
+    /// The tenant, once authenticated.
+    pub tenant: Option<Arc<str>>,
+    /// The request's tokens: the upstream's count when it answered, the estimate otherwise.
+    pub tokens: Option<u64>,
+    /// From arrival to the upstream call.
+    pub queued: Option<Duration>,
+    /// The upstream call.
+    pub upstream: Option<Duration>,
+    /// The upstream account.
+    pub account: Option<Arc<str>>,
 }
 
-impl<S> fmt::Debug for PlanLimits<S> {
+/// Sends each request through the limits of its tenant's plan.
+#[derive(Clone)]
+pub struct PlanLimits {
+    plans: PlanSlot,
+}
+
+impl fmt::Debug for PlanLimits {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PlanLimits").field("plans", &self.plans.len()).finish()
+        f.debug_struct("PlanLimits").finish_non_exhaustive()
     }
 }
 
-impl<S> Service<Request<Body>> for PlanLimits<S>
-where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-{
+impl Service<Request<Body>> for PlanLimits {
     type Response = Response<Body>;
     type Error = Infallible;
     type Future = BoxFuture;
@@ -341,7 +580,10 @@ where
 
     fn call(&mut self, req: Request<Body>) -> BoxFuture {
         let plan = req.extensions().get::<Identity>().map_or(0, |id| id.plan);
-        let svc = self.plans[plan.min(self.plans.len() - 1)].clone();
+        let svc = {
+            let plans = self.plans.read().unwrap_or_else(PoisonError::into_inner);
+            plans[plan.min(plans.len() - 1)].clone()
+        };
         Box::pin(svc.oneshot(req))
     }
 }
@@ -351,6 +593,8 @@ where
 #[derive(Clone)]
 pub struct UpstreamCall {
     transport: Transport,
+    timeout: Duration,
+    on_timeout: TimeoutCharge,
     pool: LimitPool<Account>,
     now: Arc<dyn Fn() -> Instant + Send + Sync>,
     stats: Arc<GatewayStats>,
@@ -393,6 +637,7 @@ impl UpstreamCall {
         let Some(prepared) = req.extensions().get::<Prepared>().cloned() else {
             return internal("the request was not prepared");
         };
+        let tenant = req.extensions().get::<Identity>().map(|i| i.tenant.clone());
         let queued = req.extensions().get::<Arrived>().map(|a| a.0.elapsed());
         let account = &chosen.config;
         let upstream = Request::post(format!("{}/v1/embeddings", account.base_url))
@@ -400,48 +645,63 @@ impl UpstreamCall {
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(prepared.body));
         let Ok(upstream) = upstream else { return internal("the upstream URL is not valid") };
-        let bad_gateway = |stats: &GatewayStats, e: &dyn fmt::Display| {
-            stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
-            api::error_response(StatusCode::BAD_GATEWAY, "upstream_error", "upstream_unreachable", &e.to_string())
+        let started = tokio::time::Instant::now();
+        let call = async {
+            let response = self.transport.clone().oneshot(upstream).await?;
+            let (parts, body) = response.into_parts();
+            let bytes = body.collect().await?.to_bytes();
+            Ok::<_, BoxError>((parts, bytes))
         };
-        let response = match self.transport.clone().oneshot(upstream).await {
-            Ok(r) => r,
-            Err(e) => return bad_gateway(&self.stats, &e),
+        let result = tokio::time::timeout(self.timeout, call).await;
+        let took = started.elapsed();
+        let info = AccessInfo {
+            tenant,
+            tokens: Some(prepared.tokens),
+            queued,
+            upstream: Some(took),
+            account: Some(Arc::from(&*chosen.name)),
         };
-        let (parts, body) = response.into_parts();
-        // What the upstream says about the account corrects its mirror (and benches it
-        // after a 429).
-        let report = upstream_report(parts.status, &parts.headers);
-        self.pool.observe(chosen.index, &report, (self.now)());
-        let bytes = match body.collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => return bad_gateway(&self.stats, &e),
-        };
-        let mut out = if parts.status == StatusCode::TOO_MANY_REQUESTS {
-            // Not the tenant's fault: shared overload, retry when the account is back.
-            self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed);
-            let mut r = api::error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "upstream_error",
-                "upstream_rate_limited",
-                &format!("upstream account {} is rate limited", chosen.name),
-            );
-            let wait = report.retry_after.unwrap_or_default();
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(tower_limits::http::whole_seconds(wait)));
-            r
-        } else {
-            let mut r = Response::new(Body::from(bytes.clone()));
-            *r.status_mut() = parts.status;
-            if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-                r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
-            }
-            if parts.status.is_success() {
-                if let Ok(u) = serde_json::from_slice::<UsageOnly>(&bytes) {
-                    // Settles the tenant's TPM and the account's mirror to the real count.
-                    r.extensions_mut().insert(Usage(u.usage.total_tokens));
+        let mut out = match result {
+            Err(_) => {
+                // The upstream hung: not the account's fault as far as anyone knows (no
+                // answer, no bench), and not the tenant's either.
+                let n = self.stats.upstream_timeouts.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(suppressed) = self.stats.timeout_log.ready() {
+                    tracing::warn!(
+                        account = %chosen.name,
+                        timeout_ms = self.timeout.as_millis() as u64,
+                        total = n,
+                        suppressed,
+                        "upstream call timed out: answered 504"
+                    );
                 }
+                let mut r = api::error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream_error",
+                    "upstream_timeout",
+                    &format!(
+                        "the upstream did not answer within {} (gateway.upstream_timeout); try again",
+                        tower_limits::core::policy::format_duration(self.timeout)
+                    ),
+                );
+                if self.on_timeout == TimeoutCharge::Refund {
+                    r.extensions_mut().insert(Usage(0));
+                }
+                r
             }
-            r
+            Ok(Err(e)) => {
+                let n = self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(suppressed) = self.stats.error_log.ready() {
+                    tracing::warn!(account = %chosen.name, error = %e, total = n, suppressed, "upstream call failed: answered 502");
+                }
+                api::error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_unreachable",
+                    &format!("the upstream account {} could not be reached: {e}", chosen.name),
+                )
+            }
+            Ok(Ok((parts, bytes))) => self.answer(&chosen, parts, bytes),
         };
         let h = out.headers_mut();
         if let Ok(v) = HeaderValue::from_str(&chosen.name) {
@@ -450,6 +710,50 @@ impl UpstreamCall {
         if let Some(q) = queued {
             h.insert(QUEUE_TIME_HEADER, HeaderValue::from(q.as_micros() as u64));
         }
+        let usage = out.extensions().get::<Usage>().map(|u| u.0);
+        out.extensions_mut().insert(AccessInfo { tokens: usage.or(info.tokens), ..info });
         out
+    }
+
+    /// The answer to the client for an upstream answer.
+    fn answer(&self, chosen: &Chosen<Account>, parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+        // What the upstream says about the account corrects its mirror (and benches it
+        // after a 429).
+        let report = upstream_report(parts.status, &parts.headers);
+        self.pool.observe(chosen.index, &report, (self.now)());
+        if parts.status == StatusCode::TOO_MANY_REQUESTS {
+            // Not the tenant's fault: shared overload, retry when the account is back.
+            let n = self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(suppressed) = self.stats.refusal_log.ready() {
+                tracing::warn!(account = %chosen.name, total = n, suppressed, "upstream answered 429: account benched, answered 503");
+            }
+            let mut r = api::error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "upstream_error",
+                "upstream_rate_limited",
+                &format!("upstream account {} is rate limited", chosen.name),
+            );
+            let wait = report.retry_after.unwrap_or_default();
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(tower_limits::http::whole_seconds(wait)));
+            return r;
+        }
+        if parts.status.is_server_error() {
+            let n = self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(suppressed) = self.stats.error_log.ready() {
+                tracing::warn!(account = %chosen.name, status = parts.status.as_u16(), total = n, suppressed, "upstream answered an error");
+            }
+        }
+        let mut r = Response::new(Body::from(bytes.clone()));
+        *r.status_mut() = parts.status;
+        if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+            r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+        }
+        if parts.status.is_success() {
+            if let Ok(u) = serde_json::from_slice::<UsageOnly>(&bytes) {
+                // Settles the tenant's TPM and the account's mirror to the real count.
+                r.extensions_mut().insert(Usage(u.usage.total_tokens));
+            }
+        }
+        r
     }
 }

@@ -12,6 +12,10 @@
 //! - [`auth`]: bearer keys to tenant tiers.
 //! - [`gateway`]: the router and its layers.
 //! - [`upstream`]: the mock provider with strict limits of its own.
+//! - [`server`]: the accept loop: connection timeouts and limit, access lines, draining
+//!   on SIGTERM and SIGINT.
+//! - [`health`]: `/healthz`, `/readyz`, `/v1/models`, JSON `404` and `405`.
+//! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
 //!
 //! # The layers
@@ -81,6 +85,9 @@ pub mod chart;
 pub mod config;
 pub mod demo;
 pub mod gateway;
+pub mod health;
+pub mod logging;
+pub mod server;
 pub mod tokenizer;
 pub mod upstream;
 

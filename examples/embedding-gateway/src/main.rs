@@ -5,7 +5,12 @@
 //! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
+//! embedding-gateway help | --help | version | --version
 //! ```
+//!
+//! `serve` and `upstream` log through `tracing` on stderr (`RUST_LOG` sets the level,
+//! `--log-format json` writes JSON lines), drain on SIGTERM and SIGINT, and print the
+//! address they listen on to stdout.
 //!
 //! Without `--config`, the bundled `gateway.toml` is used. `demo` runs the mock upstream,
 //! the gateway and the load in this process, on loopback ports, and exits 1 if the
@@ -14,14 +19,20 @@
 // Printing usage, errors and the demo's report is this binary's job.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use embedding_gateway::config::Config;
+use embedding_gateway::config::{BackendFailure, Config};
 use embedding_gateway::demo::{self, DemoOptions, RedisOptions};
-use embedding_gateway::gateway::{Gateway, Sharing, http_transport};
+use embedding_gateway::gateway::{Gateway, http_transport};
+use embedding_gateway::health::BackendStatus;
+use embedding_gateway::logging::{self, LogFormat};
+use embedding_gateway::server::{self, ServerSettings};
 use embedding_gateway::upstream;
+use tokio::net::TcpListener;
 use tower_limits_redis::RedisConnection;
 
 /// The configuration the demo runs when none is given.
@@ -30,13 +41,20 @@ const BUNDLED: &str = include_str!("../gateway.toml");
 const USAGE: &str = "\
 usage:
   embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N]
-  embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
-  embedding-gateway upstream [--config FILE] [--listen ADDR]
+  embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
+  embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
+  embedding-gateway help | --help | version | --version
 
 Without --config, the bundled gateway.toml is used. With --redis, the tenants' limits
 live in Redis, shared by N replicas (the demo runs them all; serve is one of them), and
-each replica mirrors 1/N of every upstream account.";
+each replica mirrors 1/N of every upstream account; serve starts even while Redis is
+down, and follows gateway.backend_failure until it answers.
+
+serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
+and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
+The gateway answers GET /healthz, GET /readyz and GET /v1/models besides
+POST /v1/embeddings.";
 
 /// The parsed command line.
 struct Args {
@@ -48,11 +66,29 @@ struct Args {
     quiet: bool,
     redis: Option<String>,
     replicas: Option<u64>,
+    log_format: LogFormat,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut it = std::env::args().skip(1);
-    let command = it.next().ok_or("no command")?;
+/// What the command line asks for.
+enum Cli {
+    Run(Args),
+    Help,
+    Version,
+}
+
+fn parse_args() -> Result<Cli, String> {
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    if all.iter().any(|a| a == "-h" || a == "--help") || all.first().is_some_and(|a| a == "help") {
+        return Ok(Cli::Help);
+    }
+    if all.iter().any(|a| a == "-V" || a == "--version") || all.first().is_some_and(|a| a == "version") {
+        return Ok(Cli::Version);
+    }
+    let mut it = all.into_iter();
+    let command = it.next().ok_or("no command given")?;
+    if !["demo", "serve", "upstream", "check"].contains(&command.as_str()) {
+        return Err(format!("unknown command {command:?}"));
+    }
     let mut args = Args {
         command,
         config: None,
@@ -62,6 +98,7 @@ fn parse_args() -> Result<Args, String> {
         quiet: false,
         redis: None,
         replicas: None,
+        log_format: LogFormat::Text,
     };
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -90,14 +127,14 @@ fn parse_args() -> Result<Args, String> {
                 }
                 args.replicas = Some(n);
             }
-            "-h" | "--help" => return Err(String::new()),
+            "--log-format" => args.log_format = value("--log-format")?.parse()?,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
     if args.replicas.is_some() && args.redis.is_none() {
         return Err("--replicas needs --redis URL".into());
     }
-    Ok(args)
+    Ok(Cli::Run(args))
 }
 
 fn load(args: &Args) -> Result<Config, String> {
@@ -110,12 +147,17 @@ fn load(args: &Args) -> Result<Config, String> {
 
 fn main() -> ExitCode {
     let args = match parse_args() {
-        Ok(a) => a,
+        Ok(Cli::Run(a)) => a,
+        Ok(Cli::Help) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Ok(Cli::Version) => {
+            println!("embedding-gateway {}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
-            if !e.is_empty() {
-                eprintln!("error: {e}\n");
-            }
-            eprintln!("{USAGE}");
+            eprintln!("error: {e}\n\n{USAGE}");
             return ExitCode::from(2);
         }
     };
@@ -151,44 +193,140 @@ fn main() -> ExitCode {
                     DemoOptions { seconds: args.seconds, svg: args.svg.clone(), progress: !args.quiet, redis };
                 demo::run(config, &options).await.map(|r| r.passed())
             }
-            "serve" => {
-                let sharing = match &args.redis {
-                    None => Sharing::InMemory,
-                    Some(url) => Sharing::Redis {
-                        connection: RedisConnection::connect(url).await?,
-                        replicas: args.replicas.unwrap_or(1),
-                        namespace: "egw".into(),
-                    },
-                };
-                let gateway = Gateway::with_sharing(&config, http_transport(), &sharing)?;
-                let addr = args.listen.unwrap_or(config.gateway.listen);
-                let listener = tokio::net::TcpListener::bind(addr).await?;
-                println!("gateway listening on http://{}", listener.local_addr()?);
-                axum::serve(listener, gateway.router).with_graceful_shutdown(ctrl_c()).await?;
-                Ok(true)
-            }
-            "upstream" => {
-                let (router, stats) = upstream::router(&config.accounts, config.upstream);
-                let addr = args.listen.unwrap_or(config.upstream.listen);
-                let listener = tokio::net::TcpListener::bind(addr).await?;
-                println!("mock upstream listening on http://{}", listener.local_addr()?);
-                axum::serve(listener, router).with_graceful_shutdown(ctrl_c()).await?;
-                println!("429 answers given: {}", stats.refused());
-                Ok(true)
-            }
-            other => Err(format!("unknown command {other:?}\n\n{USAGE}").into()),
+            "serve" => serve(&args, &config).await.map(|()| true),
+            _ => upstream(&args, &config).await.map(|()| true),
         }
     });
+    // Whatever a drain left behind (a connection cut at the end of the grace period, a
+    // background reconnect) must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_millis(100));
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("error: {e}");
+            tracing::error!("{e}");
             ExitCode::FAILURE
         }
     }
 }
 
-async fn ctrl_c() {
-    let _ = tokio::signal::ctrl_c().await;
+/// Binds `addr`, naming it if that fails.
+async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, tower::BoxError> {
+    TcpListener::bind(addr).await.map_err(|e| format!("{what}: cannot listen on {addr}: {e}").into())
+}
+
+/// Completes on SIGTERM or SIGINT, and says which. The handlers are installed at once, so
+/// a signal that comes before the future is polled is not lost.
+fn shutdown_signal() -> Result<impl Future<Output = ()>, tower::BoxError> {
+    #[cfg(unix)]
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
+    #[cfg(unix)]
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| format!("cannot handle SIGINT: {e}"))?;
+    Ok(async move {
+        #[cfg(unix)]
+        let which = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        #[cfg(not(unix))]
+        let which = {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        };
+        tracing::info!(signal = which, "shutting down");
+    })
+}
+
+async fn serve(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
+    logging::init(args.log_format);
+    let stop = shutdown_signal()?;
+    let addr = args.listen.unwrap_or(config.gateway.listen);
+    let listener = bind(addr, "the gateway").await?;
+    let gateway = match &args.redis {
+        None => Gateway::new(config, http_transport())?,
+        Some(url) => {
+            // A URL that cannot be one is a start-up error; a server that does not answer
+            // is not: the gateway follows its failure policy until it does.
+            tower_limits_redis::redis::Client::open(url.as_str())
+                .map_err(|e| format!("--redis {url:?} is not a Redis URL: {e}"))?;
+            let gateway = Gateway::awaiting_redis(config, http_transport(), args.replicas.unwrap_or(1))?;
+            redis_link(gateway.clone(), url.clone(), config.gateway.backend_failure);
+            gateway
+        }
+    };
+    let local = listener.local_addr()?;
+    println!("gateway listening on http://{local}");
+    tracing::info!(%local, accounts = config.accounts.len(), tenants = config.tenants.len(), "gateway listening");
+    let settings = ServerSettings::from(&config.gateway);
+    server::serve(listener, gateway.router.clone(), settings, Some(gateway.health.clone()), stop).await?;
+    Ok(())
+}
+
+/// Connects to Redis in the background (at once, then every second until it answers),
+/// moves the tenants' limits there, and logs whenever the backend goes away or comes back.
+fn redis_link(gateway: Gateway, url: String, policy: BackendFailure) {
+    let policy = match policy {
+        BackendFailure::FailClosed => "fail_closed: requests are refused with 503",
+        BackendFailure::FailOpen => "fail_open: requests pass without the tenants' limits",
+        BackendFailure::Fallback => "fallback: this replica decides with its share of every limit",
+    };
+    tokio::spawn(async move {
+        let mut logged = false;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(3), RedisConnection::connect(&url)).await {
+                Ok(Ok(connection)) => match gateway.connect_redis(&connection) {
+                    Ok(()) => {
+                        tracing::info!(redis = %url, "the tenants' limits are shared through Redis");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::error!(redis = %url, error = %e, "cannot build the limits on Redis");
+                        return;
+                    }
+                },
+                Ok(Err(e)) if !logged => {
+                    tracing::warn!(redis = %url, error = %e, policy, "limits backend down: Redis does not answer; retrying every second");
+                    logged = true;
+                }
+                Err(_) if !logged => {
+                    tracing::warn!(redis = %url, policy, "limits backend down: Redis does not answer; retrying every second");
+                    logged = true;
+                }
+                _ => {}
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        // From now on: log the backend's state when it changes.
+        let mut was = gateway.health.backend();
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let now = gateway.health.backend();
+            if now != was {
+                match now {
+                    BackendStatus::Down => {
+                        tracing::warn!(redis = %url, policy, "limits backend down: Redis does not answer");
+                    }
+                    _ => tracing::info!(redis = %url, "limits backend up: Redis answers again"),
+                }
+                was = now;
+            }
+        }
+    });
+}
+
+async fn upstream(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
+    logging::init(args.log_format);
+    let stop = shutdown_signal()?;
+    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let addr = args.listen.unwrap_or(config.upstream.listen);
+    let listener = bind(addr, "the mock upstream").await?;
+    println!("mock upstream listening on http://{}", listener.local_addr()?);
+    let settings = ServerSettings { access_log: false, ..ServerSettings::from(&config.gateway) };
+    server::serve(listener, router, settings, None, stop).await?;
+    println!("429 answers given: {}", stats.refused());
+    Ok(())
 }

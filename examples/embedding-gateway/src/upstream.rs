@@ -10,7 +10,11 @@
 //! rounded up), `retry-after-ms` (exact) and the `x-ratelimit-*` fields, and counted in
 //! [`UpstreamStats::refused`]; accepted requests carry the `x-ratelimit-*` fields too.
 //! Tokens are counted with [`crate::tokenizer`] when the request arrives, before the
-//! answer is prepared.
+//! answer is prepared (a token-id input counts one token per id).
+//!
+//! Like the real provider, it honours `dimensions` (the length of the vectors; the
+//! configured `upstream.dimensions` otherwise) and `encoding_format: "base64"` (each vector
+//! as base64 of its little-endian `f32`s).
 //!
 //! The log is written on purpose without the library, so that the gateway's mirror is
 //! checked against an independent implementation.
@@ -27,9 +31,8 @@ use axum::routing::{get, post};
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use tokio::time::Instant;
 
-use crate::api::{self, Embedding, EmbeddingRequest, EmbeddingResponse, UsageReport};
+use crate::api::{self, Embedding, EmbeddingRequest, EmbeddingResponse, EncodingFormat, UsageReport, Vector};
 use crate::config::{Account, UpstreamSettings};
-use crate::tokenizer;
 
 /// Counters of the mock provider.
 #[derive(Debug, Default)]
@@ -188,19 +191,20 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
             "unknown upstream API key",
         );
     };
-    let request: EmbeddingRequest = match serde_json::from_slice(&body) {
+    let request = match EmbeddingRequest::parse(&body) {
         Ok(r) => r,
-        Err(e) => {
-            return api::error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "invalid_json",
-                &e.to_string(),
-            );
-        }
+        Err(e) => return e.response(),
     };
-    let texts = request.input.texts();
-    let tokens = tokenizer::count_all(&texts);
+    if request.dimensions.is_some_and(|d| d > 4096) {
+        return api::error_with_param(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_dimensions",
+            Some("dimensions"),
+            "this model gives at most 4096 dimensions",
+        );
+    }
+    let tokens = request.tokens();
     let (verdict, state) = account.admit(now, tokens);
     let mut response = match verdict {
         Verdict::Admitted => {
@@ -211,13 +215,21 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
             p.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
             let answer = EmbeddingResponse {
                 object: "list".into(),
-                data: texts
+                data: request
+                    .inputs
                     .iter()
                     .enumerate()
-                    .map(|(index, text)| Embedding {
-                        object: "embedding".into(),
-                        index,
-                        embedding: embed(text, p.settings.dimensions),
+                    .map(|(index, input)| {
+                        let dimensions = request.dimensions.map_or(p.settings.dimensions, |d| d as usize);
+                        let vector = embed(&input.seed_text(), dimensions);
+                        Embedding {
+                            object: "embedding".into(),
+                            index,
+                            embedding: match request.encoding_format {
+                                EncodingFormat::Float => Vector::Float(vector),
+                                EncodingFormat::Base64 => Vector::Base64(api::base64_f32(&vector)),
+                            },
+                        }
                     })
                     .collect(),
                 model: request.model,

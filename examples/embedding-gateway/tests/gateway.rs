@@ -24,6 +24,7 @@ fn config_text(plan: &str, extra: &str) -> String {
 [gateway]
 max_request_tokens = 100
 max_wait = "60s"
+models = ["m"]
 tenant_queue = 200
 
 [mirror]
@@ -239,6 +240,10 @@ async fn a_tenant_over_its_plan_gets_429_with_its_fields() {
     assert_eq!(body["kind"], "rate_limited");
     assert_eq!(body["limit"], "org.rpm");
     assert_eq!(body["tier"], "org");
+    // And OpenAI's error object, for its SDKs.
+    assert_eq!(body["error"]["type"], "rate_limit_error");
+    assert_eq!(body["error"]["code"], "rate_limited");
+    assert!(body["error"]["message"].as_str().unwrap().contains("org.rpm"), "{body}");
     let wait = body["retry_after_ms"].as_u64().unwrap();
     assert!(wait > 0 && wait <= 1000, "{wait}");
     assert_eq!(stats.served.load(Ordering::Relaxed), 2, "the refused request never reached the upstream");

@@ -1,0 +1,137 @@
+//! What the service tests share: a configuration, a raw HTTP/1.1 client over real
+//! sockets, and deadlines.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Every wait in these tests is bounded by this (a generous deadline, not a threshold:
+/// what is waited for happens in well under a second).
+pub const DEADLINE: Duration = Duration::from_secs(10);
+
+/// A small configuration; `gateway` is spliced into `[gateway]`, `upstream` is the
+/// accounts' base URL.
+pub fn config_text(gateway: &str, plan: &str, upstream: &str) -> String {
+    format!(
+        r#"tiers = ["org", "user"]
+
+[gateway]
+max_request_tokens = 100
+max_wait = "5s"
+models = ["m"]
+{gateway}
+
+[mirror]
+jitter = "100ms"
+
+[upstream]
+latency = "0s"
+
+[plan.basic]
+{plan}
+
+[[tenant]]
+name = "acme"
+plan = "basic"
+weight = 2
+
+[[tenant.key]]
+key = "sk-acme-alice"
+user = "alice"
+
+[[tenant]]
+name = "globex"
+plan = "basic"
+
+[[tenant.key]]
+key = "sk-globex-bob"
+user = "bob"
+
+[[account]]
+name = "primary"
+base_url = "{upstream}"
+api_key = "up-primary"
+rpm = 60000
+tpm = 6000000
+window = "1s"
+"#
+    )
+}
+
+/// An answer read off the socket.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {:?}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+        })
+    }
+}
+
+/// One request on a fresh connection (`connection: close`), read to the end.
+pub async fn http(addr: SocketAddr, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Answer {
+    tokio::time::timeout(DEADLINE, async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n");
+        if let Some(k) = key {
+            req.push_str(&format!("authorization: Bearer {k}\r\n"));
+        }
+        let body = body.unwrap_or("");
+        if !body.is_empty() || method == "POST" {
+            req.push_str(&format!("content-type: application/json\r\ncontent-length: {}\r\n", body.len()));
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        stream.write_all(req.as_bytes()).await.expect("write");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read");
+        parse(&raw)
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{method} {path}: no answer within {DEADLINE:?}"))
+}
+
+/// Parses one answer (`content-length` bodies).
+pub fn parse(raw: &[u8]) -> Answer {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Answer { status, head: head.to_owned(), body: body.to_owned() }
+}
+
+/// `POST /v1/embeddings` with `input`.
+pub async fn embed(addr: SocketAddr, key: &str, input: serde_json::Value) -> Answer {
+    let body = serde_json::json!({ "model": "m", "input": input }).to_string();
+    http(addr, "POST", "/v1/embeddings", Some(key), Some(&body)).await
+}
+
+/// Reads from `stream` until the peer closes it (true) or `DEADLINE` passes (false);
+/// what was read is appended to `into`.
+pub async fn closed_by_peer(stream: &mut TcpStream, into: &mut Vec<u8>) -> bool {
+    tokio::time::timeout(DEADLINE, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => into.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .is_ok()
+}

@@ -1,0 +1,516 @@
+//! The gateway as a service, over real sockets: stalled clients are closed, the
+//! connection limit holds new connections back without refusing them, a hung upstream
+//! gets a `504`, inputs in every form OpenAI takes, JSON on every error, health and
+//! models, duplicate configuration keys named, and the Redis stall that refused requests
+//! for `org.concurrency` after it ended.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::body::Body;
+use common::{Answer, DEADLINE, closed_by_peer, config_text, embed, http, parse};
+use embedding_gateway::config::Config;
+use embedding_gateway::gateway::{Gateway, Sharing, Transport, http_transport, in_process};
+use embedding_gateway::server::{self, ServerSettings, Stopped};
+use embedding_gateway::upstream;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
+
+/// A running gateway on a loopback port, stopped (drained) by `stop`.
+struct Running {
+    addr: SocketAddr,
+    gateway: Gateway,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<Stopped>>,
+}
+
+impl Running {
+    async fn start(config: &Config, transport: Transport) -> Self {
+        let gateway = Gateway::new(config, transport).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let settings = ServerSettings::from(&config.gateway);
+        let task = tokio::spawn(server::serve(
+            listener,
+            gateway.router.clone(),
+            settings,
+            Some(gateway.health.clone()),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Running { addr, gateway, stop: Some(stop), task }
+    }
+
+    async fn stop(mut self) -> Stopped {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(DEADLINE, self.task).await.expect("drained in time").unwrap().unwrap()
+    }
+}
+
+/// The mock upstream on a loopback port: its base URL.
+async fn mock_upstream(config_for_accounts: &Config) -> (String, Arc<upstream::UpstreamStats>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (router, stats) = upstream::router(&config_for_accounts.accounts, config_for_accounts.upstream);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (url, stats)
+}
+
+fn parse_config(text: &str) -> Config {
+    Config::parse(text, Some("test.toml")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A gateway in front of the mock upstream, both on real sockets.
+async fn gateway_with(gateway_keys: &str, plan: &str) -> (Running, Arc<upstream::UpstreamStats>) {
+    let accounts = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
+    let (url, stats) = mock_upstream(&accounts).await;
+    let config = parse_config(&config_text(gateway_keys, plan, &url));
+    (Running::start(&config, http_transport()).await, stats)
+}
+
+fn assert_openai_error(answer: &Answer, status: u16, code: &str) {
+    assert_eq!(answer.status, status, "{answer:?}");
+    assert_eq!(answer.header("content-type").as_deref(), Some("application/json"), "{answer:?}");
+    let body = answer.json();
+    let error = body["error"].as_object().unwrap_or_else(|| panic!("no error object: {body}"));
+    for field in ["message", "type", "param", "code"] {
+        assert!(error.contains_key(field), "{field} missing: {body}");
+    }
+    assert_eq!(error["code"], code, "{body}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Connections.
+
+#[tokio::test]
+async fn stalled_clients_are_closed_within_their_timeouts() {
+    let (running, _) = gateway_with(
+        "header_timeout = \"300ms\"\nidle_timeout = \"300ms\"\nbody_timeout = \"300ms\"",
+        "org = { rpm = 6000 }",
+    )
+    .await;
+    let addr = running.addr;
+
+    // Connects and sends nothing.
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    // Stalls in its headers.
+    let mut partial = TcpStream::connect(addr).await.unwrap();
+    partial.write_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    // Announces a body that never comes.
+    let mut no_body = TcpStream::connect(addr).await.unwrap();
+    no_body
+        .write_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-acme-alice\r\ncontent-length: 80\r\n\r\n{\"model\":")
+        .await
+        .unwrap();
+    // Keeps a keep-alive connection idle after one request.
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+
+    let mut read = Vec::new();
+    assert!(closed_by_peer(&mut silent, &mut read).await, "a silent connection stayed open");
+    assert!(read.is_empty());
+    assert!(closed_by_peer(&mut partial, &mut read).await, "a connection stalled in its headers stayed open");
+    let mut answer = Vec::new();
+    assert!(closed_by_peer(&mut no_body, &mut answer).await, "a connection without its body stayed open");
+    let answer = parse(&answer);
+    assert_openai_error(&answer, 408, "body_timeout");
+    assert_eq!(answer.header("connection").as_deref(), Some("close"));
+    let mut answer = Vec::new();
+    assert!(closed_by_peer(&mut idle, &mut answer).await, "an idle keep-alive connection stayed open");
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"), "the request before was answered");
+
+    // The server is still fine.
+    assert_eq!(embed(addr, "sk-acme-alice", "hello".into()).await.status, 200);
+    assert_eq!(running.stop().await, Stopped { cut: 0 });
+}
+
+#[tokio::test]
+async fn at_max_connections_a_silent_connection_makes_room_for_a_real_client() {
+    // Headers may take a minute: only the limit can free a connection here.
+    let (running, _) = gateway_with("max_connections = 2\nheader_timeout = \"60s\"", "org = { rpm = 6000 }").await;
+    // Two clients take every connection and send nothing.
+    let mut a = TcpStream::connect(running.addr).await.unwrap();
+    let _b = TcpStream::connect(running.addr).await.unwrap();
+    // A real client is answered at once: the oldest silent connection is closed for it.
+    let answer = http(running.addr, "GET", "/healthz", None, None).await;
+    assert_eq!(answer.status, 200);
+    let mut read = Vec::new();
+    assert!(closed_by_peer(&mut a, &mut read).await, "the oldest silent connection was not the one closed");
+    running.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// The upstream call.
+
+#[tokio::test]
+async fn a_hung_upstream_gets_a_json_504_and_the_account_is_not_benched() {
+    // An upstream that accepts connections and never answers.
+    let hung = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", hung.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        while let Ok((s, _)) = hung.accept().await {
+            sockets.push(s);
+        }
+    });
+    let config = parse_config(&config_text("upstream_timeout = \"300ms\"", "org = { rpm = 6000 }", &url));
+    let running = Running::start(&config, http_transport()).await;
+    let answer = embed(running.addr, "sk-acme-alice", "hello".into()).await;
+    assert_openai_error(&answer, 504, "upstream_timeout");
+    assert_eq!(answer.json()["error"]["type"], "upstream_error");
+    let gateway = running.gateway.clone();
+    assert_eq!(gateway.stats.upstream_timeouts.load(Ordering::Relaxed), 1);
+    assert_eq!(gateway.stats.upstream_errors.load(Ordering::Relaxed), 0);
+    assert_eq!(gateway.health.usable_accounts(), 1, "a timeout does not bench the account");
+    running.stop().await;
+    held.abort();
+}
+
+/// An upstream whose first call never answers; later calls answer with `usage` 50.
+fn first_call_hangs() -> Transport {
+    let calls = Arc::new(AtomicU64::new(0));
+    BoxCloneSyncService::new(tower::service_fn(move |_req: Request<Body>| {
+        let n = calls.fetch_add(1, Ordering::Relaxed);
+        async move {
+            if n == 0 {
+                std::future::pending::<()>().await;
+            }
+            let body = serde_json::json!({
+                "object": "list", "data": [], "model": "m",
+                "usage": { "prompt_tokens": 50, "total_tokens": 50 }
+            });
+            Ok::<_, tower::BoxError>(Response::new(Body::from(body.to_string())))
+        }
+    }))
+}
+
+async fn remaining_after_a_timeout(on_timeout: &str) -> u64 {
+    let text = config_text(
+        &format!("upstream_timeout = \"100ms\"\non_upstream_timeout = \"{on_timeout}\""),
+        // One token a second: the 100 ms of the timeout give back nothing visible.
+        "user = { tpm = 60, tpm_burst = 1000 }",
+        "http://127.0.0.1:9",
+    );
+    let gateway = Gateway::new(&parse_config(&text), first_call_hangs()).unwrap();
+    let input = serde_json::json!("a ".repeat(50));
+    let request = || {
+        Request::post("/v1/embeddings")
+            .header("authorization", "Bearer sk-acme-alice")
+            .body(Body::from(serde_json::json!({ "model": "m", "input": input }).to_string()))
+            .unwrap()
+    };
+    let timed_out = gateway.router.clone().oneshot(request()).await.unwrap();
+    assert_eq!(timed_out.status(), StatusCode::GATEWAY_TIMEOUT);
+    let ok = gateway.router.clone().oneshot(request()).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    ok.headers()["x-ratelimit-remaining-tokens"].to_str().unwrap().parse().unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_request_keeps_or_refunds_its_tokens_as_configured() {
+    let kept = remaining_after_a_timeout("keep").await;
+    let refunded = remaining_after_a_timeout("refund").await;
+    assert_eq!(refunded, kept + 50, "refund gives the 50 estimated tokens back");
+}
+
+// ---------------------------------------------------------------------------------------
+// Inputs and answers.
+
+/// The gateway and the mock upstream in one process.
+fn in_memory(plan: &str) -> (Gateway, Arc<upstream::UpstreamStats>) {
+    let config = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
+    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    (Gateway::new(&config, in_process(router)).unwrap(), stats)
+}
+
+async fn call(gateway: &Gateway, method: &str, path: &str, body: serde_json::Value) -> (StatusCode, serde_json::Value) {
+    let mut req = Request::builder().method(method).uri(path).header("authorization", "Bearer sk-acme-alice");
+    if method == "POST" {
+        req = req.header("content-type", "application/json");
+    }
+    let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
+    let response = gateway.router.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let json = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{status}: not JSON ({e}): {bytes:?}"));
+    (status, json)
+}
+
+#[tokio::test(start_paused = true)]
+async fn token_arrays_are_embedded_and_each_token_counts_one() {
+    let (gateway, _) = in_memory("org = { rpm = 6000 }");
+    let (status, body) =
+        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "m", "input": [1, 2, 3]})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), 1);
+    assert_eq!(body["usage"]["total_tokens"], 3);
+
+    let input = serde_json::json!([[1, 2], [3], [40000, 5, 6, 7]]);
+    let (status, body) =
+        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "m", "input": input})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), 3);
+    assert_eq!(body["data"][2]["index"], 2);
+    assert_eq!(body["usage"]["total_tokens"], 7);
+}
+
+fn base64_decode(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        b'/' => 63,
+        _ => panic!("not base64: {c}"),
+    };
+    let mut out = Vec::new();
+    for chunk in text.as_bytes().chunks(4) {
+        let n = chunk.iter().filter(|&&c| c != b'=').fold(0u32, |n, &c| n << 6 | u32::from(value(c)));
+        let bits = 6 * chunk.iter().filter(|&&c| c != b'=').count();
+        let n = n << (24 - bits);
+        out.extend_from_slice(&n.to_be_bytes()[1..1 + bits / 8]);
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn dimensions_and_base64_are_honoured_as_openai_does() {
+    let (gateway, _) = in_memory("org = { rpm = 6000 }");
+    let ask = |format: &str| serde_json::json!({"model": "m", "input": ["a", "b"], "dimensions": 8, "encoding_format": format});
+    let (status, floats) = call(&gateway, "POST", "/v1/embeddings", ask("float")).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, encoded) = call(&gateway, "POST", "/v1/embeddings", ask("base64")).await;
+    assert_eq!(status, StatusCode::OK);
+    for i in 0..2 {
+        let floats: Vec<f32> =
+            floats["data"][i]["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        assert_eq!(floats.len(), 8);
+        let bytes = base64_decode(encoded["data"][i]["embedding"].as_str().unwrap());
+        let decoded: Vec<f32> = bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert_eq!(decoded, floats, "base64 of the little-endian f32s");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_inputs_are_explained_in_the_apis_terms() {
+    let (gateway, stats) = in_memory("org = { rpm = 6000 }");
+    let inputs = [
+        serde_json::json!([1, "a"]),
+        serde_json::json!({"text": "a"}),
+        serde_json::json!([[]]),
+        serde_json::json!([-1]),
+        serde_json::json!([1.5]),
+        serde_json::json!(true),
+        serde_json::json!(""),
+        serde_json::json!([["a"]]),
+    ];
+    for input in inputs {
+        let (status, body) =
+            call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "m", "input": input})).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{input}: {body}");
+        assert_eq!(body["error"]["param"], "input", "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        for rust in ["enum", "untagged", "Vec<", "u64", "i64", "struct", "variant"] {
+            assert!(!message.contains(rust), "{input}: {message:?} speaks Rust ({rust})");
+        }
+    }
+    let (status, body) = call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"input": "a"})).await;
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::BAD_REQUEST, &serde_json::json!("model")));
+    let (status, body) =
+        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "other", "input": "a"})).await;
+    assert_eq!((status, &body["error"]["code"]), (StatusCode::NOT_FOUND, &serde_json::json!("model_not_found")));
+    let (status, body) = call(
+        &gateway,
+        "POST",
+        "/v1/embeddings",
+        serde_json::json!({"model": "m", "input": "a", "encoding_format": "hex"}),
+    )
+    .await;
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::BAD_REQUEST, &serde_json::json!("encoding_format")));
+    assert_eq!(stats.served.load(Ordering::Relaxed), 0, "nothing bad reached the upstream");
+}
+
+#[tokio::test]
+async fn every_error_has_a_json_body_and_health_answers() {
+    let (running, _) = gateway_with("", "org = { rpm = 6000 }").await;
+    let addr = running.addr;
+    assert_openai_error(&http(addr, "GET", "/nope", None, None).await, 404, "not_found");
+    assert_openai_error(&http(addr, "GET", "/v1/embeddings", None, None).await, 405, "method_not_allowed");
+    assert_openai_error(&http(addr, "DELETE", "/healthz", None, None).await, 405, "method_not_allowed");
+    assert_openai_error(&http(addr, "POST", "/v1/embeddings", None, Some("{}")).await, 401, "invalid_api_key");
+    assert_openai_error(
+        &http(addr, "POST", "/v1/embeddings", Some("sk-acme-alice"), Some("{")).await,
+        400,
+        "invalid_json",
+    );
+
+    let health = http(addr, "GET", "/healthz", None, None).await;
+    assert_eq!((health.status, health.json()["status"].as_str()), (200, Some("ok")));
+    let ready = http(addr, "GET", "/readyz", None, None).await;
+    assert_eq!(ready.status, 200, "{}", ready.body);
+    assert_eq!(ready.json()["usable_accounts"], 1);
+    let models = http(addr, "GET", "/v1/models", None, None).await;
+    assert_eq!(models.status, 200);
+    assert_eq!(models.json()["data"][0]["id"], "m");
+    assert_eq!(models.json()["object"], "list");
+
+    // Draining turns readiness off before anything else.
+    running.gateway.health.start_draining();
+    let ready = http(addr, "GET", "/readyz", None, None).await;
+    assert_eq!((ready.status, ready.json()["draining"].as_bool()), (503, Some(true)));
+    running.stop().await;
+}
+
+#[test]
+fn the_service_keys_have_defaults_and_are_checked_with_their_line() {
+    use std::time::Duration;
+    let g = parse_config(&config_text("", "org = { rpm = 60 }", "http://127.0.0.1:9")).gateway;
+    assert_eq!(
+        (g.header_timeout, g.idle_timeout, g.body_timeout, g.shutdown_grace, g.upstream_timeout),
+        (
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+            Duration::from_secs(20),
+            Duration::from_secs(30)
+        )
+    );
+    assert_eq!(g.max_connections, 512);
+    let cases = [
+        ("header_timeout = \"0s\"", "gateway.header_timeout", "longer than zero"),
+        ("idle_timeout = \"soon\"", "gateway.idle_timeout", ""),
+        ("max_connections = 0", "gateway.max_connections", "at least 1"),
+        ("on_upstream_timeout = \"maybe\"", "gateway.on_upstream_timeout", "\"keep\" or \"refund\""),
+        ("backend_failure = \"pray\"", "gateway.backend_failure", "\"fail_closed\""),
+    ];
+    for (key, field, message) in cases {
+        let text = config_text(key, "org = { rpm = 60 }", "http://127.0.0.1:9");
+        let err = Config::parse(&text, Some("bad.toml")).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.message.contains(message), "{err}");
+        let line = text.lines().position(|l| l == key).unwrap() + 1;
+        assert_eq!(err.line, Some(line), "{err}");
+    }
+}
+
+#[test]
+fn duplicate_configuration_keys_are_named() {
+    let text = config_text("max_wait = \"1s\"", "org = { rpm = 60 }", "http://127.0.0.1:9");
+    let err = Config::parse(&text, Some("dup.toml")).unwrap_err();
+    assert_eq!(err.field, "gateway.max_wait", "{err}");
+    assert!(err.to_string().contains("`gateway.max_wait` is set twice"), "{err}");
+    let text =
+        config_text("", "org = { rpm = 60 }", "http://127.0.0.1:9").replace("weight = 2", "weight = 2\nweight = 3");
+    let err = Config::parse(&text, Some("dup.toml")).unwrap_err();
+    assert_eq!(err.field, "tenant.weight", "{err}");
+    assert!(err.line.is_some(), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis.
+
+/// After a Redis stall, a tenant with nothing in flight is not refused for its
+/// concurrency: the holds of the requests that ended during the stall are released as
+/// soon as Redis answers, before any later acquisition.
+#[test]
+fn after_a_redis_stall_nothing_in_flight_means_nothing_held() {
+    let Some(server) =
+        tower_limits_redis::test_support::own_redis_for("after_a_redis_stall_nothing_in_flight_means_nothing_held")
+    else {
+        return;
+    };
+    let server = Arc::new(server);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let text = config_text(
+            "backend_failure = \"fail_closed\"",
+            "org = { rpm = 600000, concurrency = 2 }",
+            "http://127.0.0.1:9",
+        );
+        let config = parse_config(&text);
+        // An upstream that holds the calls whose input is "hold" until the gate opens.
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let arrived = Arc::new(AtomicU64::new(0));
+        let (g, a) = (gate.clone(), arrived.clone());
+        let transport: Transport = BoxCloneSyncService::new(tower::service_fn(move |req: Request<Body>| {
+            let (gate, arrived) = (g.clone(), a.clone());
+            async move {
+                let body = req.into_body().collect().await?.to_bytes();
+                if String::from_utf8_lossy(&body).contains("hold") {
+                    arrived.fetch_add(1, Ordering::Relaxed);
+                    gate.acquire().await?.forget();
+                }
+                let body = serde_json::json!({
+                    "object": "list", "data": [], "model": "m",
+                    "usage": { "prompt_tokens": 1, "total_tokens": 1 }
+                });
+                Ok::<_, tower::BoxError>(Response::new(Body::from(body.to_string())))
+            }
+        }));
+        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+        let sharing = Sharing::Redis { connection, replicas: 1, namespace: format!("stall-{}", std::process::id()) };
+        let gateway = Gateway::with_sharing(&config, transport, &sharing).unwrap();
+        let send = |key: &'static str, input: &'static str| {
+            let router = gateway.router.clone();
+            async move {
+                let req = Request::post("/v1/embeddings")
+                    .header("authorization", format!("Bearer {key}"))
+                    .body(Body::from(serde_json::json!({ "model": "m", "input": input }).to_string()))
+                    .unwrap();
+                let response = router.oneshot(req).await.unwrap();
+                let status = response.status();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            }
+        };
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+
+        // acme's two permits are taken by two requests waiting for the upstream.
+        let first = tokio::spawn(send("sk-acme-alice", "hold"));
+        let second = tokio::spawn(send("sk-acme-alice", "hold"));
+        while arrived.load(Ordering::Relaxed) < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "the two requests never reached the upstream");
+            tokio::task::yield_now().await;
+        }
+        // Redis stalls; requests meanwhile time out until the breaker opens.
+        let sleeper = server.clone();
+        let stall = tokio::task::spawn_blocking(move || sleeper.command(&["DEBUG", "SLEEP", "2.5"]));
+        loop {
+            let (status, body) = send("sk-globex-bob", "pass").await;
+            assert!(tokio::time::Instant::now() < deadline, "redis never stalled");
+            if status == StatusCode::SERVICE_UNAVAILABLE
+                && gateway.health.backend() == embedding_gateway::health::BackendStatus::Down
+            {
+                break;
+            }
+            assert!(status == StatusCode::OK || status == StatusCode::SERVICE_UNAVAILABLE, "{status} {body}");
+        }
+        // The two requests end during the stall.
+        gate.add_permits(1000);
+        assert_eq!(first.await.unwrap().0, StatusCode::OK);
+        assert_eq!(second.await.unwrap().0, StatusCode::OK);
+        stall.await.unwrap().unwrap();
+
+        // Redis is back: the first answer that Redis decides must be a grant.
+        loop {
+            assert!(tokio::time::Instant::now() < deadline, "redis never came back");
+            let (status, body) = send("sk-acme-alice", "pass").await;
+            match status {
+                StatusCode::SERVICE_UNAVAILABLE => tokio::task::yield_now().await,
+                StatusCode::OK => break,
+                other => panic!("nothing is in flight, yet {other}: {body}"),
+            }
+        }
+    });
+}
