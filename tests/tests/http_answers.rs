@@ -213,3 +213,34 @@ async fn errors_map_to_grpc_statuses() {
     assert_eq!(status.metadata().get("retry-after").unwrap(), "1");
     assert_eq!(status.metadata().get("retry-after-ms").unwrap(), "1000");
 }
+
+/// A limit per peer IP finds the address where axum records it (`ConnectInfo`) or where
+/// an accept loop puts it (`SocketAddr`, `IpAddr`), and keeps one state per address.
+#[tokio::test(start_paused = true)]
+async fn a_limit_per_peer_ip_keeps_each_address_apart() {
+    use std::net::{IpAddr, SocketAddr};
+    use tower_limits::extract::PeerIp;
+
+    let layer = GcraLayer::new(Quota::per_hour(nz!(1))).key(PeerIp).reject_with(HttpAnswer::new());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    let from = |ip: [u8; 4], how: u8| {
+        let mut req = request(None, 1);
+        let addr = SocketAddr::from((ip, 4000));
+        match how {
+            0 => drop(req.extensions_mut().insert(axum::extract::ConnectInfo(addr))),
+            1 => drop(req.extensions_mut().insert(addr)),
+            _ => drop(req.extensions_mut().insert(IpAddr::from(ip))),
+        }
+        req
+    };
+    for how in 0..3 {
+        let ip = [10, 0, 0, how];
+        assert_eq!(svc.clone().oneshot(from(ip, how)).await.unwrap().status(), StatusCode::OK, "way {how}");
+        // The same address, however it was recorded, is the same key.
+        let again = svc.clone().oneshot(from(ip, (how + 1) % 3)).await.unwrap();
+        assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS, "way {how}");
+        assert_eq!(again.headers()["ratelimit-policy"], "\"gcra\";q=1;w=3600");
+    }
+    let nowhere = svc.oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(nowhere.status(), StatusCode::UNAUTHORIZED, "no address: no key");
+}

@@ -164,9 +164,9 @@ impl<T: AsTenantKey, B> KeyExtractor<http::Request<B>> for FromExtension<T> {
 
 /// The key from the peer's IP address, found in the request's extensions as a
 /// `std::net::SocketAddr` or `std::net::IpAddr` (insert one from your server's accept
-/// loop; with axum, map `ConnectInfo` into it). Behind a proxy every request has the
-/// proxy's address: use an authenticated key instead. `X-Forwarded-For` is never
-/// trusted by default.
+/// loop), or, with the feature `axum`, as axum's `ConnectInfo<SocketAddr>`. The key is
+/// built without allocating. Behind a proxy every request has the proxy's address: use
+/// an authenticated key instead. `X-Forwarded-For` is never trusted by default.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PeerIp;
 
@@ -178,9 +178,20 @@ impl<B> KeyExtractor<http::Request<B>> for PeerIp {
             .get::<std::net::SocketAddr>()
             .map(std::net::SocketAddr::ip)
             .or_else(|| req.extensions().get::<std::net::IpAddr>().copied())
+            .or_else(|| connect_info(req))
             .ok_or(KeyMissing::new("no peer address extension"))?;
         Ok(TenantKey::from_ip(ip))
     }
+}
+
+#[cfg(feature = "axum")]
+fn connect_info<B>(req: &http::Request<B>) -> Option<std::net::IpAddr> {
+    req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|info| info.0.ip())
+}
+
+#[cfg(all(feature = "http", not(feature = "axum")))]
+fn connect_info<B>(_req: &http::Request<B>) -> Option<std::net::IpAddr> {
+    None
 }
 
 /// The key from a request header. **Opt-in and spoofable**: any client can send any
