@@ -73,10 +73,14 @@ impl LimitError {
         if let Some(wait) = self.retry_after() {
             headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
         }
-        if let (Some(name), Some(snapshot)) = (self.limit(), self.snapshot()) {
+        if let (Some(name), Some(snapshot)) = (self.limit, self.snapshot()) {
             let is_semaphore = matches!(self.kind(), ErrorKind::ConcurrencyLimited) && snapshot.window.is_zero();
-            put(headers, RATELIMIT_POLICY, policy_member(name, &snapshot, is_semaphore));
-            put(headers, RATELIMIT, state_member(name, &snapshot));
+            if let Some(v) = policy_value(std::iter::once((name, &snapshot, is_semaphore))) {
+                headers.insert(RATELIMIT_POLICY, v);
+            }
+            if let Some(v) = scratch_value(|out| write_state_member(out, name, &snapshot)) {
+                headers.insert(RATELIMIT, v);
+            }
         }
     }
 
@@ -140,15 +144,15 @@ pub fn whole_seconds(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-fn put(headers: &mut HeaderMap, name: HeaderName, value: String) {
-    if let Ok(v) = HeaderValue::from_str(&value) {
-        headers.insert(name, v);
-    }
-}
-
 /// A structured-field string: printable ASCII, with `"` and `\` escaped.
+#[cfg(test)]
 fn sf_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
+    write_sf_string(&mut out, text);
+    out
+}
+
+fn write_sf_string(out: &mut String, text: &str) {
     out.push('"');
     for c in text.chars() {
         match c {
@@ -161,21 +165,105 @@ fn sf_string(text: &str) -> String {
         }
     }
     out.push('"');
-    out
 }
 
-fn policy_member(name: &str, s: &Snapshot, is_semaphore: bool) -> String {
-    let mut out = format!("{};q={}", sf_string(name), s.quota);
+fn write_policy_member(out: &mut String, name: &str, s: &Snapshot, is_semaphore: bool) {
+    write_sf_string(out, name);
+    let _ = write!(out, ";q={}", s.quota);
     if is_semaphore {
         out.push_str(";qu=\"concurrent-requests\"");
     } else if !s.window.is_zero() {
         let _ = write!(out, ";w={}", whole_seconds(s.window));
     }
-    out
 }
 
-fn state_member(name: &str, s: &Snapshot) -> String {
-    format!("{};r={};t={}", sf_string(name), s.remaining, whole_seconds(s.reset))
+fn write_state_member(out: &mut String, name: &str, s: &Snapshot) {
+    write_sf_string(out, name);
+    let _ = write!(out, ";r={};t={}", s.remaining, whole_seconds(s.reset));
+}
+
+/// What the `RateLimit-Policy` field of a list of limits depends on: constant for a
+/// limit (its name, quota and window), so the field's value is built once per policy.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PolicyMember {
+    name: (usize, usize),
+    quota: u64,
+    window: Duration,
+    is_semaphore: bool,
+}
+
+impl PolicyMember {
+    fn of(name: &'static str, s: &Snapshot, is_semaphore: bool) -> Self {
+        PolicyMember { name: (name.as_ptr() as usize, name.len()), quota: s.quota, window: s.window, is_semaphore }
+    }
+}
+
+/// The most limits whose policy field is cached (a set holds at most 16).
+const CACHED_MEMBERS: usize = 16;
+
+/// The `RateLimit-Policy` value of `members`, built once per distinct policy in the
+/// process and shared from then on: no allocation and no shared write per answer. The
+/// values live as long as the process, like limit names: their number is bounded by the
+/// policies a process ever uses (each [`LimitSet::replace_policy`] with new quotas adds
+/// one).
+///
+/// [`LimitSet::replace_policy`]: tower_limits_core::LimitSet::replace_policy
+fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, bool)> + Clone) -> Option<HeaderValue> {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, PoisonError};
+
+    type Key = ([Option<PolicyMember>; CACHED_MEMBERS], usize);
+    static INTERNED: Mutex<Option<HashMap<Key, &'static str>>> = Mutex::new(None);
+    thread_local! {
+        static RECENT: RefCell<Vec<(Key, &'static str)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    let mut key: Key = ([None; CACHED_MEMBERS], 0);
+    for (i, (name, s, sem)) in members.clone().enumerate() {
+        if i == CACHED_MEMBERS {
+            return None;
+        }
+        key.0[i] = Some(PolicyMember::of(name, s, sem));
+        key.1 = i + 1;
+    }
+    let text = RECENT.with_borrow_mut(|recent| {
+        if let Some(&(_, text)) = recent.iter().find(|(k, _)| *k == key) {
+            return text;
+        }
+        let text = {
+            let mut interned = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
+            *interned.get_or_insert_with(HashMap::new).entry(key).or_insert_with(|| {
+                let mut out = String::new();
+                for (i, (name, s, sem)) in members.enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write_policy_member(&mut out, name, s, sem);
+                }
+                Box::leak(out.into_boxed_str())
+            })
+        };
+        if recent.len() == 8 {
+            recent.remove(0);
+        }
+        recent.push((key, text));
+        text
+    });
+    HeaderValue::from_str(text).ok().map(|_| HeaderValue::from_static(text))
+}
+
+/// Builds a header value in a buffer kept per thread: one allocation, the value's own.
+fn scratch_value(build: impl FnOnce(&mut String)) -> Option<HeaderValue> {
+    use std::cell::RefCell;
+    thread_local! {
+        static SCRATCH: RefCell<String> = const { RefCell::new(String::new()) };
+    }
+    SCRATCH.with_borrow_mut(|buf| {
+        buf.clear();
+        build(buf);
+        HeaderValue::from_str(buf).ok()
+    })
 }
 
 /// Writes the `RateLimit-Policy` and `RateLimit` fields for every limit in `snapshots`.
@@ -183,43 +271,80 @@ pub fn write_ratelimit_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapsho
     if snapshots.is_empty() {
         return;
     }
-    let policy: Vec<String> = snapshots.iter().map(|l| policy_member(l.name, &l.snapshot, l.is_semaphore)).collect();
-    let state: Vec<String> = snapshots.iter().map(|l| state_member(l.name, &l.snapshot)).collect();
-    put(headers, RATELIMIT_POLICY, policy.join(", "));
-    put(headers, RATELIMIT, state.join(", "));
+    let members = snapshots.iter().map(|l| (l.name, &l.snapshot, l.is_semaphore));
+    let policy = policy_value(members).or_else(|| {
+        scratch_value(|out| {
+            for (i, l) in snapshots.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_policy_member(out, l.name, &l.snapshot, l.is_semaphore);
+            }
+        })
+    });
+    if let Some(policy) = policy {
+        headers.insert(RATELIMIT_POLICY, policy);
+    }
+    let state = scratch_value(|out| {
+        for (i, l) in snapshots.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            write_state_member(out, l.name, &l.snapshot);
+        }
+    });
+    if let Some(state) = state {
+        headers.insert(RATELIMIT, state);
+    }
 }
 
 /// Writes the `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` fields that OpenAI
 /// clients read, from the tightest rate limit counting requests and the tightest
 /// counting cost.
 pub fn write_openai_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
-    for (counts, suffix) in [(Counts::Requests, "requests"), (Counts::Cost, "tokens")] {
+    const NAMES: [[HeaderName; 3]; 2] = [
+        [
+            HeaderName::from_static("x-ratelimit-limit-requests"),
+            HeaderName::from_static("x-ratelimit-remaining-requests"),
+            HeaderName::from_static("x-ratelimit-reset-requests"),
+        ],
+        [
+            HeaderName::from_static("x-ratelimit-limit-tokens"),
+            HeaderName::from_static("x-ratelimit-remaining-tokens"),
+            HeaderName::from_static("x-ratelimit-reset-tokens"),
+        ],
+    ];
+    for (counts, [limit, remaining, reset]) in [Counts::Requests, Counts::Cost].into_iter().zip(NAMES) {
         let tightest = snapshots
             .iter()
             .filter(|l| l.counts == counts && !l.is_semaphore)
             .min_by_key(|l| (u128::from(l.snapshot.remaining) << 64) / u128::from(l.snapshot.quota.max(1)));
         if let Some(l) = tightest {
-            put(headers, x_name("limit", suffix), l.snapshot.quota.to_string());
-            put(headers, x_name("remaining", suffix), l.snapshot.remaining.to_string());
-            put(headers, x_name("reset", suffix), go_duration(l.snapshot.reset));
+            headers.insert(limit, HeaderValue::from(l.snapshot.quota));
+            headers.insert(remaining, HeaderValue::from(l.snapshot.remaining));
+            if let Some(v) = scratch_value(|out| write_go_duration(out, l.snapshot.reset)) {
+                headers.insert(reset, v);
+            }
         }
     }
-}
-
-fn x_name(what: &str, suffix: &str) -> HeaderName {
-    HeaderName::try_from(format!("x-ratelimit-{what}-{suffix}")).unwrap_or(HeaderName::from_static("x-ratelimit"))
 }
 
 /// A duration as `6m0s`, `1s` or `250ms`, the way OpenAI's fields write it.
 #[must_use]
 pub fn go_duration(d: Duration) -> String {
+    let mut out = String::new();
+    write_go_duration(&mut out, d);
+    out
+}
+
+fn write_go_duration(out: &mut String, d: Duration) {
     let ms = d.as_millis();
     if ms < 1000 {
-        return format!("{ms}ms");
+        let _ = write!(out, "{ms}ms");
+        return;
     }
     let (h, m) = (ms / 3_600_000, (ms / 60_000) % 60);
     let s = (ms % 60_000) as f64 / 1000.0;
-    let mut out = String::new();
     if h > 0 {
         let _ = write!(out, "{h}h");
     }
@@ -227,7 +352,6 @@ pub fn go_duration(d: Duration) -> String {
         let _ = write!(out, "{m}m");
     }
     let _ = write!(out, "{s}s");
-    out
 }
 
 fn json_string(text: &str) -> String {
@@ -424,6 +548,21 @@ mod tests {
         assert_eq!(whole_millis(Duration::from_nanos(1)), 1);
         assert_eq!(whole_millis(Duration::from_micros(2_000)), 2);
         assert_eq!(whole_millis(Duration::from_micros(2_001)), 3);
+    }
+
+    #[test]
+    fn policy_values_are_built_once_per_process() {
+        let s = Snapshot { quota: 5, remaining: 3, reset: Duration::from_secs(1), window: Duration::from_secs(2) };
+        let name: &'static str = "policy-cache-test";
+        let a = policy_value(std::iter::once((name, &s, false))).unwrap();
+        assert_eq!(a, "\"policy-cache-test\";q=5;w=2");
+        let b = std::thread::spawn(move || policy_value(std::iter::once((name, &s, false))).unwrap()).join().unwrap();
+        assert_eq!(a.as_bytes().as_ptr(), b.as_bytes().as_ptr(), "one value for every thread");
+        let other = Snapshot { quota: 6, ..s };
+        assert_eq!(policy_value(std::iter::once((name, &other, false))).unwrap(), "\"policy-cache-test\";q=6;w=2");
+        let sem = Snapshot { window: Duration::ZERO, ..s };
+        let both = policy_value([(name, &s, false), (name, &sem, true)].into_iter()).unwrap();
+        assert_eq!(both, "\"policy-cache-test\";q=5;w=2, \"policy-cache-test\";q=5;qu=\"concurrent-requests\"");
     }
 
     #[test]

@@ -70,7 +70,7 @@ pub(crate) struct Admitted<B: Backend, S, Req> {
     pub(crate) guard: PermitGuard<B>,
     pub(crate) inner: S,
     pub(crate) req: Req,
-    pub(crate) snapshots: Option<Arc<[LimitSnapshot]>>,
+    pub(crate) snapshots: Option<Box<[LimitSnapshot]>>,
 }
 
 type Admission<B, S, Req> = Pin<Box<dyn Future<Output = Result<Admitted<B, S, Req>, Box<LimitError>>> + Send>>;
@@ -100,7 +100,7 @@ pin_project! {
         #[pin]
         state: State<S::Future, Admission<B, S, Req>>,
         guard: Option<PermitGuard<B>>,
-        snapshots: Option<Arc<[LimitSnapshot]>>,
+        snapshots: Option<Box<[LimitSnapshot]>>,
         usage: U,
         rejection: R,
     }
@@ -117,7 +117,7 @@ where
         guard: Option<PermitGuard<B>>,
         usage: U,
         rejection: R,
-        snapshots: Option<Arc<[LimitSnapshot]>>,
+        snapshots: Option<Box<[LimitSnapshot]>>,
     ) -> Self {
         ResponseFuture { state: State::Called { fut }, guard, snapshots, usage, rejection }
     }

@@ -159,7 +159,7 @@ where
         trace_refusal(&error);
         if let Some((key, now)) = at {
             if self.rejection.wants_snapshots() {
-                error.snapshots = Some(snapshots(&self.shared, key, now));
+                error.snapshots = Some(snapshots(&self.shared, key, now).into());
             }
         }
         ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
@@ -196,7 +196,7 @@ where
                             shared.rejected.fetch_add(1, Ordering::Relaxed);
                             trace_refusal(&error);
                             if wants_snapshots {
-                                error.snapshots = Some(snapshots(&shared, &key, shared.clock.now()));
+                                error.snapshots = Some(snapshots(&shared, &key, shared.clock.now()).into());
                             }
                             return Err(Box::new(error));
                         }
@@ -216,8 +216,9 @@ where
     }
 }
 
-fn snapshots<B: Backend>(shared: &Shared<B>, key: &TenantKey, now: tower_limits_core::Instant) -> Arc<[LimitSnapshot]> {
-    shared.backend.peek(key, now).into()
+/// Every limit's state for `key`, for the answer's headers.
+fn snapshots<B: Backend>(shared: &Shared<B>, key: &TenantKey, now: tower_limits_core::Instant) -> Box<[LimitSnapshot]> {
+    shared.backend.peek(key, now).into_boxed_slice()
 }
 
 /// Whether waiting can help: a rate denial within `max_wait`, or a concurrency denial.
@@ -249,7 +250,7 @@ async fn admit<B: Backend>(
     key: &TenantKey,
     cost: u64,
     wants_snapshots: bool,
-) -> Result<(B::Grant, Option<Arc<[LimitSnapshot]>>), LimitError> {
+) -> Result<(B::Grant, Option<Box<[LimitSnapshot]>>), LimitError> {
     let max_wait = shared.settings.max_wait.unwrap_or_default();
     let start = shared.clock.now();
     let deadline = start + max_wait;
