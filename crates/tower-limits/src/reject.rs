@@ -34,6 +34,58 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
     fn wants_snapshots(&self) -> bool {
         false
     }
+
+    /// A response whose request still holds what it acquired: `hold` is given back when
+    /// the answer is done with it. By default at once (when the response's head is
+    /// ready); [`HoldBody`](crate::shell::body::HoldBody) keeps it in the body until the
+    /// body ends.
+    fn respond_held(&self, response: T, snapshots: Option<&[LimitSnapshot]>, hold: Hold) -> Self::Response {
+        hold.finish();
+        self.respond(response, snapshots)
+    }
+
+    /// Whether [`Rejection::respond_held`] keeps the hold past the response's head.
+    fn holds_body(&self) -> bool {
+        false
+    }
+}
+
+/// What an admitted request still holds when its response is ready (its concurrency, a
+/// fair-queue slot, a lease, an estimate to settle), to give back when the response is
+/// done: [`Hold::finish`] settles to the usage found and releases; dropped unfinished, it
+/// is given back as for a cancelled request (see the layers' `on_cancel`).
+pub struct Hold {
+    guard: Box<dyn Finish>,
+    /// The real usage, when the response reported one.
+    pub(crate) usage: Option<u64>,
+}
+
+impl Hold {
+    pub(crate) fn new(guard: Box<dyn Finish>, usage: Option<u64>) -> Self {
+        Hold { guard, usage }
+    }
+
+    /// The response is done: settle to the usage it reported (if any) and release.
+    pub fn finish(self) {
+        self.guard.done(self.usage);
+    }
+
+    /// The response failed (its body yielded an error): as after an inner error.
+    pub fn fail(self) {
+        self.guard.failed();
+    }
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hold").field("usage", &self.usage).finish_non_exhaustive()
+    }
+}
+
+/// How a guard is given back; dropping it unfinished is a cancellation.
+pub(crate) trait Finish: Send + Sync + 'static {
+    fn done(self: Box<Self>, usage: Option<u64>);
+    fn failed(self: Box<Self>);
 }
 
 /// Refusals are errors: a [`LimitError`] inside a [`BoxError`], next to the inner

@@ -15,7 +15,7 @@ use tower_service::Service;
 use super::shared::{Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, NoAnnotation, UsageExtractor};
-use crate::reject::Rejection;
+use crate::reject::{Finish, Hold, Rejection};
 
 /// What an admitted request holds while the inner service works: a slot and the rate
 /// backend's grant. Dropped (the response completed, failed or was dropped), the grant
@@ -41,6 +41,16 @@ impl<B: Backend> Held<B> {
             self.settled = true;
         }
     }
+}
+
+impl<B: Backend> Finish for Held<B> {
+    fn done(mut self: Box<Self>, usage: Option<u64>) {
+        if let Some(actual) = usage {
+            self.settle(actual);
+        }
+    }
+
+    fn failed(self: Box<Self>) {}
 }
 
 impl<B: Backend> Drop for Held<B> {
@@ -224,18 +234,27 @@ where
             match this.state.as_mut().project() {
                 StateProj::Called { fut, held } => {
                     let out = ready!(fut.poll(cx));
-                    let mut held = held.take();
-                    if let (Ok(response), Some(h)) = (&out, held.as_mut()) {
-                        if let Some(actual) = this.usage.usage(response) {
-                            h.settle(actual);
-                        }
-                    }
-                    // The slot goes back before the caller sees the response.
-                    drop(held);
+                    let held = held.take();
                     this.state.set(State::Done);
-                    return Poll::Ready(match out {
-                        Ok(response) => Ok(this.rejection.respond(response, None)),
-                        Err(e) => Err(this.rejection.fail(e)),
+                    return Poll::Ready(match (out, held) {
+                        (Ok(response), Some(held)) if this.rejection.holds_body() => {
+                            // The slot goes back when the body ends.
+                            let hold = Hold::new(Box::new(held), this.usage.usage(&response));
+                            Ok(this.rejection.respond_held(response, None, hold))
+                        }
+                        (Ok(response), held) => {
+                            if let Some(mut held) = held {
+                                if let Some(actual) = this.usage.usage(&response) {
+                                    held.settle(actual);
+                                }
+                            }
+                            // The slot went back before the caller sees the response.
+                            Ok(this.rejection.respond(response, None))
+                        }
+                        (Err(e), held) => {
+                            drop(held);
+                            Err(this.rejection.fail(e))
+                        }
                     });
                 }
                 StateProj::Waiting { waiting } => {

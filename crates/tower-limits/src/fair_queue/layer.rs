@@ -157,6 +157,16 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
         FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
     }
 
+    /// Keeps each admitted request's slot (and its rate grant, with the estimate to
+    /// settle) until its response body ends, fails or is dropped, rather than until the
+    /// response's head is ready: for streamed bodies. Call it after
+    /// [`reject_with`](Self::reject_with); see [`HoldBody`](crate::shell::body::HoldBody).
+    #[cfg(feature = "http")]
+    pub fn hold_body(self) -> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R>, B, A> {
+        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
+        FairQueueLayer { shared, keys, cost, rejection: crate::shell::body::HoldBody::new(rejection), usage, annotate }
+    }
+
     /// How the rate backend's grant is recorded on the request before the inner service
     /// sees it: for a [`LimitPool`](tower_limits_core::LimitPool) backend,
     /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
@@ -230,6 +240,19 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     #[must_use]
     pub fn tenant_stats(&self, key: &TenantKey) -> Option<TenantQueueStats> {
         self.shared.tenant_stats(key)
+    }
+}
+
+#[cfg(feature = "http")]
+impl<K, C, U, R, O, B: Backend, A> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R, O>, B, A> {
+    /// Settles each request's rate grant to the usage its response body reports as it
+    /// streams by; see [`LimitLayer::usage_from_body`](crate::LimitLayer::usage_from_body).
+    pub fn usage_from_body<O2: crate::shell::body::BodyUsage>(
+        self,
+        observer: O2,
+    ) -> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R, O2>, B, A> {
+        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
+        FairQueueLayer { shared, keys, cost, rejection: rejection.usage_from_body(observer), usage, annotate }
     }
 }
 

@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::shared::{Shared, Unfinished};
 use crate::error::LimitError;
 use crate::extract::UsageExtractor;
-use crate::reject::Rejection;
+use crate::reject::{Finish, Hold, Rejection};
 
 /// A permit held while the inner service works. On completion it settles with the real
 /// usage (or, after an error, refunds or keeps the cost as configured); dropped before
@@ -57,6 +57,16 @@ enum Outcome {
     Done(Option<u64>),
     Failed,
     Cancelled,
+}
+
+impl<B: Backend> Finish for PermitGuard<B> {
+    fn done(mut self: Box<Self>, usage: Option<u64>) {
+        self.finish(Outcome::Done(usage));
+    }
+
+    fn failed(mut self: Box<Self>) {
+        self.finish(Outcome::Failed);
+    }
 }
 
 impl<B: Backend> Drop for PermitGuard<B> {
@@ -150,10 +160,18 @@ where
                     let mut guard = this.guard.take();
                     return Poll::Ready(match out {
                         Ok(response) => {
-                            if let Some(g) = guard.as_mut() {
-                                g.finish(Outcome::Done(this.usage.usage(&response)));
+                            let snapshots = this.snapshots.as_deref();
+                            match guard {
+                                Some(g) if this.rejection.holds_body() => {
+                                    let hold = Hold::new(Box::new(g), this.usage.usage(&response));
+                                    Ok(this.rejection.respond_held(response, snapshots, hold))
+                                }
+                                Some(mut g) => {
+                                    g.finish(Outcome::Done(this.usage.usage(&response)));
+                                    Ok(this.rejection.respond(response, snapshots))
+                                }
+                                None => Ok(this.rejection.respond(response, snapshots)),
                             }
-                            Ok(this.rejection.respond(response, this.snapshots.as_deref()))
                         }
                         Err(e) => {
                             if let Some(g) = guard.as_mut() {

@@ -173,6 +173,25 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
         LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
     }
 
+    /// Keeps what each request holds (its concurrency, the estimate to settle) until its
+    /// response body ends, fails or is dropped, rather than until the response's head is
+    /// ready: for streamed bodies (server-sent events, downloads, LLM answers), whose
+    /// work goes on after the head. Call it after [`reject_with`](Self::reject_with); see
+    /// [`HoldBody`](crate::shell::body::HoldBody).
+    #[cfg(feature = "http")]
+    pub fn hold_body(self) -> LimitLayer<K, C, U, crate::shell::body::HoldBody<R>, B, A, D> {
+        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
+        LimitLayer {
+            shared,
+            keys,
+            cost,
+            usage,
+            rejection: crate::shell::body::HoldBody::new(rejection),
+            annotate,
+            door,
+        }
+    }
+
     /// How the grant is recorded on the request before the inner service sees it: for a
     /// [`LimitPool`](tower_limits_core::LimitPool) backend,
     /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
@@ -268,6 +287,20 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     #[must_use]
     pub fn layer_stats(&self) -> super::LayerStats {
         self.shared.layer_stats()
+    }
+}
+
+#[cfg(feature = "http")]
+impl<K, C, U, R, O, B: Backend, A, D> LimitLayer<K, C, U, crate::shell::body::HoldBody<R, O>, B, A, D> {
+    /// Settles each request to the usage its response body reports as it streams by
+    /// (for example [`OpenAiStreamUsage`](crate::shell::body::OpenAiStreamUsage)); a body
+    /// that ends without one keeps the usage read from the head, or the estimate.
+    pub fn usage_from_body<O2: crate::shell::body::BodyUsage>(
+        self,
+        observer: O2,
+    ) -> LimitLayer<K, C, U, crate::shell::body::HoldBody<R, O2>, B, A, D> {
+        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
+        LimitLayer { shared, keys, cost, usage, rejection: rejection.usage_from_body(observer), annotate, door }
     }
 }
 

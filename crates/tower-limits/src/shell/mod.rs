@@ -51,6 +51,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "http")]
+pub mod body;
 mod future;
 mod layer;
 mod service;

@@ -118,6 +118,7 @@ where
                 // Nothing to do once the response is in: no guard, no reference to hold.
                 let settings = &shared.settings;
                 let idle = !U::REPORTS
+                    && !self.rejection.holds_body()
                     && settings.on_error == Unfinished::Keep
                     && settings.on_cancel == Unfinished::Keep
                     && !shared.backend.needs_release(&grant);
