@@ -244,3 +244,34 @@ async fn a_limit_per_peer_ip_keeps_each_address_apart() {
     let nowhere = svc.oneshot(request(None, 1)).await.unwrap();
     assert_eq!(nowhere.status(), StatusCode::UNAUTHORIZED, "no address: no key");
 }
+
+/// Refusals in OpenAI's shape, with the wait in both `Retry-After` (whole seconds, up)
+/// and `retry-after-ms` (milliseconds, up), as OpenAI's SDKs read them.
+#[tokio::test(start_paused = true)]
+async fn openai_refusals_carry_the_error_object_and_both_waits() {
+    let layer = LimitSetLayer::new(policy())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .reject_with(HttpAnswer::new().with_openai_body().with_all_limits());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    let mut last = None;
+    for _ in 0..4 {
+        last = Some(svc.clone().oneshot(request(Some(["acme", "alice"]), 10)).await.unwrap());
+    }
+    let refused = last.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["content-type"], "application/json");
+    let ms: u64 = refused.headers()["retry-after-ms"].to_str().unwrap().parse().unwrap();
+    let s: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(ms > 0 && s * 1000 >= ms && (s - 1) * 1000 < ms, "{ms}ms within {s}s");
+    let body = refused.into_body();
+    assert!(body.starts_with("{\"error\":{\"message\":\"Rate limit reached for "), "{body}");
+    assert!(body.contains("\"type\":\"requests\",\"param\":null,\"code\":\"rate_limit_exceeded\""), "{body}");
+    assert!(body.contains("Please try again in "), "{body}");
+
+    // Waiting exactly retry-after-ms is never early.
+    tokio::time::advance(Duration::from_millis(ms)).await;
+    let again = svc.oneshot(request(Some(["acme", "alice"]), 10)).await.unwrap();
+    assert_eq!(again.status(), StatusCode::OK);
+}

@@ -8,7 +8,8 @@
 //! | a cost above a limit's capacity (it can never pass) | `413 Content Too Large` |
 //! | no tenant key | `401 Unauthorized` |
 //!
-//! `Retry-After` is in whole seconds, rounded up, and never `0` for a non-zero wait. The
+//! `Retry-After` is in whole seconds, rounded up, and never `0` for a non-zero wait;
+//! `retry-after-ms` carries the same wait in milliseconds, rounded up. The
 //! `RateLimit-Policy` and `RateLimit` fields follow draft-ietf-httpapi-ratelimit-headers
 //! (-10): one list member per limit, a string naming it, with `q` (quota), `w` (window
 //! in seconds), `r` (remaining) and `t` (seconds until reset); `qu="concurrent-requests"`
@@ -55,6 +56,9 @@ use crate::reject::Rejection;
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 /// `RateLimit`.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `retry-after-ms`: the wait in milliseconds, rounded up, which OpenAI's SDKs read
+/// before `Retry-After`.
+pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
 impl LimitError {
     /// The status this refusal answers with (see the [module docs](crate::http)).
@@ -72,6 +76,7 @@ impl LimitError {
     pub fn write_headers(&self, headers: &mut HeaderMap) {
         if let Some(wait) = self.retry_after() {
             headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
+            headers.insert(RETRY_AFTER_MS, HeaderValue::from(whole_millis(wait) as u64));
         }
         if let (Some(name), Some(snapshot)) = (self.limit, self.snapshot()) {
             let is_semaphore = matches!(self.kind(), ErrorKind::ConcurrencyLimited) && snapshot.window.is_zero();
@@ -113,6 +118,69 @@ impl LimitError {
         }
         out.push('}');
         out
+    }
+}
+
+impl LimitError {
+    /// The error object OpenAI's APIs answer with, which OpenAI's SDKs read:
+    /// `{"error": {"message", "type", "param", "code"}}`. The message names the limit, its
+    /// tier and when to retry; `type` is `requests` or `tokens` for a rate limit (as
+    /// OpenAI's own), `server_error` for the server's own capacity,
+    /// `invalid_request_error` otherwise; `code` is `rate_limit_exceeded` for a rate limit
+    /// and the refusal's kind otherwise.
+    ///
+    /// ```
+    /// use tower_limits::{ErrorKind, LimitError};
+    ///
+    /// let json = LimitError::new(ErrorKind::QueueFull).openai_json();
+    /// assert!(json.starts_with(r#"{"error":{"message":"The server is at capacity"#));
+    /// assert!(json.contains(r#""type":"server_error""#));
+    /// ```
+    #[must_use]
+    pub fn openai_json(&self) -> String {
+        let (kind, code) = match self.kind() {
+            ErrorKind::MissingKey => ("invalid_request_error", "invalid_api_key"),
+            ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
+            _ if self.is_shared() => ("server_error", kind_name(self.kind())),
+            ErrorKind::RateLimited => {
+                let counts_cost = self
+                    .snapshots()
+                    .into_iter()
+                    .flatten()
+                    .any(|l| Some(l.name) == self.limit && l.counts == Counts::Cost);
+                (if counts_cost { "tokens" } else { "requests" }, "rate_limit_exceeded")
+            }
+            other => ("requests", kind_name(other)),
+        };
+        let mut message = match self.kind() {
+            ErrorKind::RateLimited => String::from("Rate limit reached"),
+            ErrorKind::ConcurrencyLimited if !self.is_shared() => String::from("Too many requests in flight"),
+            ErrorKind::TenantQueueFull => String::from("Too many of your requests are queued"),
+            ErrorKind::MissingKey => String::from("No valid API key was given"),
+            ErrorKind::CostAboveCapacity => String::from("The request is larger than the limit allows at once"),
+            _ => String::from("The server is at capacity"),
+        };
+        if let Some(limit) = self.limit() {
+            let _ = write!(message, " for {limit}");
+            if let Some(tier) = self.tier() {
+                let _ = write!(message, " (per {tier})");
+            }
+        }
+        if let Some(quota) = self.snapshot().map(|s| s.quota) {
+            let _ = write!(message, ": limit {quota}");
+        }
+        match self.retry_after() {
+            Some(wait) => {
+                let _ = write!(message, ". Please try again in {:.3}s.", wait.as_secs_f64());
+            }
+            None => message.push('.'),
+        }
+        format!(
+            "{{\"error\":{{\"message\":{},\"type\":{},\"param\":null,\"code\":{}}}}}",
+            json_string(&message),
+            json_string(kind),
+            json_string(code)
+        )
     }
 }
 
@@ -388,6 +456,21 @@ pub struct EmptyBody;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JsonBody;
 
+/// Refusals answer with OpenAI's error object (the body type must be `From<String>`):
+/// see [`LimitError::openai_json`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenAiBody;
+
+impl<B: From<String>> AnswerBody<B> for OpenAiBody {
+    fn body(error: &LimitError) -> B {
+        B::from(error.openai_json())
+    }
+
+    fn content_type() -> Option<HeaderValue> {
+        Some(HeaderValue::from_static("application/json"))
+    }
+}
+
 impl<B: Default> AnswerBody<B> for EmptyBody {
     fn body(_error: &LimitError) -> B {
         B::default()
@@ -472,6 +555,19 @@ impl<J> HttpAnswer<J> {
     /// The fields on successful responses too (costs a peek at the limits per request).
     pub const fn on_success(self) -> Self {
         HttpAnswer { on_success: true, all_limits: true, ..self }
+    }
+
+    /// Refusals carry OpenAI's error object (`{"error": {"message", "type", "param",
+    /// "code"}}`), which OpenAI's SDKs show and retry on: for gateways in front of
+    /// OpenAI-compatible APIs.
+    pub const fn with_openai_body(self) -> HttpAnswer<OpenAiBody> {
+        HttpAnswer {
+            openai: self.openai,
+            on_success: self.on_success,
+            all_limits: self.all_limits,
+            status: self.status,
+            _body: PhantomData,
+        }
     }
 
     /// Refusals carry a JSON problem document naming the limit and tier.
