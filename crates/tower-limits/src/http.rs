@@ -130,11 +130,16 @@ impl LimitError {
     /// and the refusal's kind otherwise.
     ///
     /// ```
-    /// use tower_limits::{ErrorKind, LimitError};
+    /// use tower_limits::{Instant, LimitError, LimitSet, Quota, TenantKey, nz};
     ///
-    /// let json = LimitError::new(ErrorKind::QueueFull).openai_json();
-    /// assert!(json.starts_with(r#"{"error":{"message":"The server is at capacity"#));
-    /// assert!(json.contains(r#""type":"server_error""#));
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(2)));
+    /// let global = TenantKey::global();
+    /// let _first = set.acquire(&global, 2, Instant::ZERO).unwrap();
+    /// let refused = LimitError::from(set.acquire(&global, 1, Instant::ZERO).unwrap_err());
+    /// assert_eq!(
+    ///     refused.openai_json(),
+    ///     r#"{"error":{"message":"Rate limit reached for gcra: limit 2. Please try again in 0.500s.","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#
+    /// );
     /// ```
     #[must_use]
     pub fn openai_json(&self) -> String {
