@@ -32,7 +32,6 @@ pub mod algorithm;
 pub mod backend;
 mod error;
 pub mod fair_queue;
-mod fast;
 mod key;
 mod limit;
 pub mod policy;

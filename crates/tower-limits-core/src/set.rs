@@ -51,11 +51,10 @@ use std::time::Duration;
 
 use hashbrown::DefaultHashBuilder;
 
-use crate::algorithm::{Gcra, GcraState, Refusal, Snapshot};
+use crate::algorithm::{Refusal, Snapshot};
 use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
-use crate::fast::{Fast, FastGcra};
 use crate::key::{MAX_TIERS, TenantKey};
-use crate::limit::{Config, Counts, Limit, LimitDef, LimitState, MAX_LIMITS};
+use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS};
 use crate::policy::LimitSetPolicy;
 use crate::policy_error::PolicyError;
 use crate::table::{Op, Table, apply_global, key_hash};
@@ -110,8 +109,6 @@ struct Counters {
 struct Shared {
     shards: Box<[Padded<Mutex<Shard>>]>,
     global: Padded<Mutex<Global>>,
-    /// The lock-free path, for a set created as one global GCRA limit (see `fast`).
-    fast: Option<FastGcra>,
     hasher: DefaultHashBuilder,
     mask: usize,
     /// Whether the current config has keyed limits; read without a lock to decide which
@@ -203,7 +200,6 @@ impl LimitSet {
                     },
                     config: config.clone(),
                 })),
-                fast: fast_for(&config),
                 hasher: DefaultHashBuilder::default(),
                 mask: shards - 1,
                 tiered: AtomicBool::new(config.has_tiered),
@@ -363,15 +359,7 @@ impl LimitSet {
         }
         let _serial = lock(&self.shared.replacing);
         let mut shards: Vec<_> = self.shared.shards.iter().map(|s| lock(&s.0)).collect();
-        let mut global = self.shared.lock_global();
-        if let Some(fast) = &self.shared.fast {
-            // The lock-free path's counts join the locked ones, to move with their limits.
-            let (admitted, denied, impossible) = fast.drain();
-            let c = &mut global.states.counters;
-            c.admitted += admitted;
-            c.denied[0] += denied;
-            c.impossible[0] += impossible;
-        }
+        let mut global = lock(&self.shared.global.0);
         let old = global.config.clone();
         let moves: Vec<Option<usize>> = (0..old.limits.len()).map(|i| new.successor(&old, i)).collect();
         let cap = shard_cap(new.max_keys, shards.len());
@@ -404,67 +392,10 @@ impl LimitSet {
         }
         g.states = states;
         g.counters = counters;
-        if let Some(fast) = &self.shared.fast {
-            match single_gcra(&new) {
-                Some((gcra, def)) => fast.configure(gcra, def.name, def.counts == Counts::Cost, new.version),
-                None => fast.turn_off(),
-            }
-        }
         global.config = new.clone();
         self.shared.tiered.store(new.has_tiered, Ordering::Release);
         Ok(())
     }
-}
-
-/// The global states under their lock, borrowed from the lock-free path (if the set has
-/// one) for as long as the guard lives and given back when it drops.
-struct GlobalGuard<'a> {
-    guard: MutexGuard<'a, Global>,
-    fast: Option<&'a FastGcra>,
-}
-
-impl std::ops::Deref for GlobalGuard<'_> {
-    type Target = Global;
-    fn deref(&self) -> &Global {
-        &self.guard
-    }
-}
-
-impl std::ops::DerefMut for GlobalGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Global {
-        &mut self.guard
-    }
-}
-
-impl Drop for GlobalGuard<'_> {
-    fn drop(&mut self) {
-        let Some(fast) = self.fast else { return };
-        if single_gcra(&self.guard.config).is_some() {
-            if let Some(LimitState::Gcra(state)) = self.guard.states.states.first() {
-                fast.give_back(state);
-            }
-        }
-    }
-}
-
-/// The one global GCRA limit of a set that is nothing else.
-fn single_gcra(config: &Config) -> Option<(&Gcra, &LimitDef)> {
-    match config.limits.as_slice() {
-        [def @ LimitDef { tier: None, limit: Limit::Gcra(gcra), .. }] => Some((gcra, def)),
-        _ => None,
-    }
-}
-
-/// The lock-free path for a set created as one global GCRA limit, open on a fresh state.
-fn fast_for(config: &Config) -> Option<FastGcra> {
-    let (gcra, def) = single_gcra(config)?;
-    if !FastGcra::fits(gcra) {
-        return None;
-    }
-    let fast = FastGcra::new(def.name);
-    fast.configure(gcra, def.name, def.counts == Counts::Cost, config.version);
-    fast.give_back(&GcraState::default());
-    Some(fast)
 }
 
 /// As many shards as keep room for a few keys in each: a key needs one state per keyed
@@ -556,16 +487,8 @@ impl Grant {
 }
 
 impl Shared {
-    /// The global states, borrowed from the lock-free path while the guard lives.
-    fn lock_global(&self) -> GlobalGuard<'_> {
-        let mut guard = lock(&self.global.0);
-        if let Some(fast) = &self.fast {
-            if let Some(state) = fast.borrow() {
-                guard.states.states[0] = LimitState::Gcra(state);
-                guard.states.latest = guard.states.latest.max(fast.latest());
-            }
-        }
-        GlobalGuard { guard, fast: self.fast.as_ref() }
+    fn lock_global(&self) -> MutexGuard<'_, Global> {
+        lock(&self.global.0)
     }
 
     #[inline]
@@ -577,13 +500,6 @@ impl Shared {
 
     #[inline]
     fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
-        if let (Some(fast), Costs::Uniform(cost)) = (&self.fast, costs) {
-            match fast.acquire(*cost, now) {
-                Fast::Granted { at, version } => return Ok(Granted { granted_at: at, version, config: None }),
-                Fast::Refused(e) => return Err(e),
-                Fast::Locked => {}
-            }
-        }
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
@@ -948,14 +864,6 @@ impl Shared {
             })
             .collect();
         let mut admitted = global.states.counters.admitted;
-        if let Some(fast) = &self.fast {
-            let (fast_admitted, denied, impossible) = fast.counts();
-            admitted += fast_admitted;
-            if let Some(first) = limits.first_mut() {
-                first.denied += denied;
-                first.cost_above_capacity += impossible;
-            }
-        }
         drop(global);
         for shard in self.shared_shards() {
             let s = lock(shard);

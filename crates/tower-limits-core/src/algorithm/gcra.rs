@@ -47,11 +47,6 @@ pub struct GcraState {
 }
 
 impl GcraState {
-    /// The state whose theoretical arrival time is `tat`.
-    pub(crate) fn at(tat: Instant) -> Self {
-        GcraState { tat }
-    }
-
     /// The theoretical arrival time: when the key is back to full capacity.
     #[must_use]
     pub fn theoretical_arrival(&self) -> Instant {
@@ -81,13 +76,6 @@ impl Gcra {
     #[must_use]
     pub fn burst(&self) -> u64 {
         self.burst
-    }
-
-    /// The tolerance in nanoseconds: how far ahead of now the theoretical arrival time
-    /// may run (`burst` intervals).
-    #[must_use]
-    pub fn tolerance_nanos(&self) -> u64 {
-        self.tolerance
     }
 
     /// The emission interval in nanoseconds (rounded up).
