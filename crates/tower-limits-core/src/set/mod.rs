@@ -43,6 +43,8 @@
 //! their semaphores; a settle that races a policy change is applied to limits that
 //! survived it.
 
+mod fast;
+
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +60,7 @@ use crate::limit::{Config, LimitDef, LimitState};
 use crate::policy::{Counts, LimitSetPolicy, MAX_LIMITS, PolicyError};
 use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
+use fast::{Decision, Fast};
 
 /// A grant version that matches whatever policy is current (for corrections that are not
 /// tied to a grant).
@@ -114,6 +117,8 @@ struct Shared {
     /// locks to take, and confirmed under them.
     tiered: AtomicBool,
     replacing: Mutex<()>,
+    /// The lock-free state, when the set is one global GCRA (see [`fast`]).
+    fast: Option<Fast>,
 }
 
 /// Named limits acquired together, all or nothing, in memory.
@@ -203,6 +208,7 @@ impl LimitSet {
                 mask: shards - 1,
                 tiered: AtomicBool::new(config.has_tiered),
                 replacing: Mutex::new(()),
+                fast: Fast::for_config(&config),
             }),
         })
     }
@@ -380,6 +386,17 @@ impl LimitSet {
             shard.config = new.clone();
         }
         let g = &mut global.states;
+        if let Some(fast) = &self.shared.fast {
+            // The atomic hands the state back to the lock, with what it counted.
+            if let Some(last) = fast.disable() {
+                g.states[0] = last;
+            }
+            g.latest = g.latest.max(fast.latest());
+            let (a, d, i) = fast.drain();
+            g.counters.admitted += a;
+            g.counters.denied[0] += d;
+            g.counters.impossible[0] += i;
+        }
         let mut states = new.fresh.clone();
         let mut counters = Counters { admitted: g.counters.admitted, ..Counters::default() };
         for (i, state) in std::mem::take(&mut g.states).into_iter().enumerate() {
@@ -391,6 +408,9 @@ impl LimitSet {
         }
         g.states = states;
         g.counters = counters;
+        if let Some(fast) = self.shared.fast.as_ref().filter(|f| f.fits(&new)) {
+            fast.enable(&g.states[0], new.version);
+        }
         global.config = new.clone();
         self.shared.tiered.store(new.has_tiered, Ordering::Release);
         Ok(())
@@ -497,19 +517,57 @@ impl Shared {
         &self.shards[(h >> 40) as usize & self.mask].0
     }
 
+    /// The lock-free state, while it rules (stable under the global lock).
+    #[inline]
+    fn fast_live(&self) -> Option<&Fast> {
+        self.fast.as_ref().filter(|f| f.enabled())
+    }
+
     #[inline]
     fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
+        loop {
+            if let Some(fast) = &self.fast {
+                let cost = match costs {
+                    Costs::Uniform(c) => fast.cost(*c),
+                    Costs::Each(each) => each.first().copied().unwrap_or(u64::MAX),
+                };
+                match fast.acquire(cost, now) {
+                    Some(Decision::Granted(granted_at, version)) => {
+                        return Ok(Granted { granted_at, version, config: None });
+                    }
+                    Some(Decision::Denied(retry_after, snapshot)) => {
+                        return Err(fast_denied(fast, retry_after, snapshot));
+                    }
+                    Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
+                    None => {}
+                }
+            }
+            // `None`: a replace enabled the fast path while this call waited for a lock.
+            if let Some(result) = self.acquire_locked(key, costs, now) {
+                return result;
+            }
+        }
+    }
+
+    /// The acquisition under the locks; `None` when the fast path rules the state now.
+    fn acquire_locked(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Option<Result<Granted, AcquireError>> {
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
                 let mut global = self.lock_global();
-                self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now)
+                if self.fast_live().is_some() {
+                    return None;
+                }
+                Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now))
             } else {
-                self.decide(config, Some(keyed), None, key, costs, now)
+                Some(self.decide(config, Some(keyed), None, key, costs, now))
             }
         } else {
             let mut global = self.lock_global();
+            if self.fast_live().is_some() {
+                return None;
+            }
             if global.config.has_tiered && !key.is_global() {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
@@ -517,10 +575,10 @@ impl Shared {
                 let mut shard = lock(self.shard_of(key));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();
-                return self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                return Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now));
             }
             let Global { config, states } = &mut *global;
-            self.decide(config, None, Some(states), key, costs, now)
+            Some(self.decide(config, None, Some(states), key, costs, now))
         }
     }
 
@@ -750,6 +808,9 @@ impl Shared {
         let mut global = self.lock_global();
         let current = global.config.clone();
         let mut now = now.max(global.states.latest);
+        if let Some(fast) = self.fast_live() {
+            now = now.max(fast.latest());
+        }
         if let Some(s) = &shard {
             now = now.max(s.keyed.latest);
         }
@@ -763,7 +824,10 @@ impl Shared {
             };
             let Some(op) = from.and_then(|i| op_for(i, def)) else { continue };
             match def.tier {
-                None => apply_global(&def.limit, &mut global.states.states[j], op, now),
+                None => match self.fast_live() {
+                    Some(fast) if j == 0 => fast.update(|state| apply_global(&def.limit, state, op, now)),
+                    _ => apply_global(&def.limit, &mut global.states.states[j], op, now),
+                },
                 Some(t) => {
                     let Some(s) = shard.as_deref_mut().map(|s| &mut s.keyed) else { continue };
                     let Some(prefix) = key.prefix(t + 1) else { continue };
@@ -818,13 +882,19 @@ impl Shared {
         let global = self.lock_global();
         let cfg = global.config.clone();
         let mut now = now.max(global.states.latest);
+        if let Some(fast) = self.fast_live() {
+            now = now.max(fast.latest());
+        }
         if let Some(s) = &shard {
             now = now.max(s.keyed.latest);
         }
         let mut out = Vec::with_capacity(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
             let snapshot = match def.tier {
-                None => def.limit.peek(&global.states.states[i], now),
+                None => match self.fast_live() {
+                    Some(fast) if i == 0 => def.limit.peek(&fast.state(), now),
+                    _ => def.limit.peek(&global.states.states[i], now),
+                },
                 Some(t) => {
                     let (Some(s), Some(prefix)) = (shard.as_deref().map(|s| &s.keyed), key.prefix(t + 1)) else {
                         continue;
@@ -863,6 +933,12 @@ impl Shared {
             })
             .collect();
         let mut admitted = global.states.counters.admitted;
+        if let (Some(fast), Some(first)) = (&self.fast, limits.first_mut()) {
+            let (a, d, i) = fast.counts();
+            admitted += a;
+            first.denied += d;
+            first.cost_above_capacity += i;
+        }
         drop(global);
         for shard in self.shared_shards() {
             let s = lock(shard);
@@ -898,6 +974,25 @@ fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool
         needs_release,
         snapshot,
     })
+}
+
+#[cold]
+#[inline(never)]
+fn fast_denied(fast: &Fast, retry_after: Duration, snapshot: Snapshot) -> AcquireError {
+    AcquireError::Denied(Denial {
+        name: fast.name(),
+        tier: None,
+        limit: 0,
+        retry_after,
+        needs_release: false,
+        snapshot,
+    })
+}
+
+#[cold]
+#[inline(never)]
+fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> AcquireError {
+    AcquireError::CostAboveCapacity(CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity })
 }
 
 #[cold]
