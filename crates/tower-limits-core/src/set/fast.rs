@@ -39,7 +39,45 @@
 //!   own `now`, which can only make it wait longer.
 //! - **Counters.** Grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
-//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes.
+//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes. A stripe's owner adds
+//!   with a plain load and store (no locked instruction); stripes are never reset, so
+//!   nobody else ever writes them.
+//!
+//! # Leases: no collapse on many cores
+//!
+//! One TAT that every grant swaps is one cache line every core writes: past a few cores
+//! the line's travels cost more than the decisions. So a thread that has seen its swap
+//! fail (and only then: a lone thread never leases, and decides exactly as plain GCRA)
+//! takes *leases*: with its grant it advances the shared TAT by `k` more units than it
+//! needs, from `s` to `s + k*T`, and keeps them in a thread-local slot. Later calls of
+//! that thread use the leased units without touching any shared line.
+//!
+//! **Why it cannot over-admit.** Taking a lease is admitting its `k` units at once, at the
+//! instant `t0` the lease was taken, under the unchanged GCRA rule `s + k*T - t0 <= tau`.
+//! Unit `j` of the lease owns the slot `[s + j*T, s + (j+1)*T)`, and a thread may use it at
+//! instant `t` only while the slot has not begun (`s + j*T >= t`) and never before the
+//! lease was taken (`t >= t0`; a later call's `now` is raised to `t0`). So every unit
+//! granted, leased or not, owns a slot of length `T` of its own that starts no earlier
+//! than its grant and ends no later than `t0 + tau <= t + tau`. For the grants whose
+//! instants lie in a window `[a, b]`, those disjoint slots all lie in `[a, b + tau]`:
+//! there are at most `(b - a + tau) / T` of them, the very cap of plain GCRA. Unused units
+//! go back only by a compare-and-swap of the TAT from the lease's end to its next unit,
+//! which succeeds only if nobody advanced the TAT since: then the returned slots were
+//! never used by anyone, and the TAT is exactly where plain GCRA would have it.
+//!
+//! **Sizing.** A lease takes a quarter of the headroom left after the grant, at most
+//! [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write; near
+//! it the quarter rounds to nothing and every decision is the exact, shared one.
+//!
+//! **Worst case.** Units leased and not used are stranded: other threads see them as
+//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
+//! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
+//! at that moment; a stranded unit is lost for good only once its slot begins unused (it
+//! then frees nothing and costs nothing more). A thread that leaves, or leases a fifth
+//! limit over the [`LEASE_SLOTS`] it keeps, strands its lease the same way. While leases
+//! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it
+//! counts leased units as used: it under-reports by at most the stranded units, never
+//! over-reports. A replace voids every lease (the epoch moves), stranding them too.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -69,7 +107,12 @@ struct Stripe {
 
 /// The lock-free state of a one-limit global GCRA set.
 pub(super) struct Fast {
-    tat: AtomicU64,
+    tat: Line,
+    /// Unique among the limits of this process: names this one's leases.
+    id: u64,
+    /// Bumped by every disable, voiding the leases taken before.
+    epoch: AtomicU64,
+    tolerance: u64,
     /// The config version grants are stamped with.
     version: AtomicU64,
     gcra: Gcra,
@@ -88,30 +131,86 @@ pub(super) enum Decision {
     Never(u64),
 }
 
-/// The stripe of the calling thread: threads take consecutive stripes in the order they
-/// first ask.
-fn stripe_index() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
-    }
-    INDEX.with(|i| {
-        let mut v = i.get();
+/// How many limits a thread keeps a lease for at once (a power of two); a limit's lease
+/// lives in the slot its id picks, and a lease evicted from it is stranded (see the
+/// module's essay).
+const LEASE_SLOTS: usize = 4;
+
+/// The most units one lease holds.
+const MAX_LEASE: u64 = 64;
+
+/// Unused slots of the TAT that one thread took ahead of time: units `next`, `next + T`,
+/// ... up to `end`. A unit is used only while its slot has not begun.
+#[derive(Clone, Copy)]
+struct Lease {
+    /// The [`Fast::id`] it belongs to; 0 for none.
+    owner: u64,
+    /// The [`Fast::epoch`] it was taken in: a replace voids it.
+    epoch: u64,
+    /// The instant it was taken at: a unit is never used at an earlier one.
+    taken: u64,
+    next: u64,
+    end: u64,
+    /// Whether this thread has seen a compare-and-swap on this limit fail.
+    contended: bool,
+}
+
+const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false };
+
+/// What a thread keeps: its counter stripe and its leases.
+struct Local {
+    stripe: Cell<usize>,
+    leases: [Cell<Lease>; LEASE_SLOTS],
+}
+
+impl Local {
+    /// The stripe of this thread, and whether it is this thread's alone: threads take
+    /// consecutive stripes in the order they first ask, so the first `STRIPES` threads of
+    /// the process own theirs and later ones share.
+    #[inline]
+    fn stripe(&self) -> (usize, bool) {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let mut v = self.stripe.get();
         if v == usize::MAX {
             v = NEXT.fetch_add(1, Ordering::Relaxed);
-            i.set(v);
+            self.stripe.set(v);
         }
-        v & (STRIPES - 1)
-    })
+        (v & (STRIPES - 1), v < STRIPES)
+    }
 }
+
+thread_local! {
+    static LOCAL: Local = const {
+        Local { stripe: Cell::new(usize::MAX), leases: [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] }
+    };
+}
+
+/// Adds one to a counter: a plain load and store on a stripe this thread owns, an atomic
+/// add on a shared one.
+#[inline]
+fn bump(counter: &AtomicU64, own: bool) {
+    if own {
+        counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    } else {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The TAT, alone on its cache lines: the read-mostly fields beside it stay shared.
+#[repr(align(128))]
+struct Line(AtomicU64);
 
 impl Fast {
     /// The fast state for `config`, if its only limit is one global GCRA.
     pub(super) fn for_config(config: &Config) -> Option<Fast> {
         let [def] = config.limits.as_slice() else { return None };
         let (None, Limit::Gcra(gcra)) = (def.tier, &def.limit) else { return None };
+        static IDS: AtomicU64 = AtomicU64::new(1);
         Some(Fast {
-            tat: AtomicU64::new(0),
+            tat: Line(AtomicU64::new(0)),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            epoch: AtomicU64::new(0),
+            tolerance: gcra.interval_nanos() * gcra.burst(),
             version: AtomicU64::new(config.version),
             gcra: *gcra,
             name: def.name,
@@ -140,52 +239,133 @@ impl Fast {
     /// The decision, or `None` when the path is disabled.
     #[inline]
     pub(super) fn acquire(&self, cost: u64, now: Instant) -> Option<Decision> {
-        let stripe = self.stripe();
-        let latest = stripe.latest.load(Ordering::Relaxed);
-        let now = now.max(Instant::from_nanos(latest));
-        let mut cur = self.tat.load(Ordering::Acquire);
+        LOCAL.with(|local| {
+            let (index, own) = local.stripe();
+            let stripe = &self.stripes[index];
+            let latest = stripe.latest.load(Ordering::Relaxed);
+            let now = now.max(Instant::from_nanos(latest)).as_nanos();
+            let entry = &local.leases[(self.id as usize) & (LEASE_SLOTS - 1)];
+            let mut lease = entry.get();
+            let mine = lease.owner == self.id && lease.epoch == self.epoch.load(Ordering::Acquire);
+            if mine {
+                // A unit may be used only while its slot has not begun: `next >= now`.
+                let need = cost.saturating_mul(self.gcra.interval_nanos());
+                let now = now.max(lease.taken);
+                if lease.next >= now && lease.end - lease.next >= need && need > 0 {
+                    lease.next += need;
+                    entry.set(lease);
+                    return Some(self.granted(stripe, own, latest, now));
+                }
+                if lease.next < lease.end {
+                    // Give back what is left, if nobody moved the TAT past this lease.
+                    let _ = self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                    lease.next = lease.end;
+                    entry.set(lease);
+                }
+            }
+            let contended = mine && lease.contended;
+            self.decide(cost, now, latest, (stripe, own), entry, contended)
+        })
+    }
+
+    /// The decision on the shared TAT; under contention, takes a lease for later calls.
+    #[inline]
+    fn decide(
+        &self,
+        cost: u64,
+        now: u64,
+        latest: u64,
+        (stripe, own): (&Stripe, bool),
+        entry: &Cell<Lease>,
+        mut contended: bool,
+    ) -> Option<Decision> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let interval = self.gcra.interval_nanos();
+        let mut cur = self.tat.0.load(Ordering::Acquire);
         loop {
             if cur == DISABLED {
                 return None;
             }
             let mut state = GcraState::at(Instant::from_nanos(cur));
-            match self.gcra.acquire(&mut state, now, cost) {
-                Ok(()) => {
-                    let new = state.theoretical_arrival().as_nanos();
-                    match self.tat.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
-                        Ok(_) => {
-                            if now.as_nanos() > latest {
-                                stripe.latest.store(now.as_nanos(), Ordering::Relaxed);
-                            }
-                            stripe.admitted.fetch_add(1, Ordering::Relaxed);
-                            return Some(Decision::Granted(now, self.version.load(Ordering::Relaxed)));
-                        }
-                        Err(seen) => cur = seen,
+            if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
+                return Some(self.refused(refusal, &state, Instant::from_nanos(now), cost, (stripe, own)));
+            }
+            let granted = state.theoretical_arrival().as_nanos();
+            // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
+            // units in all); near the limit that is nothing, and the decision is exact.
+            let extra = if contended {
+                let left = (now + self.tolerance - granted) / interval;
+                (left / 4).min(MAX_LEASE.saturating_sub(cost))
+            } else {
+                0
+            };
+            let new = granted + extra * interval;
+            match self.tat.0.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    if extra > 0 {
+                        entry.set(Lease {
+                            owner: self.id,
+                            epoch,
+                            taken: now,
+                            next: granted,
+                            end: new,
+                            contended: true,
+                        });
+                    }
+                    return Some(self.granted(stripe, own, latest, now));
+                }
+                Err(seen) => {
+                    cur = seen;
+                    if !contended {
+                        contended = true;
+                        entry.set(Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true });
                     }
                 }
-                Err(refusal) => return Some(self.refused(refusal, &state, now)),
-            }
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant) -> Decision {
-        match refusal {
-            Refusal::NotYet { retry_after } => {
-                self.stripe().denied.fetch_add(1, Ordering::Relaxed);
-                Decision::Denied(retry_after.unwrap_or(Duration::ZERO), self.gcra.peek(state, now))
-            }
-            Refusal::Never { capacity } => {
-                self.stripe().impossible.fetch_add(1, Ordering::Relaxed);
-                Decision::Never(capacity)
             }
         }
     }
 
     #[inline]
-    fn stripe(&self) -> &Stripe {
-        &self.stripes[stripe_index()]
+    fn granted(&self, stripe: &Stripe, own: bool, latest: u64, now: u64) -> Decision {
+        if now > latest {
+            stripe.latest.store(now, Ordering::Relaxed);
+        }
+        bump(&stripe.admitted, own);
+        Decision::Granted(Instant::from_nanos(now), self.version.load(Ordering::Relaxed))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refused(
+        &self,
+        refusal: Refusal,
+        state: &GcraState,
+        now: Instant,
+        cost: u64,
+        stripe: (&Stripe, bool),
+    ) -> Decision {
+        match refusal {
+            Refusal::NotYet { retry_after } => {
+                bump(&stripe.0.denied, stripe.1);
+                let snapshot = if cost == 1 {
+                    // Refused one unit: nothing remains, and the division is skipped.
+                    let debt = state.theoretical_arrival().nanos_since(now);
+                    Snapshot {
+                        quota: self.gcra.burst(),
+                        remaining: 0,
+                        reset: Duration::from_nanos(debt),
+                        window: Duration::from_nanos(self.tolerance),
+                    }
+                } else {
+                    self.gcra.peek(state, now)
+                };
+                Decision::Denied(retry_after.unwrap_or(Duration::ZERO), snapshot)
+            }
+            Refusal::Never { capacity } => {
+                bump(&stripe.0.impossible, stripe.1);
+                Decision::Never(capacity)
+            }
+        }
     }
 
     /// The limit's name.
@@ -195,18 +375,18 @@ impl Fast {
 
     /// Whether the atomic rules the state now.
     pub(super) fn enabled(&self) -> bool {
-        self.tat.load(Ordering::Acquire) != DISABLED
+        self.tat.0.load(Ordering::Acquire) != DISABLED
     }
 
     /// The state now, for a peek. Call only while enabled, under the global lock.
     pub(super) fn state(&self) -> LimitState {
-        LimitState::Gcra(GcraState::at(Instant::from_nanos(self.tat.load(Ordering::Acquire))))
+        LimitState::Gcra(GcraState::at(Instant::from_nanos(self.tat.0.load(Ordering::Acquire))))
     }
 
     /// Applies `f` to the state atomically (a correction). Call only while enabled, under
     /// the global lock (which keeps the path from being disabled meanwhile).
     pub(super) fn update(&self, mut f: impl FnMut(&mut LimitState)) {
-        let mut cur = self.tat.load(Ordering::Acquire);
+        let mut cur = self.tat.0.load(Ordering::Acquire);
         loop {
             debug_assert_ne!(cur, DISABLED, "corrections run under the lock that guards disabling");
             let mut state = LimitState::Gcra(GcraState::at(Instant::from_nanos(cur)));
@@ -214,7 +394,7 @@ impl Fast {
             let LimitState::Gcra(s) = state else { unreachable!("a GCRA stays a GCRA") };
             // A charge saturates at the end of time, one short of `DISABLED`.
             let new = s.theoretical_arrival().as_nanos().min(DISABLED - 1);
-            match self.tat.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+            match self.tat.0.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return,
                 Err(seen) => cur = seen,
             }
@@ -223,7 +403,8 @@ impl Fast {
 
     /// Disables the path; returns the last state. Under all the locks.
     pub(super) fn disable(&self) -> Option<LimitState> {
-        let last = self.tat.swap(DISABLED, Ordering::AcqRel);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let last = self.tat.0.swap(DISABLED, Ordering::AcqRel);
         (last != DISABLED).then(|| LimitState::Gcra(GcraState::at(Instant::from_nanos(last))))
     }
 
@@ -232,7 +413,7 @@ impl Fast {
     pub(super) fn enable(&self, state: &LimitState, version: u64) {
         let LimitState::Gcra(s) = state else { return };
         self.version.store(version, Ordering::Relaxed);
-        self.tat.store(s.theoretical_arrival().as_nanos().min(DISABLED - 1), Ordering::Release);
+        self.tat.0.store(s.theoretical_arrival().as_nanos().min(DISABLED - 1), Ordering::Release);
     }
 
     /// The latest instant any grant of this path was made at (a grant racing this call
@@ -251,15 +432,136 @@ impl Fast {
             )
         })
     }
+}
 
-    /// Takes the counts out (at a replace, which moves them to the locked counters).
-    pub(super) fn drain(&self) -> (u64, u64, u64) {
-        self.stripes.iter().fold((0, 0, 0), |(a, d, i), s| {
-            (
-                a + s.admitted.swap(0, Ordering::Relaxed),
-                d + s.denied.swap(0, Ordering::Relaxed),
-                i + s.impossible.swap(0, Ordering::Relaxed),
-            )
-        })
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::policy::{LimitPolicy, LimitSetPolicy};
+    use crate::rate::Rate;
+
+    fn fast(rate: Rate, burst: u64) -> Fast {
+        let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", rate, burst))).unwrap();
+        Fast::for_config(&config).unwrap()
+    }
+
+    impl Fast {
+        /// As if this thread had seen a swap fail: its next grants take leases.
+        fn mark_contended(&self) {
+            let epoch = self.epoch.load(Ordering::Acquire);
+            LOCAL.with(|l| {
+                l.leases[(self.id as usize) & (LEASE_SLOTS - 1)].set(Lease {
+                    owner: self.id,
+                    epoch,
+                    taken: 0,
+                    next: 0,
+                    end: 0,
+                    contended: true,
+                });
+            });
+        }
+
+        fn tat(&self) -> u64 {
+            self.tat.0.load(Ordering::Acquire)
+        }
+    }
+
+    fn granted(d: Option<Decision>) -> Option<u64> {
+        match d.expect("enabled") {
+            Decision::Granted(at, _) => Some(at.as_nanos()),
+            Decision::Denied(..) | Decision::Never(_) => None,
+        }
+    }
+
+    /// For all `i <= j` of the sorted grants: `(j - i + 1) * interval <= t_j - t_i + tolerance`.
+    fn assert_rate_cap(mut grants: Vec<u64>, interval: u64, tolerance: u64) {
+        grants.sort_unstable();
+        let mut worst = i128::MIN;
+        for (j, &t) in grants.iter().enumerate() {
+            let j = j as i128;
+            worst = worst.max(i128::from(t) - j * i128::from(interval));
+            assert!(worst <= i128::from(t) - (j + 1) * i128::from(interval) + i128::from(tolerance), "over-admission");
+        }
+    }
+
+    #[test]
+    fn a_lease_is_taken_used_without_a_shared_write_and_given_back() {
+        // T = 1us, burst 1,000.
+        let f = fast(Rate::per_second(1_000_000), 1_000);
+        let now = Instant::from_nanos(5_000_000);
+        // A lone thread never leases.
+        assert_eq!(granted(f.acquire(1, now)), Some(now.as_nanos()));
+        assert_eq!(f.tat(), now.as_nanos() + 1_000);
+        f.mark_contended();
+        // 998 units of headroom left after this grant: a lease of 64 in all.
+        assert!(granted(f.acquire(1, now)).is_some());
+        let leased_end = f.tat();
+        assert_eq!(leased_end, now.as_nanos() + 65_000);
+        for _ in 0..63 {
+            assert!(granted(f.acquire(1, now)).is_some());
+            assert_eq!(f.tat(), leased_end, "leased units touch no shared state");
+        }
+        // The lease is used up: the next grant decides on the TAT and leases again.
+        assert!(granted(f.acquire(1, now)).is_some());
+        assert!(f.tat() > leased_end + 1_000);
+        // Time moves past the lease's slots: they are expired, and given back.
+        let later = Instant::from_nanos(f.tat() + 10_000);
+        assert!(granted(f.acquire(1, later)).is_some());
+        let (admitted, _, _) = f.counts();
+        assert_eq!(admitted, 67);
+    }
+
+    #[test]
+    fn near_the_limit_a_lease_shrinks_to_nothing() {
+        let f = fast(Rate::per_second(1_000_000), 8);
+        f.mark_contended();
+        let now = Instant::from_nanos(1_000_000);
+        for _ in 0..8 {
+            assert!(granted(f.acquire(1, now)).is_some());
+        }
+        // Exactly the burst, as plain GCRA: no unit more, none stranded.
+        assert_eq!(granted(f.acquire(1, now)), None);
+        assert_eq!(f.tat(), now.as_nanos() + 8_000);
+    }
+
+    #[test]
+    fn leasing_threads_never_over_admit() {
+        // T = 1us, burst 1,000. The shared clock alternates between a slow phase (demand
+        // half the rate: the headroom refills and leases are 64 units) and a fast one
+        // (ten times the rate: the limit is reached and leases shrink to nothing).
+        const THREADS: usize = 4;
+        const STEPS: u64 = 20_000;
+        let f = fast(Rate::per_second(1_000_000), 1_000);
+        let clock = AtomicU64::new(0);
+        let grants = Mutex::new(Vec::new());
+        let denied = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..THREADS {
+                let (f, clock, grants, denied) = (&f, &clock, &grants, &denied);
+                s.spawn(move || {
+                    f.mark_contended();
+                    let mut mine = Vec::new();
+                    for i in 0..STEPS {
+                        let step = if (i / 2_000) % 2 == 0 { 2_000 } else { 100 };
+                        let now = Instant::from_nanos(clock.fetch_add(step, Ordering::Relaxed));
+                        match granted(f.acquire(1, now)) {
+                            Some(at) => mine.push(at),
+                            None => {
+                                denied.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    grants.lock().unwrap().extend(mine);
+                });
+            }
+        });
+        let grants = grants.into_inner().unwrap();
+        let (admitted, refused, _) = f.counts();
+        assert_eq!(admitted, grants.len() as u64);
+        assert_eq!(refused, denied.into_inner());
+        assert!(refused > 0, "the fast phases reach the limit");
+        assert_rate_cap(grants, 1_000, 1_000_000);
     }
 }

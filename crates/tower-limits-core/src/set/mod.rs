@@ -99,6 +99,8 @@ struct GlobalStates {
     states: Vec<LimitState>,
     latest: Instant,
     counters: Counters,
+    /// The fast path's denial counts already moved into `counters` (they never reset).
+    fast_base: (u64, u64),
 }
 
 #[derive(Clone, Copy, Default)]
@@ -201,6 +203,7 @@ impl LimitSet {
                         states: config.fresh.clone(),
                         latest: Instant::ZERO,
                         counters: Counters::default(),
+                        fast_base: (0, 0),
                     },
                     config: config.clone(),
                 })),
@@ -392,10 +395,11 @@ impl LimitSet {
                 g.states[0] = last;
             }
             g.latest = g.latest.max(fast.latest());
-            let (a, d, i) = fast.drain();
-            g.counters.admitted += a;
-            g.counters.denied[0] += d;
-            g.counters.impossible[0] += i;
+            // Its denials so far move with the limit; grants stay a set-wide total.
+            let (_, d, i) = fast.counts();
+            g.counters.denied[0] += d - g.fast_base.0;
+            g.counters.impossible[0] += i - g.fast_base.1;
+            g.fast_base = (d, i);
         }
         let mut states = new.fresh.clone();
         let mut counters = Counters { admitted: g.counters.admitted, ..Counters::default() };
@@ -933,11 +937,13 @@ impl Shared {
             })
             .collect();
         let mut admitted = global.states.counters.admitted;
-        if let (Some(fast), Some(first)) = (&self.fast, limits.first_mut()) {
+        if let Some(fast) = &self.fast {
             let (a, d, i) = fast.counts();
             admitted += a;
-            first.denied += d;
-            first.cost_above_capacity += i;
+            if let Some(first) = limits.first_mut() {
+                first.denied += d - global.states.fast_base.0;
+                first.cost_above_capacity += i - global.states.fast_base.1;
+            }
         }
         drop(global);
         for shard in self.shared_shards() {
