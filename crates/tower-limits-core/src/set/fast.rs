@@ -69,6 +69,13 @@
 //! [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write; near
 //! it the quarter rounds to nothing and every decision is the exact, shared one.
 //!
+//! **When leasing does not pay.** A unit must be used before its slot begins, so when
+//! the emission interval is shorter than a thread's own pace between calls (a limit of
+//! hundreds of millions per second), leased slots begin before they are used. A thread
+//! whose lease expired with units unused stops leasing for [`COOLDOWN`] calls and decides
+//! on the shared TAT, exactly; before giving units back it reads the TAT, so a lease that
+//! cannot be returned costs no write.
+//!
 //! **Worst case.** Units leased and not used are stranded: other threads see them as
 //! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
@@ -153,9 +160,15 @@ struct Lease {
     end: u64,
     /// Whether this thread has seen a compare-and-swap on this limit fail.
     contended: bool,
+    /// Calls to wait before leasing again, after a lease whose slots began unused (the
+    /// interval is shorter than this thread's pace: leasing would only waste).
+    cooldown: u32,
 }
 
-const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false };
+/// The calls a thread waits before leasing again after a lease expired unused.
+const COOLDOWN: u32 = 4_096;
+
+const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false, cooldown: 0 };
 
 /// What a thread keeps: its counter stripe and its leases.
 struct Local {
@@ -257,14 +270,22 @@ impl Fast {
                     return Some(self.granted(stripe, own, latest, now));
                 }
                 if lease.next < lease.end {
-                    // Give back what is left, if nobody moved the TAT past this lease.
-                    let _ = self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                    // Give back what is left, if nobody moved the TAT past this lease (read
+                    // first: a failing swap would still take the line).
+                    if self.tat.0.load(Ordering::Acquire) == lease.end {
+                        let _ = self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                    }
+                    if lease.next < now {
+                        lease.cooldown = COOLDOWN;
+                    }
                     lease.next = lease.end;
-                    entry.set(lease);
+                } else if lease.cooldown > 0 {
+                    lease.cooldown -= 1;
                 }
+                entry.set(lease);
             }
-            let contended = mine && lease.contended;
-            self.decide(cost, now, latest, (stripe, own), entry, contended)
+            let lease_ok = mine && lease.contended && lease.cooldown == 0;
+            self.decide(cost, now, latest, (stripe, own), entry, lease_ok)
         })
     }
 
@@ -277,7 +298,7 @@ impl Fast {
         latest: u64,
         (stripe, own): (&Stripe, bool),
         entry: &Cell<Lease>,
-        mut contended: bool,
+        mut lease_ok: bool,
     ) -> Option<Decision> {
         let epoch = self.epoch.load(Ordering::Acquire);
         let interval = self.gcra.interval_nanos();
@@ -293,7 +314,7 @@ impl Fast {
             let granted = state.theoretical_arrival().as_nanos();
             // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
             // units in all); near the limit that is nothing, and the decision is exact.
-            let extra = if contended {
+            let extra = if lease_ok {
                 let left = (now + self.tolerance - granted) / interval;
                 (left / 4).min(MAX_LEASE.saturating_sub(cost))
             } else {
@@ -310,16 +331,20 @@ impl Fast {
                             next: granted,
                             end: new,
                             contended: true,
+                            cooldown: 0,
                         });
                     }
                     return Some(self.granted(stripe, own, latest, now));
                 }
                 Err(seen) => {
                     cur = seen;
-                    if !contended {
-                        contended = true;
-                        entry.set(Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true });
+                    let mut l = entry.get();
+                    if l.owner != self.id || l.epoch != epoch {
+                        l = Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
                     }
+                    l.contended = true;
+                    entry.set(l);
+                    lease_ok = l.cooldown == 0;
                 }
             }
         }
@@ -334,8 +359,7 @@ impl Fast {
         Decision::Granted(Instant::from_nanos(now), self.version.load(Ordering::Relaxed))
     }
 
-    #[cold]
-    #[inline(never)]
+    #[inline]
     fn refused(
         &self,
         refusal: Refusal,
@@ -459,6 +483,7 @@ mod tests {
                     next: 0,
                     end: 0,
                     contended: true,
+                    cooldown: 0,
                 });
             });
         }
