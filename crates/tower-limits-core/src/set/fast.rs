@@ -132,8 +132,9 @@ pub(super) struct Fast {
 pub(super) enum Decision {
     /// Granted at this instant.
     Granted(Instant, u64),
-    /// Refused: the wait and the snapshot of the state read.
-    Denied(Duration, Snapshot),
+    /// Refused on the TAT read at the instant given (see [`Fast::denial`]); kept small
+    /// so that the denial is built once, in place.
+    Denied(u64, Instant),
     /// The cost is above the burst.
     Never(u64),
 }
@@ -309,7 +310,7 @@ impl Fast {
             }
             let mut state = GcraState::at(Instant::from_nanos(cur));
             if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
-                return Some(self.refused(refusal, &state, Instant::from_nanos(now), cost, (stripe, own)));
+                return Some(self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own)));
             }
             let granted = state.theoretical_arrival().as_nanos();
             // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
@@ -360,36 +361,39 @@ impl Fast {
     }
 
     #[inline]
-    fn refused(
-        &self,
-        refusal: Refusal,
-        state: &GcraState,
-        now: Instant,
-        cost: u64,
-        stripe: (&Stripe, bool),
-    ) -> Decision {
+    fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Decision {
         match refusal {
-            Refusal::NotYet { retry_after } => {
+            Refusal::NotYet { .. } => {
                 bump(&stripe.0.denied, stripe.1);
-                let snapshot = if cost == 1 {
-                    // Refused one unit: nothing remains, and the division is skipped.
-                    let debt = state.theoretical_arrival().nanos_since(now);
-                    Snapshot {
-                        quota: self.gcra.burst(),
-                        remaining: 0,
-                        reset: Duration::from_nanos(debt),
-                        window: Duration::from_nanos(self.tolerance),
-                    }
-                } else {
-                    self.gcra.peek(state, now)
-                };
-                Decision::Denied(retry_after.unwrap_or(Duration::ZERO), snapshot)
+                Decision::Denied(state.theoretical_arrival().as_nanos(), now)
             }
             Refusal::Never { capacity } => {
                 bump(&stripe.0.impossible, stripe.1);
                 Decision::Never(capacity)
             }
         }
+    }
+
+    /// The exact wait and the snapshot of a refusal of `cost` on `tat` at `now`.
+    #[inline]
+    pub(super) fn denial(&self, tat: u64, now: Instant, cost: u64) -> (Duration, Snapshot) {
+        let state = GcraState::at(Instant::from_nanos(tat));
+        let retry = match self.gcra.check(&state, now, cost) {
+            Err(Refusal::NotYet { retry_after }) => retry_after.unwrap_or(Duration::ZERO),
+            _ => Duration::ZERO,
+        };
+        let snapshot = if cost == 1 {
+            // Refused one unit: nothing remains, and the division is skipped.
+            Snapshot {
+                quota: self.gcra.burst(),
+                remaining: 0,
+                reset: Duration::from_nanos(state.theoretical_arrival().nanos_since(now)),
+                window: Duration::from_nanos(self.tolerance),
+            }
+        } else {
+            self.gcra.peek(&state, now)
+        };
+        (retry, snapshot)
     }
 
     /// The limit's name.

@@ -231,6 +231,19 @@ impl LimitSet {
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
     #[inline]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
+        if let Some(fast) = &self.shared.fast {
+            // The one-limit path, its answer built in place.
+            let charged = fast.cost(cost);
+            match fast.acquire(charged, now) {
+                Some(Decision::Granted(granted_at, version)) => {
+                    let grant = Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None });
+                    return Ok(Permit { set: self, key, grant, done: false });
+                }
+                Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
+                Some(Decision::Never(capacity)) => return Err(fast_never(fast, charged, capacity)),
+                None => {}
+            }
+        }
         let costs = Costs::Uniform(cost);
         let granted = self.shared.acquire(key, &costs, now)?;
         Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
@@ -468,9 +481,7 @@ impl Shared {
                     Some(Decision::Granted(granted_at, version)) => {
                         return Ok(Granted { granted_at, version, config: None });
                     }
-                    Some(Decision::Denied(retry_after, snapshot)) => {
-                        return Err(fast_denied(fast, retry_after, snapshot));
-                    }
+                    Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
                     Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
                     None => {}
                 }
@@ -912,7 +923,8 @@ fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool
 }
 
 #[inline]
-fn fast_denied(fast: &Fast, retry_after: Duration, snapshot: Snapshot) -> AcquireError {
+fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
+    let (retry_after, snapshot) = fast.denial(tat, now, cost);
     AcquireError::Denied(Denial {
         name: fast.name(),
         tier: None,
