@@ -37,6 +37,16 @@
 //! full of active keys at that moment is such a charge dropped, because the bound on
 //! memory comes first.
 //!
+//! **The one-limit path.** A set whose only limit is one global GCRA (the commonest
+//! use: one rate on one service) keeps that limit's state in one atomic instead, and
+//! decides without any lock: see [`fast`] for the scheme, the per-thread leases that keep
+//! many cores from queueing on one cache line, and why neither can over-admit. The
+//! locked operations (settle, peek, replace) work on the atomic while it rules.
+//!
+//! **Where things live.** This file holds the engine (shards, global states, the
+//! decision, corrections, replace, stats); [`fast`] the lock-free one-limit path;
+//! [`permit`] what a grant is and how it is given back.
+//!
 //! **Policy changes.** [`LimitSet::replace_policy`] swaps the policy of a running set
 //! under all of its locks. A limit that keeps its name, algorithm and scope keeps every
 //! key's state; others start fresh. Permits granted under the old policy still release
