@@ -273,8 +273,8 @@ fn main() {
     println!("peers: tower-limits against governor, {ROUNDS} interleaved rounds, {cores} cores");
     println!();
     println!(
-        "| {:<44} | {:>12} | {:>12} | {:>5} | {:>7} | {} |",
-        "path", "ours (med)", "peer (med)", "unit", "ratio", "per-round ratio min / med / max"
+        "| {:<44} | {:>12} | {:>12} | {:>5} | {:>7} | per-round ratio min / med / max |",
+        "path", "ours (med)", "peer (med)", "unit", "ratio"
     );
     println!("|{:-<46}|{:-<14}|{:-<14}|{:-<7}|{:-<9}|{:-<33}|", "", "", "", "", "", "");
     for row in &rows {
