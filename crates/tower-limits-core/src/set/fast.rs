@@ -98,6 +98,18 @@ use crate::time::Instant;
 /// The value of the atomic while the locked state rules.
 pub(super) const DISABLED: u64 = u64::MAX;
 
+/// A decision in two words: `(granted at, GRANTED)`, `(capacity, NEVER)`, `(_, OFF)`, or
+/// `(at, tat)` for a denial on the TAT read (which never reaches [`MAX_TAT`]).
+#[derive(Clone, Copy)]
+struct Packed(u64, u64);
+
+const GRANTED: u64 = u64::MAX;
+const NEVER: u64 = u64::MAX - 1;
+const OFF: u64 = u64::MAX - 2;
+
+/// The furthest a TAT is ever stored at, below the markers above.
+const MAX_TAT: u64 = u64::MAX - 3;
+
 /// How many counter stripes a fast set keeps (a power of two).
 const STRIPES: usize = 16;
 
@@ -251,8 +263,21 @@ impl Fast {
     }
 
     /// The decision, or `None` when the path is disabled.
-    #[inline]
+    #[inline(always)]
     pub(super) fn acquire(&self, cost: u64, now: Instant) -> Option<Decision> {
+        // Unpacked here, in the caller: two words come back in registers, an enum would
+        // come back through memory.
+        let Packed(a, b) = self.decide_packed(cost, now);
+        match b {
+            GRANTED => Some(Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed))),
+            NEVER => Some(Decision::Never(a)),
+            OFF => None,
+            tat => Some(Decision::Denied(tat, Instant::from_nanos(a))),
+        }
+    }
+
+    #[inline]
+    fn decide_packed(&self, cost: u64, now: Instant) -> Packed {
         LOCAL.with(|local| {
             let (index, own) = local.stripe();
             let stripe = &self.stripes[index];
@@ -268,7 +293,7 @@ impl Fast {
                 if lease.next >= now && lease.end - lease.next >= need && need > 0 {
                     lease.next += need;
                     entry.set(lease);
-                    return Some(self.granted(stripe, own, latest, now));
+                    return self.granted(stripe, own, latest, now);
                 }
                 if lease.next < lease.end {
                     // Give back what is left, if nobody moved the TAT past this lease (read
@@ -300,17 +325,17 @@ impl Fast {
         (stripe, own): (&Stripe, bool),
         entry: &Cell<Lease>,
         mut lease_ok: bool,
-    ) -> Option<Decision> {
+    ) -> Packed {
         let epoch = self.epoch.load(Ordering::Acquire);
         let interval = self.gcra.interval_nanos();
         let mut cur = self.tat.0.load(Ordering::Acquire);
         loop {
             if cur == DISABLED {
-                return None;
+                return Packed(0, OFF);
             }
             let mut state = GcraState::at(Instant::from_nanos(cur));
             if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
-                return Some(self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own)));
+                return self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own));
             }
             let granted = state.theoretical_arrival().as_nanos();
             // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
@@ -335,7 +360,7 @@ impl Fast {
                             cooldown: 0,
                         });
                     }
-                    return Some(self.granted(stripe, own, latest, now));
+                    return self.granted(stripe, own, latest, now);
                 }
                 Err(seen) => {
                     cur = seen;
@@ -352,24 +377,24 @@ impl Fast {
     }
 
     #[inline]
-    fn granted(&self, stripe: &Stripe, own: bool, latest: u64, now: u64) -> Decision {
+    fn granted(&self, stripe: &Stripe, own: bool, latest: u64, now: u64) -> Packed {
         if now > latest {
             stripe.latest.store(now, Ordering::Relaxed);
         }
         bump(&stripe.admitted, own);
-        Decision::Granted(Instant::from_nanos(now), self.version.load(Ordering::Relaxed))
+        Packed(now, GRANTED)
     }
 
     #[inline]
-    fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Decision {
+    fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Packed {
         match refusal {
             Refusal::NotYet { .. } => {
                 bump(&stripe.0.denied, stripe.1);
-                Decision::Denied(state.theoretical_arrival().as_nanos(), now)
+                Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
             }
             Refusal::Never { capacity } => {
                 bump(&stripe.0.impossible, stripe.1);
-                Decision::Never(capacity)
+                Packed(capacity, NEVER)
             }
         }
     }
@@ -420,8 +445,8 @@ impl Fast {
             let mut state = LimitState::Gcra(GcraState::at(Instant::from_nanos(cur)));
             f(&mut state);
             let LimitState::Gcra(s) = state else { unreachable!("a GCRA stays a GCRA") };
-            // A charge saturates at the end of time, one short of `DISABLED`.
-            let new = s.theoretical_arrival().as_nanos().min(DISABLED - 1);
+            // A charge saturates at the end of time, short of the markers.
+            let new = s.theoretical_arrival().as_nanos().min(MAX_TAT);
             match self.tat.0.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return,
                 Err(seen) => cur = seen,
@@ -441,7 +466,7 @@ impl Fast {
     pub(super) fn enable(&self, state: &LimitState, version: u64) {
         let LimitState::Gcra(s) = state else { return };
         self.version.store(version, Ordering::Relaxed);
-        self.tat.0.store(s.theoretical_arrival().as_nanos().min(DISABLED - 1), Ordering::Release);
+        self.tat.0.store(s.theoretical_arrival().as_nanos().min(MAX_TAT), Ordering::Release);
     }
 
     /// The latest instant any grant of this path was made at (a grant racing this call
