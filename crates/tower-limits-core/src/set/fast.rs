@@ -80,8 +80,9 @@
 //! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
 //! at that moment; a stranded unit is lost for good only once its slot begins unused (it
-//! then frees nothing and costs nothing more). A thread that leaves, or leases a fifth
-//! limit over the [`LEASE_SLOTS`] it keeps, strands its lease the same way. While leases
+//! then frees nothing and costs nothing more). A thread that leaves, or leases another
+//! limit whose id maps to the same of its [`LEASE_SLOTS`] slots, strands its lease the
+//! same way. While leases
 //! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it
 //! counts leased units as used: it under-reports by at most the stranded units, never
 //! over-reports. A replace voids every lease (the epoch moves), stranding them too.
