@@ -52,6 +52,11 @@ impl GcraState {
     pub fn theoretical_arrival(&self) -> Instant {
         self.tat
     }
+
+    /// The state whose theoretical arrival time is `tat`.
+    pub(crate) const fn at(tat: Instant) -> Self {
+        GcraState { tat }
+    }
 }
 
 impl Gcra {

@@ -37,11 +37,24 @@
 //! full of active keys at that moment is such a charge dropped, because the bound on
 //! memory comes first.
 //!
+//! **The one-limit path.** A set whose only limit is one global GCRA (the commonest
+//! use: one rate on one service) keeps that limit's state in one atomic instead, and
+//! decides without any lock: see [`fast`] for the scheme, the per-thread leases that keep
+//! many cores from queueing on one cache line, and why neither can over-admit. The
+//! locked operations (settle, peek, replace) work on the atomic while it rules.
+//!
+//! **Where things live.** This file holds the engine (shards, global states, the
+//! decision, corrections, replace, stats); [`fast`] the lock-free one-limit path;
+//! [`permit`] what a grant is and how it is given back.
+//!
 //! **Policy changes.** [`LimitSet::replace_policy`] swaps the policy of a running set
 //! under all of its locks. A limit that keeps its name, algorithm and scope keeps every
 //! key's state; others start fresh. Permits granted under the old policy still release
 //! their semaphores; a settle that races a policy change is applied to limits that
 //! survived it.
+
+mod fast;
+mod permit;
 
 use std::fmt;
 use std::hash::BuildHasher;
@@ -59,6 +72,9 @@ use crate::policy::LimitSetPolicy;
 use crate::policy_error::PolicyError;
 use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
+use fast::{Decision, Fast};
+use permit::{Costs, Granted};
+pub use permit::{Grant, OwnedPermit, Permit};
 
 /// A grant version that matches whatever policy is current (for corrections that are not
 /// tied to a grant).
@@ -97,6 +113,8 @@ struct GlobalStates {
     states: Vec<LimitState>,
     latest: Instant,
     counters: Counters,
+    /// The fast path's denial counts already moved into `counters` (they never reset).
+    fast_base: (u64, u64),
 }
 
 #[derive(Clone, Copy, Default)]
@@ -115,6 +133,8 @@ struct Shared {
     /// locks to take, and confirmed under them.
     tiered: AtomicBool,
     replacing: Mutex<()>,
+    /// The lock-free state, when the set is one global GCRA (see [`fast`]).
+    fast: Option<Fast>,
 }
 
 /// Named limits acquired together, all or nothing, in memory.
@@ -197,6 +217,7 @@ impl LimitSet {
                         states: config.fresh.clone(),
                         latest: Instant::ZERO,
                         counters: Counters::default(),
+                        fast_base: (0, 0),
                     },
                     config: config.clone(),
                 })),
@@ -204,6 +225,7 @@ impl LimitSet {
                 mask: shards - 1,
                 tiered: AtomicBool::new(config.has_tiered),
                 replacing: Mutex::new(()),
+                fast: Fast::for_config(&config),
             }),
         })
     }
@@ -220,6 +242,19 @@ impl LimitSet {
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
     #[inline]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
+        if let Some(fast) = &self.shared.fast {
+            // The one-limit path, its answer built in place.
+            let charged = fast.cost(cost);
+            match fast.acquire(charged, now) {
+                Some(Decision::Granted(granted_at, version)) => {
+                    let grant = Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None });
+                    return Ok(Permit { set: self, key, grant, done: false });
+                }
+                Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
+                Some(Decision::Never(capacity)) => return Err(fast_never(fast, charged, capacity)),
+                None => {}
+            }
+        }
         let costs = Costs::Uniform(cost);
         let granted = self.shared.acquire(key, &costs, now)?;
         Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
@@ -381,6 +416,18 @@ impl LimitSet {
             shard.config = new.clone();
         }
         let g = &mut global.states;
+        if let Some(fast) = &self.shared.fast {
+            // The atomic hands the state back to the lock, with what it counted.
+            if let Some(last) = fast.disable() {
+                g.states[0] = last;
+            }
+            g.latest = g.latest.max(fast.latest());
+            // Its denials so far move with the limit; grants stay a set-wide total.
+            let (_, d, i) = fast.counts();
+            g.counters.denied[0] += d - g.fast_base.0;
+            g.counters.impossible[0] += i - g.fast_base.1;
+            g.fast_base = (d, i);
+        }
         let mut states = new.fresh.clone();
         let mut counters = Counters { admitted: g.counters.admitted, ..Counters::default() };
         for (i, state) in std::mem::take(&mut g.states).into_iter().enumerate() {
@@ -392,6 +439,9 @@ impl LimitSet {
         }
         g.states = states;
         g.counters = counters;
+        if let Some(fast) = self.shared.fast.as_ref().filter(|f| f.fits(&new)) {
+            fast.enable(&g.states[0], new.version);
+        }
         global.config = new.clone();
         self.shared.tiered.store(new.has_tiered, Ordering::Release);
         Ok(())
@@ -412,80 +462,6 @@ fn shard_cap(max_keys: usize, shards: usize) -> usize {
     (max_keys / shards).max(1)
 }
 
-/// Per-limit costs of one acquisition.
-#[derive(Debug, Clone)]
-enum Costs {
-    /// One per request for limits counting requests, this for limits counting cost.
-    Uniform(u64),
-    /// Explicit, per limit.
-    Each(Box<[u64]>),
-}
-
-impl Costs {
-    #[inline]
-    fn of(&self, i: usize, def: &LimitDef) -> u64 {
-        match self {
-            Costs::Uniform(cost) => match def.counts {
-                Counts::Requests => 1,
-                Counts::Cost => *cost,
-            },
-            Costs::Each(costs) => costs.get(i).copied().unwrap_or(u64::MAX),
-        }
-    }
-}
-
-/// A grant as plain data: what the set needs to settle and release it later.
-///
-/// [`Permit`] and [`OwnedPermit`] wrap one and give it back on drop; a `Grant` on its own
-/// does not. Code that keeps the key elsewhere (a layer's response future, a backend)
-/// holds a `Grant` and must hand it back to [`LimitSet::release_grant`] or
-/// [`LimitSet::cancel_grant`] exactly once, or the concurrency it holds is lost.
-#[must_use = "a grant holds concurrency until it is released"]
-#[derive(Debug)]
-pub struct Grant {
-    granted_at: Instant,
-    version: u64,
-    /// Kept only when the policy has semaphores, so that a release after a policy change
-    /// can still find them by name.
-    config: Option<Arc<Config>>,
-    /// The costs acquired: what semaphores release, whatever was settled since.
-    acquired: Costs,
-    /// The costs rate limits were last settled to, if ever.
-    settled: Option<Costs>,
-}
-
-/// What the engine answers on a grant; the caller adds the key and costs it already has.
-struct Granted {
-    granted_at: Instant,
-    version: u64,
-    config: Option<Arc<Config>>,
-}
-
-impl Grant {
-    /// The instant the grant was made at.
-    #[must_use]
-    pub fn granted_at(&self) -> Instant {
-        self.granted_at
-    }
-
-    /// Whether releasing it gives anything back (the set has semaphores); when not,
-    /// dropping the grant loses nothing.
-    #[must_use]
-    pub fn holds_concurrency(&self) -> bool {
-        self.config.is_some()
-    }
-
-    #[inline]
-    fn new(costs: Costs, g: Granted) -> Self {
-        Grant { granted_at: g.granted_at, version: g.version, config: g.config, acquired: costs, settled: None }
-    }
-
-    /// What rate limits are charged now.
-    fn charged(&self) -> &Costs {
-        self.settled.as_ref().unwrap_or(&self.acquired)
-    }
-}
-
 impl Shared {
     fn lock_global(&self) -> MutexGuard<'_, Global> {
         lock(&self.global.0)
@@ -498,19 +474,55 @@ impl Shared {
         &self.shards[(h >> 40) as usize & self.mask].0
     }
 
+    /// The lock-free state, while it rules (stable under the global lock).
+    #[inline]
+    fn fast_live(&self) -> Option<&Fast> {
+        self.fast.as_ref().filter(|f| f.enabled())
+    }
+
     #[inline]
     fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
+        loop {
+            if let Some(fast) = &self.fast {
+                let cost = match costs {
+                    Costs::Uniform(c) => fast.cost(*c),
+                    Costs::Each(each) => each.first().copied().unwrap_or(u64::MAX),
+                };
+                match fast.acquire(cost, now) {
+                    Some(Decision::Granted(granted_at, version)) => {
+                        return Ok(Granted { granted_at, version, config: None });
+                    }
+                    Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
+                    Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
+                    None => {}
+                }
+            }
+            // `None`: a replace enabled the fast path while this call waited for a lock.
+            if let Some(result) = self.acquire_locked(key, costs, now) {
+                return result;
+            }
+        }
+    }
+
+    /// The acquisition under the locks; `None` when the fast path rules the state now.
+    fn acquire_locked(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Option<Result<Granted, AcquireError>> {
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
                 let mut global = self.lock_global();
-                self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now)
+                if self.fast_live().is_some() {
+                    return None;
+                }
+                Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now))
             } else {
-                self.decide(config, Some(keyed), None, key, costs, now)
+                Some(self.decide(config, Some(keyed), None, key, costs, now))
             }
         } else {
             let mut global = self.lock_global();
+            if self.fast_live().is_some() {
+                return None;
+            }
             if global.config.has_tiered && !key.is_global() {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
@@ -518,10 +530,10 @@ impl Shared {
                 let mut shard = lock(self.shard_of(key));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();
-                return self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                return Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now));
             }
             let Global { config, states } = &mut *global;
-            self.decide(config, None, Some(states), key, costs, now)
+            Some(self.decide(config, None, Some(states), key, costs, now))
         }
     }
 
@@ -751,6 +763,9 @@ impl Shared {
         let mut global = self.lock_global();
         let current = global.config.clone();
         let mut now = now.max(global.states.latest);
+        if let Some(fast) = self.fast_live() {
+            now = now.max(fast.latest());
+        }
         if let Some(s) = &shard {
             now = now.max(s.keyed.latest);
         }
@@ -764,7 +779,10 @@ impl Shared {
             };
             let Some(op) = from.and_then(|i| op_for(i, def)) else { continue };
             match def.tier {
-                None => apply_global(&def.limit, &mut global.states.states[j], op, now),
+                None => match self.fast_live() {
+                    Some(fast) if j == 0 => fast.update(|state| apply_global(&def.limit, state, op, now)),
+                    _ => apply_global(&def.limit, &mut global.states.states[j], op, now),
+                },
                 Some(t) => {
                     let Some(s) = shard.as_deref_mut().map(|s| &mut s.keyed) else { continue };
                     let Some(prefix) = key.prefix(t + 1) else { continue };
@@ -819,13 +837,19 @@ impl Shared {
         let global = self.lock_global();
         let cfg = global.config.clone();
         let mut now = now.max(global.states.latest);
+        if let Some(fast) = self.fast_live() {
+            now = now.max(fast.latest());
+        }
         if let Some(s) = &shard {
             now = now.max(s.keyed.latest);
         }
         let mut out = Vec::with_capacity(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
             let snapshot = match def.tier {
-                None => def.limit.peek(&global.states.states[i], now),
+                None => match self.fast_live() {
+                    Some(fast) if i == 0 => def.limit.peek(&fast.state(), now),
+                    _ => def.limit.peek(&global.states.states[i], now),
+                },
                 Some(t) => {
                     let (Some(s), Some(prefix)) = (shard.as_deref().map(|s| &s.keyed), key.prefix(t + 1)) else {
                         continue;
@@ -864,6 +888,14 @@ impl Shared {
             })
             .collect();
         let mut admitted = global.states.counters.admitted;
+        if let Some(fast) = &self.fast {
+            let (a, d, i) = fast.counts();
+            admitted += a;
+            if let Some(first) = limits.first_mut() {
+                first.denied += d - global.states.fast_base.0;
+                first.cost_above_capacity += i - global.states.fast_base.1;
+            }
+        }
         drop(global);
         for shard in self.shared_shards() {
             let s = lock(shard);
@@ -899,6 +931,25 @@ fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool
         needs_release,
         snapshot,
     })
+}
+
+#[inline]
+fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
+    let (retry_after, snapshot) = fast.denial(tat, now, cost);
+    AcquireError::Denied(Denial {
+        name: fast.name(),
+        tier: None,
+        limit: 0,
+        retry_after,
+        needs_release: false,
+        snapshot,
+    })
+}
+
+#[cold]
+#[inline(never)]
+fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> AcquireError {
+    AcquireError::CostAboveCapacity(CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity })
 }
 
 #[cold]
@@ -972,109 +1023,6 @@ pub struct LimitStats {
     pub held: u64,
     /// Keys this limit tracks now.
     pub tracked_keys: usize,
-}
-
-/// A grant from [`LimitSet::acquire`], borrowing the set and the key.
-///
-/// Dropping it releases the concurrency it holds (rate limits hold nothing).
-#[must_use = "dropping a permit releases its concurrency at once"]
-pub struct Permit<'a> {
-    set: &'a LimitSet,
-    key: &'a TenantKey,
-    grant: Grant,
-    done: bool,
-}
-
-/// A grant from [`LimitSet::acquire_owned`]: like [`Permit`], but `'static`.
-#[must_use = "dropping a permit releases its concurrency at once"]
-pub struct OwnedPermit {
-    set: LimitSet,
-    key: TenantKey,
-    grant: Grant,
-    done: bool,
-}
-
-macro_rules! permit_methods {
-    () => {
-        /// The instant the grant was made at (after raising `now` to the latest instant
-        /// the set had seen).
-        #[must_use]
-        pub fn granted_at(&self) -> Instant {
-            self.grant.granted_at
-        }
-
-        /// The key the grant was made for.
-        #[must_use]
-        pub fn key(&self) -> &TenantKey {
-            &self.key
-        }
-
-        /// Corrects limits that count cost to the real usage `actual`: the difference
-        /// with the cost acquired (or last settled) is refunded, or charged when the real
-        /// usage is higher (recorded, never refused: the work is done; later requests
-        /// wait for it). Limits counting requests and semaphores are unchanged; the
-        /// concurrency is still held until the permit is dropped.
-        pub fn settle(&mut self, actual: u64, now: Instant) {
-            self.set.shared.settle(&self.key, &mut self.grant, Costs::Uniform(actual), now);
-        }
-
-        /// Like [`settle`](Self::settle), with one actual cost per limit in the order of
-        /// the policy (semaphores' entries are ignored).
-        pub fn settle_each(&mut self, actual: &[u64], now: Instant) {
-            self.set.shared.settle(&self.key, &mut self.grant, Costs::Each(actual.into()), now);
-        }
-
-        /// Gives back everything: refunds every rate limit as far as each can (see
-        /// [`Algorithm::refund`](crate::algorithm::Algorithm::refund)) and releases the
-        /// concurrency. For a request that did not happen.
-        pub fn cancel(mut self, now: Instant) {
-            self.set.shared.cancel(&self.key, &self.grant, now);
-            self.set.shared.release(&self.key, &self.grant);
-            self.done = true;
-        }
-
-        /// Keeps what was charged and releases the concurrency now; the same as dropping
-        /// the permit, spelled out.
-        pub fn release(self) {}
-    };
-}
-
-impl Permit<'_> {
-    permit_methods!();
-}
-
-impl OwnedPermit {
-    permit_methods!();
-}
-
-impl Drop for Permit<'_> {
-    #[inline]
-    fn drop(&mut self) {
-        if !self.done && self.grant.config.is_some() {
-            self.set.shared.release(self.key, &self.grant);
-        }
-    }
-}
-
-impl Drop for OwnedPermit {
-    #[inline]
-    fn drop(&mut self) {
-        if !self.done && self.grant.config.is_some() {
-            self.set.shared.release(&self.key, &self.grant);
-        }
-    }
-}
-
-impl fmt::Debug for Permit<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Permit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
-    }
-}
-
-impl fmt::Debug for OwnedPermit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OwnedPermit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
-    }
 }
 
 /// Sets of one limit, from a quota that is valid by construction.

@@ -1,0 +1,622 @@
+//! The lock-free path of a set whose only limit is one global GCRA.
+//!
+//! # What it owns
+//!
+//! The commonest set is one global rate limit. Its whole state is GCRA's theoretical
+//! arrival time (TAT), so here it lives in one `AtomicU64` instead of behind the global
+//! lock. An acquisition loads the TAT, runs the very same [`Gcra`] decision on a copy and
+//! publishes the new TAT with one compare-and-swap; a failed swap means another thread
+//! admitted in between, and the decision is made again on the value it wrote. A denial
+//! only loads: it computes the exact `retry_after` from the value it read and writes
+//! nothing shared, so a denial costs no more than a grant.
+//!
+//! # The invariants
+//!
+//! - **One owner of the state.** While the path is *enabled* the atomic is the limit's
+//!   state and the copy in the locked global states is stale; every locked operation on
+//!   the limit (settle, refund, charge, align, peek) reads or compare-and-swaps the atomic
+//!   instead, under the global lock, so they are serialized with each other and atomic
+//!   with respect to lock-free acquisitions.
+//! - **Disabled is a value.** [`DISABLED`] in the atomic means the locked state rules.
+//!   [`LimitSet::replace_policy`](crate::LimitSet::replace_policy) swaps it in under all
+//!   the locks and moves the last TAT into the locked state, so an acquisition that read
+//!   the TAT before the swap fails its compare-and-swap and takes the locked path, which
+//!   waits for the replace to finish.
+//! - **The parameters never change.** They are fixed when the set is built. A replace
+//!   keeps the path enabled only when the new policy is the same one global GCRA (same
+//!   name, rate and burst), carrying the TAT over untouched, so an acquisition racing it
+//!   decides the same under either policy. Any other replace disables the path for good;
+//!   a later replace back to the original limit re-enables it with the locked TAT (an
+//!   acquisition that read a value from before can only succeed on that very value, with
+//!   the very same parameters, which is a decision made just before the replace).
+//! - **Time.** The locked path raises `now` to the latest instant the set has seen. One
+//!   such instant would be a line every grant writes, so each counter stripe keeps the
+//!   latest instant of the grants counted there: an acquisition raises its `now` to its
+//!   own stripe's, which makes a lone thread decide exactly as the locked path would,
+//!   and the locked operations (peek, settle) raise theirs to the latest of all stripes.
+//!   Across threads the raise is partial, which is safe for GCRA: the TAT never moves
+//!   back, and a caller whose clock read lags decides against `max(tat, now)` with its
+//!   own `now`, which can only make it wait longer.
+//! - **Counters.** Grants and denials are counted in striped, padded counters picked by
+//!   thread, so that far from the limit no grant writes a line another core writes.
+//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes. A stripe's owner adds
+//!   with a plain load and store (no locked instruction); stripes are never reset, so
+//!   nobody else ever writes them.
+//!
+//! # Leases: no collapse on many cores
+//!
+//! One TAT that every grant swaps is one cache line every core writes: past a few cores
+//! the line's travels cost more than the decisions. So a thread that has seen its swap
+//! fail (and only then: a lone thread never leases, and decides exactly as plain GCRA)
+//! takes *leases*: with its grant it advances the shared TAT by `k` more units than it
+//! needs, from `s` to `s + k*T`, and keeps them in a thread-local slot. Later calls of
+//! that thread use the leased units without touching any shared line.
+//!
+//! **Why it cannot over-admit.** Taking a lease is admitting its `k` units at once, at the
+//! instant `t0` the lease was taken, under the unchanged GCRA rule `s + k*T - t0 <= tau`.
+//! Unit `j` of the lease owns the slot `[s + j*T, s + (j+1)*T)`, and a thread may use it at
+//! instant `t` only while the slot has not begun (`s + j*T >= t`) and never before the
+//! lease was taken (`t >= t0`; a later call's `now` is raised to `t0`). So every unit
+//! granted, leased or not, owns a slot of length `T` of its own that starts no earlier
+//! than its grant and ends no later than `t0 + tau <= t + tau`. For the grants whose
+//! instants lie in a window `[a, b]`, those disjoint slots all lie in `[a, b + tau]`:
+//! there are at most `(b - a + tau) / T` of them, the very cap of plain GCRA. Unused units
+//! go back only by a compare-and-swap of the TAT from the lease's end to its next unit,
+//! which succeeds only if nobody advanced the TAT since: then the returned slots were
+//! never used by anyone, and the TAT is exactly where plain GCRA would have it.
+//!
+//! **Sizing.** A lease takes a quarter of the headroom left after the grant, at most
+//! [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write; near
+//! it the quarter rounds to nothing and every decision is the exact, shared one.
+//!
+//! **When leasing does not pay.** A unit must be used before its slot begins, so when
+//! the emission interval is shorter than a thread's own pace between calls (a limit of
+//! hundreds of millions per second), leased slots begin before they are used. A thread
+//! whose lease expired with units unused stops leasing for [`COOLDOWN`] calls and decides
+//! on the shared TAT, exactly; before giving units back it reads the TAT, so a lease that
+//! cannot be returned costs no write.
+//!
+//! **Worst case.** Units leased and not used are stranded: other threads see them as
+//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
+//! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
+//! at that moment; a stranded unit is lost for good only once its slot begins unused (it
+//! then frees nothing and costs nothing more). A thread that leaves, or leases another
+//! limit whose id maps to the same of its [`LEASE_SLOTS`] slots, strands its lease the
+//! same way. While leases
+//! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it
+//! counts leased units as used: it under-reports by at most the stranded units, never
+//! over-reports. A replace voids every lease (the epoch moves), stranding them too.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::algorithm::{Algorithm, Gcra, GcraState, Refusal, Snapshot};
+use crate::limit::{Config, Limit, LimitState};
+use crate::policy::Counts;
+use crate::time::Instant;
+
+/// The value of the atomic while the locked state rules.
+pub(super) const DISABLED: u64 = u64::MAX;
+
+/// A decision in two words: `(granted at, GRANTED)`, `(capacity, NEVER)`, `(_, OFF)`, or
+/// `(at, tat)` for a denial on the TAT read (which never reaches [`MAX_TAT`]).
+#[derive(Clone, Copy)]
+struct Packed(u64, u64);
+
+const GRANTED: u64 = u64::MAX;
+const NEVER: u64 = u64::MAX - 1;
+const OFF: u64 = u64::MAX - 2;
+
+/// The furthest a TAT is ever stored at, below the markers above.
+const MAX_TAT: u64 = u64::MAX - 3;
+
+/// How many counter stripes a fast set keeps (a power of two).
+const STRIPES: usize = 16;
+
+/// One stripe of counters, on its own cache lines.
+#[repr(align(128))]
+#[derive(Default)]
+struct Stripe {
+    /// The latest instant a grant counted here was made at.
+    latest: AtomicU64,
+    admitted: AtomicU64,
+    denied: AtomicU64,
+    impossible: AtomicU64,
+}
+
+/// The lock-free state of a one-limit global GCRA set.
+pub(super) struct Fast {
+    tat: Line,
+    /// Unique among the limits of this process: names this one's leases.
+    id: u64,
+    /// Bumped by every disable, voiding the leases taken before.
+    epoch: AtomicU64,
+    tolerance: u64,
+    /// The config version grants are stamped with.
+    version: AtomicU64,
+    gcra: Gcra,
+    name: &'static str,
+    counts: Counts,
+    stripes: Box<[Stripe]>,
+}
+
+/// What the fast path decided.
+pub(super) enum Decision {
+    /// Granted at this instant.
+    Granted(Instant, u64),
+    /// Refused on the TAT read at the instant given (see [`Fast::denial`]); kept small
+    /// so that the denial is built once, in place.
+    Denied(u64, Instant),
+    /// The cost is above the burst.
+    Never(u64),
+}
+
+/// How many limits a thread keeps a lease for at once (a power of two); a limit's lease
+/// lives in the slot its id picks, and a lease evicted from it is stranded (see the
+/// module's essay).
+const LEASE_SLOTS: usize = 4;
+
+/// The most units one lease holds.
+const MAX_LEASE: u64 = 64;
+
+/// Unused slots of the TAT that one thread took ahead of time: units `next`, `next + T`,
+/// ... up to `end`. A unit is used only while its slot has not begun.
+#[derive(Clone, Copy)]
+struct Lease {
+    /// The [`Fast::id`] it belongs to; 0 for none.
+    owner: u64,
+    /// The [`Fast::epoch`] it was taken in: a replace voids it.
+    epoch: u64,
+    /// The instant it was taken at: a unit is never used at an earlier one.
+    taken: u64,
+    next: u64,
+    end: u64,
+    /// Whether this thread has seen a compare-and-swap on this limit fail.
+    contended: bool,
+    /// Calls to wait before leasing again, after a lease whose slots began unused (the
+    /// interval is shorter than this thread's pace: leasing would only waste).
+    cooldown: u32,
+}
+
+/// The calls a thread waits before leasing again after a lease expired unused.
+const COOLDOWN: u32 = 4_096;
+
+const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false, cooldown: 0 };
+
+/// What a thread keeps: its counter stripe and its leases.
+struct Local {
+    stripe: Cell<usize>,
+    leases: [Cell<Lease>; LEASE_SLOTS],
+}
+
+impl Local {
+    /// The stripe of this thread, and whether it is this thread's alone: threads take
+    /// consecutive stripes in the order they first ask, so the first `STRIPES` threads of
+    /// the process own theirs and later ones share.
+    #[inline]
+    fn stripe(&self) -> (usize, bool) {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let mut v = self.stripe.get();
+        if v == usize::MAX {
+            v = NEXT.fetch_add(1, Ordering::Relaxed);
+            self.stripe.set(v);
+        }
+        (v & (STRIPES - 1), v < STRIPES)
+    }
+}
+
+thread_local! {
+    static LOCAL: Local = const {
+        Local { stripe: Cell::new(usize::MAX), leases: [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] }
+    };
+}
+
+/// Adds one to a counter: a plain load and store on a stripe this thread owns, an atomic
+/// add on a shared one.
+#[inline]
+fn bump(counter: &AtomicU64, own: bool) {
+    if own {
+        counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    } else {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The TAT, alone on its cache lines: the read-mostly fields beside it stay shared.
+#[repr(align(128))]
+struct Line(AtomicU64);
+
+impl Fast {
+    /// The fast state for `config`, if its only limit is one global GCRA.
+    pub(super) fn for_config(config: &Config) -> Option<Fast> {
+        let [def] = config.limits.as_slice() else { return None };
+        let (None, Limit::Gcra(gcra)) = (def.tier, &def.limit) else { return None };
+        static IDS: AtomicU64 = AtomicU64::new(1);
+        Some(Fast {
+            tat: Line(AtomicU64::new(0)),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            epoch: AtomicU64::new(0),
+            tolerance: gcra.interval_nanos() * gcra.burst(),
+            version: AtomicU64::new(config.version),
+            gcra: *gcra,
+            name: def.name,
+            counts: def.counts,
+            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+        })
+    }
+
+    /// Whether `config` is the very limit this fast state was built for.
+    pub(super) fn fits(&self, config: &Config) -> bool {
+        matches!(config.limits.as_slice(), [def] if def.tier.is_none()
+            && def.name == self.name
+            && def.counts == self.counts
+            && matches!(&def.limit, Limit::Gcra(g) if *g == self.gcra))
+    }
+
+    /// The cost charged for an acquisition of `uniform` cost, or of the first of `each`.
+    #[inline]
+    pub(super) fn cost(&self, uniform: u64) -> u64 {
+        match self.counts {
+            Counts::Requests => 1,
+            Counts::Cost => uniform,
+        }
+    }
+
+    /// The decision, or `None` when the path is disabled.
+    #[inline(always)]
+    pub(super) fn acquire(&self, cost: u64, now: Instant) -> Option<Decision> {
+        // Unpacked here, in the caller: two words come back in registers, an enum would
+        // come back through memory.
+        let Packed(a, b) = self.decide_packed(cost, now);
+        match b {
+            GRANTED => Some(Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed))),
+            NEVER => Some(Decision::Never(a)),
+            OFF => None,
+            tat => Some(Decision::Denied(tat, Instant::from_nanos(a))),
+        }
+    }
+
+    #[inline]
+    fn decide_packed(&self, cost: u64, now: Instant) -> Packed {
+        LOCAL.with(|local| {
+            let (index, own) = local.stripe();
+            let stripe = &self.stripes[index];
+            let latest = stripe.latest.load(Ordering::Relaxed);
+            let now = now.max(Instant::from_nanos(latest)).as_nanos();
+            let entry = &local.leases[(self.id as usize) & (LEASE_SLOTS - 1)];
+            let mut lease = entry.get();
+            let mine = lease.owner == self.id && lease.epoch == self.epoch.load(Ordering::Acquire);
+            if mine {
+                // A unit may be used only while its slot has not begun: `next >= now`.
+                let need = cost.saturating_mul(self.gcra.interval_nanos());
+                let now = now.max(lease.taken);
+                if lease.next >= now && lease.end - lease.next >= need && need > 0 {
+                    lease.next += need;
+                    entry.set(lease);
+                    return self.granted(stripe, own, latest, now);
+                }
+                if lease.next < lease.end {
+                    // Give back what is left, if nobody moved the TAT past this lease (read
+                    // first: a failing swap would still take the line).
+                    if self.tat.0.load(Ordering::Acquire) == lease.end {
+                        let _ = self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                    }
+                    if lease.next < now {
+                        lease.cooldown = COOLDOWN;
+                    }
+                    lease.next = lease.end;
+                } else if lease.cooldown > 0 {
+                    lease.cooldown -= 1;
+                }
+                entry.set(lease);
+            }
+            let lease_ok = mine && lease.contended && lease.cooldown == 0;
+            self.decide(cost, now, latest, (stripe, own), entry, lease_ok)
+        })
+    }
+
+    /// The decision on the shared TAT; under contention, takes a lease for later calls.
+    #[inline]
+    fn decide(
+        &self,
+        cost: u64,
+        now: u64,
+        latest: u64,
+        (stripe, own): (&Stripe, bool),
+        entry: &Cell<Lease>,
+        mut lease_ok: bool,
+    ) -> Packed {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let interval = self.gcra.interval_nanos();
+        let mut cur = self.tat.0.load(Ordering::Acquire);
+        loop {
+            if cur == DISABLED {
+                return Packed(0, OFF);
+            }
+            let mut state = GcraState::at(Instant::from_nanos(cur));
+            if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
+                return self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own));
+            }
+            let granted = state.theoretical_arrival().as_nanos();
+            // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
+            // units in all); near the limit that is nothing, and the decision is exact.
+            let extra = if lease_ok {
+                let left = (now + self.tolerance - granted) / interval;
+                (left / 4).min(MAX_LEASE.saturating_sub(cost))
+            } else {
+                0
+            };
+            let new = granted + extra * interval;
+            match self.tat.0.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    if extra > 0 {
+                        entry.set(Lease {
+                            owner: self.id,
+                            epoch,
+                            taken: now,
+                            next: granted,
+                            end: new,
+                            contended: true,
+                            cooldown: 0,
+                        });
+                    }
+                    return self.granted(stripe, own, latest, now);
+                }
+                Err(seen) => {
+                    cur = seen;
+                    let mut l = entry.get();
+                    if l.owner != self.id || l.epoch != epoch {
+                        l = Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+                    }
+                    l.contended = true;
+                    entry.set(l);
+                    lease_ok = l.cooldown == 0;
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn granted(&self, stripe: &Stripe, own: bool, latest: u64, now: u64) -> Packed {
+        if now > latest {
+            stripe.latest.store(now, Ordering::Relaxed);
+        }
+        bump(&stripe.admitted, own);
+        Packed(now, GRANTED)
+    }
+
+    #[inline]
+    fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Packed {
+        match refusal {
+            Refusal::NotYet { .. } => {
+                bump(&stripe.0.denied, stripe.1);
+                Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
+            }
+            Refusal::Never { capacity } => {
+                bump(&stripe.0.impossible, stripe.1);
+                Packed(capacity, NEVER)
+            }
+        }
+    }
+
+    /// The exact wait and the snapshot of a refusal of `cost` on `tat` at `now`.
+    #[inline]
+    pub(super) fn denial(&self, tat: u64, now: Instant, cost: u64) -> (Duration, Snapshot) {
+        let state = GcraState::at(Instant::from_nanos(tat));
+        let retry = match self.gcra.check(&state, now, cost) {
+            Err(Refusal::NotYet { retry_after }) => retry_after.unwrap_or(Duration::ZERO),
+            _ => Duration::ZERO,
+        };
+        let snapshot = if cost == 1 {
+            // Refused one unit: nothing remains, and the division is skipped.
+            Snapshot {
+                quota: self.gcra.burst(),
+                remaining: 0,
+                reset: Duration::from_nanos(state.theoretical_arrival().nanos_since(now)),
+                window: Duration::from_nanos(self.tolerance),
+            }
+        } else {
+            self.gcra.peek(&state, now)
+        };
+        (retry, snapshot)
+    }
+
+    /// The limit's name.
+    pub(super) fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the atomic rules the state now.
+    pub(super) fn enabled(&self) -> bool {
+        self.tat.0.load(Ordering::Acquire) != DISABLED
+    }
+
+    /// The state now, for a peek. Call only while enabled, under the global lock.
+    pub(super) fn state(&self) -> LimitState {
+        LimitState::Gcra(GcraState::at(Instant::from_nanos(self.tat.0.load(Ordering::Acquire))))
+    }
+
+    /// Applies `f` to the state atomically (a correction). Call only while enabled, under
+    /// the global lock (which keeps the path from being disabled meanwhile).
+    pub(super) fn update(&self, mut f: impl FnMut(&mut LimitState)) {
+        let mut cur = self.tat.0.load(Ordering::Acquire);
+        loop {
+            debug_assert_ne!(cur, DISABLED, "corrections run under the lock that guards disabling");
+            let mut state = LimitState::Gcra(GcraState::at(Instant::from_nanos(cur)));
+            f(&mut state);
+            let LimitState::Gcra(s) = state else { unreachable!("a GCRA stays a GCRA") };
+            // A charge saturates at the end of time, short of the markers.
+            let new = s.theoretical_arrival().as_nanos().min(MAX_TAT);
+            match self.tat.0.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+
+    /// Disables the path; returns the last state. Under all the locks.
+    pub(super) fn disable(&self) -> Option<LimitState> {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let last = self.tat.0.swap(DISABLED, Ordering::AcqRel);
+        (last != DISABLED).then(|| LimitState::Gcra(GcraState::at(Instant::from_nanos(last))))
+    }
+
+    /// Enables the path with `state`, for a config that [`Fast::fits`]. Under all the
+    /// locks.
+    pub(super) fn enable(&self, state: &LimitState, version: u64) {
+        let LimitState::Gcra(s) = state else { return };
+        self.version.store(version, Ordering::Relaxed);
+        self.tat.0.store(s.theoretical_arrival().as_nanos().min(MAX_TAT), Ordering::Release);
+    }
+
+    /// The latest instant any grant of this path was made at (a grant racing this call
+    /// may be missed, as a racing clock read would be).
+    pub(super) fn latest(&self) -> Instant {
+        Instant::from_nanos(self.stripes.iter().map(|s| s.latest.load(Ordering::Relaxed)).max().unwrap_or(0))
+    }
+
+    /// Grants, denials and impossible costs counted by the path.
+    pub(super) fn counts(&self) -> (u64, u64, u64) {
+        self.stripes.iter().fold((0, 0, 0), |(a, d, i), s| {
+            (
+                a + s.admitted.load(Ordering::Relaxed),
+                d + s.denied.load(Ordering::Relaxed),
+                i + s.impossible.load(Ordering::Relaxed),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::policy::{LimitPolicy, LimitSetPolicy};
+    use crate::rate::Rate;
+
+    fn fast(rate: Rate, burst: u64) -> Fast {
+        let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", rate, burst))).unwrap();
+        Fast::for_config(&config).unwrap()
+    }
+
+    impl Fast {
+        /// As if this thread had seen a swap fail: its next grants take leases.
+        fn mark_contended(&self) {
+            let epoch = self.epoch.load(Ordering::Acquire);
+            LOCAL.with(|l| {
+                l.leases[(self.id as usize) & (LEASE_SLOTS - 1)].set(Lease {
+                    owner: self.id,
+                    epoch,
+                    taken: 0,
+                    next: 0,
+                    end: 0,
+                    contended: true,
+                    cooldown: 0,
+                });
+            });
+        }
+
+        fn tat(&self) -> u64 {
+            self.tat.0.load(Ordering::Acquire)
+        }
+    }
+
+    fn granted(d: Option<Decision>) -> Option<u64> {
+        match d.expect("enabled") {
+            Decision::Granted(at, _) => Some(at.as_nanos()),
+            Decision::Denied(..) | Decision::Never(_) => None,
+        }
+    }
+
+    /// For all `i <= j` of the sorted grants: `(j - i + 1) * interval <= t_j - t_i + tolerance`.
+    fn assert_rate_cap(mut grants: Vec<u64>, interval: u64, tolerance: u64) {
+        grants.sort_unstable();
+        let mut worst = i128::MIN;
+        for (j, &t) in grants.iter().enumerate() {
+            let j = j as i128;
+            worst = worst.max(i128::from(t) - j * i128::from(interval));
+            assert!(worst <= i128::from(t) - (j + 1) * i128::from(interval) + i128::from(tolerance), "over-admission");
+        }
+    }
+
+    #[test]
+    fn a_lease_is_taken_used_without_a_shared_write_and_given_back() {
+        // T = 1us, burst 1,000.
+        let f = fast(Rate::per_second(1_000_000), 1_000);
+        let now = Instant::from_nanos(5_000_000);
+        // A lone thread never leases.
+        assert_eq!(granted(f.acquire(1, now)), Some(now.as_nanos()));
+        assert_eq!(f.tat(), now.as_nanos() + 1_000);
+        f.mark_contended();
+        // 998 units of headroom left after this grant: a lease of 64 in all.
+        assert!(granted(f.acquire(1, now)).is_some());
+        let leased_end = f.tat();
+        assert_eq!(leased_end, now.as_nanos() + 65_000);
+        for _ in 0..63 {
+            assert!(granted(f.acquire(1, now)).is_some());
+            assert_eq!(f.tat(), leased_end, "leased units touch no shared state");
+        }
+        // The lease is used up: the next grant decides on the TAT and leases again.
+        assert!(granted(f.acquire(1, now)).is_some());
+        assert!(f.tat() > leased_end + 1_000);
+        // Time moves past the lease's slots: they are expired, and given back.
+        let later = Instant::from_nanos(f.tat() + 10_000);
+        assert!(granted(f.acquire(1, later)).is_some());
+        let (admitted, _, _) = f.counts();
+        assert_eq!(admitted, 67);
+    }
+
+    #[test]
+    fn near_the_limit_a_lease_shrinks_to_nothing() {
+        let f = fast(Rate::per_second(1_000_000), 8);
+        f.mark_contended();
+        let now = Instant::from_nanos(1_000_000);
+        for _ in 0..8 {
+            assert!(granted(f.acquire(1, now)).is_some());
+        }
+        // Exactly the burst, as plain GCRA: no unit more, none stranded.
+        assert_eq!(granted(f.acquire(1, now)), None);
+        assert_eq!(f.tat(), now.as_nanos() + 8_000);
+    }
+
+    #[test]
+    fn leasing_threads_never_over_admit() {
+        // T = 1us, burst 1,000. The shared clock alternates between a slow phase (demand
+        // half the rate: the headroom refills and leases are 64 units) and a fast one
+        // (ten times the rate: the limit is reached and leases shrink to nothing).
+        const THREADS: usize = 4;
+        const STEPS: u64 = 20_000;
+        let f = fast(Rate::per_second(1_000_000), 1_000);
+        let clock = AtomicU64::new(0);
+        let grants = Mutex::new(Vec::new());
+        let denied = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..THREADS {
+                let (f, clock, grants, denied) = (&f, &clock, &grants, &denied);
+                s.spawn(move || {
+                    f.mark_contended();
+                    let mut mine = Vec::new();
+                    for i in 0..STEPS {
+                        let step = if (i / 2_000) % 2 == 0 { 2_000 } else { 100 };
+                        let now = Instant::from_nanos(clock.fetch_add(step, Ordering::Relaxed));
+                        match granted(f.acquire(1, now)) {
+                            Some(at) => mine.push(at),
+                            None => {
+                                denied.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    grants.lock().unwrap().extend(mine);
+                });
+            }
+        });
+        let grants = grants.into_inner().unwrap();
+        let (admitted, refused, _) = f.counts();
+        assert_eq!(admitted, grants.len() as u64);
+        assert_eq!(refused, denied.into_inner());
+        assert!(refused > 0, "the fast phases reach the limit");
+        assert_rate_cap(grants, 1_000, 1_000_000);
+    }
+}

@@ -1,0 +1,195 @@
+//! What a grant is: the plain [`Grant`], and the [`Permit`] and [`OwnedPermit`] that give
+//! it back on drop.
+//!
+//! A grant remembers what the set needs to correct it later: the instant it was made at,
+//! the policy version it was made under (a settle after a replace maps it by name), the
+//! costs acquired and those last settled to. Rate limits need nothing on drop; a grant
+//! holds a handle to its config only when the policy has semaphores, so that a release
+//! after a replace still finds them. A permit borrows or owns the set and the key and
+//! releases on drop; a bare `Grant` leaves that duty with its holder.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::LimitSet;
+use crate::key::TenantKey;
+use crate::limit::{Config, LimitDef};
+use crate::policy::Counts;
+use crate::time::Instant;
+
+/// Per-limit costs of one acquisition.
+#[derive(Debug, Clone)]
+pub(super) enum Costs {
+    /// One per request for limits counting requests, this for limits counting cost.
+    Uniform(u64),
+    /// Explicit, per limit.
+    Each(Box<[u64]>),
+}
+
+impl Costs {
+    #[inline]
+    pub(super) fn of(&self, i: usize, def: &LimitDef) -> u64 {
+        match self {
+            Costs::Uniform(cost) => match def.counts {
+                Counts::Requests => 1,
+                Counts::Cost => *cost,
+            },
+            Costs::Each(costs) => costs.get(i).copied().unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// A grant as plain data: what the set needs to settle and release it later.
+///
+/// [`Permit`] and [`OwnedPermit`] wrap one and give it back on drop; a `Grant` on its own
+/// does not. Code that keeps the key elsewhere (a layer's response future, a backend)
+/// holds a `Grant` and must hand it back to [`LimitSet::release_grant`] or
+/// [`LimitSet::cancel_grant`] exactly once, or the concurrency it holds is lost.
+#[must_use = "a grant holds concurrency until it is released"]
+#[derive(Debug)]
+pub struct Grant {
+    pub(super) granted_at: Instant,
+    pub(super) version: u64,
+    /// Kept only when the policy has semaphores, so that a release after a policy change
+    /// can still find them by name.
+    pub(super) config: Option<Arc<Config>>,
+    /// The costs acquired: what semaphores release, whatever was settled since.
+    pub(super) acquired: Costs,
+    /// The costs rate limits were last settled to, if ever.
+    pub(super) settled: Option<Costs>,
+}
+
+/// What the engine answers on a grant; the caller adds the key and costs it already has.
+pub(super) struct Granted {
+    pub(super) granted_at: Instant,
+    pub(super) version: u64,
+    pub(super) config: Option<Arc<Config>>,
+}
+
+impl Grant {
+    /// The instant the grant was made at.
+    #[must_use]
+    pub fn granted_at(&self) -> Instant {
+        self.granted_at
+    }
+
+    /// Whether releasing it gives anything back (the set has semaphores); when not,
+    /// dropping the grant loses nothing.
+    #[must_use]
+    pub fn holds_concurrency(&self) -> bool {
+        self.config.is_some()
+    }
+
+    #[inline]
+    pub(super) fn new(costs: Costs, g: Granted) -> Self {
+        Grant { granted_at: g.granted_at, version: g.version, config: g.config, acquired: costs, settled: None }
+    }
+
+    /// What rate limits are charged now.
+    pub(super) fn charged(&self) -> &Costs {
+        self.settled.as_ref().unwrap_or(&self.acquired)
+    }
+}
+
+/// A grant from [`LimitSet::acquire`], borrowing the set and the key.
+///
+/// Dropping it releases the concurrency it holds (rate limits hold nothing).
+#[must_use = "dropping a permit releases its concurrency at once"]
+pub struct Permit<'a> {
+    pub(super) set: &'a LimitSet,
+    pub(super) key: &'a TenantKey,
+    pub(super) grant: Grant,
+    pub(super) done: bool,
+}
+
+/// A grant from [`LimitSet::acquire_owned`]: like [`Permit`], but `'static`.
+#[must_use = "dropping a permit releases its concurrency at once"]
+pub struct OwnedPermit {
+    pub(super) set: LimitSet,
+    pub(super) key: TenantKey,
+    pub(super) grant: Grant,
+    pub(super) done: bool,
+}
+
+macro_rules! permit_methods {
+    () => {
+        /// The instant the grant was made at (after raising `now` to the latest instant
+        /// the set had seen).
+        #[must_use]
+        pub fn granted_at(&self) -> Instant {
+            self.grant.granted_at
+        }
+
+        /// The key the grant was made for.
+        #[must_use]
+        pub fn key(&self) -> &TenantKey {
+            &self.key
+        }
+
+        /// Corrects limits that count cost to the real usage `actual`: the difference
+        /// with the cost acquired (or last settled) is refunded, or charged when the real
+        /// usage is higher (recorded, never refused: the work is done; later requests
+        /// wait for it). Limits counting requests and semaphores are unchanged; the
+        /// concurrency is still held until the permit is dropped.
+        pub fn settle(&mut self, actual: u64, now: Instant) {
+            self.set.shared.settle(&self.key, &mut self.grant, Costs::Uniform(actual), now);
+        }
+
+        /// Like [`settle`](Self::settle), with one actual cost per limit in the order of
+        /// the policy (semaphores' entries are ignored).
+        pub fn settle_each(&mut self, actual: &[u64], now: Instant) {
+            self.set.shared.settle(&self.key, &mut self.grant, Costs::Each(actual.into()), now);
+        }
+
+        /// Gives back everything: refunds every rate limit as far as each can (see
+        /// [`Algorithm::refund`](crate::algorithm::Algorithm::refund)) and releases the
+        /// concurrency. For a request that did not happen.
+        pub fn cancel(mut self, now: Instant) {
+            self.set.shared.cancel(&self.key, &self.grant, now);
+            self.set.shared.release(&self.key, &self.grant);
+            self.done = true;
+        }
+
+        /// Keeps what was charged and releases the concurrency now; the same as dropping
+        /// the permit, spelled out.
+        pub fn release(self) {}
+    };
+}
+
+impl Permit<'_> {
+    permit_methods!();
+}
+
+impl OwnedPermit {
+    permit_methods!();
+}
+
+impl Drop for Permit<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.done && self.grant.config.is_some() {
+            self.set.shared.release(self.key, &self.grant);
+        }
+    }
+}
+
+impl Drop for OwnedPermit {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.done && self.grant.config.is_some() {
+            self.set.shared.release(&self.key, &self.grant);
+        }
+    }
+}
+
+impl fmt::Debug for Permit<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
+    }
+}
+
+impl fmt::Debug for OwnedPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedPermit").field("key", self.key()).field("granted_at", &self.granted_at()).finish()
+    }
+}
