@@ -138,11 +138,14 @@ fn settles_and_peeks_race_grants_and_every_charge_lands() {
         }
     });
     // 20,000 grants, 1 unit each net, all at instant zero. Threads that collided may
-    // still hold leased units (at most 63 each), which peek counts as used.
+    // still hold leased units, which peek counts as used, and a lease whose give-back
+    // found the TAT moved by a settle was abandoned: its units stay spent until time
+    // passes their slots (here it never does). Waste, never over-admission: bounded
+    // here to a small fraction of what is left.
     let remaining = set.peek(&TenantKey::global(), now)[0].snapshot.remaining;
     let net = 1_000_000 - THREADS * 5_000;
     assert!(remaining <= net, "a charge was lost: {remaining} > {net}");
-    assert!(remaining + THREADS * 63 >= net, "more stranded than the leases allow: {remaining}");
+    assert!(remaining + net / 100 >= net, "more than 1% stranded: {remaining} of {net}");
     assert_eq!(set.stats().admitted, THREADS * 5_000);
 }
 

@@ -58,7 +58,7 @@ pub use grpc::GrpcAnswer;
 pub use layers::{
     FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer,
 };
-pub use reject::{Rejection, ReturnError};
+pub use reject::{Hold, Rejection, ReturnError};
 pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};
 pub use tower_limits_core::{
     AcquireError, Backend, Chosen, Grant, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, LimitSetStats,

@@ -85,7 +85,10 @@
 //! same way. While leases
 //! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it
 //! counts leased units as used: it under-reports by at most the stranded units, never
-//! over-reports. A replace voids every lease (the epoch moves), stranding them too.
+//! over-reports. A replace voids every lease (the epoch moves), stranding them too, and so
+//! does a settle or refund that moves the shared TAT under a lease: the lease can no
+//! longer be given back, and its unused units stay spent until time passes their slots.
+//! All of this wastes capacity for a while; none of it can admit a unit more.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
