@@ -566,17 +566,16 @@ impl<J> HttpAnswer<J> {
     /// "code"}}`), which OpenAI's SDKs show and retry on: for gateways in front of
     /// OpenAI-compatible APIs.
     pub const fn with_openai_body(self) -> HttpAnswer<OpenAiBody> {
-        HttpAnswer {
-            openai: self.openai,
-            on_success: self.on_success,
-            all_limits: self.all_limits,
-            status: self.status,
-            _body: PhantomData,
-        }
+        self.with_body()
     }
 
     /// Refusals carry a JSON problem document naming the limit and tier.
     pub const fn with_json_body(self) -> HttpAnswer<JsonBody> {
+        self.with_body()
+    }
+
+    /// The same answer with refusal bodies of kind `J2`.
+    const fn with_body<J2>(self) -> HttpAnswer<J2> {
         HttpAnswer {
             openai: self.openai,
             on_success: self.on_success,

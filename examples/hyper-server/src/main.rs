@@ -74,44 +74,12 @@ const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(2));
 
 const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--port N]]";
 
-/// What the command line asks for.
-#[derive(Debug)]
-struct Args {
-    serve: bool,
-    port: u16,
-}
-
-fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
-    let mut out = Args { serve: false, port: 0 };
-    let mut it = args.into_iter();
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--serve" => out.serve = true,
-            "--port" => {
-                let v = it.next().ok_or("--port needs a number, for example --port 3001")?;
-                out.port = v.parse().map_err(|_| format!("--port {v:?} is not a port number (0 to 65535)"))?;
-            }
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    if out.port != 0 && !out.serve {
-        return Err("--port goes with --serve (the demonstration picks its own port)".into());
-    }
-    Ok(out)
-}
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
-    let args = match parse_args(std::env::args().skip(1)) {
+    let args = match example_support::from_env(USAGE, 3001) {
         Ok(args) => args,
-        Err(e) => {
-            eprintln!("error: {e}; {USAGE}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
         Ok(l) => l,
@@ -233,14 +201,4 @@ mod tests {
         server.abort();
     }
 
-    #[test]
-    fn arguments_are_checked() {
-        let args = |a: &[&str]| parse_args(a.iter().map(|s| (*s).to_owned()));
-        assert!(!args(&[]).unwrap().serve);
-        let serve = args(&["--serve", "--port", "3001"]).unwrap();
-        assert!(serve.serve && serve.port == 3001);
-        assert!(args(&["--serve", "--port", "99999"]).unwrap_err().contains("not a port number"));
-        assert!(args(&["--port", "3001"]).unwrap_err().contains("goes with --serve"));
-        assert!(args(&["serve"]).unwrap_err().contains("unknown argument \"serve\""));
-    }
 }
