@@ -227,11 +227,8 @@ fn assert_settled_rate_cap(p: RateParams, grants: &[Settled]) {
 /// of grant `j`.
 fn assert_settled_window_cap(p: WindowParams, grants: &[Settled]) {
     for j in 0..grants.len() {
-        let used: u128 = grants[..=j]
-            .iter()
-            .filter(|g| grants[j].at - g.at < p.window)
-            .map(|g| u128::from(g.actual))
-            .sum();
+        let used: u128 =
+            grants[..=j].iter().filter(|g| grants[j].at - g.at < p.window).map(|g| u128::from(g.actual)).sum();
         let overrun = u128::from(grants[j].overrun());
         assert!(
             used <= u128::from(p.limit) + overrun,

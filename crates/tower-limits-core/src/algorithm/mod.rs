@@ -44,7 +44,27 @@ pub use sliding_counter::{SlidingWindowCounter, SlidingWindowCounterState};
 pub use sliding_log::{SlidingWindowLog, SlidingWindowLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
-use crate::time::Instant;
+use crate::policy::PolicyError;
+use crate::time::{Instant, duration_to_nanos};
+
+/// The longest span a limit can cover: 2^62 nanoseconds, about 146 years. A burst (its
+/// emission intervals added up) or a window longer than that is refused by validation,
+/// which leaves every sum of an instant and a span below `u64::MAX` (instants count from
+/// the start of a process).
+pub(crate) const MAX_SPAN_NANOS: u64 = 1 << 62;
+
+/// A window in nanoseconds, or the error naming the `window` field when it is zero or
+/// longer than a limit can span.
+pub(crate) fn window_nanos(window: Duration) -> Result<u64, PolicyError> {
+    let nanos = duration_to_nanos(window);
+    if nanos == 0 {
+        return Err(PolicyError::new("window", "must be longer than zero"));
+    }
+    if nanos > MAX_SPAN_NANOS {
+        return Err(PolicyError::new("window", format!("{window:?} is longer than the 146 years a limit can span")));
+    }
+    Ok(nanos)
+}
 
 /// Why a cost does not fit now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
