@@ -332,8 +332,8 @@ fn a_one_limit_set_counts_grants_denials_and_impossible_costs() {
         let set = LimitSet::new(LimitSetPolicy::new().tiers(["tenant"]).limit(limit)).unwrap();
         let key = TenantKey::single("a").unwrap();
         let now = Instant::ZERO;
-        set.acquire(&key, 1, now).unwrap();
-        set.acquire(&key, 1, now).unwrap();
+        drop(set.acquire(&key, 1, now).unwrap());
+        drop(set.acquire(&key, 1, now).unwrap());
         assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
         assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
         assert!(matches!(set.acquire(&key, 3, now), Err(AcquireError::CostAboveCapacity(_))));
