@@ -9,6 +9,7 @@
 //!   tenants, and an acquisition refused because the table is full tracks nothing new.
 //! - `replace_policy` keeps the counts: `admitted` across any change, and each surviving
 //!   limit's own counters; a new limit starts at zero.
+//! - A denial's snapshot is what `peek` says of the blocking limit for that key.
 //! - A `Grant` holds concurrency exactly when the set has a semaphore.
 
 use std::time::Duration;
@@ -216,6 +217,12 @@ fn run(specs: &[Spec], max_keys: usize, ops: &[Op]) -> (LimitSet, Model, Vec<(us
                         permits.push((key, permit, cost));
                     }
                     Err(e) => {
+                        if let AcquireError::Denied(d) = &e {
+                            // The denial's snapshot is the blocking limit's, for this key, now.
+                            let peeked = set.peek(&tenant_key(key), Instant::from_nanos(now));
+                            let blocking = peeked.iter().find(|s| s.name == d.limit()).expect("the blocking limit");
+                            assert_eq!(blocking.snapshot, d.snapshot(), "step {step}: {}", describe(&e));
+                        }
                         if matches!(e, AcquireError::KeyTableFull(_)) {
                             assert!(
                                 set.tracked_keys() <= before,
