@@ -404,3 +404,31 @@ fn a_grant_holds_concurrency_only_with_a_semaphore() {
     slots.release_grant(&key, again);
     assert_eq!(slots.stats().limits[1].held, 0);
 }
+
+/// A full table that a sweep makes room in admits a key whose broader tier is already
+/// tracked: only the states the key lacks count against the bound.
+#[test]
+fn after_a_sweep_only_the_states_a_key_lacks_need_room() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .max_keys(4)
+            .limit(LimitPolicy::gcra("org-rate", Rate::per_hour(1000), 1000).per("org"))
+            .limit(LimitPolicy::semaphore("user-slots", 1).per("user")),
+    )
+    .unwrap();
+    let key = |org: &str, user: &str| TenantKey::new([org, user]).unwrap();
+    let now = Instant::ZERO;
+    // o1 and o1/u1, held: active.
+    let held = set.acquire_owned(&key("o1", "u1"), 1, now).unwrap();
+    // o2 (active: its rate is in debt) and o2/u2 (idle once its permit is dropped).
+    drop(set.acquire_owned(&key("o2", "u2"), 1, now).unwrap());
+    assert_eq!(set.tracked_keys(), 4);
+    // o1/u3 needs one state (o1 is tracked): the sweep frees o2/u2, which is room enough.
+    let third = set.acquire_owned(&key("o1", "u3"), 1, now);
+    assert!(third.is_ok(), "{:?}", third.err().map(|e| describe(&e)));
+    assert_eq!(set.tracked_keys(), 4);
+    // A new org needs two states, and nothing idle is left: refused.
+    assert!(matches!(set.acquire_owned(&key("o3", "u4"), 1, now), Err(AcquireError::KeyTableFull(_))));
+    drop((held, third));
+}
