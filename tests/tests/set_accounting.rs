@@ -432,3 +432,36 @@ fn after_a_sweep_only_the_states_a_key_lacks_need_room() {
     assert!(matches!(set.acquire_owned(&key("o3", "u4"), 1, now), Err(AcquireError::KeyTableFull(_))));
     drop((held, third));
 }
+
+/// A `Grant` settles and cancels like a permit: settling up takes the difference from the
+/// limit, cancelling gives everything back; and the set, its permits and its grants say
+/// what they are in `Debug`.
+#[test]
+fn grants_settle_and_cancel_like_permits() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("tokens", Rate::per_hour(100), 100).per("tenant").counting_cost())
+            .limit(LimitPolicy::semaphore("slots", 2)),
+    )
+    .unwrap();
+    let key = TenantKey::single("a").unwrap();
+    let now = Instant::ZERO;
+    let remaining = |set: &LimitSet| set.peek(&key, now).iter().map(|s| s.snapshot.remaining).collect::<Vec<_>>();
+    let mut grant = set.acquire_grant(&key, 10, now).unwrap();
+    assert_eq!(remaining(&set), [90, 1]);
+    set.settle_grant(&key, &mut grant, 30, now);
+    assert_eq!(remaining(&set), [70, 1], "settled up by 20");
+    set.settle_grant(&key, &mut grant, 5, now);
+    assert_eq!(remaining(&set), [95, 1], "settled down to 5");
+    set.cancel_grant(&key, grant, now);
+    assert_eq!(remaining(&set), [100, 2], "cancelled: everything back");
+
+    let debug = format!("{set:?}");
+    assert!(debug.contains("LimitSet") && debug.contains("tokens") && debug.contains("slots"), "{debug}");
+    let permit = set.acquire(&key, 1, now).unwrap();
+    assert!(format!("{permit:?}").contains("Permit"), "{permit:?}");
+    drop(permit);
+    let owned = set.acquire_owned(&key, 1, now).unwrap();
+    assert!(format!("{owned:?}").contains("OwnedPermit"), "{owned:?}");
+}

@@ -60,17 +60,20 @@ struct Req {
     actual: u64,
 }
 
-fn requests(unit: u64, capacity: u64) -> impl Strategy<Value = Vec<Req>> {
+fn request(unit: u64, capacity: u64) -> impl Strategy<Value = Req> {
     let estimate = prop_oneof![3 => Just(1u64), 4 => 0..=capacity, 1 => Just(capacity + 1)];
-    let req = (advance(unit), estimate, any::<Index>(), 0u8..4).prop_map(move |(advance, estimate, pick, how)| {
+    (advance(unit), estimate, any::<Index>(), 0u8..4).prop_map(move |(advance, estimate, pick, how)| {
         let actual = match how {
             0 => estimate,
             1 => pick.index(estimate as usize + 1) as u64,
             _ => estimate + 1 + pick.index(2 * capacity as usize) as u64,
         };
         Req { advance, estimate, actual }
-    });
-    prop::collection::vec(req, 1..150)
+    })
+}
+
+fn requests(unit: u64, capacity: u64) -> impl Strategy<Value = Vec<Req>> {
+    prop::collection::vec(request(unit, capacity), 1..150)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -423,4 +426,95 @@ fn settling_up_and_down_on_concrete_numbers() {
     up_then_down(SlidingWindowLog::new(4, window).unwrap());
     up_then_down(SlidingWindowCounter::new(4, window).unwrap());
     up_then_down(FixedWindow::new(4, window).unwrap());
+}
+
+// ---------------------------------------------------------------------------------------
+// Settling later, on the windowed algorithms
+// ---------------------------------------------------------------------------------------
+
+/// A step of a trace where grants are settled later, in any order.
+#[derive(Debug, Clone, Copy)]
+enum Later {
+    /// Advance the clock, then acquire an estimate that will really use `actual`.
+    Acquire { advance: u64, estimate: u64, actual: u64 },
+    /// Settle one of the grants not settled yet.
+    Settle(Index),
+}
+
+fn later_steps(unit: u64, capacity: u64) -> impl Strategy<Value = Vec<Later>> {
+    let step = prop_oneof![
+        3 => request(unit, capacity).prop_map(|r| Later::Acquire { advance: r.advance, estimate: r.estimate, actual: r.actual }),
+        2 => any::<Index>().prop_map(Later::Settle),
+    ];
+    prop::collection::vec(step, 1..80)
+}
+
+/// Settling a grant of a windowed algorithm later, in any order (several grants may share
+/// an instant), is exact too: at every step the state decides like a twin that committed,
+/// at each grant's own instant, what is known by then (the actual usage of the settled
+/// grants, the estimate of the others). Once a grant has left its window, neither counts.
+fn assert_settles_later<A: Algorithm>(alg: &A, steps: &[Later]) {
+    let mut state = alg.fresh();
+    let mut now = 0u64;
+    // (instant, estimate, actual, settled)
+    let mut grants: Vec<(u64, u64, u64, bool)> = Vec::new();
+    for (step, &s) in steps.iter().enumerate() {
+        match s {
+            Later::Acquire { advance, estimate, actual } => {
+                now += advance;
+                if alg.acquire(&mut state, at(now), estimate).is_ok() {
+                    grants.push((now, estimate, actual, false));
+                }
+            }
+            Later::Settle(pick) => {
+                let open: Vec<usize> = (0..grants.len()).filter(|&i| !grants[i].3).collect();
+                if open.is_empty() {
+                    continue;
+                }
+                let g = &mut grants[open[pick.index(open.len())]];
+                let (granted, estimate, actual) = (g.0, g.1, g.2);
+                g.3 = true;
+                if actual < estimate {
+                    alg.refund(&mut state, at(now), at(granted), estimate - actual);
+                } else if actual > estimate {
+                    alg.charge(&mut state, at(now), at(granted), actual - estimate);
+                }
+            }
+        }
+        let mut twin = alg.fresh();
+        for &(t, estimate, actual, settled) in &grants {
+            alg.commit(&mut twin, at(t), if settled { actual } else { estimate });
+        }
+        assert_eq!(alg.peek(&state, at(now)), alg.peek(&twin, at(now)), "step {step}: {state:?} vs {twin:?}");
+        for cost in 0..=alg.capacity() + 1 {
+            assert_eq!(
+                alg.check(&state, at(now), cost),
+                alg.check(&twin, at(now), cost),
+                "step {step}, cost {cost}: {state:?} vs {twin:?}"
+            );
+        }
+    }
+}
+
+fn window_later() -> impl Strategy<Value = (WindowParams, Vec<Later>)> {
+    window_params().prop_flat_map(|p| (Just(p), later_steps(p.unit(), p.limit)))
+}
+
+proptest! {
+    #![proptest_config(proptest_config(CASES / 2))]
+
+    #[test]
+    fn the_log_settles_later_exactly((p, steps) in window_later()) {
+        assert_settles_later(&p.log(), &steps);
+    }
+
+    #[test]
+    fn the_fixed_window_settles_later_exactly((p, steps) in window_later()) {
+        assert_settles_later(&p.fixed(), &steps);
+    }
+
+    #[test]
+    fn the_sliding_counter_settles_later_exactly((p, steps) in window_later()) {
+        assert_settles_later(&p.counter(), &steps);
+    }
 }
