@@ -686,3 +686,40 @@ fn cost_above_capacity_is_never_for_every_algorithm() {
     let sem = Semaphore::new(5).unwrap();
     assert_eq!(sem.acquire(&mut sem.fresh(), Instant::ZERO, 6), never);
 }
+
+/// Every algorithm reports the parameters it was built with, and a fresh state is full.
+#[test]
+fn accessors_report_the_parameters() {
+    let rate = Rate::new(7, Duration::from_secs(3));
+    let gcra = Gcra::new(rate, 5).unwrap();
+    assert_eq!((gcra.rate(), gcra.burst(), gcra.capacity()), (rate, 5, 5));
+    assert_eq!(gcra.interval_nanos(), 428_571_429);
+    let mut state = gcra.fresh();
+    assert_eq!(state.theoretical_arrival(), Instant::ZERO);
+    gcra.acquire(&mut state, at(1_000), 2).unwrap();
+    assert_eq!(state.theoretical_arrival(), at(1_000 + 2 * 428_571_429));
+
+    let bucket = TokenBucket::new(rate, 5).unwrap();
+    assert_eq!((bucket.rate(), bucket.burst(), bucket.capacity()), (rate, 5, 5));
+
+    let window = Duration::from_millis(1_500);
+    let log = SlidingWindowLog::new(9, window).unwrap();
+    assert_eq!((log.limit(), log.window(), log.capacity()), (9, window, 9));
+    let counter = SlidingWindowCounter::new(9, window).unwrap();
+    assert_eq!((counter.limit(), counter.window(), counter.capacity()), (9, window, 9));
+    let fixed = FixedWindow::new(9, window).unwrap();
+    assert_eq!((fixed.limit(), fixed.window(), fixed.capacity()), (9, window, 9));
+    let sem = Semaphore::new(3).unwrap();
+    assert_eq!((sem.capacity(), sem.fresh().held()), (3, 0));
+
+    for (quota, snap) in [
+        (5, gcra.peek(&gcra.fresh(), Instant::ZERO)),
+        (5, bucket.peek(&bucket.fresh(), Instant::ZERO)),
+        (9, log.peek(&log.fresh(), Instant::ZERO)),
+        (9, counter.peek(&counter.fresh(), Instant::ZERO)),
+        (9, fixed.peek(&fixed.fresh(), Instant::ZERO)),
+        (3, sem.peek(&sem.fresh(), Instant::ZERO)),
+    ] {
+        assert_eq!((snap.quota, snap.remaining, snap.reset), (quota, quota, Duration::ZERO), "{snap:?}");
+    }
+}

@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::policy_error::PolicyError;
-use crate::time::{duration_to_nanos, parse_duration};
+use crate::time::{MAX_SPAN_NANOS, duration_to_nanos, parse_duration};
 
 /// `amount` units per `period`: requests per minute, tokens per second, and so on.
 ///
@@ -126,8 +126,6 @@ const fn burst_fits(interval: u64, burst: u64) -> bool {
     }
 }
 
-/// The longest span a limit's state can cover: 2^62 ns, about 146 years.
-pub(crate) const MAX_SPAN_NANOS: u64 = 1 << 62;
 
 /// A rate with its burst, valid by construction: what a rate limit is built from.
 ///

@@ -69,6 +69,12 @@ impl Sub<Duration> for Instant {
     }
 }
 
+/// The longest span a limit can cover: 2^62 nanoseconds, about 146 years. A burst (its
+/// emission intervals added up) or a window longer than that is refused by validation,
+/// which leaves every sum of an instant and a span below `u64::MAX` (instants count from
+/// the start of a process).
+pub(crate) const MAX_SPAN_NANOS: u64 = 1 << 62;
+
 /// A duration in whole nanoseconds, saturating at `u64::MAX` (about 584 years).
 #[must_use]
 pub const fn duration_to_nanos(d: Duration) -> u64 {

@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Refusal, Snapshot};
+use super::{Algorithm, Refusal, Snapshot, window_nanos};
 use crate::policy_error::PolicyError;
-use crate::time::{Instant, duration_to_nanos};
+use crate::time::Instant;
 
 /// At most `limit` units per aligned window of length `window`.
 ///
@@ -42,15 +42,13 @@ impl FixedWindow {
     /// At most `limit` units per aligned window of length `window`.
     ///
     /// # Errors
-    /// A zero limit or a zero window.
+    /// A zero limit, or a window that is zero or longer than 2^62 nanoseconds (about 146
+    /// years).
     pub fn new(limit: u64, window: Duration) -> Result<Self, PolicyError> {
         if limit == 0 {
             return Err(PolicyError::new("limit", "must be at least 1"));
         }
-        let window = duration_to_nanos(window);
-        if window == 0 {
-            return Err(PolicyError::new("window", "must be longer than zero"));
-        }
+        let window = window_nanos(window)?;
         Ok(FixedWindow { limit, window })
     }
 

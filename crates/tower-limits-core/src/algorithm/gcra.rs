@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Refusal, Snapshot};
+use super::{Algorithm, MAX_SPAN_NANOS, Refusal, Snapshot};
 use crate::policy_error::PolicyError;
 use crate::rate::Rate;
 use crate::time::Instant;
@@ -101,7 +101,7 @@ pub(super) fn tolerance(interval: u64, burst: u64) -> Result<u64, PolicyError> {
         return Err(PolicyError::new("burst", "must be at least 1"));
     }
     match interval.checked_mul(burst) {
-        Some(t) if t <= 1 << 62 => Ok(t),
+        Some(t) if t <= MAX_SPAN_NANOS => Ok(t),
         _ => Err(PolicyError::new(
             "burst",
             format!("{burst} units at {interval}ns each is longer than the 146 years a limit can span"),

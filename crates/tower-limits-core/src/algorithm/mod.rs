@@ -44,7 +44,23 @@ pub use sliding_counter::{SlidingWindowCounter, SlidingWindowCounterState};
 pub use sliding_log::{SlidingWindowLog, SlidingWindowLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
-use crate::time::Instant;
+use crate::policy_error::PolicyError;
+use crate::time::{Instant, duration_to_nanos};
+
+pub(crate) use crate::time::MAX_SPAN_NANOS;
+
+/// A window in nanoseconds, or the error naming the `window` field when it is zero or
+/// longer than a limit can span.
+pub(crate) fn window_nanos(window: Duration) -> Result<u64, PolicyError> {
+    let nanos = duration_to_nanos(window);
+    if nanos == 0 {
+        return Err(PolicyError::new("window", "must be longer than zero"));
+    }
+    if nanos > MAX_SPAN_NANOS {
+        return Err(PolicyError::new("window", format!("{window:?} is longer than the 146 years a limit can span")));
+    }
+    Ok(nanos)
+}
 
 /// Why a cost does not fit now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

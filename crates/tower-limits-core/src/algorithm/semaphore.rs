@@ -71,7 +71,7 @@ impl Algorithm for Semaphore {
     fn check(&self, state: &SemaphoreState, _now: Instant, cost: u64) -> Result<(), Refusal> {
         if cost > self.capacity {
             Err(Refusal::Never { capacity: self.capacity })
-        } else if state.held.saturating_add(cost) > self.capacity {
+        } else if state.held.checked_add(cost).is_none_or(|total| total > self.capacity) {
             Err(Refusal::NotYet { retry_after: None })
         } else {
             Ok(())

@@ -19,9 +19,9 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Refusal, Snapshot};
+use super::{Algorithm, Refusal, Snapshot, window_nanos};
 use crate::policy_error::PolicyError;
-use crate::time::{Instant, duration_to_nanos};
+use crate::time::Instant;
 
 /// About `limit` units per `window`, from two counters (see the module docs for the
 /// worst case).
@@ -65,15 +65,13 @@ impl SlidingWindowCounter {
     /// About `limit` units per `window`.
     ///
     /// # Errors
-    /// A zero limit or a zero window.
+    /// A zero limit, or a window that is zero or longer than 2^62 nanoseconds (about 146
+    /// years).
     pub fn new(limit: u64, window: Duration) -> Result<Self, PolicyError> {
         if limit == 0 {
             return Err(PolicyError::new("limit", "must be at least 1"));
         }
-        let window = duration_to_nanos(window);
-        if window == 0 {
-            return Err(PolicyError::new("window", "must be longer than zero"));
-        }
+        let window = window_nanos(window)?;
         Ok(SlidingWindowCounter { limit, window })
     }
 

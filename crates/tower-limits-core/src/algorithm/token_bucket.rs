@@ -98,7 +98,8 @@ impl Algorithm for TokenBucket {
         let level = self.level_at(state, now);
         let need = self.nanos(cost);
         if need > level {
-            Err(Refusal::NotYet { retry_after: Some(Duration::from_nanos((need - level) as u64)) })
+            // A charge beyond the bucket can leave a debt down to `i64::MIN`: saturate.
+            Err(Refusal::NotYet { retry_after: Some(Duration::from_nanos(need.saturating_sub(level) as u64)) })
         } else {
             Ok(())
         }
@@ -129,7 +130,7 @@ impl Algorithm for TokenBucket {
         Snapshot {
             quota: self.burst,
             remaining: (level.max(0) as u64) / self.interval,
-            reset: Duration::from_nanos((self.capacity - level) as u64),
+            reset: Duration::from_nanos(self.capacity.saturating_sub(level) as u64),
             window: Duration::from_nanos(self.capacity as u64),
         }
     }
