@@ -32,8 +32,8 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -181,7 +181,7 @@ struct Member<T> {
 
 struct Inner<T> {
     members: Vec<Member<T>>,
-    shared: Option<Arc<dyn SharedAccounts>>,
+    shared: OnceLock<Arc<dyn SharedAccounts>>,
     selection: Selection,
     next: AtomicUsize,
     seed: AtomicU64,
@@ -277,7 +277,7 @@ impl<T> LimitPoolBuilder<T> {
         Ok(LimitPool {
             inner: Arc::new(Inner {
                 members,
-                shared: self.shared,
+                shared: self.shared.map(OnceLock::from).unwrap_or_default(),
                 selection: self.selection,
                 next: AtomicUsize::new(0),
                 seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
@@ -319,17 +319,25 @@ impl<T> LimitPool<T> {
     /// Until when the member at `index` is benched after an upstream refusal, if it is.
     #[must_use]
     pub fn benched_until(&self, index: usize, now: Instant) -> Option<Instant> {
-        if let Some(store) = &self.inner.shared {
+        if let Some(store) = self.inner.shared.get() {
             return store.benched_until(index, now);
         }
         let until = self.inner.members.get(index)?.benched_until.load(Ordering::Acquire);
         (until > now.as_nanos()).then(|| Instant::from_nanos(until))
     }
 
+    /// Moves the members' state to `store` from now on, as [`LimitPoolBuilder::shared`]
+    /// would have (for a replica that starts before its shared store answers: until
+    /// then its local sets decide). Answers false, changing nothing, when the pool is
+    /// shared already. Grants made before keep settling in the local sets.
+    pub fn share_through(&self, store: Arc<dyn SharedAccounts>) -> bool {
+        self.inner.shared.set(store).is_ok()
+    }
+
     /// Whether the members' state lives in a shared store ([`LimitPoolBuilder::shared`]).
     #[must_use]
     pub fn is_shared(&self) -> bool {
-        self.inner.shared.is_some()
+        self.inner.shared.get().is_some()
     }
 
     /// Acquires from the first member, in the selection's order, whose set grants the
@@ -420,7 +428,7 @@ impl<T> LimitPool<T> {
     /// reported (never up).
     pub fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
         let Some(m) = self.inner.members.get(index) else { return };
-        if let Some(store) = &self.inner.shared {
+        if let Some(store) = self.inner.shared.get() {
             store.observe(index, report, now);
             return;
         }
@@ -446,7 +454,7 @@ impl<T> LimitPool<T> {
                 }
             }
             MemberGrant::Shared(g) => {
-                if let Some(store) = &self.inner.shared {
+                if let Some(store) = self.inner.shared.get() {
                     store.settle(g, actual, now);
                 }
             }
@@ -469,7 +477,7 @@ impl<T> LimitPool<T> {
                 }
             }
             MemberGrant::Shared(g) => {
-                if let Some(store) = &self.inner.shared {
+                if let Some(store) = self.inner.shared.get() {
                     store.cancel(g, now);
                 }
             }
@@ -511,7 +519,7 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
     type Acquire = PoolAcquire<T>;
 
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
-        match &self.inner.shared {
+        match self.inner.shared.get() {
             None => PoolAcquire { state: AcquireState::Ready(Some(LimitPool::acquire(self, key, cost, now))) },
             Some(store) => PoolAcquire {
                 state: AcquireState::Shared {
@@ -543,7 +551,7 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         // The best member's view: what the next request would most likely get.
-        if let Some(store) = &self.inner.shared {
+        if let Some(store) = self.inner.shared.get() {
             return (0..self.len()).map(|i| store.peek(i, now)).max_by_key(|v| v.len()).unwrap_or_default();
         }
         let order = self.order(key, 1, now);
@@ -587,7 +595,7 @@ impl<T> Future for PoolAcquire<T> {
             })),
             AcquireState::Shared { fut, pool, key, cost, now } => {
                 let result = std::task::ready!(fut.as_mut().poll(cx));
-                let fallback = pool.inner.shared.as_ref().is_some_and(|s| s.local_fallback());
+                let fallback = pool.inner.shared.get().is_some_and(|s| s.local_fallback());
                 Poll::Ready(match result {
                     Ok(g) if g.index < pool.len() => {
                         Ok(PoolGrant { chosen: pool.chosen(g.index), grant: MemberGrant::Shared(g) })
