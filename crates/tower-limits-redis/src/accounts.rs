@@ -20,6 +20,16 @@
 //! wait until the first would. The reply also carries every member's bench, which this
 //! replica remembers for [`SharedAccounts::benched_until`].
 //!
+//! # Turns between replicas
+//!
+//! When capacity is scarce, every replica's waiting request retries when the account
+//! frees, and the smallest request would always fit first: a replica whose next request
+//! is large would starve. So the first replica refused takes the turn (key
+//! `<namespace>:{<pool>}:hold`, its id and a deadline): until it is served, or its wait
+//! plus 50 ms has passed (a replica that died or gave up), the others are refused with
+//! the time left. Replicas are thereby served in the order they came to need the
+//! accounts; inside a replica its fair queue orders the tenants.
+//!
 //! # One round trip, batched, after the call
 //!
 //! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
@@ -51,6 +61,7 @@
 
 use std::fmt;
 use std::fmt::Write as _;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -93,6 +104,8 @@ struct Inner {
     benched: Mutex<Vec<u64>>,
     ops: mpsc::UnboundedSender<Op>,
     stats: Stats,
+    /// This store's id in the turn key.
+    id: String,
 }
 
 struct MemberInfo {
@@ -339,6 +352,8 @@ impl RedisAccountsBuilder {
             members.push(MemberInfo { name: name.clone(), max_cost, limit });
         }
         table.push_str("}\n");
+        keys.push(format!("{prefix}hold"));
+        let _ = writeln!(table, "local HOLD = KEYS[{}]", keys.len());
         let source: Arc<str> = format!("{table}{SCRIPT}").into();
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -355,6 +370,7 @@ impl RedisAccountsBuilder {
             benched: Mutex::new(vec![0; n]),
             ops: tx,
             stats: Stats::default(),
+            id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         Ok(RedisAccounts { inner })
@@ -364,6 +380,8 @@ impl RedisAccountsBuilder {
 /// The script after the members' table: `a` acquires, `b` applies a batch.
 const SCRIPT: &str = r#"
 local call, floor, fmt, ceil = redis.call, math.floor, string.format, math.ceil
+-- how long past its wait a turn is kept for a replica that does not come back, us
+local GRACE = 50000
 local T = call('TIME')
 local NOW = T[1] * 1000000 + T[2]
 -- a limit's debt above now, ns (0 when it has none)
@@ -388,7 +406,18 @@ local function bench_ns(m)
   return w
 end
 if ARGV[1] == 'a' then
-  local cost = tonumber(ARGV[2])
+  local cost, rid = tonumber(ARGV[2]), ARGV[3]
+  -- the turn: the first replica refused holds it until it is served (or it expires)
+  local hold = call('GET', HOLD)
+  if hold then
+    local holder, until_us = string.match(hold, '^(.-):(%d+)$')
+    if holder ~= rid and tonumber(until_us) > NOW then
+      local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
+      if reply[3] < 1000000 then reply[3] = 1000000 end
+      for m = 1, #M do reply[3 + m] = bench_ns(m) end
+      return reply
+    end
+  end
   local best, bestf, wait, ds = 0, -1, -1, nil
   local reply = {0, NOW, 0}
   for m = 1, #M do
@@ -420,8 +449,13 @@ if ARGV[1] == 'a' then
   end
   if best == 0 then
     reply[3] = wait
+    if wait > 0 then
+      local w = ceil(wait / 1000) + GRACE
+      call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1))
+    end
     return reply
   end
+  if hold then call('DEL', HOLD) end
   for i, l in ipairs(M[best].l) do
     local need = 1
     if l.c == 1 then need = cost end
@@ -503,7 +537,8 @@ impl Inner {
 
     async fn acquire(self: Arc<Self>, cost: u64, now: Instant) -> Result<SharedGrant, AcquireError> {
         self.stats.acquire_calls.fetch_add(1, Ordering::Relaxed);
-        let reply = self.call(&["a".to_owned(), cost.to_string()]).await.map_err(|e| self.unavailable(&e))?;
+        let reply =
+            self.call(&["a".to_owned(), cost.to_string(), self.id.clone()]).await.map_err(|e| self.unavailable(&e))?;
         let Value::Array(items) = reply else { return Err(self.unavailable("unexpected reply")) };
         let ints: Option<Vec<i64>> =
             items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect();

@@ -174,6 +174,7 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
 
     // The gateway: one replica in memory, or several sharing their limits in Redis.
     let mut gateways = Vec::new();
+    let mut built = Vec::new();
     let replicas = options.redis.as_ref().map_or(1, |r| r.replicas.max(1));
     let namespace = format!(
         "egw-demo-{}-{}",
@@ -195,6 +196,7 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         let router = gateway.router.clone();
         tokio::spawn(async move { axum::serve(listener, router).await });
         gateways.push(addr);
+        built.push(gateway);
     }
     let gateway_addr = match &options.redis {
         None => gateways[0].to_string(),
@@ -473,6 +475,19 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         upstream_tokens as f64 / elapsed
     );
     println!("utilization: {:.1}% of the {allowed:.0} tokens the mirrors allowed over the run", utilization * 100.0);
+    let stores: Vec<_> = built.iter().filter_map(Gateway::accounts).collect();
+    if !stores.is_empty() {
+        let (mut acquire, mut batches, mut ops) = (0, 0, 0);
+        for s in &stores {
+            let st = s.stats();
+            (acquire, batches, ops) = (acquire + st.acquire_calls, batches + st.batch_calls, ops + st.batched_ops);
+        }
+        println!(
+            "accounts in Redis: {acquire} acquisition calls and {batches} background calls carrying {ops} settles and reports, for {served} upstream calls ({:.2} and {:.2} per call)",
+            acquire as f64 / served.max(1) as f64,
+            batches as f64 / served.max(1) as f64
+        );
+    }
     if replicas > 1 {
         let all: u64 = per_replica.iter().map(|r| r.1.load(Ordering::Relaxed)).sum::<u64>().max(1);
         for (i, (answers, tokens)) in per_replica.iter().enumerate() {
