@@ -63,6 +63,9 @@ pub struct DemoOptions {
     pub progress: bool,
     /// Run several gateway replicas sharing their limits through Redis.
     pub redis: Option<RedisOptions>,
+    /// Print the shares' verdict without failing on it (for a fleet, whose weighted
+    /// fairness holds per replica only: see the Redis guide).
+    pub advisory_shares: bool,
 }
 
 /// The `--redis URL --replicas N` mode.
@@ -104,13 +107,15 @@ pub struct DemoReport {
     pub off_share: Vec<String>,
     /// A fleet of replicas used less than 90% of what the accounts' mirrors allowed.
     pub underused: bool,
+    /// Shares beyond tolerance do not fail the demo.
+    pub advisory_shares: bool,
 }
 
 impl DemoReport {
     /// Whether the demo passed.
     #[must_use]
     pub fn passed(&self) -> bool {
-        self.upstream_429 == 0 && self.off_share.is_empty() && !self.underused
+        self.upstream_429 == 0 && (self.off_share.is_empty() || self.advisory_shares) && !self.underused
     }
 }
 
@@ -546,9 +551,13 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
 
     // The fleet's target: the replicas together use what the shared mirrors allow.
     let underused = replicas > 1 && utilization < 0.9;
-    let report = DemoReport { upstream_429, off_share, underused };
+    let report = DemoReport { upstream_429, off_share, underused, advisory_shares: options.advisory_shares };
     if report.passed() {
-        println!("PASS: zero upstream 429s, every share within tolerance");
+        if report.off_share.is_empty() {
+            println!("PASS: zero upstream 429s, every share within tolerance");
+        } else {
+            println!("PASS: zero upstream 429s (shares beyond tolerance, advisory: {})", report.off_share.join(", "));
+        }
     } else {
         if upstream_429 > 0 {
             println!("FAIL: the upstream answered 429 {upstream_429} times");

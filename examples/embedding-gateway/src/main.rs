@@ -1,7 +1,7 @@
 //! `embedding-gateway`: a per-tenant embedding API gateway built on tower-limits.
 //!
 //! ```text
-//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven]]
+//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
 //! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
@@ -40,7 +40,7 @@ const BUNDLED: &str = include_str!("../gateway.toml");
 
 const USAGE: &str = "\
 usage:
-  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven]]
+  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
   embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
   embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
@@ -51,7 +51,9 @@ and the upstream accounts' mirrors live in Redis, shared by every replica (the d
 N of them; serve is one); N only sizes what a replica decides alone while Redis is away
 (1/N of every limit and account). serve starts even while Redis is down, and follows
 gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
-to the first replica and splits the others' connections 60/30/10.
+to the first replica and splits the others' connections 60/30/10; --advisory-shares
+reports the tenants' shares without failing on them (a fleet's weighted fairness holds
+per replica only).
 
 serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
@@ -70,6 +72,8 @@ struct Args {
     replicas: Option<u64>,
     /// `--uneven`: the demo routes unevenly.
     uneven: bool,
+    /// `--advisory-shares`: the demo does not fail on the shares.
+    advisory_shares: bool,
     log_format: LogFormat,
 }
 
@@ -103,6 +107,7 @@ fn parse_args() -> Result<Cli, String> {
         redis: None,
         replicas: None,
         uneven: false,
+        advisory_shares: false,
         log_format: LogFormat::Text,
     };
     while let Some(flag) = it.next() {
@@ -124,6 +129,7 @@ fn parse_args() -> Result<Cli, String> {
             }
             "--quiet" => args.quiet = true,
             "--uneven" => args.uneven = true,
+            "--advisory-shares" => args.advisory_shares = true,
             "--redis" => args.redis = Some(value("--redis")?),
             "--replicas" => {
                 let v = value("--replicas")?;
@@ -202,8 +208,13 @@ fn main() -> ExitCode {
                     replicas: args.replicas.unwrap_or(2),
                     uneven: args.uneven,
                 });
-                let options =
-                    DemoOptions { seconds: args.seconds, svg: args.svg.clone(), progress: !args.quiet, redis };
+                let options = DemoOptions {
+                    seconds: args.seconds,
+                    svg: args.svg.clone(),
+                    progress: !args.quiet,
+                    redis,
+                    advisory_shares: args.advisory_shares,
+                };
                 demo::run(config, &options).await.map(|r| r.passed())
             }
             "serve" => serve(&args, &config).await.map(|()| true),
