@@ -193,3 +193,35 @@ fn while_redis_is_paused_the_fallback_decides_and_no_account_is_overrun() {
     assert!(granted <= shares + 1, "{granted} granted while Redis was paused, the replica's share is {shares}");
     assert!(granted >= shares - 1, "the fallback granted only {granted} of the replica's share {shares}");
 }
+
+#[test]
+fn a_replica_that_stops_holds_the_turn_no_longer_than_its_wait_plus_the_grace() {
+    let Some(server) = redis_for("a_replica_that_stops_holds_the_turn_no_longer_than_its_wait_plus_the_grace") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let ns = namespace("accounts-turn");
+        let (first, _s1) = replica(&connect(&url).await, &ns, FailurePolicy::FailClosed, Duration::from_secs(5));
+        let (second, _s2) = replica(&connect(&url).await, &ns, FailurePolicy::FailClosed, Duration::from_secs(5));
+        let key = TenantKey::global();
+        // Use up both accounts' requests.
+        let mut grants = Vec::new();
+        while let Ok(g) = Backend::acquire(&first, &key, 1, Instant::ZERO).await {
+            grants.push(g);
+        }
+        assert_eq!(grants.len() as u64, ACCOUNTS.iter().map(|(_, rpm, _)| rpm).sum::<u64>());
+        // The first replica was refused last: it holds the turn, then stops (is dropped).
+        let Err(AcquireError::Denied(first_wait)) = Backend::acquire(&first, &key, 1, Instant::ZERO).await else {
+            panic!("the accounts are used up")
+        };
+        drop(first);
+        // The second is refused for at most the first's wait plus the 50 ms grace.
+        let Err(AcquireError::Denied(second_wait)) = Backend::acquire(&second, &key, 1, Instant::ZERO).await else {
+            panic!("the accounts are used up")
+        };
+        let bound = first_wait.retry_after() + Duration::from_millis(50);
+        assert!(second_wait.retry_after() <= bound, "{:?} > {bound:?}", second_wait.retry_after());
+        assert!(second_wait.retry_after() + Duration::from_millis(100) >= first_wait.retry_after());
+    });
+}
