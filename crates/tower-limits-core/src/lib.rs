@@ -49,7 +49,9 @@ pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use key::{KeyError, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState, intern};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
-pub use pool::{Chosen, LimitPool, PoolGrant, Selection, UpstreamReport};
+pub use pool::{
+    Chosen, LimitPool, PoolAcquire, PoolGrant, Selection, SharedAccounts, SharedAcquire, SharedGrant, UpstreamReport,
+};
 pub use rate::{Quota, Rate};
 pub use set::{Grant, LimitSet, LimitSetStats, LimitSnapshot, LimitStats, OwnedPermit, Permit};
 pub use time::{Clock, Instant, ManualClock, SystemClock};

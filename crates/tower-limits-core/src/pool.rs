@@ -17,10 +17,24 @@
 //!
 //! `LimitPool` implements [`Backend`], so every layer that takes a backend can spread its
 //! requests over the pool.
+//!
+//! # Accounts shared by a fleet
+//!
+//! In memory, each process mirrors the accounts on its own: several replicas of one
+//! gateway would each believe they own every account. A pool built with
+//! [`LimitPoolBuilder::shared`] keeps its members' state in a [`SharedAccounts`] store
+//! instead (the Redis one is `tower_limits_redis::RedisAccounts`): choosing the member
+//! and charging it happen there in one step, upstream feedback is applied there once and
+//! seen by every replica, and the members' local sets only serve while the store cannot
+//! answer (as the store's failure policy says). The pool's API is the same; its
+//! [`Backend::acquire`] then waits for the store.
 
 use std::fmt;
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::backend::Backend;
@@ -78,7 +92,75 @@ impl<T> Clone for Chosen<T> {
 #[must_use = "a grant holds concurrency until it is released"]
 pub struct PoolGrant<T> {
     chosen: Chosen<T>,
-    grant: Grant,
+    grant: MemberGrant,
+}
+
+/// What a pool grant holds: a grant of the member's local set, or of the shared store.
+#[derive(Debug)]
+enum MemberGrant {
+    Local(Grant),
+    Shared(SharedGrant),
+}
+
+impl MemberGrant {
+    fn holds_concurrency(&self) -> bool {
+        match self {
+            MemberGrant::Local(g) => g.holds_concurrency(),
+            MemberGrant::Shared(_) => false,
+        }
+    }
+}
+
+/// A grant of a [`SharedAccounts`] store: plain data the store reads back when the grant
+/// is settled or cancelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedGrant {
+    /// The member charged, by its position in the pool.
+    pub index: usize,
+    /// The cost charged to the member's limits that count cost, now.
+    pub charged: u64,
+}
+
+/// The future of a [`SharedAccounts`] acquisition.
+pub type SharedAcquire = Pin<Box<dyn Future<Output = Result<SharedGrant, AcquireError>> + Send>>;
+
+/// Where the state of a pool's members lives when a fleet shares it: the seam a shared
+/// backend (Redis) implements for [`LimitPool`].
+///
+/// The members' limits are rate limits over the whole account (global, no semaphore),
+/// so a grant holds nothing to release. An implementation must guarantee what
+/// [`Backend`] does per member (all or nothing over the member's limits, one order per
+/// member, one clock), and choose and charge in one atomic step, so that no two replicas
+/// both see the same remaining capacity.
+pub trait SharedAccounts: fmt::Debug + Send + Sync + 'static {
+    /// Chooses the member with the most headroom for `cost` among those not benched, and
+    /// charges it; or refuses with the wait after which one would grant.
+    fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire;
+
+    /// Corrects the cost charged to the grant's member from `grant.charged` to `actual`
+    /// (in the background; the store updates `grant.charged`).
+    fn settle(&self, grant: &mut SharedGrant, actual: u64, now: Instant);
+
+    /// Refunds what the grant charged (its request and its cost), in the background.
+    fn cancel(&self, grant: SharedGrant, now: Instant);
+
+    /// Applies what the upstream said about the member at `index`, once, for every replica.
+    fn observe(&self, index: usize, report: &UpstreamReport, now: Instant);
+
+    /// Until when the member at `index` is benched, as far as this replica last heard.
+    fn benched_until(&self, index: usize, now: Instant) -> Option<Instant>;
+
+    /// Whether, when the store cannot answer, the pool decides in its members' local sets
+    /// (sized by the caller to this replica's share of each account) instead of refusing.
+    fn local_fallback(&self) -> bool {
+        false
+    }
+
+    /// The member's limits as this replica last saw them (may be empty).
+    fn peek(&self, index: usize, now: Instant) -> Vec<LimitSnapshot> {
+        let _ = (index, now);
+        Vec::new()
+    }
 }
 
 impl<T> PoolGrant<T> {
@@ -99,6 +181,7 @@ struct Member<T> {
 
 struct Inner<T> {
     members: Vec<Member<T>>,
+    shared: OnceLock<Arc<dyn SharedAccounts>>,
     selection: Selection,
     next: AtomicUsize,
     seed: AtomicU64,
@@ -148,6 +231,7 @@ impl<T> fmt::Debug for LimitPool<T> {
 pub struct LimitPoolBuilder<T> {
     selection: Selection,
     members: Vec<(String, LimitSet, T)>,
+    shared: Option<Arc<dyn SharedAccounts>>,
 }
 
 impl<T> LimitPoolBuilder<T> {
@@ -155,6 +239,15 @@ impl<T> LimitPoolBuilder<T> {
     /// configuration.
     pub fn member(mut self, name: impl Into<String>, set: LimitSet, config: T) -> Self {
         self.members.push((name.into(), set, config));
+        self
+    }
+
+    /// Keeps the members' state in `store`, shared by every replica built on it: the
+    /// store chooses (by most headroom, whatever the selection) and charges, and the
+    /// members' local sets serve only as the store's failure policy says. The store's
+    /// members must be these members, in this order.
+    pub fn shared(mut self, store: Arc<dyn SharedAccounts>) -> Self {
+        self.shared = Some(store);
         self
     }
 
@@ -184,6 +277,7 @@ impl<T> LimitPoolBuilder<T> {
         Ok(LimitPool {
             inner: Arc::new(Inner {
                 members,
+                shared: self.shared.map(OnceLock::from).unwrap_or_default(),
                 selection: self.selection,
                 next: AtomicUsize::new(0),
                 seed: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
@@ -195,7 +289,7 @@ impl<T> LimitPoolBuilder<T> {
 impl<T> LimitPool<T> {
     /// A builder for a pool choosing by `selection`.
     pub fn builder(selection: Selection) -> LimitPoolBuilder<T> {
-        LimitPoolBuilder { selection, members: Vec::new() }
+        LimitPoolBuilder { selection, members: Vec::new(), shared: None }
     }
 
     /// How many members the pool has.
@@ -225,12 +319,30 @@ impl<T> LimitPool<T> {
     /// Until when the member at `index` is benched after an upstream refusal, if it is.
     #[must_use]
     pub fn benched_until(&self, index: usize, now: Instant) -> Option<Instant> {
+        if let Some(store) = self.inner.shared.get() {
+            return store.benched_until(index, now);
+        }
         let until = self.inner.members.get(index)?.benched_until.load(Ordering::Acquire);
         (until > now.as_nanos()).then(|| Instant::from_nanos(until))
     }
 
+    /// Moves the members' state to `store` from now on, as [`LimitPoolBuilder::shared`]
+    /// would have (for a replica that starts before its shared store answers: until
+    /// then its local sets decide). Answers false, changing nothing, when the pool is
+    /// shared already. Grants made before keep settling in the local sets.
+    pub fn share_through(&self, store: Arc<dyn SharedAccounts>) -> bool {
+        self.inner.shared.set(store).is_ok()
+    }
+
+    /// Whether the members' state lives in a shared store ([`LimitPoolBuilder::shared`]).
+    #[must_use]
+    pub fn is_shared(&self) -> bool {
+        self.inner.shared.get().is_some()
+    }
+
     /// Acquires from the first member, in the selection's order, whose set grants the
-    /// request; benched members are skipped.
+    /// request; benched members are skipped. This decides in the local sets: a shared
+    /// pool acquires through [`Backend::acquire`], which asks its store.
     ///
     /// # Errors
     /// When every member refuses: the refusal that frees first (a never-passing cost if
@@ -251,8 +363,7 @@ impl<T> LimitPool<T> {
             }
             match m.set.acquire_grant(key, cost, now) {
                 Ok(grant) => {
-                    let chosen = Chosen { index: i, name: m.name.clone(), config: m.config.clone() };
-                    return Ok(PoolGrant { chosen, grant });
+                    return Ok(PoolGrant { chosen: self.chosen(i), grant: MemberGrant::Local(grant) });
                 }
                 Err(e) => best = Some(sooner(best, e)),
             }
@@ -275,6 +386,11 @@ impl<T> LimitPool<T> {
                 Err(AcquireError::Denied(crate::error::Denial::upstream(wait)))
             }
         }
+    }
+
+    fn chosen(&self, i: usize) -> Chosen<T> {
+        let m = &self.inner.members[i];
+        Chosen { index: i, name: m.name.clone(), config: m.config.clone() }
     }
 
     /// The members' indices in the order to try them for this request.
@@ -312,6 +428,10 @@ impl<T> LimitPool<T> {
     /// reported (never up).
     pub fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
         let Some(m) = self.inner.members.get(index) else { return };
+        if let Some(store) = self.inner.shared.get() {
+            store.observe(index, report, now);
+            return;
+        }
         if let Some(wait) = report.retry_after {
             let until = (now + wait).as_nanos();
             m.benched_until.fetch_max(until, Ordering::AcqRel);
@@ -327,22 +447,40 @@ impl<T> LimitPool<T> {
 
     /// Settles a grant to the real usage; see [`LimitSet::settle_grant`].
     pub fn settle(&self, key: &TenantKey, grant: &mut PoolGrant<T>, actual: u64, now: Instant) {
-        if let Some(m) = self.inner.members.get(grant.chosen.index) {
-            m.set.settle_grant(key, &mut grant.grant, actual, now);
+        match &mut grant.grant {
+            MemberGrant::Local(g) => {
+                if let Some(m) = self.inner.members.get(grant.chosen.index) {
+                    m.set.settle_grant(key, g, actual, now);
+                }
+            }
+            MemberGrant::Shared(g) => {
+                if let Some(store) = self.inner.shared.get() {
+                    store.settle(g, actual, now);
+                }
+            }
         }
     }
 
     /// Releases a grant; see [`LimitSet::release_grant`].
     pub fn release(&self, key: &TenantKey, grant: PoolGrant<T>) {
-        if let Some(m) = self.inner.members.get(grant.chosen.index) {
-            m.set.release_grant(key, grant.grant);
+        if let (MemberGrant::Local(g), Some(m)) = (grant.grant, self.inner.members.get(grant.chosen.index)) {
+            m.set.release_grant(key, g);
         }
     }
 
     /// Refunds and releases a grant; see [`LimitSet::cancel_grant`].
     pub fn cancel(&self, key: &TenantKey, grant: PoolGrant<T>, now: Instant) {
-        if let Some(m) = self.inner.members.get(grant.chosen.index) {
-            m.set.cancel_grant(key, grant.grant, now);
+        match grant.grant {
+            MemberGrant::Local(g) => {
+                if let Some(m) = self.inner.members.get(grant.chosen.index) {
+                    m.set.cancel_grant(key, g, now);
+                }
+            }
+            MemberGrant::Shared(g) => {
+                if let Some(store) = self.inner.shared.get() {
+                    store.cancel(g, now);
+                }
+            }
         }
     }
 }
@@ -378,10 +516,21 @@ fn sooner(best: Option<AcquireError>, next: AcquireError) -> AcquireError {
 
 impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
     type Grant = PoolGrant<T>;
-    type Acquire = std::future::Ready<Result<PoolGrant<T>, AcquireError>>;
+    type Acquire = PoolAcquire<T>;
 
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
-        std::future::ready(LimitPool::acquire(self, key, cost, now))
+        match self.inner.shared.get() {
+            None => PoolAcquire { state: AcquireState::Ready(Some(LimitPool::acquire(self, key, cost, now))) },
+            Some(store) => PoolAcquire {
+                state: AcquireState::Shared {
+                    fut: store.acquire(cost, now),
+                    pool: self.clone(),
+                    key: key.clone(),
+                    cost,
+                    now,
+                },
+            },
+        }
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut PoolGrant<T>, actual: u64, now: Instant) {
@@ -402,8 +551,64 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         // The best member's view: what the next request would most likely get.
+        if let Some(store) = self.inner.shared.get() {
+            return (0..self.len()).map(|i| store.peek(i, now)).max_by_key(|v| v.len()).unwrap_or_default();
+        }
         let order = self.order(key, 1, now);
         order.first().and_then(|&i| self.inner.members.get(i)).map(|m| m.set.peek(key, now)).unwrap_or_default()
+    }
+}
+
+/// The acquisition future of a [`LimitPool`]: ready at once in memory; for a shared pool,
+/// the store's answer.
+///
+/// # Cancel safety
+/// Dropping it while the store works leaves the store's future to its own cancel safety
+/// (the Redis store cancels a grant that arrives after its future was dropped).
+pub struct PoolAcquire<T> {
+    state: AcquireState<T>,
+}
+
+enum AcquireState<T> {
+    Ready(Option<Result<PoolGrant<T>, AcquireError>>),
+    Shared { fut: SharedAcquire, pool: LimitPool<T>, key: TenantKey, cost: u64, now: Instant },
+}
+
+impl<T> fmt::Debug for PoolAcquire<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            AcquireState::Ready(_) => "ready",
+            AcquireState::Shared { .. } => "waiting for the shared store",
+        };
+        f.debug_struct("PoolAcquire").field("state", &state).finish()
+    }
+}
+
+impl<T> Future for PoolAcquire<T> {
+    type Output = Result<PoolGrant<T>, AcquireError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match &mut this.state {
+            AcquireState::Ready(result) => Poll::Ready(result.take().unwrap_or_else(|| {
+                Err(AcquireError::Unavailable(crate::error::Unavailable::new("acquisition polled after it completed")))
+            })),
+            AcquireState::Shared { fut, pool, key, cost, now } => {
+                let result = std::task::ready!(fut.as_mut().poll(cx));
+                let fallback = pool.inner.shared.get().is_some_and(|s| s.local_fallback());
+                Poll::Ready(match result {
+                    Ok(g) if g.index < pool.len() => {
+                        Ok(PoolGrant { chosen: pool.chosen(g.index), grant: MemberGrant::Shared(g) })
+                    }
+                    Ok(_) => Err(AcquireError::Unavailable(crate::error::Unavailable::new(
+                        "the shared store chose a member the pool does not have",
+                    ))),
+                    // The store is away: this replica's share of each account, decided here.
+                    Err(AcquireError::Unavailable(_)) if fallback => pool.acquire(key, *cost, *now),
+                    Err(e) => Err(e),
+                })
+            }
+        }
     }
 }
 

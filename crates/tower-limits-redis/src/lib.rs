@@ -140,6 +140,7 @@
 //!
 //! The [guide](guide::operations) has a longer version of these notes.
 
+pub mod accounts;
 mod backend;
 mod cache;
 mod connection;
@@ -151,6 +152,7 @@ mod stats;
 #[cfg(feature = "test-support")]
 pub mod test_support;
 
+pub use accounts::{AccountStats, RedisAccounts, RedisAccountsBuilder};
 pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant};
 pub use connection::RedisConnection;
 pub use error::BuildError;

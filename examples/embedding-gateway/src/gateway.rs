@@ -30,7 +30,7 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -47,7 +47,7 @@ use tower_limits::http::{HttpAnswer, upstream_report};
 use tower_limits::{
     Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
 };
-use tower_limits_redis::{FailurePolicy, RedisBackend, RedisConnection};
+use tower_limits_redis::{FailurePolicy, RedisAccounts, RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest, UsageOnly};
@@ -118,13 +118,15 @@ pub enum Sharing {
     /// One process: every limit in memory.
     #[default]
     InMemory,
-    /// One of `replicas` gateway replicas: the plans' limits (per tier RPM/TPM and
-    /// concurrency) live in Redis, shared by every replica. Each replica mirrors
-    /// `1 / replicas` of every upstream account (see [`Account::mirror_policy`]).
+    /// One of several gateway replicas: the plans' limits (per tier RPM/TPM and
+    /// concurrency) and the upstream accounts' mirrors live in Redis, shared by every
+    /// replica, however many there are. `replicas` only sizes what one replica decides on
+    /// its own while Redis is away: `1 / replicas` of every limit and account (see
+    /// [`Account::mirror_policy`]).
     Redis {
         /// The connection to Redis.
         connection: RedisConnection,
-        /// How many replicas share the upstream accounts.
+        /// How many replicas share the limits: what one may use while Redis is away.
         replicas: u64,
         /// The prefix of every key, shared by the replicas of one deployment.
         namespace: String,
@@ -174,10 +176,14 @@ pub struct Gateway {
 /// What it takes to build the plans' services on Redis later.
 struct RedisPlans {
     plans: Vec<(String, LimitSetPolicy)>,
+    /// Every account's whole mirror, in the pool's order: shared through Redis.
+    accounts: Vec<(String, LimitSetPolicy)>,
     namespace: String,
     failure: FailurePolicy,
     inner: PlanService,
     slot: PlanSlot,
+    /// The shared accounts, once Redis answered.
+    store: Mutex<Option<RedisAccounts>>,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -302,9 +308,22 @@ impl Gateway {
         }
         let slot: PlanSlot = Arc::new(RwLock::new(plans.into()));
         let health = Arc::new(Health::new(pool.clone(), now, failure, redis));
+        let accounts = if redis {
+            let mut whole = Vec::new();
+            for account in &config.accounts {
+                let mirror = account
+                    .mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1)
+                    .map_err(|e| format!("account {:?}: {e}", account.name))?;
+                whole.push((account.name.clone(), mirror));
+            }
+            whole
+        } else {
+            Vec::new()
+        };
         let redis_plans = redis.then(|| {
             Arc::new(RedisPlans {
                 plans: config.plans.iter().map(|p| (p.name.clone(), p.policy.clone())).collect(),
+                accounts,
                 namespace: "egw".to_owned(),
                 failure: match failure {
                     BackendFailure::FailClosed => FailurePolicy::FailClosed,
@@ -313,6 +332,7 @@ impl Gateway {
                 },
                 inner: inner.clone(),
                 slot: slot.clone(),
+                store: Mutex::new(None),
             })
         });
 
@@ -332,6 +352,12 @@ impl Gateway {
             &config.gateway.models,
         );
         Ok(Gateway { router, pool, stats, health, redis_plans })
+    }
+
+    /// The shared upstream accounts, once this replica reached Redis (`None` in memory).
+    #[must_use]
+    pub fn accounts(&self) -> Option<RedisAccounts> {
+        self.redis_plans.as_ref()?.store.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Moves the tenants' limits to Redis on `connection` (a gateway built with
@@ -364,6 +390,23 @@ impl Gateway {
                 .build(connection)?;
             backends.push(backend.clone());
             services.push(plan_layer!(LimitSetLayer::with_backend(backend), r.inner.clone()));
+        }
+        // The upstream accounts: one mirror per account in Redis, charged by every replica;
+        // the pool's local mirrors (this replica's 1/N) decide only while Redis is away
+        // (or refuse, failing closed; an account never fails open).
+        let mut store = RedisAccounts::builder("accounts")
+            .namespace(format!("{namespace}:pool"))
+            .timeout(Duration::from_millis(250))
+            .on_failure(match r.failure {
+                FailurePolicy::FailClosed => FailurePolicy::FailClosed,
+                _ => FailurePolicy::Fallback { share: 1.0 },
+            });
+        for (name, policy) in &r.accounts {
+            store = store.member(name.clone(), policy.clone());
+        }
+        let store = store.build(connection)?;
+        if self.pool.share_through(Arc::new(store.clone())) {
+            *r.store.lock().unwrap_or_else(PoisonError::into_inner) = Some(store);
         }
         *r.slot.write().unwrap_or_else(PoisonError::into_inner) = services.into();
         self.health.set_redis(backends);

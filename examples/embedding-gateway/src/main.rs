@@ -1,7 +1,7 @@
 //! `embedding-gateway`: a per-tenant embedding API gateway built on tower-limits.
 //!
 //! ```text
-//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N]
+//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
 //! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
@@ -40,16 +40,20 @@ const BUNDLED: &str = include_str!("../gateway.toml");
 
 const USAGE: &str = "\
 usage:
-  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N]
+  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
   embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
   embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
   embedding-gateway help | --help | version | --version
 
 Without --config, the bundled gateway.toml is used. With --redis, the tenants' limits
-live in Redis, shared by N replicas (the demo runs them all; serve is one of them), and
-each replica mirrors 1/N of every upstream account; serve starts even while Redis is
-down, and follows gateway.backend_failure until it answers.
+and the upstream accounts' mirrors live in Redis, shared by every replica (the demo runs
+N of them; serve is one); N only sizes what a replica decides alone while Redis is away
+(1/N of every limit and account). serve starts even while Redis is down, and follows
+gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
+to the first replica and splits the others' connections 60/30/10; --advisory-shares
+reports the tenants' shares without failing on them (a fleet's weighted fairness holds
+per replica only).
 
 serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
@@ -66,6 +70,10 @@ struct Args {
     quiet: bool,
     redis: Option<String>,
     replicas: Option<u64>,
+    /// `--uneven`: the demo routes unevenly.
+    uneven: bool,
+    /// `--advisory-shares`: the demo does not fail on the shares.
+    advisory_shares: bool,
     log_format: LogFormat,
 }
 
@@ -98,6 +106,8 @@ fn parse_args() -> Result<Cli, String> {
         quiet: false,
         redis: None,
         replicas: None,
+        uneven: false,
+        advisory_shares: false,
         log_format: LogFormat::Text,
     };
     while let Some(flag) = it.next() {
@@ -118,6 +128,8 @@ fn parse_args() -> Result<Cli, String> {
                 args.listen = Some(v.parse().map_err(|_| format!("--listen: {v:?} is not an address"))?);
             }
             "--quiet" => args.quiet = true,
+            "--uneven" => args.uneven = true,
+            "--advisory-shares" => args.advisory_shares = true,
             "--redis" => args.redis = Some(value("--redis")?),
             "--replicas" => {
                 let v = value("--replicas")?;
@@ -130,6 +142,9 @@ fn parse_args() -> Result<Cli, String> {
             "--log-format" => args.log_format = value("--log-format")?.parse()?,
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if args.uneven && args.redis.is_none() {
+        return Err("--uneven needs --redis URL".into());
     }
     if args.replicas.is_some() && args.redis.is_none() {
         return Err("--replicas needs --redis URL".into());
@@ -188,9 +203,18 @@ fn main() -> ExitCode {
                 Ok(true)
             }
             "demo" => {
-                let redis = args.redis.clone().map(|url| RedisOptions { url, replicas: args.replicas.unwrap_or(2) });
-                let options =
-                    DemoOptions { seconds: args.seconds, svg: args.svg.clone(), progress: !args.quiet, redis };
+                let redis = args.redis.clone().map(|url| RedisOptions {
+                    url,
+                    replicas: args.replicas.unwrap_or(2),
+                    uneven: args.uneven,
+                });
+                let options = DemoOptions {
+                    seconds: args.seconds,
+                    svg: args.svg.clone(),
+                    progress: !args.quiet,
+                    redis,
+                    advisory_shares: args.advisory_shares,
+                };
                 demo::run(config, &options).await.map(|r| r.passed())
             }
             "serve" => serve(&args, &config).await.map(|()| true),

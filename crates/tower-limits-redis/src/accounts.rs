@@ -1,0 +1,663 @@
+//! Upstream accounts shared by a fleet: the members of a
+//! [`LimitPool`](tower_limits_core::LimitPool) mirrored in Redis.
+//!
+//! # Why
+//!
+//! An in-memory pool lets each replica believe it owns every account, so a fleet of `n`
+//! replicas must give each a fixed `1/n` of every account: a replica that gets more
+//! traffic throttles while the others leave quota unused, adding a replica means
+//! reconfiguring all of them, and a `429` seen by one does not slow the others.
+//! [`RedisAccounts`] keeps one mirror per account in Redis, which every replica charges:
+//! no `n` in the configuration, and feedback from the upstream is applied once for all.
+//!
+//! # One round trip to choose and charge
+//!
+//! An acquisition is one `EVALSHA` of the pool's script over every member's keys: it
+//! reads the server's `TIME` once, skips benched members, evaluates each member's limits
+//! (GCRA or token bucket, over the whole account) for the cost, picks the member with
+//! the most headroom (the largest smallest-remaining-fraction over its limits after the
+//! cost), and charges it; if none passes, nothing is written and the reply carries the
+//! wait until the first would. The reply also carries every member's bench, which this
+//! replica remembers for [`SharedAccounts::benched_until`].
+//!
+//! # Turns between replicas
+//!
+//! When capacity is scarce, every replica's waiting request retries when the account
+//! frees, and the smallest request would always fit first: a replica whose next request
+//! is large would starve. So the first replica refused takes the turn (key
+//! `<namespace>:{<pool>}:hold`, its id and a deadline): until it is served, or its wait
+//! plus 50 ms has passed (a replica that died or gave up), the others are refused with
+//! the time left. Replicas are thereby served in the order they came to need the
+//! accounts; inside a replica its fair queue orders the tenants.
+//!
+//! # One round trip, batched, after the call
+//!
+//! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
+//! benches the member; `x-ratelimit-remaining-*` lower than the mirror's charge it down)
+//! go to one background task per store, which sends whatever has accumulated as one
+//! `EVALSHA` (up to 64 operations per call). Under load that is far less than one round
+//! trip per request. A settle is not resent after a timeout (it may have been applied).
+//!
+//! # Keys and Cluster slots
+//!
+//! `<namespace>:{<pool>}:<member>:<limit>:g` holds a limit's theoretical arrival time in
+//! whole microseconds of the server clock (charges round up, so the mirror never grants
+//! more than the account); `<namespace>:{<pool>}:<member>:bench` the instant until which
+//! the member is benched. The hash tag `{<pool>}` keeps one pool's keys in one slot, so
+//! the script can take them all on a Redis Cluster. Keys expire once their state is
+//! indistinguishable from a fresh one.
+//!
+//! # When Redis does not answer
+//!
+//! An acquisition is bounded by the timeout and a circuit breaker spares Redis while it
+//! is away. [`FailurePolicy::FailClosed`] refuses (the caller answers 503);
+//! [`FailurePolicy::Fallback`] makes the pool decide in its members' local sets, which
+//! the caller sizes to this replica's share of each account (`1/n` of a fleet of `n`):
+//! the fleet then stays within the accounts as long as the share is right.
+//! [`FailurePolicy::FailOpen`] is refused when the store is built: an upstream account
+//! does not forgive. An acquisition that timed out may have been charged; the charge is
+//! kept (the account is under-used, never overrun). Dropping an acquisition future while
+//! Redis works on it keeps its charge too.
+
+use std::fmt;
+use std::fmt::Write as _;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use redis::Value;
+use tokio::sync::{mpsc, oneshot};
+use tower_limits_core::{
+    AcquireError, AlgorithmKind, CostAboveCapacity, Counts, Denial, Instant, Limit, LimitSetPolicy, Scope,
+    SharedAccounts, SharedAcquire, SharedGrant, Snapshot, Unavailable, UpstreamReport, intern,
+};
+
+use crate::connection::RedisConnection;
+use crate::error::BuildError;
+use crate::failure::{Breaker, FailurePolicy, Gate};
+use crate::keys::escape_into;
+
+/// The most operations one background call carries.
+const BATCH: usize = 64;
+
+/// A pool's members mirrored in Redis, shared by every replica built with the same pool
+/// name and namespace. Hand it to
+/// [`LimitPoolBuilder::shared`](tower_limits_core::pool::LimitPoolBuilder::shared). See
+/// the [module docs](self). Clones share everything.
+#[derive(Clone)]
+pub struct RedisAccounts {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: RedisConnection,
+    source: Arc<str>,
+    sha: Arc<str>,
+    keys: Vec<String>,
+    members: Vec<MemberInfo>,
+    timeout: Duration,
+    failure: FailurePolicy,
+    breaker: Breaker,
+    /// Per member: server-clock nanoseconds until which it is benched, as last heard,
+    /// translated to the caller's clock at the time it was heard.
+    benched: Mutex<Vec<u64>>,
+    ops: mpsc::UnboundedSender<Op>,
+    stats: Stats,
+    /// This store's id in the turn key.
+    id: String,
+}
+
+struct MemberInfo {
+    name: String,
+    /// The largest cost each cost-counting limit can ever grant (the smallest of them).
+    max_cost: u64,
+    /// The name of the member's first limit, for denials.
+    limit: &'static str,
+}
+
+#[derive(Default)]
+struct Stats {
+    acquire_calls: AtomicU64,
+    batch_calls: AtomicU64,
+    batched_ops: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// Counters of a [`RedisAccounts`] (this replica's view).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AccountStats {
+    /// Acquisition calls sent (one round trip each, two after a `NOSCRIPT`).
+    pub acquire_calls: u64,
+    /// Background calls sent, each carrying one or more settles, cancels and reports.
+    pub batch_calls: u64,
+    /// Settles, cancels and reports those calls carried.
+    pub batched_ops: u64,
+    /// Calls that failed or timed out.
+    pub failures: u64,
+}
+
+/// A background operation: an adjustment of a member's charges, or an upstream report.
+#[derive(Debug)]
+enum Op {
+    Adjust {
+        member: usize,
+        requests: i64,
+        cost: i64,
+    },
+    Report {
+        member: usize,
+        retry_us: i64,
+        requests: i64,
+        tokens: i64,
+    },
+    /// Answered once everything queued before it was sent and answered (or given up).
+    Flush(oneshot::Sender<()>),
+}
+
+/// Builds a [`RedisAccounts`]; from [`RedisAccounts::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisAccountsBuilder {
+    pool: String,
+    namespace: String,
+    members: Vec<(String, LimitSetPolicy)>,
+    timeout: Duration,
+    failure: FailurePolicy,
+    breaker: (u32, Duration),
+}
+
+impl fmt::Debug for RedisAccounts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisAccounts")
+            .field("members", &self.inner.members.iter().map(|m| &m.name).collect::<Vec<_>>())
+            .field("sha", &self.inner.sha)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisAccounts {
+    /// A builder for the accounts of the pool named `pool` (the name is the hash tag of
+    /// every key: replicas sharing accounts use the same name and namespace).
+    ///
+    /// Defaults: namespace `tl`, a 50 ms timeout, [`FailurePolicy::FailClosed`], a
+    /// breaker opening after 3 failures in a row for 1 s.
+    pub fn builder(pool: impl Into<String>) -> RedisAccountsBuilder {
+        RedisAccountsBuilder {
+            pool: pool.into(),
+            namespace: "tl".to_owned(),
+            members: Vec::new(),
+            timeout: Duration::from_millis(50),
+            failure: FailurePolicy::FailClosed,
+            breaker: (3, Duration::from_secs(1)),
+        }
+    }
+
+    /// Counters of this store.
+    #[must_use]
+    pub fn stats(&self) -> AccountStats {
+        let s = &self.inner.stats;
+        AccountStats {
+            acquire_calls: s.acquire_calls.load(Ordering::Relaxed),
+            batch_calls: s.batch_calls.load(Ordering::Relaxed),
+            batched_ops: s.batched_ops.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Waits until every settle, cancel and report queued so far has been sent and
+    /// answered (or given up): for tests, and before a graceful exit.
+    ///
+    /// # Cancel safety
+    /// Dropping the future cancels only the wait.
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.inner.ops.send(Op::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// The Redis keys of the pool: per member its bench key, then one per limit.
+    #[must_use]
+    pub fn keys(&self) -> &[String] {
+        &self.inner.keys
+    }
+
+    /// The pool's Lua script.
+    #[must_use]
+    pub fn script(&self) -> &str {
+        &self.inner.source
+    }
+}
+
+impl RedisAccountsBuilder {
+    /// One more member: an account named `name` whose limits `policy` mirrors. Its limits
+    /// must be GCRA or token-bucket limits over the whole account (no tiers).
+    pub fn member(mut self, name: impl Into<String>, policy: LimitSetPolicy) -> Self {
+        self.members.push((name.into(), policy));
+        self
+    }
+
+    /// The prefix of every key (default `tl`).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// How long a call to Redis may take before the failure policy decides (default 50 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// What acquisitions do when Redis cannot answer: fail closed (the default), or fall
+    /// back to the pool's local sets (the `share` is the caller's to apply to them).
+    pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
+        self.failure = policy;
+        self
+    }
+
+    /// The circuit breaker: open after `failures` failed calls in a row, for `open_for`.
+    pub fn circuit_breaker(mut self, failures: u32, open_for: Duration) -> Self {
+        self.breaker = (failures, open_for);
+        self
+    }
+
+    /// Validates everything and builds the store on `connection`. Must be called inside
+    /// a tokio runtime (it starts the background task that sends settles and reports).
+    ///
+    /// # Errors
+    /// - [`BuildError::Policy`]: a member's policy is invalid.
+    /// - [`BuildError::Unsupported`]: a limit other than GCRA or token bucket, a limit
+    ///   keyed by a tier, or a tolerance beyond the 52 days a script counts exactly.
+    /// - [`BuildError::Invalid`]: no member, two members with one name, a pool name or
+    ///   namespace empty or with braces, a zero timeout, [`FailurePolicy::FailOpen`], or
+    ///   no tokio runtime.
+    pub fn build(self, connection: &RedisConnection) -> Result<RedisAccounts, BuildError> {
+        let invalid = |field: &'static str, message: String| BuildError::Invalid { field, message };
+        for (field, text) in [("pool", self.pool.as_str()), ("namespace", self.namespace.as_str())] {
+            if text.is_empty() || text.contains(['{', '}']) {
+                return Err(invalid(field, format!("{text:?} must be non-empty, without braces")));
+            }
+        }
+        if self.members.is_empty() {
+            return Err(invalid("members", "a pool needs at least one member".into()));
+        }
+        if self.timeout.is_zero() {
+            return Err(invalid("timeout", "the timeout must be positive".into()));
+        }
+        if self.failure == FailurePolicy::FailOpen {
+            return Err(invalid(
+                "on_failure",
+                "an upstream account cannot fail open: choose FailClosed or Fallback".into(),
+            ));
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(invalid("runtime", "build the accounts inside a tokio runtime".into()));
+        };
+        let mut prefix = format!("{}:{{", self.namespace);
+        escape_into(&mut prefix, &self.pool);
+        prefix.push_str("}:");
+        let mut keys = Vec::new();
+        let mut members = Vec::new();
+        let mut table = String::from("local M = {\n");
+        for (i, (name, policy)) in self.members.iter().enumerate() {
+            if self.members[..i].iter().any(|(n, _)| n == name) {
+                return Err(invalid("members", format!("{name:?} is already a member's name")));
+            }
+            policy.validate()?;
+            let mut base = prefix.clone();
+            escape_into(&mut base, name);
+            keys.push(format!("{base}:bench"));
+            let _ = write!(table, "  {{b = {}, l = {{", keys.len());
+            let mut max_cost = u64::MAX;
+            for p in &policy.limits {
+                let unsupported =
+                    |reason: &str| BuildError::Unsupported { limit: p.name.clone(), reason: reason.into() };
+                if !matches!(p.algorithm, AlgorithmKind::Gcra | AlgorithmKind::TokenBucket) {
+                    return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits"));
+                }
+                if p.scope != Scope::Global {
+                    return Err(unsupported("an account's limits cover the whole account (no tier)"));
+                }
+                let (rate, burst) = match Limit::from_policy(p)? {
+                    Limit::Gcra(g) => (g.rate(), g.burst()),
+                    Limit::TokenBucket(t) => (t.rate(), t.burst()),
+                    _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
+                };
+                let interval = u64::try_from(rate.interval()?.as_nanos()).unwrap_or(u64::MAX);
+                let tolerance = interval.saturating_mul(burst);
+                if tolerance >= 1 << 52 {
+                    return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));
+                }
+                let cost = p.counts == Counts::Cost;
+                if cost {
+                    max_cost = max_cost.min(burst);
+                }
+                let mut key = base.clone();
+                key.push(':');
+                escape_into(&mut key, &p.name);
+                key.push_str(":g");
+                keys.push(key);
+                let _ = write!(
+                    table,
+                    "{{k = {}, iv = {interval}, tol = {tolerance}, c = {}}}, ",
+                    keys.len(),
+                    u8::from(cost)
+                );
+            }
+            table.push_str("}},\n");
+            let limit = policy.limits.first().map_or("account", |l| intern(&l.name));
+            members.push(MemberInfo { name: name.clone(), max_cost, limit });
+        }
+        table.push_str("}\n");
+        keys.push(format!("{prefix}hold"));
+        let _ = writeln!(table, "local HOLD = KEYS[{}]", keys.len());
+        let source: Arc<str> = format!("{table}{SCRIPT}").into();
+        let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let n = members.len();
+        let inner = Arc::new(Inner {
+            conn: connection.clone(),
+            source,
+            sha,
+            keys,
+            members,
+            timeout: self.timeout,
+            failure: self.failure,
+            breaker: Breaker::new(self.breaker.0, self.breaker.1),
+            benched: Mutex::new(vec![0; n]),
+            ops: tx,
+            stats: Stats::default(),
+            id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
+        });
+        runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
+        Ok(RedisAccounts { inner })
+    }
+}
+
+/// The script after the members' table: `a` acquires, `b` applies a batch.
+const SCRIPT: &str = r#"
+local call, floor, fmt, ceil = redis.call, math.floor, string.format, math.ceil
+-- how long past its wait a turn is kept for a replica that does not come back, us
+local GRACE = 50000
+local T = call('TIME')
+local NOW = T[1] * 1000000 + T[2]
+-- a limit's debt above now, ns (0 when it has none)
+local function debt(k)
+  local v = call('GET', k)
+  if not v then return 0 end
+  local d = (tonumber(v) - NOW) * 1000
+  if d < 0 then return 0 end
+  return d
+end
+-- writes a limit's debt back (or deletes it when none is left)
+local function put(k, n)
+  if n <= 0 then call('DEL', k) return end
+  local us = ceil(n / 1000)
+  call('SET', k, fmt('%.0f', NOW + us), 'PX', fmt('%.0f', ceil(us / 1000) + 2))
+end
+local function bench_ns(m)
+  local b = call('GET', KEYS[M[m].b])
+  if not b then return 0 end
+  local w = (tonumber(b) - NOW) * 1000
+  if w < 0 then return 0 end
+  return w
+end
+if ARGV[1] == 'a' then
+  local cost, rid = tonumber(ARGV[2]), ARGV[3]
+  -- the turn: the first replica refused holds it until it is served (or it expires)
+  local hold = call('GET', HOLD)
+  if hold then
+    local holder, until_us = string.match(hold, '^(.-):(%d+)$')
+    if holder ~= rid and tonumber(until_us) > NOW then
+      local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
+      if reply[3] < 1000000 then reply[3] = 1000000 end
+      for m = 1, #M do reply[3 + m] = bench_ns(m) end
+      return reply
+    end
+  end
+  local best, bestf, wait, ds = 0, -1, -1, nil
+  local reply = {0, NOW, 0}
+  for m = 1, #M do
+    local bw = bench_ns(m)
+    reply[3 + m] = bw
+    if bw > 0 then
+      if wait < 0 or bw < wait then wait = bw end
+    else
+      local f, mw, fits, d = 2, 0, true, {}
+      for i, l in ipairs(M[m].l) do
+        local need = 1
+        if l.c == 1 then need = cost end
+        if need * l.iv > l.tol then fits = false end
+        d[i] = debt(KEYS[l.k])
+        local n = d[i] + need * l.iv
+        if n > l.tol then
+          if n - l.tol > mw then mw = n - l.tol end
+        else
+          local x = (l.tol - n) / l.tol
+          if x < f then f = x end
+        end
+      end
+      if fits then
+        if mw > 0 then
+          if wait < 0 or mw < wait then wait = mw end
+        elseif f > bestf then best, bestf, ds = m, f, d end
+      end
+    end
+  end
+  if best == 0 then
+    reply[3] = wait
+    if wait > 0 then
+      local w = ceil(wait / 1000) + GRACE
+      call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1))
+    end
+    return reply
+  end
+  if hold then call('DEL', HOLD) end
+  for i, l in ipairs(M[best].l) do
+    local need = 1
+    if l.c == 1 then need = cost end
+    put(KEYS[l.k], ds[i] + need * l.iv)
+  end
+  reply[1] = best
+  reply[3] = floor(bestf * 1000000)
+  return reply
+end
+-- 'b': a batch of operations, 5 arguments each: kind, member, then
+--   kind 1 (adjust): requests delta, cost delta, unused
+--   kind 2 (report): retry-after us (-1 none), remaining requests (-1), remaining tokens (-1)
+local i = 2
+while i + 4 <= #ARGV do
+  local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  if M[m] then
+    if kind == 1 then
+      for _, l in ipairs(M[m].l) do
+        local delta = x
+        if l.c == 1 then delta = y end
+        if delta ~= 0 then put(KEYS[l.k], debt(KEYS[l.k]) + delta * l.iv) end
+      end
+    else
+      if x >= 0 then
+        local until_us = NOW + x
+        local cur = call('GET', KEYS[M[m].b])
+        if not cur or tonumber(cur) < until_us then
+          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1))
+        end
+      end
+      for _, l in ipairs(M[m].l) do
+        local rem = y
+        if l.c == 1 then rem = z end
+        if rem >= 0 then
+          local d = debt(KEYS[l.k])
+          local left = floor((l.tol - d) / l.iv)
+          if rem < left then put(KEYS[l.k], l.tol - rem * l.iv) end
+        end
+      end
+    end
+  end
+  i = i + 5
+end
+return 1
+"#;
+
+impl Inner {
+    async fn eval(&self, args: &[String]) -> redis::RedisResult<Value> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&*self.sha).arg(self.keys.len()).arg(&self.keys).arg(args);
+        match self.conn.query(&cmd).await {
+            Err(e) if e.code() == Some("NOSCRIPT") => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(&*self.source).arg(self.keys.len()).arg(&self.keys).arg(args);
+                self.conn.query(&cmd).await
+            }
+            other => other,
+        }
+    }
+
+    /// One call under the timeout, feeding the breaker.
+    async fn call(&self, args: &[String]) -> Result<Value, String> {
+        let out = match tokio::time::timeout(self.timeout, self.eval(args)).await {
+            Ok(Ok(value)) => {
+                self.breaker.success();
+                return Ok(value);
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.timeout),
+        };
+        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        let _ = self.breaker.failure();
+        Err(out)
+    }
+
+    fn unavailable(&self, why: &str) -> AcquireError {
+        AcquireError::Unavailable(Unavailable::new(format!("redis (upstream accounts): {why}")))
+    }
+
+    async fn acquire(self: Arc<Self>, cost: u64, now: Instant) -> Result<SharedGrant, AcquireError> {
+        self.stats.acquire_calls.fetch_add(1, Ordering::Relaxed);
+        let reply =
+            self.call(&["a".to_owned(), cost.to_string(), self.id.clone()]).await.map_err(|e| self.unavailable(&e))?;
+        let Value::Array(items) = reply else { return Err(self.unavailable("unexpected reply")) };
+        let ints: Option<Vec<i64>> =
+            items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect();
+        let Some(ints) = ints.filter(|v| v.len() == 3 + self.members.len()) else {
+            return Err(self.unavailable("unexpected reply"));
+        };
+        {
+            let mut benched = self.benched.lock().unwrap_or_else(PoisonError::into_inner);
+            for (b, &w) in benched.iter_mut().zip(&ints[3..]) {
+                *b = if w > 0 { now.as_nanos().saturating_add(w as u64) } else { 0 };
+            }
+        }
+        match usize::try_from(ints[0]) {
+            Ok(best) if best >= 1 => Ok(SharedGrant { index: best - 1, charged: cost }),
+            _ => {
+                let wait = Duration::from_nanos(ints[2].max(0) as u64);
+                let snapshot = Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO };
+                let limit = self.members.first().map_or("account", |m| m.limit);
+                Err(AcquireError::Denied(Denial::new(limit, None, 0, wait, false, snapshot)))
+            }
+        }
+    }
+
+    fn send(&self, op: Op) {
+        if self.ops.send(op).is_err() {
+            self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Sends the queued operations in batches while the store lives.
+async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Op>) {
+    let mut batch = Vec::with_capacity(BATCH);
+    while rx.recv_many(&mut batch, BATCH).await > 0 {
+        let Some(inner) = weak.upgrade() else { return };
+        let mut args = Vec::with_capacity(1 + 5 * batch.len());
+        args.push("b".to_owned());
+        let mut flushes = Vec::new();
+        for op in batch.drain(..) {
+            let fields = match op {
+                Op::Adjust { member, requests, cost } => [1, member as i64 + 1, requests, cost, 0],
+                Op::Report { member, retry_us, requests, tokens } => [2, member as i64 + 1, retry_us, requests, tokens],
+                Op::Flush(done) => {
+                    flushes.push(done);
+                    continue;
+                }
+            };
+            args.extend(fields.iter().map(i64::to_string));
+        }
+        if args.len() > 1 {
+            inner.stats.batch_calls.fetch_add(1, Ordering::Relaxed);
+            inner.stats.batched_ops.fetch_add(((args.len() - 1) / 5) as u64, Ordering::Relaxed);
+            if let Err(e) = inner.call(&args).await {
+                tracing::warn!(target: "tower_limits_redis", error = %e, "a batch of account settles and reports may not have been applied");
+            }
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+fn signed(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl SharedAccounts for RedisAccounts {
+    fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire {
+        let inner = &self.inner;
+        if inner.members.iter().all(|m| cost > m.max_cost) {
+            let capacity = inner.members.iter().map(|m| m.max_cost).max().unwrap_or(0);
+            let limit = inner.members.first().map_or("account", |m| m.limit);
+            let e = AcquireError::CostAboveCapacity(CostAboveCapacity::new(limit, None, cost, capacity));
+            return Box::pin(std::future::ready(Err(e)));
+        }
+        if inner.breaker.gate() == Gate::Open {
+            return Box::pin(std::future::ready(Err(inner.unavailable("circuit open after repeated failures"))));
+        }
+        Box::pin(inner.clone().acquire(cost, now))
+    }
+
+    fn settle(&self, grant: &mut SharedGrant, actual: u64, _now: Instant) {
+        let delta = signed(actual) - signed(grant.charged);
+        grant.charged = actual;
+        if delta != 0 {
+            self.inner.send(Op::Adjust { member: grant.index, requests: 0, cost: delta });
+        }
+    }
+
+    fn cancel(&self, grant: SharedGrant, _now: Instant) {
+        self.inner.send(Op::Adjust { member: grant.index, requests: -1, cost: -signed(grant.charged) });
+    }
+
+    fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
+        if index >= self.inner.members.len() || *report == UpstreamReport::default() {
+            return;
+        }
+        let opt = |v: Option<u64>| v.map_or(-1, signed);
+        let retry_us = report.retry_after.map_or(-1, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        if let Some(wait) = report.retry_after {
+            let mut benched = self.inner.benched.lock().unwrap_or_else(PoisonError::into_inner);
+            let until = (now + wait).as_nanos();
+            benched[index] = benched[index].max(until);
+        }
+        self.inner.send(Op::Report {
+            member: index,
+            retry_us,
+            requests: opt(report.remaining_requests),
+            tokens: opt(report.remaining_tokens),
+        });
+    }
+
+    fn benched_until(&self, index: usize, now: Instant) -> Option<Instant> {
+        let benched = self.inner.benched.lock().unwrap_or_else(PoisonError::into_inner);
+        let until = *benched.get(index)?;
+        (until > now.as_nanos()).then(|| Instant::from_nanos(until))
+    }
+
+    fn local_fallback(&self) -> bool {
+        matches!(self.inner.failure, FailurePolicy::Fallback { .. })
+    }
+}

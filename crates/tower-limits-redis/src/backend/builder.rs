@@ -1,0 +1,355 @@
+//! Building a backend: the policy checked for what a script can count exactly, each
+//! limit described once (its key suffix, its tier, the script's view of it), the script
+//! generated and hashed, and the local fallback scaled to its share. Nothing here talks
+//! to Redis; the first acquisition loads the script.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tower_limits_core::{AlgorithmKind, Counts, Limit, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Scope, intern};
+
+use crate::cache::BoundedMap;
+use crate::connection::RedisConnection;
+use crate::error::BuildError;
+use crate::failure::{Breaker, FailurePolicy};
+use crate::keys::{SlotLayout, escape_into};
+use crate::script::{self, ScriptLimit};
+
+use super::{EXACT, Inner, LimitInfo, RedisBackend, Settings};
+use crate::stats::Counters;
+
+/// Builds a [`RedisBackend`]; from [`RedisBackend::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisBackendBuilder {
+    policy: LimitSetPolicy,
+    namespace: String,
+    layout: SlotLayout,
+    timeout: Duration,
+    failure: FailurePolicy,
+    lease: Duration,
+    max_hold: Duration,
+    breaker_threshold: u32,
+    breaker_open_for: Duration,
+    denial_cache: usize,
+    peek_cache: usize,
+    max_leases: usize,
+    manual_clock: bool,
+}
+
+impl RedisBackend {
+    /// A builder for a backend enforcing `policy`.
+    ///
+    /// Defaults: namespace `tl`, [`SlotLayout::PerTenant`], a 50 ms timeout,
+    /// [`FailurePolicy::FailClosed`], a breaker opening after 3 failures in a row for 1 s,
+    /// 30 s leases renewed for at most 1 h, and caches of 10,000 keys for denials and for
+    /// snapshots.
+    pub fn builder(policy: LimitSetPolicy) -> RedisBackendBuilder {
+        RedisBackendBuilder {
+            policy,
+            namespace: "tl".to_owned(),
+            layout: SlotLayout::PerTenant,
+            timeout: Duration::from_millis(50),
+            failure: FailurePolicy::FailClosed,
+            lease: Duration::from_secs(30),
+            max_hold: Duration::from_secs(3600),
+            breaker_threshold: 3,
+            breaker_open_for: Duration::from_secs(1),
+            denial_cache: 10_000,
+            peek_cache: 10_000,
+            max_leases: 100_000,
+            manual_clock: false,
+        }
+    }
+}
+
+impl RedisBackendBuilder {
+    /// The prefix of every key (default `tl`). Sets sharing a namespace and limit names
+    /// share state: give each deployment its own.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// How the set's keys map to Cluster slots (default [`SlotLayout::PerTenant`]).
+    pub fn slot_layout(mut self, layout: SlotLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// How long a call to Redis may take before the failure policy decides (default 50 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// What acquisitions do when Redis cannot answer (default fail closed).
+    pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
+        self.failure = policy;
+        self
+    }
+
+    /// The lease of a semaphore hold (default 30 s): how long the permits of a replica
+    /// that died stay taken. Live replicas renew their leases.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The longest a replica keeps renewing one grant's lease (default 1 h), so that a
+    /// grant leaked by a bug is eventually given back.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = max_hold;
+        self
+    }
+
+    /// The circuit breaker: open after `failures` failed calls in a row, for `open_for`.
+    pub fn circuit_breaker(mut self, failures: u32, open_for: Duration) -> Self {
+        self.breaker_threshold = failures;
+        self.breaker_open_for = open_for;
+        self
+    }
+
+    /// How many keys' denials are remembered until their `retry_after` (default 10,000;
+    /// 0 turns the cache off).
+    pub fn denial_cache(mut self, keys: usize) -> Self {
+        self.denial_cache = keys;
+        self
+    }
+
+    /// How many keys' last snapshots [`Backend::peek`](tower_limits_core::Backend::peek) can answer from (default 10,000;
+    /// 0 turns it off, and `peek` answers nothing).
+    pub fn peek_cache(mut self, keys: usize) -> Self {
+        self.peek_cache = keys;
+        self
+    }
+
+    /// The most grants whose leases this replica renews at once (default 100,000); grants
+    /// beyond it keep their first lease only.
+    pub fn max_leases(mut self, leases: usize) -> Self {
+        self.max_leases = leases;
+        self
+    }
+
+    /// Test support: decide with the `now` each call is given (a
+    /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`, so
+    /// that a test can compare with the in-memory set instant by instant and expire
+    /// leases without waiting. Keys then expire an hour later than their state needs.
+    /// Never in production: replicas' clocks disagree.
+    #[cfg(feature = "test-support")]
+    pub fn manual_clock(mut self) -> Self {
+        self.manual_clock = true;
+        self
+    }
+
+    /// Validates everything and builds the backend on `connection`. Nothing is sent to
+    /// Redis until the first acquisition (the script is loaded by its first `EVAL`).
+    ///
+    /// # Errors
+    /// - [`BuildError::Policy`]: the policy is invalid.
+    /// - [`BuildError::Unsupported`]: a window is not a whole number of microseconds (the
+    ///   server clock's resolution) or longer than 52 days, a GCRA or token-bucket burst
+    ///   spans more than 52 days, or a limit is above 2^52.
+    /// - [`BuildError::CrossSlot`]: on a cluster with [`SlotLayout::PerTenant`], the set
+    ///   mixes global and keyed limits.
+    /// - [`BuildError::Invalid`]: a namespace or tag containing braces, a zero timeout or
+    ///   lease, a fallback share outside `(0, 1]`.
+    pub fn build(self, connection: &RedisConnection) -> Result<RedisBackend, BuildError> {
+        self.policy.validate()?;
+        for (field, text) in [("namespace", self.namespace.as_str()), ("slot_layout", tag(&self.layout))] {
+            if text.is_empty() || text.contains(['{', '}']) {
+                return Err(BuildError::Invalid {
+                    field,
+                    message: format!("{text:?} must be non-empty, without braces"),
+                });
+            }
+        }
+        if self.timeout.is_zero() || self.lease < Duration::from_millis(3) {
+            return Err(BuildError::Invalid { field: "timeout", message: "timeout and lease must be positive".into() });
+        }
+        let tiers: Box<[&'static str]> = self.policy.tiers.iter().map(|t| intern(t)).collect();
+        let mut limits = Vec::with_capacity(self.policy.limits.len());
+        let mut script_limits = Vec::with_capacity(self.policy.limits.len());
+        for p in &self.policy.limits {
+            let (info, script) = describe(p, &self.policy.tiers, &tiers)?;
+            limits.push(info);
+            script_limits.push(script);
+        }
+        let global = limits.iter().find(|l| l.tier.is_none());
+        let keyed = limits.iter().find(|l| l.tier.is_some());
+        if let (true, SlotLayout::PerTenant, Some(g), Some(k)) = (connection.is_cluster(), &self.layout, global, keyed)
+        {
+            return Err(BuildError::CrossSlot { global: g.name.to_owned(), keyed: k.name.to_owned() });
+        }
+        let fallback = match self.failure {
+            FailurePolicy::Fallback { share } => {
+                if !(share > 0.0 && share <= 1.0) {
+                    return Err(BuildError::Invalid {
+                        field: "on_failure",
+                        message: format!("the fallback share must be in (0, 1], got {share}"),
+                    });
+                }
+                Some(LimitSet::new(scaled(&self.policy, share))?)
+            }
+            _ => None,
+        };
+        let lease_us = u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX).min(EXACT / 1000);
+        let source: Arc<str> = script::generate(&script_limits, lease_us, self.manual_clock).into();
+        let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
+        let instance = RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
+        let has_semaphore = limits.iter().any(|l| l.is_semaphore);
+        let settles = limits.iter().any(|l| !l.is_semaphore && l.counts == Counts::Cost);
+        let records_holders =
+            script_limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. }));
+        let depth_needed = limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0);
+        Ok(RedisBackend {
+            inner: Arc::new(Inner {
+                conn: connection.clone(),
+                source,
+                sha,
+                limits: limits.into(),
+                tiers,
+                depth_needed,
+                has_semaphore,
+                records_holders,
+                settles,
+                namespace: self.namespace.into(),
+                layout: self.layout,
+                settings: Settings {
+                    timeout: self.timeout,
+                    failure: self.failure,
+                    lease: self.lease,
+                    max_hold: self.max_hold,
+                    max_leases: self.max_leases,
+                    manual_clock: self.manual_clock,
+                },
+                breaker: Breaker::new(self.breaker_threshold, self.breaker_open_for),
+                denials: (self.denial_cache > 0).then(|| BoundedMap::new(self.denial_cache)),
+                snapshots: (self.peek_cache > 0).then(|| BoundedMap::new(self.peek_cache)),
+                fallback,
+                stats: Counters::default(),
+                instance,
+                next_holder: AtomicU64::new(1),
+                idle: Notify::new(),
+                leases: Mutex::new(HashMap::new()),
+                runtime: OnceLock::new(),
+                renewing: AtomicBool::new(false),
+            }),
+        })
+    }
+}
+
+pub(super) fn tag(layout: &SlotLayout) -> &str {
+    match layout {
+        SlotLayout::PerTenant => "*",
+        SlotLayout::OneSlot(tag) => tag,
+    }
+}
+
+/// What the backend and the script need to know of one limit, checked for Redis.
+fn describe(
+    p: &LimitPolicy,
+    tier_names: &[String],
+    tiers: &[&'static str],
+) -> Result<(LimitInfo, ScriptLimit), BuildError> {
+    let unsupported = |reason: String| BuildError::Unsupported { limit: p.name.clone(), reason };
+    let limit = Limit::from_policy(p)?;
+    let cost = p.counts == Counts::Cost;
+    let window_us = |window: Duration| {
+        let nanos = window.as_nanos();
+        if nanos % 1000 != 0 {
+            return Err(unsupported(format!(
+                "its window {window:?} is not a whole number of microseconds, the resolution of the server clock"
+            )));
+        }
+        if nanos >= u128::from(EXACT) {
+            return Err(unsupported(format!(
+                "its window {window:?} is longer than the 52 days a script counts exactly"
+            )));
+        }
+        Ok((nanos / 1000) as u64)
+    };
+    let exact = |what: &str, n: u64| {
+        if n >= EXACT {
+            Err(unsupported(format!("its {what} {n} is above 2^52, the largest integer a script counts exactly")))
+        } else {
+            Ok(n)
+        }
+    };
+    let (script, window) = match &limit {
+        Limit::Gcra(_) | Limit::TokenBucket(_) => {
+            let (rate, burst) = match &limit {
+                Limit::Gcra(g) => (g.rate(), g.burst()),
+                Limit::TokenBucket(t) => (t.rate(), t.burst()),
+                _ => unreachable!("matched above"),
+            };
+            let interval = u64::try_from(rate.interval()?.as_nanos()).unwrap_or(u64::MAX);
+            let tolerance = interval.saturating_mul(burst);
+            if tolerance >= EXACT {
+                return Err(unsupported(format!(
+                    "its burst of {burst} at {rate} spans more than the 52 days a script counts exactly"
+                )));
+            }
+            (ScriptLimit::Gcra { cost, interval, tolerance }, Duration::from_nanos(tolerance))
+        }
+        Limit::FixedWindow(w) => (
+            ScriptLimit::Fixed { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
+            w.window(),
+        ),
+        Limit::SlidingWindowCounter(w) => (
+            ScriptLimit::Counter { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
+            w.window(),
+        ),
+        Limit::SlidingWindowLog(w) => (
+            ScriptLimit::Log { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
+            w.window(),
+        ),
+        Limit::Semaphore(_) => {
+            (ScriptLimit::Semaphore { cost, capacity: exact("capacity", limit.capacity())? }, Duration::ZERO)
+        }
+    };
+    let tier = match &p.scope {
+        Scope::Global => None,
+        Scope::Tier(t) => tier_names.iter().position(|x| x == t),
+    };
+    let mut suffix = String::from(":");
+    escape_into(&mut suffix, &p.name);
+    suffix.push(':');
+    suffix.push(script.kind());
+    let info = LimitInfo {
+        name: intern(&p.name),
+        tier,
+        tier_name: tier.map(|t| tiers[t]),
+        counts: p.counts,
+        capacity: limit.capacity(),
+        is_semaphore: limit.is_semaphore(),
+        window,
+        suffix: suffix.into(),
+    };
+    Ok((info, script))
+}
+
+/// The policy with every limit scaled to `share`, for the local fallback.
+fn scaled(policy: &LimitSetPolicy, share: f64) -> LimitSetPolicy {
+    let scale = |n: u64| ((n as f64 * share).floor() as u64).max(1);
+    let mut policy = policy.clone();
+    for l in &mut policy.limits {
+        match l.algorithm {
+            AlgorithmKind::Gcra | AlgorithmKind::TokenBucket => {
+                if let Some(rate) = l.rate {
+                    l.burst = Some(scale(l.burst.unwrap_or(rate.amount())));
+                    l.rate = Some(Rate::new(rate.amount(), rate.period().div_f64(share)));
+                }
+            }
+            AlgorithmKind::SlidingWindowLog | AlgorithmKind::SlidingWindowCounter | AlgorithmKind::FixedWindow => {
+                l.limit = l.limit.map(scale);
+            }
+            AlgorithmKind::Semaphore => l.capacity = l.capacity.map(scale),
+        }
+    }
+    policy
+}

@@ -1,0 +1,317 @@
+//! The request path: a tenant's keys, one `EVALSHA` (an `EVAL` after a `NOSCRIPT`) under
+//! the timeout and the breaker, and the decision read from the script's integer reply.
+//! What fails here goes to the failure policy; what is denied is cached until it frees.
+
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use redis::Value;
+use tokio::runtime::Handle;
+use tower_limits_core::{
+    AcquireError, CostAboveCapacity, Counts, Denial, Instant, LimitSnapshot, MissingKey, Snapshot, TenantKey,
+    Unavailable,
+};
+
+use crate::cache::CachedDenial;
+use crate::failure::FailurePolicy;
+use crate::keys::{SlotLayout, escape_into};
+
+use super::background::{Op, spawn_op};
+use super::builder::tag;
+use super::grant::{GrantKind, RedisGrant, Remote};
+use super::{EXACT, Inner, Lease};
+use crate::stats::bump;
+
+impl Inner {
+    pub(super) fn holder_id(&self, seq: u64) -> Arc<str> {
+        format!("{:016x}.{seq:x}", self.instance).into()
+    }
+
+    pub(super) fn now_args(&self, now: Instant) -> (String, String) {
+        if self.settings.manual_clock {
+            let n = now.as_nanos();
+            ((n / 1000).to_string(), (n % 1000).to_string())
+        } else {
+            (String::new(), String::new())
+        }
+    }
+
+    /// The keys of every limit of the set for `key`, in the order of the policy.
+    pub(super) fn keys_for(&self, key: &TenantKey) -> Vec<String> {
+        let mut heads: [Option<String>; tower_limits_core::MAX_TIERS] = Default::default();
+        let mut keys = Vec::with_capacity(self.limits.len());
+        for l in self.limits.iter() {
+            let mut k = String::with_capacity(64);
+            match l.tier {
+                None => {
+                    k.push_str(&self.namespace);
+                    k.push_str(":{");
+                    k.push_str(tag(&self.layout));
+                    k.push('}');
+                    if let SlotLayout::OneSlot(_) = self.layout {
+                        k.push_str(":*");
+                    }
+                }
+                Some(t) => {
+                    let head = heads[t].get_or_insert_with(|| self.tenant_head(key, t));
+                    k.push_str(head);
+                }
+            }
+            k.push_str(&l.suffix);
+            keys.push(k);
+        }
+        keys
+    }
+
+    pub(super) fn tenant_head(&self, key: &TenantKey, tier: usize) -> String {
+        let mut k = String::with_capacity(48);
+        k.push_str(&self.namespace);
+        k.push(':');
+        match &self.layout {
+            SlotLayout::PerTenant => {
+                k.push('{');
+                escape_into(&mut k, key.root());
+                k.push('}');
+            }
+            SlotLayout::OneSlot(tag) => {
+                k.push('{');
+                k.push_str(tag);
+                k.push_str("}:");
+                escape_into(&mut k, key.root());
+            }
+        }
+        for part in key.parts().skip(1).take(tier) {
+            k.push('/');
+            escape_into(&mut k, part);
+        }
+        k
+    }
+
+    /// The refusals decided without Redis.
+    pub(super) fn local_refusal(&self, key: &TenantKey, cost: u64) -> Option<AcquireError> {
+        let depth = key.depth();
+        if self.depth_needed > depth {
+            return Some(AcquireError::MissingKey(MissingKey::new(self.tiers[depth])));
+        }
+        self.limits.iter().find_map(|l| {
+            let c = if l.counts == Counts::Cost { cost } else { 1 };
+            (c > l.capacity)
+                .then(|| AcquireError::CostAboveCapacity(CostAboveCapacity::new(l.name, l.tier_name, c, l.capacity)))
+        })
+    }
+
+    pub(super) fn snapshot_of(&self, i: usize, remaining: i64, reset: i64) -> LimitSnapshot {
+        let l = &self.limits[i];
+        LimitSnapshot {
+            name: l.name,
+            tier: l.tier_name,
+            counts: l.counts,
+            is_semaphore: l.is_semaphore,
+            snapshot: Snapshot {
+                quota: l.capacity,
+                remaining: u64::try_from(remaining).unwrap_or(0),
+                reset: Duration::from_nanos(u64::try_from(reset).unwrap_or(0)),
+                window: l.window,
+            },
+        }
+    }
+
+    /// One call of the script: `EVALSHA`, and after `NOSCRIPT` one `EVAL`.
+    pub(super) async fn eval(&self, keys: &[String], args: &[&str]) -> redis::RedisResult<Value> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&*self.sha).arg(keys.len()).arg(keys).arg(args);
+        bump(&self.stats.round_trips);
+        match self.conn.query(&cmd).await {
+            Err(e) if e.code() == Some("NOSCRIPT") => {
+                bump(&self.stats.script_loads);
+                bump(&self.stats.round_trips);
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(&*self.source).arg(keys.len()).arg(keys).arg(args);
+                self.conn.query(&cmd).await
+            }
+            other => other,
+        }
+    }
+
+    /// One call under the timeout, feeding the breaker.
+    pub(super) async fn call(&self, keys: &[String], args: &[&str]) -> Result<Value, CallError> {
+        match tokio::time::timeout(self.settings.timeout, self.eval(keys, args)).await {
+            Ok(Ok(value)) => {
+                self.breaker.success();
+                Ok(value)
+            }
+            Ok(Err(e)) => {
+                bump(&self.stats.errors);
+                self.failed();
+                let sent = !(e.is_connection_refusal() || e.kind() == redis::ErrorKind::ClusterConnectionNotFound);
+                tracing::debug!(target: "tower_limits_redis", error = %e, "redis call failed");
+                Err(CallError { message: e.to_string(), maybe_applied: sent })
+            }
+            Err(_) => {
+                bump(&self.stats.timeouts);
+                self.failed();
+                Err(CallError { message: format!("no answer within {:?}", self.settings.timeout), maybe_applied: true })
+            }
+        }
+    }
+
+    pub(super) fn failed(&self) {
+        if self.breaker.failure() {
+            bump(&self.stats.breaker_opened);
+        }
+    }
+
+    /// The failure policy's answer.
+    pub(super) fn unavailable(
+        &self,
+        key: &TenantKey,
+        cost: u64,
+        now: Instant,
+        why: &str,
+    ) -> Result<RedisGrant, AcquireError> {
+        bump(&self.stats.unavailable);
+        match (&self.settings.failure, &self.fallback) {
+            (FailurePolicy::FailOpen, _) => {
+                bump(&self.stats.fail_open_admits);
+                Ok(RedisGrant { kind: GrantKind::Open })
+            }
+            (FailurePolicy::Fallback { .. }, Some(local)) => {
+                bump(&self.stats.fallback_acquisitions);
+                local.acquire_grant(key, cost, now).map(|g| RedisGrant { kind: GrantKind::Local(g) })
+            }
+            _ => Err(AcquireError::Unavailable(Unavailable::new(format!("redis: {why}")))),
+        }
+    }
+
+    /// Turns the script's reply into a grant or a denial.
+    pub(super) fn decide(
+        &self,
+        key: &TenantKey,
+        cost: u64,
+        now: Instant,
+        holder: u64,
+        id: Arc<str>,
+        reply: &[i64],
+    ) -> Result<RedisGrant, AcquireError> {
+        let n = self.limits.len();
+        let snapshots: Box<[LimitSnapshot]> =
+            (0..n).map(|i| self.snapshot_of(i, reply[6 + 2 * i], reply[7 + 2 * i])).collect();
+        let at = |v: i64| u64::try_from(v).unwrap_or(0);
+        let result = if reply[0] == 1 {
+            bump(&self.stats.granted);
+            if self.has_semaphore && !self.settings.manual_clock {
+                self.hold_lease(key, holder, &id, cost);
+            }
+            Ok(RedisGrant {
+                kind: GrantKind::Remote(Remote {
+                    us: at(reply[1]),
+                    sub: at(reply[2]),
+                    holder,
+                    id,
+                    acquired: cost,
+                    charged: cost,
+                    after: None,
+                }),
+            })
+        } else {
+            bump(&self.stats.denied);
+            let i = usize::try_from(reply[3]).unwrap_or(0).min(n - 1);
+            let l = &self.limits[i];
+            let retry = Duration::from_nanos(at(reply[4]));
+            let needs_release = reply[5] == 1;
+            let snapshot = snapshots[i].snapshot;
+            if let Some(cache) = &self.denials {
+                if !retry.is_zero() {
+                    let denial = CachedDenial {
+                        until: now + retry,
+                        at: now,
+                        cost,
+                        counts_cost: l.counts == Counts::Cost,
+                        limit: i,
+                        needs_release,
+                        snapshot,
+                    };
+                    cache.insert(key, denial, |d| d.until <= now);
+                }
+            }
+            Err(AcquireError::Denied(Denial::new(l.name, l.tier_name, i, retry, needs_release, snapshot)))
+        };
+        if let Some(map) = &self.snapshots {
+            map.insert(key, (now, snapshots), |_| true);
+        }
+        result
+    }
+
+    pub(super) fn hold_lease(&self, key: &TenantKey, holder: u64, id: &Arc<str>, acquired: u64) {
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        if leases.len() < self.settings.max_leases {
+            let lease = Lease { key: key.clone(), id: id.clone(), acquired, since: tokio::time::Instant::now() };
+            leases.insert(holder, lease);
+        }
+    }
+
+    pub(super) fn drop_lease(&self, holder: u64) {
+        self.leases.lock().unwrap_or_else(PoisonError::into_inner).remove(&holder);
+    }
+
+    pub(super) fn handle(&self) -> Option<Handle> {
+        Handle::try_current().ok().or_else(|| self.runtime.get().cloned())
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct CallError {
+    pub(super) message: String,
+    /// Whether the script may have run (the call was sent): a charge must then not be
+    /// sent again.
+    pub(super) maybe_applied: bool,
+}
+
+fn ints(value: &Value, n: usize) -> Option<Vec<i64>> {
+    let Value::Array(items) = value else { return None };
+    if items.len() != 6 + 2 * n {
+        return None;
+    }
+    items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect()
+}
+
+/// The remote part of an acquisition.
+pub(super) async fn acquire_remote(
+    inner: Arc<Inner>,
+    key: TenantKey,
+    cost: u64,
+    now: Instant,
+    holder: u64,
+) -> Result<RedisGrant, AcquireError> {
+    let keys = inner.keys_for(&key);
+    let cost_arg = cost.min(EXACT).to_string();
+    let id = inner.holder_id(holder);
+    let result = if inner.settings.manual_clock {
+        let (us, sub) = inner.now_args(now);
+        inner.call(&keys, &["a", &us, &sub, &cost_arg, &id]).await
+    } else if inner.records_holders {
+        inner.call(&keys, &["a", &cost_arg, &id]).await
+    } else {
+        inner.call(&keys, &["a", &cost_arg]).await
+    };
+    let why = match result {
+        Ok(value) => match ints(&value, inner.limits.len()) {
+            Some(reply) => return inner.decide(&key, cost, now, holder, id, &reply),
+            None => {
+                bump(&inner.stats.errors);
+                inner.failed();
+                tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the limit script");
+                format!("unexpected reply {value:?}")
+            }
+        },
+        Err(e) => {
+            // It may have been granted: give back the concurrency it may hold.
+            if e.maybe_applied && inner.has_semaphore {
+                let op = Op { id, now, us: 0, sub: 0, acquired: cost, req: (1, 1), cost: (0, 0), release: true };
+                spawn_op(&inner, key.clone(), op, None, None);
+            }
+            e.message
+        }
+    };
+    inner.unavailable(&key, cost, now, &why)
+}

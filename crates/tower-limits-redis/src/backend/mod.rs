@@ -1,0 +1,375 @@
+//! The backend: a [`LimitSetPolicy`] whose state lives in Redis.
+//!
+//! # An acquisition
+//!
+//! [`Backend::acquire`] first answers everything it can without the network: a key that
+//! lacks a tier ([`AcquireError::MissingKey`]), a cost above some limit's capacity
+//! ([`AcquireError::CostAboveCapacity`]), a denial still cached for this key, or, when
+//! the circuit breaker is open, the failure policy. Otherwise it returns a future that
+//! sends one `EVALSHA` of the set's script (see [`crate::script`]) with the set's keys
+//! for this tenant, under the configured timeout. The reply is a grant (with the server
+//! time it was made at and a holder id unique to it) or a denial naming the blocking
+//! limit and its exact wait, which is cached until then.
+//!
+//! # After the grant
+//!
+//! The [`Backend`] methods after a grant are synchronous; their Redis calls run in the
+//! background, on the tokio runtime the acquisition ran on:
+//!
+//! - `settle` sends one call that charges or refunds the difference on the limits that
+//!   count cost. Settles of one grant are applied in order.
+//! - `release` sends one call that removes the grant's holder id from the set's
+//!   semaphores (nothing at all for a set without semaphores). It is idempotent.
+//! - `cancel` refunds everything and releases, in one call.
+//!
+//! A release is retried until Redis answers (for up to the lease; after that the lease
+//! has expired anyway). A charge or refund whose call timed out is *not* retried: it may
+//! have been applied, and applying it twice would be worse than once or never.
+//! [`RedisBackend::flush`] waits until everything sent so far is done.
+//!
+//! # Leases
+//!
+//! A semaphore hold is a member of a sorted set scored by its lease deadline, so the
+//! permits of a replica that dies come back when its leases expire (the next acquisition
+//! of that semaphore reclaims them). While a replica lives, a background task renews
+//! the leases of its grants every third of the lease, for at most `max_hold`.
+//!
+//! # Cancel safety
+//!
+//! Dropping the acquisition future while Redis works on it cannot lose a grant: the call
+//! is finished in the background and, if it was granted, cancelled.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use redis::Value;
+use tokio::runtime::Handle;
+use tokio::sync::{Notify, oneshot};
+use tower_limits_core::{
+    AcquireError, Backend, Counts, Denial, Instant, LimitSet, LimitSnapshot, TenantKey, Unavailable,
+};
+
+use crate::cache::{self, BoundedMap, CachedDenial, CachedSnapshots};
+use crate::connection::RedisConnection;
+use crate::failure::{Breaker, FailurePolicy, Gate};
+use crate::keys::SlotLayout;
+use crate::stats::{Counters, RedisStats, bump};
+
+mod acquire;
+mod background;
+mod builder;
+mod call;
+mod grant;
+
+use acquire::AcquireState;
+pub use acquire::RedisAcquire;
+use background::{Op, renew_leases, spawn_op};
+pub use builder::RedisBackendBuilder;
+use call::acquire_remote;
+use grant::GrantKind;
+pub use grant::{GrantSource, RedisGrant};
+
+/// The bound below which the script's double arithmetic (divisions included) is exact:
+/// 2^52, which as nanoseconds is 52 days.
+const EXACT: u64 = 1 << 52;
+
+/// A [`Backend`] whose limits live in Redis, shared by every replica built with the same
+/// policy and namespace.
+///
+/// Cloning is cheap; clones share everything. Build one per set with
+/// [`RedisBackend::builder`], then hand it to
+/// `LimitSetLayer::with_backend(backend)` (crate `tower-limits`). See the [crate
+/// docs](crate) for an example and for operations.
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("limits", &self.inner.limits.iter().map(|l| l.name).collect::<Vec<_>>())
+            .field("namespace", &self.inner.namespace)
+            .field("sha", &self.inner.sha)
+            .finish_non_exhaustive()
+    }
+}
+
+struct LimitInfo {
+    name: &'static str,
+    tier: Option<usize>,
+    tier_name: Option<&'static str>,
+    counts: Counts,
+    capacity: u64,
+    is_semaphore: bool,
+    window: Duration,
+    /// `:<escaped name>:<kind>`, appended to the tenant's part of the key.
+    suffix: Box<str>,
+}
+
+struct Settings {
+    timeout: Duration,
+    failure: FailurePolicy,
+    lease: Duration,
+    max_hold: Duration,
+    max_leases: usize,
+    manual_clock: bool,
+}
+
+struct Lease {
+    key: TenantKey,
+    id: Arc<str>,
+    acquired: u64,
+    since: tokio::time::Instant,
+}
+
+pub(crate) struct Inner {
+    conn: RedisConnection,
+    source: Arc<str>,
+    sha: Arc<str>,
+    limits: Box<[LimitInfo]>,
+    tiers: Box<[&'static str]>,
+    depth_needed: usize,
+    has_semaphore: bool,
+    /// Some semaphore or log records the holder id of its grants.
+    records_holders: bool,
+    /// Some non-semaphore limit counts cost: settling can change something.
+    settles: bool,
+    namespace: Box<str>,
+    layout: SlotLayout,
+    settings: Settings,
+    breaker: Breaker,
+    denials: Option<BoundedMap<CachedDenial>>,
+    snapshots: Option<BoundedMap<CachedSnapshots>>,
+    fallback: Option<LimitSet>,
+    stats: Counters,
+    instance: u64,
+    next_holder: AtomicU64,
+    idle: Notify,
+    leases: Mutex<HashMap<u64, Lease>>,
+    runtime: OnceLock<Handle>,
+    renewing: AtomicBool,
+}
+
+impl RedisBackend {
+    /// Counters of this backend (this replica's view).
+    #[must_use]
+    pub fn stats(&self) -> RedisStats {
+        let leases = self.inner.leases.lock().unwrap_or_else(PoisonError::into_inner).len() as u64;
+        self.inner.stats.snapshot(self.inner.breaker.is_open(), leases)
+    }
+
+    /// Waits until every settle, release and cancel sent so far has been applied (or
+    /// given up). For tests, and for a graceful shutdown before the process exits.
+    ///
+    /// # Cancel safety
+    /// Dropping the future cancels only the wait.
+    pub async fn flush(&self) {
+        loop {
+            let notified = pin!(self.inner.idle.notified());
+            let mut notified = notified;
+            notified.as_mut().enable();
+            if self.inner.stats.background_pending.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// The Redis keys of every limit of the set for `key`, in the order of the policy:
+    /// what an operator looks at (see the crate docs for the layout).
+    #[must_use]
+    pub fn keys(&self, key: &TenantKey) -> Vec<String> {
+        self.inner.keys_for(key)
+    }
+
+    /// The set's Lua script (what `EVAL` sends after a `NOSCRIPT`).
+    #[must_use]
+    pub fn script(&self) -> &str {
+        &self.inner.source
+    }
+
+    /// The SHA1 of the set's script (what `EVALSHA` sends).
+    #[must_use]
+    pub fn script_sha(&self) -> &str {
+        &self.inner.sha
+    }
+
+    /// Renews the leases of a grant's semaphore holds now, for a holder that wants to
+    /// keep its permits beyond `max_hold` or that runs without the renewal task (a manual
+    /// clock). Answers whether Redis renewed anything (false when the lease had already
+    /// expired and been reclaimed).
+    ///
+    /// # Errors
+    /// Redis did not answer within the timeout.
+    pub async fn renew(&self, key: &TenantKey, grant: &RedisGrant, now: Instant) -> Result<bool, Unavailable> {
+        let GrantKind::Remote(r) = &grant.kind else { return Ok(false) };
+        if !self.inner.has_semaphore {
+            return Ok(false);
+        }
+        let keys = self.inner.keys_for(key);
+        let (us, sub) = self.inner.now_args(now);
+        let acq = r.acquired.min(EXACT).to_string();
+        match self.inner.call(&keys, &["n", &us, &sub, &r.id, &acq]).await {
+            Ok(Value::Int(n)) => {
+                bump(&self.inner.stats.leases_renewed);
+                Ok(n > 0)
+            }
+            Ok(other) => Err(Unavailable::new(format!("redis: unexpected reply {other:?}"))),
+            Err(e) => Err(Unavailable::new(format!("redis: {}", e.message))),
+        }
+    }
+
+    fn start_renewal(&self) {
+        if self.inner.settings.manual_clock || self.inner.renewing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(handle) = self.inner.handle() {
+            handle.spawn(renew_leases(Arc::downgrade(&self.inner), self.inner.settings.lease / 3));
+        } else {
+            self.inner.renewing.store(false, Ordering::Release);
+        }
+    }
+}
+
+impl Backend for RedisBackend {
+    type Grant = RedisGrant;
+    type Acquire = RedisAcquire;
+
+    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> RedisAcquire {
+        let inner = &self.inner;
+        bump(&inner.stats.acquisitions);
+        if inner.runtime.get().is_none() {
+            if let Ok(handle) = Handle::try_current() {
+                let _ = inner.runtime.set(handle);
+            }
+        }
+        if let Some(refusal) = inner.local_refusal(key, cost) {
+            return RedisAcquire::ready(Err(refusal));
+        }
+        if let Some(cache) = &inner.denials {
+            if let Some((i, retry, needs_release, snapshot)) = cache::lookup(cache, key, cost, now) {
+                bump(&inner.stats.cached_denials);
+                let l = &inner.limits[i];
+                let denial = Denial::new(l.name, l.tier_name, i, retry, needs_release, snapshot);
+                return RedisAcquire::ready(Err(AcquireError::Denied(denial)));
+            }
+        }
+        if inner.breaker.gate() == Gate::Open {
+            return RedisAcquire::ready(inner.unavailable(key, cost, now, "circuit open after repeated failures"));
+        }
+        if inner.has_semaphore {
+            self.start_renewal();
+        }
+        let holder = inner.next_holder.fetch_add(1, Ordering::Relaxed);
+        let fut = acquire_remote(inner.clone(), key.clone(), cost, now, holder);
+        RedisAcquire {
+            state: AcquireState::Remote { fut: Box::pin(fut), backend: self.clone(), key: key.clone(), now },
+        }
+    }
+
+    fn settle(&self, key: &TenantKey, grant: &mut RedisGrant, actual: u64, now: Instant) {
+        match &mut grant.kind {
+            GrantKind::Local(g) => {
+                if let Some(local) = &self.inner.fallback {
+                    local.settle_grant(key, g, actual, now);
+                }
+            }
+            GrantKind::Open => {}
+            GrantKind::Remote(r) => {
+                let (from, to) = (r.charged, actual);
+                r.charged = actual;
+                if from == to || !self.inner.settles {
+                    return;
+                }
+                let op = Op {
+                    id: r.id.clone(),
+                    now,
+                    us: r.us,
+                    sub: r.sub,
+                    acquired: r.acquired,
+                    req: (1, 1),
+                    cost: (from, to),
+                    release: false,
+                };
+                let (done, after) = oneshot::channel();
+                let before = r.after.replace(after);
+                spawn_op(&self.inner, key.clone(), op, before, Some(done));
+            }
+        }
+    }
+
+    fn release(&self, key: &TenantKey, grant: RedisGrant) {
+        match grant.kind {
+            GrantKind::Local(g) => {
+                if let Some(local) = &self.inner.fallback {
+                    local.release_grant(key, g);
+                }
+            }
+            GrantKind::Open => {}
+            GrantKind::Remote(r) => {
+                if !self.inner.has_semaphore {
+                    return;
+                }
+                self.inner.drop_lease(r.holder);
+                let op = Op {
+                    id: r.id.clone(),
+                    now: Instant::from_nanos(r.us.saturating_mul(1000).saturating_add(r.sub)),
+                    us: r.us,
+                    sub: r.sub,
+                    acquired: r.acquired,
+                    req: (1, 1),
+                    cost: (r.charged, r.charged),
+                    release: true,
+                };
+                spawn_op(&self.inner, key.clone(), op, r.after, None);
+            }
+        }
+    }
+
+    fn cancel(&self, key: &TenantKey, grant: RedisGrant, now: Instant) {
+        match grant.kind {
+            GrantKind::Local(g) => {
+                if let Some(local) = &self.inner.fallback {
+                    local.cancel_grant(key, g, now);
+                }
+            }
+            GrantKind::Open => {}
+            GrantKind::Remote(r) => {
+                self.inner.drop_lease(r.holder);
+                let op = Op {
+                    id: r.id.clone(),
+                    now,
+                    us: r.us,
+                    sub: r.sub,
+                    acquired: r.acquired,
+                    req: (1, 0),
+                    cost: (r.charged, 0),
+                    release: self.inner.has_semaphore,
+                };
+                if op.adjusts() || op.release {
+                    spawn_op(&self.inner, key.clone(), op, r.after, None);
+                }
+            }
+        }
+    }
+
+    fn needs_release(&self, grant: &RedisGrant) -> bool {
+        match &grant.kind {
+            GrantKind::Remote(_) => self.inner.has_semaphore,
+            GrantKind::Open => false,
+            GrantKind::Local(g) => g.holds_concurrency(),
+        }
+    }
+
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        match &self.inner.snapshots {
+            Some(map) => cache::snapshots_at(map, key, now),
+            None => Vec::new(),
+        }
+    }
+}
