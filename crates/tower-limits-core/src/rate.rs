@@ -126,7 +126,6 @@ const fn burst_fits(interval: u64, burst: u64) -> bool {
     }
 }
 
-
 /// A rate with its burst, valid by construction: what a rate limit is built from.
 ///
 /// The constructors take [`NonZeroU64`] (write constants with [`nz!`](crate::nz)), so a

@@ -96,7 +96,6 @@ fn app() -> Router {
 
 const USAGE: &str = "usage: cargo run -p example-axum-tenants [-- --serve [--port N]]";
 
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = match example_support::from_env(USAGE, 3000) {
@@ -350,5 +349,4 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(app.oneshot(get_as("alice-key", "/")).await.unwrap().status(), StatusCode::OK);
     }
-
 }

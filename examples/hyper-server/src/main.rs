@@ -74,7 +74,6 @@ const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(2));
 
 const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--port N]]";
 
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = match example_support::from_env(USAGE, 3001) {
@@ -200,5 +199,4 @@ mod tests {
         assert!((59..=60).contains(&retry), "the next slot opens a minute after the first: {retry}");
         server.abort();
     }
-
 }

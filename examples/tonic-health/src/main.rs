@@ -64,7 +64,6 @@ const QUOTA: Quota = Quota::per_second(nz!(1)).burst(nz!(3));
 
 const USAGE: &str = "usage: cargo run -p example-tonic-health [-- --serve [--port N]]";
 
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = match example_support::from_env(USAGE, 50051) {
@@ -246,5 +245,4 @@ mod tests {
         let path = write_protoset().unwrap();
         assert_eq!(std::fs::read(path).unwrap(), tonic_health::pb::FILE_DESCRIPTOR_SET);
     }
-
 }
