@@ -23,6 +23,7 @@ use tower_limits_core::algorithm::{
     Algorithm, FixedWindow, Gcra, Refusal, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
 };
 use tower_limits_core::{Instant, Rate};
+use tower_limits_tests::params::{RateParams, WindowParams, rate_params, window_params};
 use tower_limits_tests::proptest_config;
 
 const CASES: u32 = 192;
@@ -104,72 +105,6 @@ fn steps(unit: u64, capacity: u64, len: std::ops::Range<usize>) -> impl Strategy
         (advance(unit), op, any::<Index>()).prop_map(|(advance, op, grant)| Step { advance, op, grant }),
         len,
     )
-}
-
-/// `amount` per `period` nanoseconds, with a burst. The period is at least a hundred
-/// times the amount, so that every rate is representable (its rounding costs under 1%),
-/// and is rarely a multiple of the amount, so that rounding the interval up matters.
-#[derive(Debug, Clone, Copy)]
-struct RateParams {
-    amount: u64,
-    period: u64,
-    burst: u64,
-}
-
-impl RateParams {
-    fn rate(self) -> Rate {
-        Rate::new(self.amount, Duration::from_nanos(self.period))
-    }
-
-    /// The emission interval, rounded up as the core documents.
-    fn interval(self) -> u64 {
-        self.period.div_ceil(self.amount)
-    }
-
-    fn gcra(self) -> Gcra {
-        Gcra::new(self.rate(), self.burst).expect("a valid rate and burst")
-    }
-
-    fn bucket(self) -> TokenBucket {
-        TokenBucket::new(self.rate(), self.burst).expect("a valid rate and burst")
-    }
-}
-
-fn rate_params() -> impl Strategy<Value = RateParams> {
-    (1u64..=20, 1u64..=20).prop_flat_map(|(amount, burst)| {
-        (amount * 100..=amount * 1_000_000).prop_map(move |period| RateParams { amount, period, burst })
-    })
-}
-
-/// `limit` per `window` nanoseconds; windows as short as one nanosecond.
-#[derive(Debug, Clone, Copy)]
-struct WindowParams {
-    limit: u64,
-    window: u64,
-}
-
-impl WindowParams {
-    /// A step of the clock comparable to the time one unit of the limit takes.
-    fn unit(self) -> u64 {
-        (self.window / self.limit).max(1)
-    }
-
-    fn log(self) -> SlidingWindowLog {
-        SlidingWindowLog::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-
-    fn counter(self) -> SlidingWindowCounter {
-        SlidingWindowCounter::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-
-    fn fixed(self) -> FixedWindow {
-        FixedWindow::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-}
-
-fn window_params() -> impl Strategy<Value = WindowParams> {
-    (1u64..=20, prop_oneof![1 => 1u64..=16, 4 => 1u64..=10_000_000])
-        .prop_map(|(limit, window)| WindowParams { limit, window })
 }
 
 fn rate_requests() -> impl Strategy<Value = (RateParams, Vec<Req>)> {

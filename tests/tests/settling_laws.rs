@@ -29,6 +29,7 @@ use tower_limits_core::algorithm::{
     Algorithm, FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
 use tower_limits_core::{Instant, Rate};
+use tower_limits_tests::params::{RateParams, WindowParams, rate_params, window_params};
 use tower_limits_tests::proptest_config;
 
 const CASES: u32 = 192;
@@ -74,66 +75,6 @@ fn request(unit: u64, capacity: u64) -> impl Strategy<Value = Req> {
 
 fn requests(unit: u64, capacity: u64) -> impl Strategy<Value = Vec<Req>> {
     prop::collection::vec(request(unit, capacity), 1..150)
-}
-
-#[derive(Debug, Clone, Copy)]
-struct RateParams {
-    amount: u64,
-    period: u64,
-    burst: u64,
-}
-
-impl RateParams {
-    fn rate(self) -> Rate {
-        Rate::new(self.amount, Duration::from_nanos(self.period))
-    }
-
-    fn interval(self) -> u64 {
-        self.period.div_ceil(self.amount)
-    }
-
-    fn gcra(self) -> Gcra {
-        Gcra::new(self.rate(), self.burst).expect("a valid rate and burst")
-    }
-
-    fn bucket(self) -> TokenBucket {
-        TokenBucket::new(self.rate(), self.burst).expect("a valid rate and burst")
-    }
-}
-
-fn rate_params() -> impl Strategy<Value = RateParams> {
-    (1u64..=20, 1u64..=20).prop_flat_map(|(amount, burst)| {
-        (amount * 100..=amount * 1_000_000).prop_map(move |period| RateParams { amount, period, burst })
-    })
-}
-
-#[derive(Debug, Clone, Copy)]
-struct WindowParams {
-    limit: u64,
-    window: u64,
-}
-
-impl WindowParams {
-    fn unit(self) -> u64 {
-        (self.window / self.limit).max(1)
-    }
-
-    fn log(self) -> SlidingWindowLog {
-        SlidingWindowLog::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-
-    fn counter(self) -> SlidingWindowCounter {
-        SlidingWindowCounter::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-
-    fn fixed(self) -> FixedWindow {
-        FixedWindow::new(self.limit, Duration::from_nanos(self.window)).expect("valid")
-    }
-}
-
-fn window_params() -> impl Strategy<Value = WindowParams> {
-    (1u64..=20, prop_oneof![1 => 1u64..=16, 4 => 1u64..=10_000_000])
-        .prop_map(|(limit, window)| WindowParams { limit, window })
 }
 
 fn rate_requests() -> impl Strategy<Value = (RateParams, Vec<Req>)> {
