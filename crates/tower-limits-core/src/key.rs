@@ -17,6 +17,8 @@ use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use arrayvec::ArrayString;
+
 /// The most tiers a key can have.
 pub const MAX_TIERS: usize = 8;
 
@@ -53,8 +55,8 @@ enum Path {
     /// The key with no tier.
     #[default]
     Global,
-    /// A short path, its length the end of the last tier.
-    Inline([u8; INLINE]),
+    /// A short path, kept in the key itself.
+    Inline(ArrayString<INLINE>),
     Shared(Arc<str>),
 }
 
@@ -118,19 +120,15 @@ impl TenantKey {
     /// ```
     #[must_use]
     pub fn from_ip(ip: IpAddr) -> Self {
-        let mut bytes = [0u8; INLINE];
-        let len = match ip {
-            IpAddr::V4(v4) => write_ipv4(&mut bytes, v4.octets()),
-            IpAddr::V6(v6) => {
-                let mut out = Cursor { bytes: &mut bytes, len: 0 };
-                // An IPv6 address is at most 39 bytes of text: the write cannot fail.
-                let _ = fmt::write(&mut out, format_args!("{v6}"));
-                out.len
-            }
-        };
+        let mut text = ArrayString::<INLINE>::new();
+        match ip {
+            IpAddr::V4(v4) => write_ipv4(&mut text, v4.octets()),
+            // An IPv6 address is at most 39 bytes of text: the write cannot fail.
+            IpAddr::V6(v6) => drop(fmt::write(&mut text, format_args!("{v6}"))),
+        }
         let mut ends = [0u16; MAX_TIERS];
-        ends[0] = len as u16;
-        TenantKey { path: Path::Inline(bytes), ends, depth: 1 }
+        ends[0] = text.len() as u16;
+        TenantKey { path: Path::Inline(text), ends, depth: 1 }
     }
 
     /// A key of one tier.
@@ -151,7 +149,9 @@ impl TenantKey {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        let mut path = String::new();
+        // Built inline while it fits, on the heap from the first part that does not.
+        let mut inline = ArrayString::<INLINE>::new();
+        let mut long: Option<String> = None;
         let mut ends = [0u16; MAX_TIERS];
         let mut depth = 0usize;
         for part in parts {
@@ -162,21 +162,33 @@ impl TenantKey {
             if part.contains(SEPARATOR) {
                 return Err(KeyError::ReservedCharacter(depth));
             }
-            if depth > 0 {
-                path.push(SEPARATOR);
+            let sep = if depth > 0 { SEPARATOR.len_utf8() } else { 0 };
+            if long.is_none() && inline.len() + sep + part.len() > INLINE {
+                long = Some(String::from(inline.as_str()));
             }
-            path.push_str(part);
-            ends[depth] = u16::try_from(path.len()).map_err(|_| KeyError::TooLong)?;
+            let len = match &mut long {
+                Some(path) => {
+                    if sep > 0 {
+                        path.push(SEPARATOR);
+                    }
+                    path.push_str(part);
+                    path.len()
+                }
+                None => {
+                    if sep > 0 {
+                        inline.push(SEPARATOR);
+                    }
+                    inline.push_str(part);
+                    inline.len()
+                }
+            };
+            ends[depth] = u16::try_from(len).map_err(|_| KeyError::TooLong)?;
             depth += 1;
         }
-        let path = if depth == 0 {
-            Path::Global
-        } else if path.len() <= INLINE {
-            let mut bytes = [0u8; INLINE];
-            bytes[..path.len()].copy_from_slice(path.as_bytes());
-            Path::Inline(bytes)
-        } else {
-            Path::Shared(Arc::from(path))
+        let path = match long {
+            _ if depth == 0 => Path::Global,
+            Some(path) => Path::Shared(Arc::from(path)),
+            None => Path::Inline(inline),
         };
         Ok(TenantKey { path, ends, depth: depth as u8 })
     }
@@ -186,11 +198,7 @@ impl TenantKey {
     fn full(&self) -> Option<&str> {
         match &self.path {
             Path::Global => None,
-            Path::Inline(bytes) => {
-                let len = usize::from(self.ends[usize::from(self.depth).saturating_sub(1)]);
-                // Inline bytes are always a copy of a whole `str`, cut at its end.
-                std::str::from_utf8(&bytes[..len]).ok()
-            }
+            Path::Inline(text) => Some(text.as_str()),
             Path::Shared(path) => Some(path),
         }
     }
@@ -263,43 +271,20 @@ impl fmt::Debug for TenantKey {
     }
 }
 
-/// Writes an IPv4 address as dotted decimal; answers its length (at most 15).
-fn write_ipv4(out: &mut [u8; INLINE], octets: [u8; 4]) -> usize {
-    let mut len = 0;
+/// Writes an IPv4 address as dotted decimal (at most 15 bytes), without the formatting
+/// machinery.
+fn write_ipv4(out: &mut ArrayString<INLINE>, octets: [u8; 4]) {
     for (i, octet) in octets.into_iter().enumerate() {
         if i > 0 {
-            out[len] = b'.';
-            len += 1;
+            out.push('.');
         }
         if octet >= 100 {
-            out[len] = b'0' + octet / 100;
-            len += 1;
+            out.push(char::from(b'0' + octet / 100));
         }
         if octet >= 10 {
-            out[len] = b'0' + (octet / 10) % 10;
-            len += 1;
+            out.push(char::from(b'0' + (octet / 10) % 10));
         }
-        out[len] = b'0' + octet % 10;
-        len += 1;
-    }
-    len
-}
-
-/// A `fmt::Write` into a fixed buffer.
-struct Cursor<'a> {
-    bytes: &'a mut [u8; INLINE],
-    len: usize,
-}
-
-impl fmt::Write for Cursor<'_> {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        let end = self.len + s.len();
-        if end > INLINE {
-            return Err(fmt::Error);
-        }
-        self.bytes[self.len..end].copy_from_slice(s.as_bytes());
-        self.len = end;
-        Ok(())
+        out.push(char::from(b'0' + octet % 10));
     }
 }
 
