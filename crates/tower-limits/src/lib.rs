@@ -78,6 +78,8 @@ pub mod guide {
     pub mod laws {}
     #[doc = include_str!("../docs/http.md")]
     pub mod http_answers {}
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
     #[doc = include_str!("../docs/streaming.md")]
     pub mod streaming {}
     #[doc = include_str!("../docs/migration.md")]
