@@ -611,10 +611,14 @@ fn named_layers_serve_alike_on_every_backend() {
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
         let held = {
             let gate = gate.clone();
-            tower::service_fn(move |_req: (&'static str, u64)| {
+            // Requests marked 0 are probes: admitted, they return at once instead of
+            // holding, so a probe that races the holders' acquisitions cannot block.
+            tower::service_fn(move |req: (&'static str, u64)| {
                 let gate = gate.clone();
                 async move {
-                    let _ = gate.acquire().await;
+                    if req.1 != 0 {
+                        let _ = gate.acquire().await;
+                    }
                     Ok::<_, tower_limits::BoxError>(())
                 }
             })
@@ -627,13 +631,13 @@ fn named_layers_serve_alike_on_every_backend() {
                     calls.push(tokio::spawn(svc.ready().await.unwrap().call(("carol", 1))));
                 }
                 // Once all three hold their permit, the fourth is refused.
-                let mut fourth = answer(svc.clone().oneshot(("carol", 1)).await);
+                let mut fourth = answer(svc.clone().oneshot(("carol", 0)).await);
                 for _ in 0..1000 {
                     if fourth != "ok" {
                         break;
                     }
                     tokio::task::yield_now().await;
-                    fourth = answer(svc.clone().oneshot(("carol", 1)).await);
+                    fourth = answer(svc.clone().oneshot(("carol", 0)).await);
                 }
                 assert!(fourth.starts_with("ConcurrencyLimited"), "{}: {fourth}", $label);
                 // Another key has its own capacity: admitted, it holds until the gate opens.
