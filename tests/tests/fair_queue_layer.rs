@@ -455,10 +455,11 @@ where
 #[tokio::test(start_paused = true)]
 async fn full_queues_answer_429_and_503() {
     let config = FairQueueConfig::new().tenant_queue_limit(2).global_queue_limit(3);
+    // No suggested wait for unknown ones: the test reads the pace-based estimate alone.
     let fair = FairQueueLayer::concurrency(config, 1)
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
-        .reject_with(HttpAnswer::new());
+        .reject_with(HttpAnswer::new().with_unknown_wait(None));
     let (inner, mut handle) = mock::pair::<http::Request<String>, http::Response<String>>();
     handle.allow(100);
     let svc = &mut tower::Layer::layer(&fair, inner);

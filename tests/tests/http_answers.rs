@@ -99,6 +99,9 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
     tokio::task::yield_now().await;
     let response = svc.clone().oneshot(request(None, 1)).await.unwrap();
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Nobody knows when a slot frees: the suggested wait, so that clients back off.
+    assert_eq!(response.headers()["retry-after"], "1");
+    assert_eq!(response.headers()["retry-after-ms"], "1000");
     tx.send(()).unwrap();
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
 
@@ -120,6 +123,7 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
     let svc = ServiceBuilder::new().layer(keyed).service(ok_service());
     let response = svc.oneshot(request(None, 1)).await.unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert!(!response.headers().contains_key("retry-after"), "waiting cannot help a missing key");
     assert_eq!(response.headers()["content-type"], "application/problem+json");
     assert!(response.body().contains("\"kind\":\"missing_key\""), "{}", response.body());
 }

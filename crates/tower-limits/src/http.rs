@@ -505,6 +505,8 @@ pub struct HttpAnswer<J = EmptyBody> {
     on_success: bool,
     all_limits: bool,
     status: fn(&LimitError) -> StatusCode,
+    /// The wait suggested for refusals whose wait nobody can know.
+    unknown_wait: Option<Duration>,
     _body: PhantomData<J>,
 }
 
@@ -517,6 +519,7 @@ impl HttpAnswer {
             on_success: false,
             all_limits: false,
             status: LimitError::status,
+            unknown_wait: Some(Duration::from_secs(1)),
             _body: PhantomData,
         }
     }
@@ -581,12 +584,46 @@ impl<J> HttpAnswer<J> {
             on_success: self.on_success,
             all_limits: self.all_limits,
             status: self.status,
+            unknown_wait: self.unknown_wait,
             _body: PhantomData,
         }
     }
 
+    /// The wait that `Retry-After` and `retry-after-ms` suggest for refusals whose wait
+    /// cannot be known (a full concurrency limit or queue, a backend that is down, a full
+    /// key table): `None` leaves them without. One second by default, so that clients
+    /// that retry on `Retry-After` (OpenAI's SDKs among them) back off instead of
+    /// hammering. Refusals that can never pass (a missing key, a cost above capacity)
+    /// carry no wait either way.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits::http::HttpAnswer;
+    ///
+    /// let answer = HttpAnswer::new().with_unknown_wait(Some(Duration::from_millis(250)));
+    /// # drop(answer);
+    /// ```
+    pub const fn with_unknown_wait(self, wait: Option<Duration>) -> Self {
+        HttpAnswer { unknown_wait: wait, ..self }
+    }
+
     fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
         error.write_headers(headers);
+        if let (None, Some(wait)) = (error.retry_after(), self.unknown_wait) {
+            let waits = matches!(
+                error.kind(),
+                ErrorKind::ConcurrencyLimited
+                    | ErrorKind::TenantQueueFull
+                    | ErrorKind::QueueFull
+                    | ErrorKind::WaitTimedOut
+                    | ErrorKind::KeyTableFull
+                    | ErrorKind::Unavailable
+            );
+            if waits {
+                headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
+                headers.insert(RETRY_AFTER_MS, HeaderValue::from(whole_millis(wait) as u64));
+            }
+        }
         if let Some(all) = error.snapshots() {
             if self.all_limits {
                 write_ratelimit_fields(headers, all);
