@@ -176,3 +176,21 @@ fn a_burst_is_shared_exactly() {
         assert_eq!(granted, ROUND_BURST, "round {round}");
     }
 }
+
+/// A cost above the burst can never pass, on the lock-free path as on the locked one: it
+/// is refused at once as such, never granted, and counted as impossible.
+#[test]
+fn a_cost_above_the_burst_is_never_granted() {
+    let set = LimitSet::new(policy(5)).unwrap();
+    let global = TenantKey::global();
+    let at = Instant::from_nanos(1_000_000);
+    for cost in [6, 7, u64::MAX] {
+        match set.acquire(&global, cost, at) {
+            Err(AcquireError::CostAboveCapacity(e)) => assert_eq!(e.capacity(), 5, "cost {cost}"),
+            other => panic!("cost {cost}: {:?}", other.map(|_| ())),
+        }
+    }
+    assert!(set.acquire(&global, 5, at).is_ok(), "nothing was charged");
+    let stats = set.stats();
+    assert_eq!((stats.admitted, stats.limits[0].cost_above_capacity), (1, 3));
+}
