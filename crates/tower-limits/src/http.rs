@@ -289,7 +289,7 @@ fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, b
     type Key = ([Option<PolicyMember>; CACHED_MEMBERS], usize);
     static INTERNED: Mutex<Option<HashMap<Key, &'static str>>> = Mutex::new(None);
     thread_local! {
-        static RECENT: RefCell<Vec<(Key, &'static str)>> = const { RefCell::new(Vec::new()) };
+        static RECENT: RefCell<Vec<(Key, Option<HeaderValue>)>> = const { RefCell::new(Vec::new()) };
     }
 
     let mut key: Key = ([None; CACHED_MEMBERS], 0);
@@ -300,9 +300,10 @@ fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, b
         key.0[i] = Some(PolicyMember::of(name, s, sem));
         key.1 = i + 1;
     }
-    let text = RECENT.with_borrow_mut(|recent| {
-        if let Some(&(_, text)) = recent.iter().find(|(k, _)| *k == key) {
-            return text;
+    RECENT.with_borrow_mut(|recent| {
+        // A value over static bytes: cloning it copies a pointer, validating it is done once.
+        if let Some((_, value)) = recent.iter().find(|(k, _)| *k == key) {
+            return value.clone();
         }
         let text = {
             let mut interned = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
@@ -317,13 +318,13 @@ fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, b
                 Box::leak(out.into_boxed_str())
             })
         };
+        let value = HeaderValue::from_str(text).ok().map(|_| HeaderValue::from_static(text));
         if recent.len() == 8 {
             recent.remove(0);
         }
-        recent.push((key, text));
-        text
-    });
-    HeaderValue::from_str(text).ok().map(|_| HeaderValue::from_static(text))
+        recent.push((key, value.clone()));
+        value
+    })
 }
 
 /// Builds a header value in a buffer kept per thread: one allocation, the value's own.

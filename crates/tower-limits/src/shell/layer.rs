@@ -144,8 +144,9 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     pub fn key<K2: 'static>(self, keys: K2) -> LimitLayer<K2, C, U, R, B, A, D> {
         let shared = match &self.shared.source {
             Some(source) if source.single && TypeId::of::<K2>() != TypeId::of::<GlobalKey>() => {
-                let mut shared = Shared::new(source.per_key(), self.shared.clock.clone(), self.shared.settings.clone());
-                shared.source = Some(source.keyed());
+                let keyed = source.keyed();
+                let mut shared = Shared::new(keyed.backend(), self.shared.clock.clone(), self.shared.settings.clone());
+                shared.source = Some(keyed);
                 Arc::new(shared)
             }
             _ => self.shared,

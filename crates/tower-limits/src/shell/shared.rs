@@ -155,9 +155,9 @@ impl<B> Source<B> {
         Source { policy, single: false, build: self.build }
     }
 
-    /// A backend enforcing [`Source::keyed`].
-    pub(crate) fn per_key(&self) -> B {
-        (self.build)(self.keyed().policy)
+    /// A backend enforcing this source's policy.
+    pub(crate) fn backend(&self) -> B {
+        (self.build)(self.policy.clone())
     }
 }
 
