@@ -6,7 +6,8 @@
 //! reports the ratio of medians and the min / median / max of the per-round ratios. A
 //! ratio below 1.0 means we are faster (or, for throughput rows, see the row's note).
 //!
-//! Run: `cargo bench -p tower-limits-benches --bench peers` (about a minute).
+//! Run: `cargo bench -p tower-limits-benches --bench peers` (about two minutes; the Redis
+//! rows need a `redis-server` on the `PATH` and are skipped without one).
 
 #![allow(clippy::print_stdout)]
 
@@ -15,15 +16,32 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant as StdInstant};
 
-use governor::{Quota, RateLimiter};
-use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use axum::body::Body;
+use governor::{Quota as GovQuota, RateLimiter};
+use http::{Request, Response};
+use tower::{Layer, Service};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
+use tower_limits::extract::PeerIp;
+use tower_limits::http::HttpAnswer;
+use tower_limits::{GcraLayer, Quota, nz};
+use tower_limits_core::{Backend, Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+use tower_limits_redis::redis;
+use tower_limits_redis::test_support::RedisServer;
+use tower_limits_redis::{RedisBackend, RedisConnection};
 
 const HUGE: u32 = 1_000_000_000;
 const ROUNDS: usize = 9;
 /// Wall time one side of one round aims for.
 const SLICE: Duration = Duration::from_millis(40);
 
-fn nz(n: u32) -> NonZeroU32 {
+fn nz_u32(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("non-zero")
 }
 
@@ -136,7 +154,7 @@ fn main() {
     let mut rows = Vec::new();
 
     let open = open_set();
-    let gov_open = RateLimiter::direct(Quota::per_second(nz(HUGE)).allow_burst(nz(1_000_000)));
+    let gov_open = RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000)));
     rows.push(pair(
         "one limit, allow (ours acquire / governor check)",
         &mut || {
@@ -150,7 +168,7 @@ fn main() {
     let shut =
         LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_hour(1), 1))).expect("policy");
     let _first = shut.acquire(&global, 1, clock.now()).expect("first passes");
-    let gov_shut = RateLimiter::direct(Quota::per_hour(nz(1)));
+    let gov_shut = RateLimiter::direct(GovQuota::per_hour(nz_u32(1)));
     let _ = gov_shut.check();
     rows.push(pair(
         "one limit, deny",
@@ -188,7 +206,7 @@ fn main() {
             unit: "Mop/s",
         };
         let ours = open_set();
-        let theirs = Arc::new(RateLimiter::direct(Quota::per_second(nz(HUGE)).allow_burst(nz(1_000_000))));
+        let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000))));
         let ours_op: Arc<dyn Fn() + Send + Sync> = {
             let (clock, key) = (clock.clone(), global.clone());
             Arc::new(move || {
@@ -230,7 +248,7 @@ fn main() {
                 .limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).per("tenant")),
         )
         .expect("policy");
-        let theirs = RateLimiter::keyed(Quota::per_second(nz(HUGE)).allow_burst(nz(1_000_000)));
+        let theirs = RateLimiter::keyed(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000)));
         for (k, s) in keys.iter().zip(&names) {
             let _ = ours.acquire(k, 1, clock.now());
             let _ = theirs.check_key(s);
@@ -269,8 +287,13 @@ fn main() {
         },
     ));
 
+    tower_rows(&mut rows);
+    redis_rows(&mut rows);
+
     println!();
-    println!("peers: tower-limits against governor, {ROUNDS} interleaved rounds, {cores} cores");
+    println!(
+        "peers: tower-limits against governor, tower_governor, tower::limit; {ROUNDS} interleaved rounds, {cores} cores"
+    );
     println!();
     println!(
         "| {:<44} | {:>12} | {:>12} | {:>5} | {:>7} | per-round ratio min / med / max |",
@@ -282,5 +305,272 @@ fn main() {
     }
     println!();
     println!("ns rows: ratio below 1.0 is faster than the peer. Mop/s rows: above 1.0 is more throughput.");
-    println!("TODO (the lead's, tower layers): tower_governor and tower::limit rows, tower modes, Redis.");
+    println!("tower rows: overhead over the same bare `service_fn` and request, measured in the same round.");
 }
+
+/// One request through `svc`, polled once with a no-op waker (every service here answers
+/// at once): whether it answered.
+fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
+        return false;
+    }
+    let fut = pin!(svc.call(req));
+    matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
+}
+
+type Req = Request<()>;
+
+fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Future: Send> + Clone + Send + 'static {
+    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, Infallible>(Response::new(Body::empty()))))
+}
+
+/// A request from one of 1,000 peers, as axum and a bare hyper accept loop record it.
+fn from_peer(n: u32) -> Req {
+    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
+    let mut req = Request::new(());
+    req.extensions_mut().insert(addr);
+    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
+    req
+}
+
+/// The overhead of two middlewares over the same bare service and request: each round
+/// times the bare service, ours and theirs (in turn), and keeps ours - bare and theirs -
+/// bare.
+fn overhead(name: &str, bare: &mut dyn FnMut(), ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) -> Row {
+    let mut row = Row { name: name.to_string(), ours: Vec::new(), theirs: Vec::new(), unit: "ns" };
+    for round in 0..ROUNDS {
+        let (o, t, b) = if round % 2 == 0 {
+            let b = per_call(bare);
+            (per_call(ours), per_call(theirs), b)
+        } else {
+            let t = per_call(theirs);
+            let o = per_call(ours);
+            (o, t, per_call(bare))
+        };
+        // A floor keeps a ratio meaningful when a middleware costs about nothing.
+        row.ours.push((o - b).max(0.5));
+        row.theirs.push((t - b).max(0.5));
+    }
+    row
+}
+
+/// Tower stacks over a bare `service_fn`: our GCRA layer against tower_governor's
+/// `GovernorLayer` (error mode, success headers, keyed by peer IP) and tower's own
+/// `RateLimit`.
+fn tower_rows(rows: &mut Vec<Row>) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let _enter = rt.enter();
+    let open = || Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000));
+    let governed = || {
+        let mut config = GovernorConfigBuilder::default();
+        config.per_nanosecond(1).burst_size(1_000_000);
+        config
+    };
+    let mut plain = bare();
+
+    let mut ours = GcraLayer::new(open()).system_clock().layer(bare());
+    let config = governed().key_extractor(GlobalKeyExtractor).finish().expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut tower_rate = tower::limit::RateLimitLayer::new(1_000_000_000, Duration::from_secs(1)).layer(bare());
+    rows.push(overhead(
+        "tower, error mode: ours / tower_governor",
+        &mut || assert!(drive(&mut plain, Request::new(()))),
+        &mut || assert!(drive(&mut ours, Request::new(()))),
+        &mut || assert!(drive(&mut theirs, Request::new(()))),
+    ));
+    rows.push(overhead(
+        "tower, error mode: ours / tower::limit::RateLimit",
+        &mut || assert!(drive(&mut plain, Request::new(()))),
+        &mut || assert!(drive(&mut ours, Request::new(()))),
+        &mut || {
+            // tower's RateLimit must be polled ready before each call; `drive` does.
+            black_box(drive(&mut tower_rate, Request::new(())));
+        },
+    ));
+
+    let mut ours = GcraLayer::new(open()).system_clock().reject_with(HttpAnswer::new().on_success()).layer(bare());
+    let config = governed().key_extractor(GlobalKeyExtractor).use_headers().finish().expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    rows.push(overhead(
+        "tower, success headers: ours / use_headers",
+        &mut || assert!(drive(&mut plain, Request::new(()))),
+        &mut || assert!(drive(&mut ours, Request::new(()))),
+        &mut || assert!(drive(&mut theirs, Request::new(()))),
+    ));
+
+    let mut ours = GcraLayer::new(open()).key(PeerIp).system_clock().layer(bare());
+    let config = governed().key_extractor(PeerIpKeyExtractor).finish().expect("config");
+    let mut theirs = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let (mut a, mut b, mut c) = (0u32, 0u32, 0u32);
+    rows.push(overhead(
+        "tower, keyed by peer IP (1,000 peers)",
+        &mut || {
+            a = (a + 1) % 1_000;
+            assert!(drive(&mut plain, from_peer(a)));
+        },
+        &mut || {
+            b = (b + 1) % 1_000;
+            assert!(drive(&mut ours, from_peer(b)));
+        },
+        &mut || {
+            c = (c + 1) % 1_000;
+            assert!(drive(&mut theirs, from_peer(c)));
+        },
+    ));
+}
+
+/// The Redis backend, against a `redis-server` started for the run (skipped without one):
+/// a set of three limits against a single GCRA, 64 acquisitions in flight on one
+/// connection (throughput), and the server CPU per call of our three-limit script
+/// against a plain hand-written script over the same three keys.
+fn redis_rows(rows: &mut Vec<Row>) {
+    let server = match RedisServer::start() {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("peers: Redis rows skipped (no redis-server: {e})");
+            return;
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let url = server.url();
+    let conn = rt.block_on(RedisConnection::connect(&url)).expect("a connection");
+    let mut raw = rt
+        .block_on(async { redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await })
+        .expect("a raw connection");
+    let backend = |policy: LimitSetPolicy, name: &str| {
+        RedisBackend::builder(policy)
+            .namespace(format!("peers-{name}"))
+            .timeout(Duration::from_secs(5))
+            .max_leases(0)
+            .build(&conn)
+            .expect("a backend")
+    };
+    let single = backend(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user")),
+        "single",
+    );
+    let three = backend(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
+            .limit(
+                LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000)
+                    .per("org")
+                    .counting_cost(),
+            )
+            .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org")),
+        "three",
+    );
+    let keys: Arc<[TenantKey]> =
+        (0..1_000).map(|i| TenantKey::new([format!("org-{}", i / 10), format!("user-{i}")]).expect("key")).collect();
+    const IN_FLIGHT: usize = 64;
+    const CALLS: u64 = 6_400;
+    let throughput = |b: &RedisBackend| -> f64 {
+        rt.block_on(async {
+            let start = StdInstant::now();
+            let tasks: Vec<_> = (0..IN_FLIGHT)
+                .map(|t| {
+                    let (b, keys) = (b.clone(), keys.clone());
+                    tokio::spawn(async move {
+                        for i in 0..CALLS / IN_FLIGHT as u64 {
+                            let key = &keys[(t * 7919 + i as usize) % keys.len()];
+                            black_box(b.acquire(key, 1, tower_limits_core::Instant::ZERO).await.is_ok());
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("a task");
+            }
+            CALLS as f64 / start.elapsed().as_secs_f64() / 1e3
+        })
+    };
+    let mut row = Row {
+        name: format!("Redis, {IN_FLIGHT} in flight: 3 limits / 1 GCRA kop/s"),
+        ours: Vec::new(),
+        theirs: Vec::new(),
+        unit: "kop/s",
+    };
+    for round in 0..ROUNDS {
+        if round % 2 == 0 {
+            row.ours.push(throughput(&three));
+            row.theirs.push(throughput(&single));
+        } else {
+            row.theirs.push(throughput(&single));
+            row.ours.push(throughput(&three));
+        }
+    }
+    rows.push(row);
+
+    // Server CPU per call: ours (three limits) against a plain script over three keys.
+    let sha: String =
+        rt.block_on(redis::cmd("SCRIPT").arg("LOAD").arg(PLAIN_THREE_KEYS).query_async(&mut raw)).expect("SCRIPT LOAD");
+    let usec_per_evalsha = |raw: &mut redis::aio::MultiplexedConnection| -> f64 {
+        let info: String = rt.block_on(redis::cmd("INFO").arg("commandstats").query_async(raw)).expect("INFO");
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+            .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("usec_per_call=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let reset = |raw: &mut redis::aio::MultiplexedConnection| {
+        let () = rt.block_on(redis::cmd("CONFIG").arg("RESETSTAT").query_async(raw)).expect("RESETSTAT");
+    };
+    let mut row = Row {
+        name: "Redis CPU per call: 3 limits / plain 3-key script".into(),
+        ours: Vec::new(),
+        theirs: Vec::new(),
+        unit: "us",
+    };
+    for round in 0..ROUNDS {
+        reset(&mut raw);
+        throughput(&three);
+        let ours = usec_per_evalsha(&mut raw);
+        reset(&mut raw);
+        rt.block_on(async {
+            for i in 0..CALLS {
+                let key = &keys[(i as usize * 7919) % keys.len()];
+                let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
+                let _: redis::Value = redis::cmd("EVALSHA")
+                    .arg(&sha)
+                    .arg(3)
+                    .arg(format!("plain:{{{org}}}:{user}:g"))
+                    .arg(format!("plain:{{{org}}}:t"))
+                    .arg(format!("plain:{{{org}}}:s"))
+                    .arg(round)
+                    .query_async(&mut raw.clone())
+                    .await
+                    .expect("EVALSHA");
+            }
+        });
+        row.ours.push(ours);
+        row.theirs.push(usec_per_evalsha(&mut raw));
+    }
+    rows.push(row);
+    drop(server);
+}
+
+/// A plain hand-written script over three keys: a GCRA, a token bucket and a semaphore
+/// count, each read, decided and written with an expiry; the floor any 3-limit script
+/// pays for its keys.
+const PLAIN_THREE_KEYS: &str = r#"local t = redis.call('TIME')
+local now = t[1] * 1000000 + t[2]
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local new_tat = tat + 1
+if new_tat - now > 1000000000 then return {0, 1} end
+redis.call('SET', KEYS[1], new_tat, 'PX', 60000)
+local b = redis.call('HMGET', KEYS[2], 'tokens', 'at')
+local tokens = tonumber(b[1] or 1000000000)
+local at = tonumber(b[2] or now)
+tokens = math.min(1000000000, tokens + (now - at))
+if tokens < 1 then return {0, 2} end
+redis.call('HSET', KEYS[2], 'tokens', tokens - 1, 'at', now)
+redis.call('PEXPIRE', KEYS[2], 60000)
+local held = redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], 60000)
+if held > 1000000000 then redis.call('DECR', KEYS[3]) return {0, 3} end
+return {1, 0}"#;

@@ -412,28 +412,27 @@ fn assert_retry_exact<A: Algorithm>(alg: &A, steps: &[Step]) {
     }
 }
 
-/// `peek(now).remaining` is the largest cost `check` grants at `now`, and the limit is
-/// back to its full quota at exactly `now + reset`.
+/// `peek(now).remaining` is the largest cost `check` grants at `now` (at most the
+/// capacity, the burst of a rate limit, which may be below its quota per window), and the
+/// limit is back to its full capacity at exactly `now + reset`.
 fn assert_peek_exact<A: Algorithm>(alg: &A, state: &A::State, now: u64, step: usize) {
     let snap = alg.peek(state, at(now));
-    assert_eq!(snap.quota, alg.capacity());
-    assert!(snap.remaining <= snap.quota, "step {step}: remaining above quota: {snap:?}");
+    let full = alg.capacity();
+    assert!(full <= snap.quota, "step {step}: the quota is below what can be granted at once: {snap:?}");
+    assert!(snap.remaining <= full, "step {step}: remaining above capacity: {snap:?}");
     if snap.remaining > 0 {
         assert_eq!(alg.check(state, at(now), snap.remaining), Ok(()), "step {step}: peek promises too much: {snap:?}");
     }
-    if snap.remaining < snap.quota {
+    if snap.remaining < full {
         assert!(
             matches!(alg.check(state, at(now), snap.remaining + 1), Err(Refusal::NotYet { .. })),
             "step {step}: peek promises too little: {snap:?}"
         );
     }
     let reset = nanos(snap.reset);
-    assert_eq!(alg.peek(state, at(now + reset)).remaining, snap.quota, "step {step}: not full after reset {snap:?}");
+    assert_eq!(alg.peek(state, at(now + reset)).remaining, full, "step {step}: not full after reset {snap:?}");
     if reset > 0 {
-        assert!(
-            alg.peek(state, at(now + reset - 1)).remaining < snap.quota,
-            "step {step}: full before reset: {snap:?}"
-        );
+        assert!(alg.peek(state, at(now + reset - 1)).remaining < full, "step {step}: full before reset: {snap:?}");
     }
 }
 
@@ -647,14 +646,20 @@ fn accessors_report_the_parameters() {
     let sem = Semaphore::new(3).unwrap();
     assert_eq!((sem.capacity(), sem.fresh().held()), (3, 0));
 
-    for (quota, snap) in [
-        (5, gcra.peek(&gcra.fresh(), Instant::ZERO)),
-        (5, bucket.peek(&bucket.fresh(), Instant::ZERO)),
-        (9, log.peek(&log.fresh(), Instant::ZERO)),
-        (9, counter.peek(&counter.fresh(), Instant::ZERO)),
-        (9, fixed.peek(&fixed.fresh(), Instant::ZERO)),
-        (3, sem.peek(&sem.fresh(), Instant::ZERO)),
+    // Rate limits state their rate's amount per period (the plan), and can grant their
+    // burst right now; windowed limits and semaphores state what they grant.
+    for ((quota, window), full, snap) in [
+        ((rate.amount(), rate.period()), 5, gcra.peek(&gcra.fresh(), Instant::ZERO)),
+        ((rate.amount(), rate.period()), 5, bucket.peek(&bucket.fresh(), Instant::ZERO)),
+        ((9, window), 9, log.peek(&log.fresh(), Instant::ZERO)),
+        ((9, window), 9, counter.peek(&counter.fresh(), Instant::ZERO)),
+        ((9, window), 9, fixed.peek(&fixed.fresh(), Instant::ZERO)),
+        ((3, Duration::ZERO), 3, sem.peek(&sem.fresh(), Instant::ZERO)),
     ] {
-        assert_eq!((snap.quota, snap.remaining, snap.reset), (quota, quota, Duration::ZERO), "{snap:?}");
+        assert_eq!(
+            (snap.quota, snap.window, snap.remaining, snap.reset),
+            (quota, window, full, Duration::ZERO),
+            "{snap:?}"
+        );
     }
 }

@@ -609,14 +609,17 @@ fn named_layers_serve_alike_on_every_backend() {
         let policy = memory.policy().unwrap().clone();
         let on_redis = memory.clone().on_backend(redis_common::manual(policy, "named").build(&conn).unwrap());
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let entered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let held = {
-            let gate = gate.clone();
+            let (gate, entered) = (gate.clone(), entered.clone());
             // Requests marked 0 are probes: admitted, they return at once instead of
-            // holding, so a probe that races the holders' acquisitions cannot block.
+            // holding. Holders count themselves in, so the probe is sent only once all
+            // three hold their permit (a probe sent earlier could take a holder's slot).
             tower::service_fn(move |req: (&'static str, u64)| {
-                let gate = gate.clone();
+                let (gate, entered) = (gate.clone(), entered.clone());
                 async move {
                     if req.1 != 0 {
+                        entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         let _ = gate.acquire().await;
                     }
                     Ok::<_, tower_limits::BoxError>(())
@@ -631,14 +634,10 @@ fn named_layers_serve_alike_on_every_backend() {
                     calls.push(tokio::spawn(svc.ready().await.unwrap().call(("carol", 1))));
                 }
                 // Once all three hold their permit, the fourth is refused.
-                let mut fourth = answer(svc.clone().oneshot(("carol", 0)).await);
-                for _ in 0..1000 {
-                    if fourth != "ok" {
-                        break;
-                    }
+                while entered.load(std::sync::atomic::Ordering::SeqCst) < 3 {
                     tokio::task::yield_now().await;
-                    fourth = answer(svc.clone().oneshot(("carol", 0)).await);
                 }
+                let fourth = answer(svc.clone().oneshot(("carol", 0)).await);
                 assert!(fourth.starts_with("ConcurrencyLimited"), "{}: {fourth}", $label);
                 // Another key has its own capacity: admitted, it holds until the gate opens.
                 let dave = tokio::spawn(svc.ready().await.unwrap().call(("dave", 1)));
@@ -648,6 +647,7 @@ fn named_layers_serve_alike_on_every_backend() {
                 }
                 assert_eq!(answer(dave.await.unwrap()), "ok", "{}: another key has its own", $label);
                 gate.forget_permits(gate.available_permits());
+                entered.store(0, std::sync::atomic::Ordering::SeqCst);
             }};
         }
         holds!("memory", memory.layer(held.clone()));

@@ -63,7 +63,9 @@ async fn a_tenant_limit_answers_429_with_its_fields() {
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     let h = response.headers();
     assert_eq!(h["retry-after"], "1");
-    assert_eq!(h["ratelimit-policy"], "\"requests\";q=2;w=2");
+    // The plan (60 per minute), not its burst of 2 (which read as 2 per 2 s); the state:
+    // nothing left, full again in 2 s.
+    assert_eq!(h["ratelimit-policy"], "\"requests\";q=60;w=60");
     assert_eq!(h["ratelimit"], "\"requests\";r=0;t=2");
     assert!(response.body().is_empty());
     // Another user of the same org is not blocked by alice's own limit.
@@ -161,14 +163,15 @@ async fn openai_fields_and_success_headers() {
     let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 1_000)).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     let h = response.headers();
-    assert_eq!(h["x-ratelimit-limit-requests"], "2");
+    // The quota per minute the user signed up for; what is left right now (of the burst).
+    assert_eq!(h["x-ratelimit-limit-requests"], "60");
     assert_eq!(h["x-ratelimit-remaining-requests"], "1");
     assert_eq!(h["x-ratelimit-reset-requests"], "1s");
-    assert_eq!(h["x-ratelimit-limit-tokens"], "10000");
+    assert_eq!(h["x-ratelimit-limit-tokens"], "60000");
     assert_eq!(h["x-ratelimit-remaining-tokens"], "9000", "the snapshot is taken at admission, before settling");
     assert_eq!(
         h["ratelimit-policy"],
-        "\"requests\";q=2;w=2, \"tokens\";q=10000;w=10, \"shared\";q=100;qu=\"concurrent-requests\""
+        "\"requests\";q=60;w=60, \"tokens\";q=60000;w=60, \"shared\";q=100;qu=\"concurrent-requests\""
     );
     // Settled to half the estimate: 500 came back.
     let response = svc.oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
@@ -278,4 +281,109 @@ async fn openai_refusals_carry_the_error_object_and_both_waits() {
     tokio::time::advance(Duration::from_millis(ms)).await;
     let again = svc.oneshot(request(Some(["acme", "alice"]), 10)).await.unwrap();
     assert_eq!(again.status(), StatusCode::OK);
+}
+
+/// The fields state the plan a user signed up for, and the truth about what is left, for
+/// GCRA and the token bucket alike: 6,000 per minute with a burst of 600 says 6000 per
+/// 60 s (the burst said 600 per 6 s), and 240 per minute with a burst of 2 says 240 per
+/// 60 s (its 0.5 s burst window, rounded up to 1 s, read as 120 per minute).
+#[tokio::test(start_paused = true)]
+async fn fields_state_the_plan_not_the_burst() {
+    for (gcra, rate, burst, policy, after_one, reset) in [
+        (true, Rate::per_minute(6_000), 600, "\"plan\";q=6000;w=60", "599", "10ms"),
+        (false, Rate::per_minute(6_000), 600, "\"plan\";q=6000;w=60", "599", "10ms"),
+        (true, Rate::per_minute(240), 2, "\"plan\";q=240;w=60", "1", "250ms"),
+        (false, Rate::per_minute(240), 2, "\"plan\";q=240;w=60", "1", "250ms"),
+    ] {
+        let limit =
+            if gcra { LimitPolicy::gcra("plan", rate, burst) } else { LimitPolicy::token_bucket("plan", rate, burst) };
+        let layer = LimitSetLayer::new(LimitSetPolicy::new().tiers(["org", "user"]).limit(limit.per("org")))
+            .unwrap()
+            .key(FromExtension::<TenantKey>::new())
+            .reject_with(HttpAnswer::new().with_openai_fields().on_success());
+        let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+        let ok = svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+        let h = ok.headers();
+        assert_eq!(h["ratelimit-policy"], policy, "gcra {gcra}");
+        assert_eq!(h["x-ratelimit-limit-requests"], rate.amount().to_string().as_str());
+        assert_eq!(h["x-ratelimit-remaining-requests"], after_one, "what can be granted right now");
+        assert_eq!(h["x-ratelimit-reset-requests"], reset, "one interval until full again");
+        for _ in 1..burst {
+            svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+        }
+        let refused = svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.headers()["ratelimit-policy"], policy);
+        assert_eq!(refused.headers()["x-ratelimit-remaining-requests"], "0");
+    }
+}
+
+/// OpenAI-shaped refusals name the limit, its tier, the plan and when to retry, in the
+/// body and in `retry-after-ms`; a concurrency refusal carries the suggested wait in both.
+#[tokio::test(start_paused = true)]
+async fn openai_bodies_name_the_plan_and_the_wait() {
+    let policy = LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("org.rpm", Rate::per_minute(240), 2).per("org"))
+        .limit(LimitPolicy::semaphore("org.concurrency", 1).per("org"));
+    let layer = LimitSetLayer::new(policy)
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .reject_with(HttpAnswer::new().with_openai_body().with_openai_fields());
+    let (gate_tx, gate_rx) = tokio::sync::watch::channel(false);
+    let svc = ServiceBuilder::new().layer(layer).service(tower::service_fn(move |_req: Request<String>| {
+        let mut gate = gate_rx.clone();
+        async move {
+            let _ = gate.wait_for(|open| *open).await;
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }
+    }));
+    let held = tokio::spawn(svc.clone().oneshot(request(Some(["acme", "alice"]), 1)));
+    tokio::task::yield_now().await;
+    let busy = svc.clone().oneshot(request(Some(["acme", "bob"]), 1)).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(busy.headers()["content-type"], "application/json");
+    assert_eq!(busy.headers()["retry-after"], "1");
+    assert_eq!(busy.headers()["retry-after-ms"], "1000");
+    let body: serde_json::Value = serde_json::from_str(busy.body()).unwrap();
+    assert_eq!(body["error"]["code"], "concurrency_limited");
+    assert_eq!(
+        body["error"]["message"],
+        "Too many requests in flight for org.concurrency (per org): limit 1 at once. Please try again in 1.000s."
+    );
+    gate_tx.send(true).unwrap();
+    assert_eq!(held.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The refusal charged nothing: the burst's second request passes, the third waits.
+    assert_eq!(svc.clone().oneshot(request(Some(["acme", "bob"]), 1)).await.unwrap().status(), StatusCode::OK);
+    let rate = svc.clone().oneshot(request(Some(["acme", "bob"]), 1)).await.unwrap();
+    assert_eq!(rate.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(rate.headers()["retry-after-ms"], "250");
+    assert_eq!(rate.headers()["retry-after"], "1");
+    let body: serde_json::Value = serde_json::from_str(rate.body()).unwrap();
+    assert_eq!(body["error"]["type"], "requests");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(body["error"]["param"], serde_json::Value::Null);
+    assert_eq!(
+        body["error"]["message"],
+        "Rate limit reached for org.rpm (per org): limit 240 requests per 1m. Please try again in 0.250s."
+    );
+}
+
+/// A stand-in's answers keep the wait and state no limit: no field, no quota in the body.
+#[tokio::test(start_paused = true)]
+async fn without_limit_fields_keeps_only_the_wait() {
+    let layer = GcraLayer::new(Quota::per_minute(nz!(240)).burst(nz!(1)))
+        .reject_with(HttpAnswer::new().with_openai_body().with_openai_fields().on_success().without_limit_fields());
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    let ok = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert!(ok.headers().is_empty(), "{:?}", ok.headers());
+    let refused = svc.oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let mut names: Vec<&str> = refused.headers().keys().map(|k| k.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["content-type", "retry-after", "retry-after-ms"]);
+    assert_eq!(refused.headers()["retry-after-ms"], "250");
+    let body: serde_json::Value = serde_json::from_str(refused.body()).unwrap();
+    assert_eq!(body["error"]["message"], "Rate limit reached for gcra. Please try again in 0.250s.");
 }

@@ -225,3 +225,78 @@ fn a_replica_that_stops_holds_the_turn_no_longer_than_its_wait_plus_the_grace() 
         assert!(second_wait.retry_after() + Duration::from_millis(100) >= first_wait.retry_after());
     });
 }
+
+/// Admits cost-1 requests through `pool` until the accounts refuse; how many passed.
+async fn drain(pool: &LimitPool) -> u64 {
+    let key = TenantKey::global();
+    let mut granted = 0u64;
+    loop {
+        match Backend::acquire(pool, &key, 1, Instant::ZERO).await {
+            Ok(g) => {
+                granted += 1;
+                Backend::release(pool, &key, g);
+            }
+            Err(AcquireError::Denied(_)) => return granted,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(granted <= 1_000, "the accounts never refused");
+    }
+}
+
+#[test]
+fn redis_restarted_empty_charges_at_most_one_burst_more_and_feedback_restores_the_mirrors() {
+    let Some(mut server) =
+        own_redis_for("redis_restarted_empty_charges_at_most_one_burst_more_and_feedback_restores_the_mirrors")
+    else {
+        return;
+    };
+    let url = server.url();
+    runtime().block_on(async {
+        let ns = namespace("accounts-restart");
+        let conn = connect(&url).await;
+        let (pool, store) = replica(&conn, &ns, FailurePolicy::FailClosed, Duration::from_millis(200));
+        let bursts: u64 = ACCOUNTS.iter().map(|(_, rpm, _)| rpm).sum();
+        let start = server_us(&url).await;
+        let before = drain(&pool).await;
+        let drained_us = server_us(&url).await - start;
+        assert!(before <= bursts + drained_us * bursts / 60_000_000 + 1, "{before} before the restart");
+
+        // Restarted empty: the mirrors start full again (the documented policy).
+        server.restart().expect("the server restarts");
+        let key = TenantKey::global();
+        let answered = async {
+            loop {
+                match Backend::acquire(&pool, &key, 1, Instant::ZERO).await {
+                    Ok(g) => {
+                        Backend::release(&pool, &key, g);
+                        return;
+                    }
+                    Err(AcquireError::Unavailable(_)) => tokio::time::sleep(Duration::from_millis(5)).await,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), answered).await.expect("redis never answered again");
+        let restart_us = server_us(&url).await;
+        let after = 1 + drain(&pool).await;
+        assert!(after >= bursts - 1, "{after}: the restart did not start the mirrors full again");
+        // Within one window an account is charged at most one more burst than its limit
+        // allows: what it spent before, and the fresh burst (plus what the rate freed).
+        assert!(after <= bursts + 1, "{after} granted after the restart, more than the bursts {bursts}");
+        assert!(before + after <= 2 * bursts + 2, "{before} + {after} over the two bursts");
+
+        // The upstream's own count corrects the fresh mirrors: nothing is left, and the
+        // fleet stops charging the accounts at once.
+        let t0 = server_us(&url).await;
+        assert!(t0 >= restart_us);
+        for (index, _) in ACCOUNTS.iter().enumerate() {
+            pool.observe(index, &UpstreamReport { remaining_requests: Some(0), ..Default::default() }, Instant::ZERO);
+        }
+        store.flush().await;
+        let refilled_us = server_us(&url).await - t0;
+        let late = drain(&pool).await;
+        // Only what the rates free after the report may pass.
+        let freed = ACCOUNTS.iter().map(|(_, rpm, _)| refilled_us * rpm / 60_000_000 + 1).sum::<u64>();
+        assert!(late <= freed, "{late} granted after the upstream said nothing is left (rates freed {freed})");
+    });
+}

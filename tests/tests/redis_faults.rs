@@ -119,6 +119,7 @@ fn server_stopped_and_restarted() {
         let open = backend(&conn, FailurePolicy::FailOpen, &ns);
         let fallback = backend(&conn, FailurePolicy::Fallback { share: 0.5 }, &ns);
         let held = acquire(&closed).await.unwrap();
+        assert!(!closed.peek(&alice(), Instant::ZERO).is_empty(), "the state read with the grant");
         server.stop();
         // Away: each follows its policy, promptly.
         for _ in 0..20 {
@@ -128,11 +129,16 @@ fn server_stopped_and_restarted() {
             assert_eq!(g.source(), GrantSource::FailOpen);
             open.release(&alice(), g);
         }
+        // The state read before is no longer known: no header may claim it.
+        assert!(closed.peek(&alice(), Instant::ZERO).is_empty());
+        assert!(open.peek(&alice(), Instant::ZERO).is_empty());
         // The fallback holds half of each limit: one permit of the two.
         let local = acquire(&fallback).await.unwrap();
         assert_eq!(local.source(), GrantSource::Fallback);
         let refused = acquire(&fallback).await.unwrap_err();
         assert!(refused.as_denial().is_some_and(|d| d.needs_release()), "{refused}");
+        // The local share's state is not the fleet's: the denial states no quota.
+        assert!(refused.as_denial().is_some_and(|d| d.snapshot().quota == 0), "{refused}");
         fallback.release(&alice(), local);
         assert!(closed.stats().breaker_opened >= 1, "{:?}", closed.stats());
         assert_eq!(open.stats().fail_open_admits, 20);

@@ -482,3 +482,40 @@ fn many_tenants_fill_the_whole_table() {
     assert_eq!(held.len(), 64);
     assert_eq!(set.tracked_keys(), 64);
 }
+
+/// How deep each tier keeps its state: what waiting uses to wake only the requests a
+/// release can help (a wrong depth would wake the wrong ones, or none).
+#[test]
+fn tier_depth_names_how_deep_each_tier_keeps_its_state() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["org", "team", "user"])
+            .limit(LimitPolicy::semaphore("per-team", 2).per("team"))
+            .limit(LimitPolicy::semaphore("per-user", 1).per("user")),
+    )
+    .expect("a valid policy");
+    assert_eq!(set.tier_depth("org"), Some(1));
+    assert_eq!(set.tier_depth("team"), Some(2));
+    assert_eq!(set.tier_depth("user"), Some(3));
+    assert_eq!(set.tier_depth("region"), None);
+    assert_eq!(tower_limits_core::Backend::tier_depth(&set, "user"), Some(3));
+}
+
+/// A grant made before a replace that reorders the limits settles each limit by name, not
+/// by its old place in the policy.
+#[test]
+fn a_settle_after_a_reordering_replace_finds_each_limit_by_name() {
+    let a = || LimitPolicy::token_bucket("a", Rate::per_hour(1), 100).counting_cost();
+    let b = || LimitPolicy::token_bucket("b", Rate::per_hour(1), 100).counting_cost();
+    let s = || LimitPolicy::semaphore("s", 4);
+    let set = LimitSet::new(LimitSetPolicy::new().limit(a()).limit(b()).limit(s())).expect("a valid policy");
+    let key = TenantKey::global();
+    let now = Instant::ZERO;
+    let mut permit = set.acquire_each(&key, &[10, 30, 1], now).expect("granted");
+    set.replace_policy(LimitSetPolicy::new().limit(b()).limit(a()).limit(s())).expect("a valid policy");
+    permit.settle(5, now);
+    let left: Vec<(&str, u64)> = set.peek(&key, now).iter().map(|l| (l.name, l.snapshot.remaining)).collect();
+    assert_eq!(left, [("b", 95), ("a", 95), ("s", 3)], "each limit refunded down to 5 of what it took");
+    drop(permit);
+    assert_eq!(set.peek(&key, now)[2].snapshot.remaining, 4, "the semaphore found by name too");
+}

@@ -23,8 +23,19 @@
 //! 5. **Exact refusals.** `CostAboveCapacity` is returned for a cost no state could
 //!    ever grant; `Denied` carries the wait after which the same request would pass if
 //!    nothing else happened, to the backend's clock resolution.
+//!
+//! # One pass per request
+//!
+//! An answer that carries `RateLimit` headers needs every limit's state as the decision
+//! left it. [`Backend::acquire_observed`] returns them with the decision: in memory they
+//! are read under the acquisition's own locks, in the same pass; a backend that cannot
+//! do better gets the default, which acquires and then [peeks](Backend::peek) (the
+//! Redis backend answers its peek from the acquisition's own reply).
 
+use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use crate::error::AcquireError;
 use crate::key::TenantKey;
@@ -70,6 +81,30 @@ pub trait Backend: Clone + Send + Sync + 'static {
         let _ = (key, now);
         Vec::new()
     }
+
+    /// Acquires like [`Backend::acquire`] and returns, with the decision, every limit's
+    /// state as the decision left it (for the answer's headers). The default acquires,
+    /// then peeks; the in-memory [`LimitSet`] reads the states under the acquisition's
+    /// own locks.
+    fn acquire_observed(&self, key: &TenantKey, cost: u64, now: Instant) -> Observed<Self> {
+        Observed::then_peek(self.acquire(key, cost, now), self.clone(), key.clone(), now)
+    }
+
+    /// How many parts of a key a limit scoped to `tier` keeps its state by (1 for the
+    /// broadest tier), if the backend knows. Waiting requests use it to tell which
+    /// releases can help them: with `None`, every release of the limit wakes them.
+    fn tier_depth(&self, tier: &str) -> Option<usize> {
+        let _ = tier;
+        None
+    }
+
+    /// The first limit in shadow mode (in the order of the policy) that would have refused
+    /// this grant, by name and tier; `None` when none would have, or the backend has no
+    /// shadow limits (see [`LimitPolicy::shadow`](crate::LimitPolicy::shadow)).
+    fn shadow_refusal(&self, grant: &Self::Grant) -> Option<(&'static str, Option<&'static str>)> {
+        let _ = grant;
+        None
+    }
 }
 
 impl Backend for LimitSet {
@@ -101,5 +136,105 @@ impl Backend for LimitSet {
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         LimitSet::peek(self, key, now)
+    }
+
+    fn acquire_observed(&self, key: &TenantKey, cost: u64, now: Instant) -> Observed<Self> {
+        let (granted, seen) = LimitSet::acquire_observed(self, key, cost, now);
+        Observed::ready(granted, seen)
+    }
+
+    fn tier_depth(&self, tier: &str) -> Option<usize> {
+        LimitSet::tier_depth(self, tier)
+    }
+
+    #[inline]
+    fn shadow_refusal(&self, grant: &Grant) -> Option<(&'static str, Option<&'static str>)> {
+        // One compare on the common path: no shadow limit refused.
+        if grant.shadowed == 0 { None } else { grant.shadow_refusals().next() }
+    }
+}
+
+/// The future of [`Backend::acquire_observed`]: the decision, and every limit's state as
+/// it left them.
+///
+/// ```
+/// use tower_limits_core::{Backend, Instant, LimitSet, Quota, TenantKey, nz};
+///
+/// # tokio_test_block_on(async {
+/// let set = LimitSet::gcra(Quota::per_second(nz!(10)).burst(nz!(3)));
+/// let (granted, seen) = Backend::acquire_observed(&set, &TenantKey::global(), 1, Instant::ZERO).await;
+/// assert!(granted.is_ok());
+/// assert_eq!(seen[0].snapshot.remaining, 2);
+/// # });
+/// # fn tokio_test_block_on(f: impl std::future::Future<Output = ()>) {
+/// #     let mut f = std::pin::pin!(f);
+/// #     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+/// #     assert!(f.as_mut().poll(&mut cx).is_ready(), "in memory it is ready at once");
+/// # }
+/// ```
+#[must_use = "futures do nothing unless polled"]
+pub struct Observed<B: Backend> {
+    state: ObservedState<B>,
+}
+
+/// A decision, and the states it left.
+type Decided<B> = (Result<<B as Backend>::Grant, AcquireError>, Vec<LimitSnapshot>);
+
+enum ObservedState<B: Backend> {
+    Ready(Option<Decided<B>>),
+    Then { acquire: B::Acquire, backend: B, key: TenantKey, now: Instant },
+    Unobserved(B::Acquire),
+    Done,
+}
+
+impl<B: Backend> Observed<B> {
+    /// A decision already made, with the states it left.
+    pub fn ready(granted: Result<B::Grant, AcquireError>, seen: Vec<LimitSnapshot>) -> Self {
+        Observed { state: ObservedState::Ready(Some((granted, seen))) }
+    }
+
+    /// An acquisition under way; once it is decided, `backend` is peeked for `key`.
+    pub fn then_peek(acquire: B::Acquire, backend: B, key: TenantKey, now: Instant) -> Self {
+        Observed { state: ObservedState::Then { acquire, backend, key, now } }
+    }
+
+    /// An acquisition under way whose states nobody wants: it ends with none.
+    pub fn unobserved(acquire: B::Acquire) -> Self {
+        Observed { state: ObservedState::Unobserved(acquire) }
+    }
+}
+
+// Nothing in it is ever pinned: the acquisition is `Unpin`, the rest is plain data.
+impl<B: Backend> Unpin for Observed<B> {}
+
+impl<B: Backend> Future for Observed<B> {
+    type Output = Decided<B>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let out = match &mut self.state {
+            ObservedState::Ready(out) => out.take(),
+            ObservedState::Then { acquire, backend, key, now } => {
+                let granted = std::task::ready!(Pin::new(acquire).poll(cx));
+                Some((granted, backend.peek(key, *now)))
+            }
+            ObservedState::Unobserved(acquire) => Some((std::task::ready!(Pin::new(acquire).poll(cx)), Vec::new())),
+            ObservedState::Done => None,
+        };
+        self.state = ObservedState::Done;
+        match out {
+            Some(out) => Poll::Ready(out),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for Observed<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            ObservedState::Ready(_) => "ready",
+            ObservedState::Then { .. } | ObservedState::Unobserved(_) => "acquiring",
+            ObservedState::Done => "done",
+        };
+        f.debug_struct("Observed").field("state", &state).finish()
     }
 }

@@ -32,8 +32,11 @@ pub mod algorithm;
 pub mod backend;
 mod error;
 pub mod fair_queue;
+pub mod fleet;
 mod key;
 mod limit;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod policy;
 mod policy_error;
 pub mod pool;
@@ -43,9 +46,10 @@ mod table;
 pub mod time;
 
 pub use algorithm::{Refusal, Snapshot};
-pub use backend::Backend;
+pub use backend::{Backend, Observed};
 pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
+pub use fleet::{FleetShares, TenantDemand};
 pub use key::{KeyError, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState, intern};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};

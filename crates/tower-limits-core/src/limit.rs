@@ -254,6 +254,8 @@ pub(crate) struct LimitDef {
     pub(crate) tier: Option<usize>,
     pub(crate) counts: Counts,
     pub(crate) limit: Limit,
+    /// Decides and counts, never refuses (see [`LimitPolicy::shadow`](crate::LimitPolicy::shadow)).
+    pub(crate) shadow: bool,
 }
 
 /// A validated set policy, shared by every shard of a set.
@@ -266,7 +268,7 @@ pub(crate) struct Config {
     pub(crate) has_global: bool,
     pub(crate) has_tiered: bool,
     pub(crate) has_semaphore: bool,
-    /// The deepest tier any limit is keyed by, plus one: how deep a key must be.
+    /// The deepest tier any enforcing limit is keyed by, plus one: how deep a key must be.
     pub(crate) depth_needed: usize,
     /// A fresh state per limit, so that checking a key never seen allocates nothing.
     pub(crate) fresh: Vec<LimitState>,

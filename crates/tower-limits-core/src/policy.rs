@@ -123,6 +123,13 @@ pub struct LimitPolicy {
     /// For `semaphore`: how many permits can be held at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<u64>,
+    /// Shadow mode: the limit decides and counts, but never refuses. A request it would
+    /// have refused is admitted without charging it (so its state stays what it would be
+    /// if it enforced), and counted in [`LimitStats::shadow_refused`](crate::LimitStats::shadow_refused).
+    /// For trying a new limit on live traffic before enforcing it. In memory only: the
+    /// Redis backend refuses a policy with a shadow limit.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shadow: bool,
 }
 
 impl LimitPolicy {
@@ -137,6 +144,7 @@ impl LimitPolicy {
             limit: None,
             window: None,
             capacity: None,
+            shadow: false,
         }
     }
 
@@ -191,6 +199,28 @@ impl LimitPolicy {
     #[must_use]
     pub fn counting_cost(mut self) -> Self {
         self.counts = Counts::Cost;
+        self
+    }
+
+    /// In shadow mode: it decides and counts what it would refuse, but never refuses (see
+    /// [`LimitPolicy::shadow`](LimitPolicy#structfield.shadow)).
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+    ///
+    /// let set = LimitSet::new(
+    ///     LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).shadow()),
+    /// )?;
+    /// let now = Instant::ZERO;
+    /// let global = TenantKey::global();
+    /// assert!(set.acquire(&global, 1, now).is_ok());
+    /// assert!(set.acquire(&global, 1, now).is_ok()); // would have been refused
+    /// assert_eq!(set.stats().limits[0].shadow_refused, 1);
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    #[must_use]
+    pub fn shadow(mut self) -> Self {
+        self.shadow = true;
         self
     }
 }
@@ -430,7 +460,7 @@ impl Config {
                 })?),
             };
             let limit = Limit::from_policy(p).map_err(|e| e.within(&at))?;
-            limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit });
+            limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit, shadow: p.shadow });
         }
         Ok(Config {
             version: VERSIONS.fetch_add(1, Ordering::Relaxed),
@@ -438,7 +468,8 @@ impl Config {
             has_global: limits.iter().any(|l| l.tier.is_none()),
             has_tiered: limits.iter().any(|l| l.tier.is_some()),
             has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
-            depth_needed: limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0),
+            // A key too short for a shadow limit is not refused: that limit would have.
+            depth_needed: limits.iter().filter(|l| !l.shadow).filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0),
             max_keys: policy.max_keys,
             fresh: limits.iter().map(|l| l.limit.fresh()).collect(),
             keyed_limits: limits.iter().filter(|l| l.tier.is_some()).count(),

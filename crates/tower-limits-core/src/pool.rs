@@ -15,6 +15,9 @@
 //! drifted from the upstream (other clients on the same account, restarts) catches up
 //! and the upstream never has to refuse again.
 //!
+//! With the `metrics` feature, every choice and every upstream answer is counted by
+//! member name (see the `metrics` module).
+//!
 //! `LimitPool` implements [`Backend`], so every layer that takes a backend can spread its
 //! requests over the pool.
 //!
@@ -27,7 +30,9 @@
 //! and charging it happen there in one step, upstream feedback is applied there once and
 //! seen by every replica, and the members' local sets only serve while the store cannot
 //! answer (as the store's failure policy says). The pool's API is the same; its
-//! [`Backend::acquire`] then waits for the store.
+//! [`Backend::acquire`] then waits for the store, which it asks with the request's tenant
+//! key ([`SharedAccounts::acquire_for`]): a store that shares the accounts fairly across a
+//! fleet ([`crate::fleet`]) charges the tenant's turn too.
 
 use std::fmt;
 use std::future::Future;
@@ -136,6 +141,15 @@ pub trait SharedAccounts: fmt::Debug + Send + Sync + 'static {
     /// Chooses the member with the most headroom for `cost` among those not benched, and
     /// charges it; or refuses with the wait after which one would grant.
     fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire;
+
+    /// As [`acquire`](Self::acquire), for a request of tenant `key` (the key the pool
+    /// was asked with): a store that shares capacity fairly across a fleet
+    /// ([`FleetShares`](crate::fleet::FleetShares)) needs to know whose request it
+    /// charges. By default, the tenant is ignored.
+    fn acquire_for(&self, key: &TenantKey, cost: u64, now: Instant) -> SharedAcquire {
+        let _ = key;
+        self.acquire(cost, now)
+    }
 
     /// Corrects the cost charged to the grant's member from `grant.charged` to `actual`
     /// (in the background; the store updates `grant.charged`).
@@ -390,6 +404,8 @@ impl<T> LimitPool<T> {
 
     fn chosen(&self, i: usize) -> Chosen<T> {
         let m = &self.inner.members[i];
+        #[cfg(feature = "metrics")]
+        crate::metrics::selected(&m.name);
         Chosen { index: i, name: m.name.clone(), config: m.config.clone() }
     }
 
@@ -428,6 +444,8 @@ impl<T> LimitPool<T> {
     /// reported (never up).
     pub fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
         let Some(m) = self.inner.members.get(index) else { return };
+        #[cfg(feature = "metrics")]
+        crate::metrics::upstream(&m.name, report.retry_after.is_some());
         if let Some(store) = self.inner.shared.get() {
             store.observe(index, report, now);
             return;
@@ -523,7 +541,7 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
             None => PoolAcquire { state: AcquireState::Ready(Some(LimitPool::acquire(self, key, cost, now))) },
             Some(store) => PoolAcquire {
                 state: AcquireState::Shared {
-                    fut: store.acquire(cost, now),
+                    fut: store.acquire_for(key, cost, now),
                     pool: self.clone(),
                     key: key.clone(),
                     cost,
@@ -547,6 +565,13 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
 
     fn needs_release(&self, grant: &PoolGrant<T>) -> bool {
         grant.grant.holds_concurrency()
+    }
+
+    fn shadow_refusal(&self, grant: &PoolGrant<T>) -> Option<(&'static str, Option<&'static str>)> {
+        match &grant.grant {
+            MemberGrant::Local(g) if g.shadowed != 0 => g.shadow_refusals().next(),
+            _ => None,
+        }
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {

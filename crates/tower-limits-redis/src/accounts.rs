@@ -30,6 +30,28 @@
 //! the time left. Replicas are thereby served in the order they came to need the
 //! accounts; inside a replica its fair queue orders the tenants.
 //!
+//! # Fair shares across the fleet
+//!
+//! Built with [`RedisAccountsBuilder::fleet`], the store replaces those turns with
+//! start-time fair queuing among the replicas, kept in the pool's own script, so the
+//! fairness decision and the account's charge stay one round trip. Each acquisition
+//! carries the demand the replica's fair queue published (per tenant: weight, requests
+//! waiting, requests waiting or in flight) and the request's tenant. The script keeps, in
+//! the hash `<namespace>:{<pool>}:fleet`, the fleet's virtual time `V` and per replica
+//! its finish tag, the start tag it waits with and its last demand report. From the
+//! reports it computes the caller's share of each of its tenants' fleet demand
+//! (`s_t = d_r,t / Σ_r d_r,t`, `d` the requests waiting or in flight) and the caller's
+//! weight `W_r = Σ_t w_t · s_t` over the tenants it has waiting. The caller starts at
+//! `S = max(V, F_r)`; it is served only if no other replica waits with a lower start
+//! tag, and then `V = max(V, S)`, `F_r = S + cost / W_r`; a replica with more waiting
+//! keeps its place with its next start tag for 50 ms, while its next request comes. The
+//! reply carries the shares, which the fair queue uses as its tenants' weights
+//! (`w_t · s_t`): tenant `t` gets, over the replicas, capacity in proportion to
+//! `Σ_r w_t · s_r,t = w_t`. A report counts for 250 ms after the replica's last
+//! acquisition, a wait for the replica's retry plus 50 ms, a finish tag for 10 s; a call
+//! that fails clears the shares (per-replica fairness until Redis answers). The bounds
+//! are in the guide.
+//!
 //! # One round trip, batched, after the call
 //!
 //! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
@@ -68,9 +90,10 @@ use std::time::Duration;
 
 use redis::Value;
 use tokio::sync::{mpsc, oneshot};
+use tower_limits_core::fleet::FleetShares;
 use tower_limits_core::{
     AcquireError, AlgorithmKind, CostAboveCapacity, Counts, Denial, Instant, Limit, LimitSetPolicy, Scope,
-    SharedAccounts, SharedAcquire, SharedGrant, Snapshot, Unavailable, UpstreamReport, intern,
+    SharedAccounts, SharedAcquire, SharedGrant, Snapshot, TenantKey, Unavailable, UpstreamReport, intern,
 };
 
 use crate::connection::RedisConnection;
@@ -80,6 +103,14 @@ use crate::keys::escape_into;
 
 /// The most operations one background call carries.
 const BATCH: usize = 64;
+
+/// How long a replica's reported demand counts after its last acquisition, us.
+const DEMAND_LIVES_US: u64 = 250_000;
+/// How long a replica's finish tag is kept after its last grant, us.
+const TAG_LIVES_US: u64 = 10_000_000;
+/// The wait of a replica refused because another's turn comes first while there is
+/// room, ns.
+const BLOCKED_NS: u64 = 2_000_000;
 
 /// A pool's members mirrored in Redis, shared by every replica built with the same pool
 /// name and namespace. Hand it to
@@ -104,8 +135,15 @@ struct Inner {
     benched: Mutex<Vec<u64>>,
     ops: mpsc::UnboundedSender<Op>,
     stats: Stats,
-    /// This store's id in the turn key.
+    /// This store's id in the turn key and the fleet's hash.
     id: String,
+    /// Fleet-wide fairness: the fair queue's backlog to report, this replica's shares to
+    /// set.
+    fleet: Option<Arc<FleetShares>>,
+    /// The script takes the time from the caller (tests).
+    manual_clock: bool,
+    /// The caller's last now, us (for the background calls of a manual clock).
+    last_now_us: AtomicU64,
 }
 
 struct MemberInfo {
@@ -166,6 +204,8 @@ pub struct RedisAccountsBuilder {
     timeout: Duration,
     failure: FailurePolicy,
     breaker: (u32, Duration),
+    fleet: Option<Arc<FleetShares>>,
+    manual_clock: bool,
 }
 
 impl fmt::Debug for RedisAccounts {
@@ -191,6 +231,8 @@ impl RedisAccounts {
             timeout: Duration::from_millis(50),
             failure: FailurePolicy::FailClosed,
             breaker: (3, Duration::from_secs(1)),
+            fleet: None,
+            manual_clock: false,
         }
     }
 
@@ -261,6 +303,45 @@ impl RedisAccountsBuilder {
     /// The circuit breaker: open after `failures` failed calls in a row, for `open_for`.
     pub fn circuit_breaker(mut self, failures: u32, open_for: Duration) -> Self {
         self.breaker = (failures, open_for);
+        self
+    }
+
+    /// Shares the accounts fairly across the fleet: every acquisition reports the
+    /// backlog this replica's fair queue published to `fleet` (the same handle given to
+    /// its [`FairQueueLayer::fleet`](https://docs.rs/tower-limits)), the replicas
+    /// competing for the accounts take turns in start-time fair order weighted by their
+    /// tenants' weights and demand, and the answer sets this replica's shares in `fleet`.
+    /// See the guide's "Fleet-wide weighted fairness". Every replica sharing the pool
+    /// must use it, or none.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tower_limits_core::FleetShares;
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let fleet = Arc::new(FleetShares::new());
+    /// let builder = RedisAccounts::builder("accounts").fleet(fleet.clone());
+    /// # drop(builder);
+    /// ```
+    pub fn fleet(mut self, fleet: Arc<FleetShares>) -> Self {
+        self.fleet = Some(fleet);
+        self
+    }
+
+    /// Test support: the script decides with the `now` each acquisition is given (a
+    /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`;
+    /// background calls use the last one. Keys then expire an hour later than their
+    /// state needs. Never in production: replicas' clocks disagree.
+    ///
+    /// ```
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let builder = RedisAccounts::builder("accounts").manual_clock();
+    /// # drop(builder);
+    /// ```
+    #[cfg(feature = "test-support")]
+    pub fn manual_clock(mut self) -> Self {
+        self.manual_clock = true;
         self
     }
 
@@ -354,10 +435,20 @@ impl RedisAccountsBuilder {
         table.push_str("}\n");
         keys.push(format!("{prefix}hold"));
         let _ = writeln!(table, "local HOLD = KEYS[{}]", keys.len());
+        keys.push(format!("{prefix}fleet"));
+        let _ = writeln!(table, "local FLEET = KEYS[{}]", keys.len());
+        let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
+        if self.manual_clock {
+            table.push_str("local NOW, SLACK = tonumber(ARGV[#ARGV]), 3600000\n");
+        } else {
+            table.push_str("local T = redis.call('TIME')\nlocal NOW, SLACK = T[1] * 1000000 + T[2], 0\n");
+        }
         let source: Arc<str> = format!("{table}{SCRIPT}").into();
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
         let (tx, rx) = mpsc::unbounded_channel();
         let n = members.len();
+        #[cfg(feature = "metrics")]
+        crate::metrics::register(crate::metrics::ACCOUNTS);
         let inner = Arc::new(Inner {
             conn: connection.clone(),
             source,
@@ -371,6 +462,9 @@ impl RedisAccountsBuilder {
             ops: tx,
             stats: Stats::default(),
             id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
+            fleet: self.fleet,
+            manual_clock: self.manual_clock,
+            last_now_us: AtomicU64::new(0),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         Ok(RedisAccounts { inner })
@@ -382,8 +476,6 @@ const SCRIPT: &str = r#"
 local call, floor, fmt, ceil = redis.call, math.floor, string.format, math.ceil
 -- how long past its wait a turn is kept for a replica that does not come back, us
 local GRACE = 50000
-local T = call('TIME')
-local NOW = T[1] * 1000000 + T[2]
 -- a limit's debt above now, ns (0 when it has none)
 local function debt(k)
   local v = call('GET', k)
@@ -396,7 +488,7 @@ end
 local function put(k, n)
   if n <= 0 then call('DEL', k) return end
   local us = ceil(n / 1000)
-  call('SET', k, fmt('%.0f', NOW + us), 'PX', fmt('%.0f', ceil(us / 1000) + 2))
+  call('SET', k, fmt('%.0f', NOW + us), 'PX', fmt('%.0f', ceil(us / 1000) + 2 + SLACK))
 end
 local function bench_ns(m)
   local b = call('GET', KEYS[M[m].b])
@@ -405,21 +497,10 @@ local function bench_ns(m)
   if w < 0 then return 0 end
   return w
 end
-if ARGV[1] == 'a' then
-  local cost, rid = tonumber(ARGV[2]), ARGV[3]
-  -- the turn: the first replica refused holds it until it is served (or it expires)
-  local hold = call('GET', HOLD)
-  if hold then
-    local holder, until_us = string.match(hold, '^(.-):(%d+)$')
-    if holder ~= rid and tonumber(until_us) > NOW then
-      local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
-      if reply[3] < 1000000 then reply[3] = 1000000 end
-      for m = 1, #M do reply[3 + m] = bench_ns(m) end
-      return reply
-    end
-  end
+-- every member evaluated for `cost`: the member to charge (0: none), its headroom, its
+-- limits' debts, and the wait until one would grant; the benches go to reply[3 + m]
+local function choose(cost, reply)
   local best, bestf, wait, ds = 0, -1, -1, nil
-  local reply = {0, NOW, 0}
   for m = 1, #M do
     local bw = bench_ns(m)
     reply[3 + m] = bw
@@ -447,22 +528,134 @@ if ARGV[1] == 'a' then
       end
     end
   end
-  if best == 0 then
-    reply[3] = wait
-    if wait > 0 then
-      local w = ceil(wait / 1000) + GRACE
-      call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1))
-    end
-    return reply
-  end
-  if hold then call('DEL', HOLD) end
+  return best, bestf, ds, wait
+end
+local function charge(best, ds, cost)
   for i, l in ipairs(M[best].l) do
     local need = 1
     if l.c == 1 then need = cost end
     put(KEYS[l.k], ds[i] + need * l.iv)
   end
+end
+if ARGV[1] == 'a' then
+  local cost, rid = tonumber(ARGV[2]), ARGV[3]
+  -- the turn: the first replica refused holds it until it is served (or it expires)
+  local hold = call('GET', HOLD)
+  if hold then
+    local holder, until_us = string.match(hold, '^(.-):(%d+)$')
+    if holder ~= rid and tonumber(until_us) > NOW then
+      local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
+      if reply[3] < 1000000 then reply[3] = 1000000 end
+      for m = 1, #M do reply[3 + m] = bench_ns(m) end
+      return reply
+    end
+  end
+  local reply = {0, NOW, 0}
+  local best, bestf, ds, wait = choose(cost, reply)
+  if best == 0 then
+    reply[3] = wait
+    if wait > 0 then
+      local w = ceil(wait / 1000) + GRACE
+      call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1 + SLACK))
+    end
+    return reply
+  end
+  if hold then call('DEL', HOLD) end
+  charge(best, ds, cost)
   reply[1] = best
   reply[3] = floor(bestf * 1000000)
+  return reply
+end
+-- 'f': an acquisition of the fleet's fair share. ARGV: cost, replica id, the request's
+-- tenant, n, then n quadruples (tenant, weight, requests waiting on this replica,
+-- requests waiting or in flight on it). The hash FLEET
+-- holds V (the fleet's virtual time, cost per weight), and per replica id: 'f:' its
+-- finish tag and when it was last served, 'w:' the start tag it waits with and until
+-- when the wait holds, 'd:' when it last reported and its demand per tenant (JSON).
+if ARGV[1] == 'f' then
+  local cost, rid, tenant, n = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
+  local names, weights, waiting, mine = {}, {}, {}, {}
+  for k = 1, n do
+    local j = 5 + 4 * (k - 1)
+    names[k], weights[k], waiting[k] = ARGV[j + 1], tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    mine[names[k]] = tonumber(ARGV[j + 4])
+  end
+  local V, myF, others, total = 0, nil, {}, {}
+  local all = call('HGETALL', FLEET)
+  for j = 1, #all, 2 do
+    local f, v = all[j], all[j + 1]
+    if f == 'V' then
+      V = tonumber(v)
+    else
+      local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
+      local a, b = string.match(v, '^(%S+) (.*)$')
+      if kind == 'f' then
+        if tonumber(b) + IDLE < NOW then call('HDEL', FLEET, f)
+        elseif id == rid then myF = tonumber(a) end
+      elseif kind == 'w' then
+        if tonumber(b) <= NOW then call('HDEL', FLEET, f)
+        elseif id ~= rid then others[#others + 1] = {tonumber(a), id} end
+      elseif kind == 'd' and id ~= rid then
+        if tonumber(a) + LIVE < NOW then call('HDEL', FLEET, f)
+        else
+          for name, d in pairs(cjson.decode(b)) do total[name] = (total[name] or 0) + d end
+        end
+      end
+    end
+  end
+  -- this replica's share of each tenant's fleet demand, and its weight among replicas
+  -- (over the tenants it has waiting)
+  local W, shares = 0, {}
+  for k = 1, n do
+    local d = mine[names[k]]
+    local sum = (total[names[k]] or 0) + d
+    local sh = 1
+    if sum > 0 then sh = d / sum end
+    shares[k] = sh
+    if waiting[k] > 0 then W = W + weights[k] * sh end
+  end
+  if W <= 0 then W = 1 end
+  local S = V
+  if myF and myF > S then S = myF end
+  -- start-time fair queuing among the replicas: the lowest start tag waiting goes first
+  local blocked = false
+  for _, o in ipairs(others) do
+    local t = o[1]
+    if t < V then t = V end
+    if t < S or (t == S and o[2] < rid) then blocked = true break end
+  end
+  local reply = {0, NOW, 0}
+  local best, bestf, ds, wait = choose(cost, reply)
+  local granted = best ~= 0 and not blocked
+  if granted then
+    charge(best, ds, cost)
+    if S > V then call('HSET', FLEET, 'V', fmt('%.17g', S)) end
+    call('HSET', FLEET, 'f:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW))
+    -- still backlogged: it keeps its place (its next start tag) while its next request
+    -- comes, for GRACE at most, so that the replica served most is not skipped between
+    -- its calls
+    local more = -1
+    for k = 1, n do more = more + waiting[k] end
+    if more > 0 then
+      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE))
+    else
+      call('HDEL', FLEET, 'w:' .. rid)
+    end
+    reply[1] = best
+    reply[3] = floor(bestf * 1000000)
+  else
+    -- room, but another replica's turn: look again shortly
+    if best ~= 0 or wait < BLOCKED then wait = BLOCKED end
+    reply[3] = wait
+    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE))
+  end
+  local report = {}
+  for k = 1, n do
+    if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
+    reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5)
+  end
+  call('HSET', FLEET, 'd:' .. rid, fmt('%.0f', NOW) .. ' ' .. cjson.encode(report))
+  call('PEXPIRE', FLEET, 60000 + SLACK)
   return reply
 end
 -- 'b': a batch of operations, 5 arguments each: kind, member, then
@@ -483,7 +676,7 @@ while i + 4 <= #ARGV do
         local until_us = NOW + x
         local cur = call('GET', KEYS[M[m].b])
         if not cur or tonumber(cur) < until_us then
-          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1))
+          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1 + SLACK))
         end
       end
       for _, l in ipairs(M[m].l) do
@@ -504,6 +697,14 @@ return 1
 
 impl Inner {
     async fn eval(&self, args: &[String]) -> redis::RedisResult<Value> {
+        let mut owned;
+        let args = if self.manual_clock {
+            owned = args.to_vec();
+            owned.push(self.last_now_us.load(Ordering::Relaxed).to_string());
+            &owned[..]
+        } else {
+            args
+        };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&*self.sha).arg(self.keys.len()).arg(&self.keys).arg(args);
         match self.conn.query(&cmd).await {
@@ -518,16 +719,22 @@ impl Inner {
 
     /// One call under the timeout, feeding the breaker.
     async fn call(&self, args: &[String]) -> Result<Value, String> {
-        let out = match tokio::time::timeout(self.timeout, self.eval(args)).await {
+        let (out, _kind) = match tokio::time::timeout(self.timeout, self.eval(args)).await {
             Ok(Ok(value)) => {
                 self.breaker.success();
                 return Ok(value);
             }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {:?}", self.timeout),
+            Ok(Err(e)) => (e.to_string(), "error"),
+            Err(_) => (format!("no answer within {:?}", self.timeout), "timeout"),
         };
         self.stats.failures.fetch_add(1, Ordering::Relaxed);
-        let _ = self.breaker.failure();
+        #[cfg(feature = "metrics")]
+        crate::metrics::failure(crate::metrics::ACCOUNTS, _kind);
+        let _opened = self.breaker.failure();
+        #[cfg(feature = "metrics")]
+        if _opened {
+            crate::metrics::circuit_opened(crate::metrics::ACCOUNTS);
+        }
         Err(out)
     }
 
@@ -535,20 +742,61 @@ impl Inner {
         AcquireError::Unavailable(Unavailable::new(format!("redis (upstream accounts): {why}")))
     }
 
-    async fn acquire(self: Arc<Self>, cost: u64, now: Instant) -> Result<SharedGrant, AcquireError> {
+    async fn acquire(
+        self: Arc<Self>,
+        tenant: Option<TenantKey>,
+        cost: u64,
+        now: Instant,
+    ) -> Result<SharedGrant, AcquireError> {
         self.stats.acquire_calls.fetch_add(1, Ordering::Relaxed);
-        let reply =
-            self.call(&["a".to_owned(), cost.to_string(), self.id.clone()]).await.map_err(|e| self.unavailable(&e))?;
+        if self.manual_clock {
+            self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
+        }
+        let mut args = Vec::new();
+        let mut reported = Vec::new();
+        match (&self.fleet, tenant) {
+            (Some(fleet), Some(tenant)) => {
+                reported = fleet.demand();
+                args.extend(["f".to_owned(), cost.to_string(), self.id.clone(), tenant.to_string()]);
+                args.push(reported.len().to_string());
+                for d in &reported {
+                    args.extend([
+                        d.key.to_string(),
+                        d.weight.to_string(),
+                        d.waiting.to_string(),
+                        d.outstanding.to_string(),
+                    ]);
+                }
+            }
+            _ => args.extend(["a".to_owned(), cost.to_string(), self.id.clone()]),
+        }
+        let reply = match self.call(&args).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                // Per-replica fairness until the store answers again.
+                if let Some(fleet) = &self.fleet {
+                    fleet.clear_shares();
+                }
+                return Err(self.unavailable(&e));
+            }
+        };
         let Value::Array(items) = reply else { return Err(self.unavailable("unexpected reply")) };
         let ints: Option<Vec<i64>> =
             items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect();
-        let Some(ints) = ints.filter(|v| v.len() == 3 + self.members.len()) else {
+        let members = self.members.len();
+        let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len()) else {
             return Err(self.unavailable("unexpected reply"));
         };
         {
             let mut benched = self.benched.lock().unwrap_or_else(PoisonError::into_inner);
-            for (b, &w) in benched.iter_mut().zip(&ints[3..]) {
+            for (b, &w) in benched.iter_mut().zip(&ints[3..3 + members]) {
                 *b = if w > 0 { now.as_nanos().saturating_add(w as u64) } else { 0 };
+            }
+        }
+        if let Some(fleet) = &self.fleet {
+            if !reported.is_empty() {
+                let shares = ints[3 + members..].iter().map(|&sh| u32::try_from(sh.max(1)).unwrap_or(1));
+                fleet.set_shares(reported.into_iter().map(|d| d.key).zip(shares));
             }
         }
         match usize::try_from(ints[0]) {
@@ -605,8 +853,8 @@ fn signed(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-impl SharedAccounts for RedisAccounts {
-    fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire {
+impl RedisAccounts {
+    fn acquire_inner(&self, tenant: Option<&TenantKey>, cost: u64, now: Instant) -> SharedAcquire {
         let inner = &self.inner;
         if inner.members.iter().all(|m| cost > m.max_cost) {
             let capacity = inner.members.iter().map(|m| m.max_cost).max().unwrap_or(0);
@@ -615,9 +863,22 @@ impl SharedAccounts for RedisAccounts {
             return Box::pin(std::future::ready(Err(e)));
         }
         if inner.breaker.gate() == Gate::Open {
+            if let Some(fleet) = &inner.fleet {
+                fleet.clear_shares();
+            }
             return Box::pin(std::future::ready(Err(inner.unavailable("circuit open after repeated failures"))));
         }
-        Box::pin(inner.clone().acquire(cost, now))
+        Box::pin(inner.clone().acquire(tenant.cloned(), cost, now))
+    }
+}
+
+impl SharedAccounts for RedisAccounts {
+    fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire {
+        self.acquire_inner(None, cost, now)
+    }
+
+    fn acquire_for(&self, key: &TenantKey, cost: u64, now: Instant) -> SharedAcquire {
+        self.acquire_inner(Some(key), cost, now)
     }
 
     fn settle(&self, grant: &mut SharedGrant, actual: u64, _now: Instant) {

@@ -130,6 +130,9 @@
 //!   settles were given up (permits then return with their lease).
 //! - `leases_held` is the number of permits this replica holds; it should follow the
 //!   concurrency of the service.
+//! - With the `metrics` feature, failures, breaker openings and the failure policy's
+//!   decisions are also reported through the `metrics` facade (the `metrics` module):
+//!   alert on `rate_limiting.backend.unavailable`.
 //! - On the server: `cmdstat_evalsha` `usec_per_call` (a few microseconds per set), memory
 //!   (`used_memory`: active tenants times limits, each key a few dozen bytes, a log one
 //!   member per grant in its window), and `expired_keys`.
@@ -147,6 +150,8 @@ mod connection;
 mod error;
 mod failure;
 mod keys;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod script;
 mod stats;
 #[cfg(feature = "test-support")]

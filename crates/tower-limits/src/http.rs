@@ -15,7 +15,10 @@
 //! in seconds), `r` (remaining) and `t` (seconds until reset); `qu="concurrent-requests"`
 //! marks a concurrency limit. The `x-ratelimit-limit-requests` / `-tokens`,
 //! `x-ratelimit-remaining-*` and `x-ratelimit-reset-*` fields that OpenAI clients read
-//! are opt-in.
+//! are opt-in. The quota fields state the plan (6,000 per minute, not its burst), the
+//! state fields what is left of it now; a refusal that stands for no limit's state writes
+//! no such field (the guide's page on answers maps each algorithm onto them).
+//! [`write_retry_after`] gives a service's own refusals the same two wait fields.
 //!
 //! [`HttpAnswer`] makes a layer answer refused requests itself, for any response body
 //! that can be built empty (`B: Default`), with default features off too.
@@ -75,10 +78,11 @@ impl LimitError {
     /// Writes `Retry-After` and the `RateLimit` fields of this refusal into `headers`.
     pub fn write_headers(&self, headers: &mut HeaderMap) {
         if let Some(wait) = self.retry_after() {
-            headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
-            headers.insert(RETRY_AFTER_MS, HeaderValue::from(whole_millis(wait) as u64));
+            write_retry_after(headers, wait);
         }
-        if let (Some(name), Some(snapshot)) = (self.limit, self.snapshot()) {
+        // A snapshot without a quota stands for no limit's state (every upstream benched):
+        // no field may claim one.
+        if let (Some(name), Some(snapshot)) = (self.limit, self.snapshot().filter(|s| s.quota > 0)) {
             let is_semaphore = matches!(self.kind(), ErrorKind::ConcurrencyLimited) && snapshot.window.is_zero();
             if let Some(v) = policy_value(std::iter::once((name, &snapshot, is_semaphore))) {
                 headers.insert(RATELIMIT_POLICY, v);
@@ -138,7 +142,7 @@ impl LimitError {
     /// let refused = LimitError::from(set.acquire(&global, 1, Instant::ZERO).unwrap_err());
     /// assert_eq!(
     ///     refused.openai_json(),
-    ///     r#"{"error":{"message":"Rate limit reached for gcra: limit 2. Please try again in 0.500s.","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#
+    ///     r#"{"error":{"message":"Rate limit reached for gcra: limit 2 per 1s. Please try again in 0.500s.","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#
     /// );
     /// ```
     #[must_use]
@@ -148,31 +152,40 @@ impl LimitError {
             ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
             _ if self.is_shared() => ("server_error", kind_name(self.kind())),
             ErrorKind::RateLimited => {
-                let counts_cost = self
-                    .snapshots()
-                    .into_iter()
-                    .flatten()
-                    .any(|l| Some(l.name) == self.limit && l.counts == Counts::Cost);
+                let counts_cost = self.counts() == Some(Counts::Cost);
                 (if counts_cost { "tokens" } else { "requests" }, "rate_limit_exceeded")
             }
             other => ("requests", kind_name(other)),
         };
-        let mut message = match self.kind() {
-            ErrorKind::RateLimited => String::from("Rate limit reached"),
-            ErrorKind::ConcurrencyLimited if !self.is_shared() => String::from("Too many requests in flight"),
-            ErrorKind::TenantQueueFull => String::from("Too many of your requests are queued"),
-            ErrorKind::MissingKey => String::from("No valid API key was given"),
-            ErrorKind::CostAboveCapacity => String::from("The request is larger than the limit allows at once"),
-            _ => String::from("The server is at capacity"),
-        };
+        let mut message = String::from(match self.kind() {
+            ErrorKind::RateLimited => "Rate limit reached",
+            ErrorKind::ConcurrencyLimited if !self.is_shared() => "Too many requests in flight",
+            ErrorKind::TenantQueueFull => "Too many of your requests are queued",
+            ErrorKind::MissingKey => "No valid API key was given",
+            ErrorKind::CostAboveCapacity => "The request is larger than the limit allows at once",
+            ErrorKind::Unavailable => "The rate limits cannot be checked right now",
+            ErrorKind::KeyTableFull => "The server tracks too many clients right now",
+            ErrorKind::WaitTimedOut => "The server is at capacity for longer than a request may wait",
+            _ => "The server is at capacity",
+        });
         if let Some(limit) = self.limit() {
             let _ = write!(message, " for {limit}");
             if let Some(tier) = self.tier() {
                 let _ = write!(message, " (per {tier})");
             }
         }
-        if let Some(quota) = self.snapshot().map(|s| s.quota) {
-            let _ = write!(message, ": limit {quota}");
+        if let Some(s) = self.snapshot().filter(|s| s.quota > 0) {
+            let _ = write!(message, ": limit {}", s.quota);
+            if s.window.is_zero() {
+                message.push_str(" at once");
+            } else {
+                let unit = match self.counts() {
+                    Some(Counts::Cost) => " tokens",
+                    Some(Counts::Requests) => " requests",
+                    None => "",
+                };
+                let _ = write!(message, "{unit} per {}", tower_limits_core::policy::format_duration(s.window));
+            }
         }
         match self.retry_after() {
             Some(wait) => {
@@ -187,6 +200,49 @@ impl LimitError {
             json_string(code)
         )
     }
+}
+
+impl LimitError {
+    /// What the limit that refused counts, when the refusal carries every limit's state.
+    fn counts(&self) -> Option<Counts> {
+        let name = self.limit?;
+        self.snapshots()?.iter().find(|l| l.name == name).map(|l| l.counts)
+    }
+
+    /// This refusal with `wait` as its retry time when it has none and is one whose wait
+    /// nobody can know (see [`HttpAnswer::with_unknown_wait`]).
+    fn suggest_wait(&mut self, wait: Duration) {
+        let waits = matches!(
+            self.kind(),
+            ErrorKind::ConcurrencyLimited
+                | ErrorKind::TenantQueueFull
+                | ErrorKind::QueueFull
+                | ErrorKind::WaitTimedOut
+                | ErrorKind::KeyTableFull
+                | ErrorKind::Unavailable
+        );
+        if waits && self.retry_after.is_none() {
+            self.retry_after = Some(wait);
+        }
+    }
+}
+
+/// Writes `Retry-After` (whole seconds, rounded up) and `retry-after-ms` (milliseconds,
+/// rounded up) for `wait`: what a service's own refusals (an upstream that is benched, a
+/// store that is down) need to say, in the same form as the layers' refusals.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits::http::write_retry_after;
+///
+/// let mut headers = http::HeaderMap::new();
+/// write_retry_after(&mut headers, Duration::from_millis(1_250));
+/// assert_eq!(headers["retry-after"], "2");
+/// assert_eq!(headers["retry-after-ms"], "1250");
+/// ```
+pub fn write_retry_after(headers: &mut HeaderMap, wait: Duration) {
+    headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
+    headers.insert(RETRY_AFTER_MS, HeaderValue::from(u64::try_from(whole_millis(wait)).unwrap_or(u64::MAX)));
 }
 
 /// The snake-case name of a kind, as in JSON bodies.
@@ -242,11 +298,32 @@ fn write_sf_string(out: &mut String, text: &str) {
 
 fn write_policy_member(out: &mut String, name: &str, s: &Snapshot, is_semaphore: bool) {
     write_sf_string(out, name);
-    let _ = write!(out, ";q={}", s.quota);
-    if is_semaphore {
-        out.push_str(";qu=\"concurrent-requests\"");
-    } else if !s.window.is_zero() {
-        let _ = write!(out, ";w={}", whole_seconds(s.window));
+    if is_semaphore || s.window.is_zero() {
+        let _ = write!(out, ";q={}", s.quota);
+        if is_semaphore {
+            out.push_str(";qu=\"concurrent-requests\"");
+        }
+    } else {
+        let (quota, seconds) = quota_per_whole_seconds(s.quota, s.window);
+        let _ = write!(out, ";q={quota};w={seconds}");
+    }
+}
+
+/// `quota` per `window` as the same rate over a whole number of seconds, as the `w`
+/// parameter must be: `90` per `1.1s` is `900` per `11s`. A window that has no such form
+/// within a year is rounded up, which can only understate the rate.
+fn quota_per_whole_seconds(quota: u64, window: Duration) -> (u64, u64) {
+    if window.subsec_nanos() == 0 {
+        return (quota, window.as_secs());
+    }
+    let (num, den) = (u128::from(quota) * 1_000_000_000, window.as_nanos());
+    let (mut a, mut b) = (num, den);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    match (u64::try_from(num / a), u64::try_from(den / a)) {
+        (Ok(q), Ok(w)) if w <= 366 * 86_400 => (q, w),
+        _ => (quota, whole_seconds(window)),
     }
 }
 
@@ -342,7 +419,8 @@ fn scratch_value(build: impl FnOnce(&mut String)) -> Option<HeaderValue> {
 
 /// Writes the `RateLimit-Policy` and `RateLimit` fields for every limit in `snapshots`.
 pub fn write_ratelimit_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
-    if snapshots.is_empty() {
+    if snapshots.is_empty() || snapshots.iter().any(|l| l.snapshot.quota == 0) {
+        // Nothing read, or a state that could not be read: no field claims one.
         return;
     }
     let members = snapshots.iter().map(|l| (l.name, &l.snapshot, l.is_semaphore));
@@ -374,7 +452,7 @@ pub fn write_ratelimit_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapsho
 
 /// Writes the `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` fields that OpenAI
 /// clients read, from the tightest rate limit counting requests and the tightest
-/// counting cost.
+/// counting cost: the one with the least left, which is what a client may send now.
 pub fn write_openai_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
     const NAMES: [[HeaderName; 3]; 2] = [
         [
@@ -391,8 +469,9 @@ pub fn write_openai_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot])
     for (counts, [limit, remaining, reset]) in [Counts::Requests, Counts::Cost].into_iter().zip(NAMES) {
         let tightest = snapshots
             .iter()
-            .filter(|l| l.counts == counts && !l.is_semaphore)
-            .min_by_key(|l| (u128::from(l.snapshot.remaining) << 64) / u128::from(l.snapshot.quota.max(1)));
+            .filter(|l| l.counts == counts && !l.is_semaphore && l.snapshot.quota > 0)
+            // What a client may send now is the least that any of them has left.
+            .min_by_key(|l| (l.snapshot.remaining, l.snapshot.quota));
         if let Some(l) = tightest {
             headers.insert(limit, HeaderValue::from(l.snapshot.quota));
             headers.insert(remaining, HeaderValue::from(l.snapshot.remaining));
@@ -505,6 +584,8 @@ pub struct HttpAnswer<J = EmptyBody> {
     openai: bool,
     on_success: bool,
     all_limits: bool,
+    /// Whether the limits' state may be stated at all (`RateLimit`, `x-ratelimit-*`).
+    limit_fields: bool,
     status: fn(&LimitError) -> StatusCode,
     /// The wait suggested for refusals whose wait nobody can know.
     unknown_wait: Option<Duration>,
@@ -519,6 +600,7 @@ impl HttpAnswer {
             openai: false,
             on_success: false,
             all_limits: false,
+            limit_fields: true,
             status: LimitError::status,
             unknown_wait: Some(Duration::from_secs(1)),
             _body: PhantomData,
@@ -561,7 +643,7 @@ impl<J> HttpAnswer<J> {
         HttpAnswer { all_limits: true, ..self }
     }
 
-    /// The fields on successful responses too (costs a peek at the limits per request).
+    /// The fields on successful responses too (the states are read with the decision, in the same pass).
     pub const fn on_success(self) -> Self {
         HttpAnswer { on_success: true, all_limits: true, ..self }
     }
@@ -584,6 +666,7 @@ impl<J> HttpAnswer<J> {
             openai: self.openai,
             on_success: self.on_success,
             all_limits: self.all_limits,
+            limit_fields: self.limit_fields,
             status: self.status,
             unknown_wait: self.unknown_wait,
             _body: PhantomData,
@@ -608,23 +691,35 @@ impl<J> HttpAnswer<J> {
         HttpAnswer { unknown_wait: wait, ..self }
     }
 
+    /// Only `Retry-After` and `retry-after-ms`: no `RateLimit`, `RateLimit-Policy` or
+    /// `x-ratelimit-*` field, on refusals or on success, whatever else was asked, and no
+    /// quota in the body's message (it still names the limit, its tier and the wait). For
+    /// limits whose state is not the one to advertise: a replica's local stand-in while the
+    /// shared store is away decides on its own share, which no client's quota is.
+    ///
+    /// ```
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::{LimitSetLayer, LimitSetPolicy, LimitPolicy, Rate};
+    ///
+    /// // This replica's half of a 240-per-minute plan, while the fleet's store is away.
+    /// let half = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(120), 1));
+    /// let layer = LimitSetLayer::new(half)
+    ///     .unwrap()
+    ///     .reject_with(HttpAnswer::new().with_openai_body().on_success().without_limit_fields());
+    /// # drop(layer);
+    /// ```
+    pub const fn without_limit_fields(self) -> Self {
+        HttpAnswer { limit_fields: false, ..self }
+    }
+
     fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
-        error.write_headers(headers);
-        if let (None, Some(wait)) = (error.retry_after(), self.unknown_wait) {
-            let waits = matches!(
-                error.kind(),
-                ErrorKind::ConcurrencyLimited
-                    | ErrorKind::TenantQueueFull
-                    | ErrorKind::QueueFull
-                    | ErrorKind::WaitTimedOut
-                    | ErrorKind::KeyTableFull
-                    | ErrorKind::Unavailable
-            );
-            if waits {
-                headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(wait)));
-                headers.insert(RETRY_AFTER_MS, HeaderValue::from(whole_millis(wait) as u64));
+        if !self.limit_fields {
+            if let Some(wait) = error.retry_after() {
+                write_retry_after(headers, wait);
             }
+            return;
         }
+        error.write_headers(headers);
         if let Some(all) = error.snapshots() {
             if self.all_limits {
                 write_ratelimit_fields(headers, all);
@@ -636,7 +731,7 @@ impl<J> HttpAnswer<J> {
     }
 
     fn success_headers(&self, headers: &mut HeaderMap, snapshots: Option<&[LimitSnapshot]>) {
-        if let (true, Some(all)) = (self.on_success, snapshots) {
+        if let (true, true, Some(all)) = (self.limit_fields, self.on_success, snapshots) {
             write_ratelimit_fields(headers, all);
             if self.openai {
                 write_openai_fields(headers, all);
@@ -649,7 +744,16 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
     type Response = Response<B>;
     type Error = E;
 
-    fn reject(&self, error: Box<LimitError>) -> Result<Response<B>, E> {
+    fn reject(&self, mut error: Box<LimitError>) -> Result<Response<B>, E> {
+        if let Some(wait) = self.unknown_wait {
+            // The body and the fields say the same wait.
+            error.suggest_wait(wait);
+        }
+        if !self.limit_fields {
+            // Nor does the body state the limits.
+            error.snapshot = None;
+            error.snapshots = None;
+        }
         let mut response = Response::new(J::body(&error));
         *response.status_mut() = (self.status)(&error);
         if let Some(content_type) = J::content_type() {
@@ -669,7 +773,7 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
     }
 
     fn wants_snapshots(&self) -> bool {
-        self.all_limits
+        self.all_limits && self.limit_fields
     }
 }
 
@@ -701,6 +805,62 @@ mod tests {
         let sem = Snapshot { window: Duration::ZERO, ..s };
         let both = policy_value([(name, &s, false), (name, &sem, true)].into_iter()).unwrap();
         assert_eq!(both, "\"policy-cache-test\";q=5;w=2, \"policy-cache-test\";q=5;qu=\"concurrent-requests\"");
+    }
+
+    #[test]
+    fn windows_become_whole_seconds_without_changing_the_rate() {
+        assert_eq!(quota_per_whole_seconds(6_000, Duration::from_secs(60)), (6_000, 60));
+        // A mirror's 90 per 1.1 s: 900 per 11 s (rounding 1.1 s up to 2 s read as 45 per s).
+        assert_eq!(quota_per_whole_seconds(90, Duration::from_millis(1_100)), (900, 11));
+        assert_eq!(quota_per_whole_seconds(2, Duration::from_millis(500)), (4, 1));
+        // No whole form within a year: rounded up, which only understates the rate.
+        assert_eq!(quota_per_whole_seconds(1, Duration::from_nanos(1_000_000_007)), (1, 2));
+    }
+
+    #[test]
+    fn a_state_that_could_not_be_read_writes_no_fields() {
+        // Every upstream benched: a wait, but no limit's state behind it.
+        let stateless = Snapshot { quota: 0, remaining: 0, reset: Duration::from_secs(2), window: Duration::ZERO };
+        let error = LimitError {
+            limit: Some("upstream"),
+            retry_after: Some(Duration::from_millis(1_500)),
+            snapshot: Some(stateless),
+            ..LimitError::new(ErrorKind::RateLimited)
+        };
+        let mut headers = HeaderMap::new();
+        error.write_headers(&mut headers);
+        assert_eq!(headers["retry-after"], "2");
+        assert_eq!(headers["retry-after-ms"], "1500");
+        assert!(!headers.contains_key(RATELIMIT) && !headers.contains_key(RATELIMIT_POLICY), "{headers:?}");
+        assert!(error.openai_json().contains("Rate limit reached for upstream. Please try again in 1.500s."));
+        let snapshot = LimitSnapshot {
+            name: "upstream",
+            tier: None,
+            counts: Counts::Requests,
+            is_semaphore: false,
+            snapshot: stateless,
+        };
+        let mut headers = HeaderMap::new();
+        write_ratelimit_fields(&mut headers, std::slice::from_ref(&snapshot));
+        write_openai_fields(&mut headers, &[snapshot]);
+        assert!(headers.is_empty(), "{headers:?}");
+    }
+
+    #[test]
+    fn openai_fields_report_what_can_be_sent_now() {
+        let limit = |name, quota, remaining| LimitSnapshot {
+            name,
+            tier: None,
+            counts: Counts::Requests,
+            is_semaphore: false,
+            snapshot: Snapshot { quota, remaining, reset: Duration::from_secs(1), window: Duration::from_secs(60) },
+        };
+        // An org's 6,000 a minute, untouched (its burst of 600 left), and a user's 60 a
+        // minute with 59 left: the client may send 59 now, whatever the shares of the plans.
+        let mut headers = HeaderMap::new();
+        write_openai_fields(&mut headers, &[limit("org", 6_000, 600), limit("user", 60, 59)]);
+        assert_eq!(headers["x-ratelimit-remaining-requests"], "59");
+        assert_eq!(headers["x-ratelimit-limit-requests"], "60");
     }
 
     #[test]

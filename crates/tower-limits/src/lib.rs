@@ -35,8 +35,9 @@
 //! - [`http`] (feature `http`, on by default): `429`/`503` answers with `Retry-After` and
 //!   the `RateLimit` fields.
 //! - `grpc` (feature `tonic`): `RESOURCE_EXHAUSTED` statuses.
-//! - [`guide`]: concepts, choosing an algorithm, the laws, HTTP answers, migrating from
-//!   tower, governor and tower_governor.
+//! - `metrics` (feature `metrics`): the names the layers report under.
+//! - [`guide`]: concepts, choosing an algorithm, the laws, HTTP answers, streamed bodies,
+//!   metrics and shadow mode, migrating from tower, governor and tower_governor.
 
 mod clock;
 mod error;
@@ -47,8 +48,12 @@ mod grpc;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod layers;
+mod meter;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod reject;
 pub mod shell;
+mod wait;
 
 pub use clock::LayerClock;
 pub use error::{BoxError, ErrorKind, LimitError};
@@ -68,7 +73,8 @@ pub use tower_limits_core::{
 /// The sans-IO core, in full.
 pub use tower_limits_core as core;
 
-/// The guide: concepts, choosing an algorithm, the laws, HTTP answers and migrating.
+/// The guide: concepts, choosing an algorithm, the laws, HTTP answers, streamed bodies,
+/// metrics and shadow mode, and migrating.
 pub mod guide {
     #[doc = include_str!("../docs/concepts.md")]
     pub mod concepts {}
@@ -82,6 +88,8 @@ pub mod guide {
     pub mod performance {}
     #[doc = include_str!("../docs/streaming.md")]
     pub mod streaming {}
+    #[doc = include_str!("../docs/metrics.md")]
+    pub mod metrics_and_shadow {}
     #[doc = include_str!("../docs/migration.md")]
     pub mod migration {}
 }

@@ -30,7 +30,9 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
     /// An error of the inner service.
     fn fail(&self, error: E) -> Self::Error;
 
-    /// Whether answers should report every limit's state (costs a peek per request).
+    /// Whether answers should report every limit's state. They are read with the
+    /// decision, in the same pass: see
+    /// [`Backend::acquire_observed`](tower_limits_core::Backend::acquire_observed).
     fn wants_snapshots(&self) -> bool {
         false
     }

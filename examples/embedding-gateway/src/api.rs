@@ -1,9 +1,10 @@
-//! The OpenAI-compatible wire format of `POST /v1/embeddings`, and error bodies.
+//! The OpenAI-compatible wire format of `POST /v1/embeddings` and `POST
+//! /v1/chat/completions` (streamed as server-sent events or not), and error bodies.
 //!
 //! Every error the gateway itself answers, whatever its status, has a JSON body in
 //! OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
@@ -321,6 +322,12 @@ pub fn error_with_param(
     response
 }
 
+/// Whether `body` is an error in OpenAI's shape (`{"error": {"message": ...}}`).
+#[must_use]
+pub fn is_openai_error(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"]["message"].is_string())
+}
+
 /// A JSON answer with status 200.
 #[must_use]
 pub fn json_response(body: String) -> Response<Body> {
@@ -336,3 +343,134 @@ pub fn bearer(headers: &http::HeaderMap) -> Option<&str> {
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
 }
+
+/// A request body of `POST /v1/chat/completions`, checked: `{"model", "messages"}` with
+/// the optional `stream`, `stream_options.include_usage` and `max_tokens` (or
+/// `max_completion_tokens`). Other fields are passed on untouched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatRequest {
+    /// The model asked for.
+    pub model: String,
+    /// The text of every message, in order (the text parts of a message given as parts).
+    pub messages: Vec<String>,
+    /// Whether the answer is streamed as server-sent events.
+    pub stream: bool,
+    /// Whether a streamed answer ends with a `usage` chunk.
+    pub include_usage: bool,
+    /// The most tokens the answer may have.
+    pub max_tokens: Option<u64>,
+}
+
+impl ChatRequest {
+    /// Reads and checks a request body.
+    ///
+    /// # Errors
+    /// What is wrong with it, naming the parameter.
+    pub fn parse(body: &[u8]) -> Result<Self, RequestError> {
+        use serde_json::Value;
+        let value: Value = serde_json::from_slice(body)
+            .map_err(|e| RequestError::new(None, "invalid_json", format!("the body is not valid JSON: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(RequestError::new(
+                None,
+                "invalid_json",
+                "the body must be a JSON object such as {\"model\": \"...\", \"messages\": [...]}",
+            ));
+        };
+        let model = match map.get("model") {
+            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+            None | Some(Value::Null) => {
+                return Err(RequestError::new(Some("model"), "missing_model", "you must name a `model`"));
+            }
+            Some(_) => {
+                return Err(RequestError::new(Some("model"), "invalid_model", "`model` must be a non-empty string"));
+            }
+        };
+        let wrong = || {
+            RequestError::new(
+                Some("messages"),
+                "invalid_messages",
+                "`messages` must be a non-empty array of {\"role\": ..., \"content\": ...} objects",
+            )
+        };
+        let Some(Value::Array(items)) = map.get("messages") else { return Err(wrong()) };
+        if items.is_empty() {
+            return Err(wrong());
+        }
+        let messages = items
+            .iter()
+            .map(|m| match m.get("content") {
+                Some(Value::String(text)) => Ok(text.clone()),
+                Some(Value::Array(parts)) => {
+                    Ok(parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join(" "))
+                }
+                Some(Value::Null) => Ok(String::new()),
+                _ => Err(wrong()),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let stream = match map.get("stream") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(RequestError::new(Some("stream"), "invalid_stream", "`stream` must be true or false"));
+            }
+        };
+        let include_usage =
+            map.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+        let max_tokens = match map.get("max_completion_tokens").or_else(|| map.get("max_tokens")) {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if n >= 1 => Some(n),
+                _ => {
+                    return Err(RequestError::new(
+                        Some("max_tokens"),
+                        "invalid_max_tokens",
+                        "`max_tokens` must be a whole number of at least 1",
+                    ));
+                }
+            },
+        };
+        Ok(ChatRequest { model, messages, stream, include_usage, max_tokens })
+    }
+
+    /// The tokens of the prompt: every message's text.
+    #[must_use]
+    pub fn prompt_tokens(&self) -> u64 {
+        self.messages.iter().map(|m| crate::tokenizer::count(m)).sum()
+    }
+
+    /// What the request may cost at most: its prompt and the longest answer it allows,
+    /// `max_tokens`, or else whatever `max_request_tokens` leaves (charged up front, settled
+    /// to the upstream's usage when the answer, or the stream, ends).
+    #[must_use]
+    pub fn estimate(&self, max_request_tokens: u64) -> u64 {
+        let prompt = self.prompt_tokens();
+        prompt + self.max_tokens.unwrap_or(max_request_tokens.saturating_sub(prompt).max(1))
+    }
+}
+
+/// A streamed body fed by a channel: each `Bytes` sent is one data frame; the body ends
+/// when every sender is dropped. Dropping the body tells the sender (its sends fail).
+#[derive(Debug)]
+pub struct ChannelBody(pub tokio::sync::mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        self.0.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+/// One `data:` event of a chat completion stream.
+#[must_use]
+pub fn sse_event(json: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("data: {json}\n\n"))
+}
+
+/// The event that ends a chat completion stream.
+pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";

@@ -5,8 +5,9 @@
 //! client of the configuration's `[demo]` section keeps `concurrency` requests in flight
 //! with `batch` inputs of `words` words each, until the time is up (requests still in
 //! flight then are dropped and not counted; each task also stops after
-//! [`MAX_REQUESTS_PER_TASK`]). A refused client waits what the answer's `retry_after_ms`
-//! says (at most a second), or 50 ms when it says nothing, before trying again.
+//! [`MAX_REQUESTS_PER_TASK`]). A refused client waits what the answer's `retry-after-ms`
+//! (else `Retry-After`) says, as OpenAI's SDKs do (at most a second), or 50 ms when it
+//! says nothing, before trying again.
 //!
 //! # The verdict
 //!
@@ -63,8 +64,8 @@ pub struct DemoOptions {
     pub progress: bool,
     /// Run several gateway replicas sharing their limits through Redis.
     pub redis: Option<RedisOptions>,
-    /// Print the shares' verdict without failing on it (for a fleet, whose weighted
-    /// fairness holds per replica only: see the Redis guide).
+    /// Print the shares' verdict without failing on it (to look at a configuration whose
+    /// targets are not expected to hold).
     pub advisory_shares: bool,
 }
 
@@ -134,20 +135,17 @@ enum Outcome {
     Refused { reason: String, own_rate_limit: bool },
 }
 
-/// The parts of a refusal body the demo reads: the library's problem document or an
-/// OpenAI-shaped error.
+/// The parts of a refusal body the demo reads: OpenAI's error object, as every refusal
+/// of the gateway has it.
 #[derive(Debug, Default, Deserialize)]
 struct Refusal {
-    kind: Option<String>,
-    limit: Option<String>,
-    tier: Option<String>,
-    retry_after_ms: Option<u64>,
     error: Option<ErrorBody>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 struct ErrorBody {
     code: Option<String>,
+    message: Option<String>,
 }
 
 #[derive(Debug)]
@@ -269,6 +267,9 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let per_replica: Arc<Vec<(AtomicU64, AtomicU64)>> =
         Arc::new((0..urls.len()).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
     let uneven = options.redis.as_ref().is_some_and(|r| r.uneven);
+    // Per replica and tenant: tokens served.
+    let mix: Arc<Vec<AtomicU64>> = Arc::new((0..urls.len() * tenants.len()).map(|_| AtomicU64::new(0)).collect());
+    let n_tenants = tenants.len();
 
     let mut tasks = Vec::new();
     for (ci, c) in config.demo.clients.iter().enumerate() {
@@ -276,8 +277,8 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
             // Each client's tasks spread over the replicas (or not: --uneven).
             let replica = route(ci, task, urls.len(), uneven);
             let url = urls[replica].clone();
-            let (client, events, live, refused_live, per_replica) =
-                (client.clone(), events.clone(), live.clone(), refused_live.clone(), per_replica.clone());
+            let (client, events, live, refused_live, per_replica, mix) =
+                (client.clone(), events.clone(), live.clone(), refused_live.clone(), per_replica.clone(), mix.clone());
             let (key, batch, words, tenant) = (c.key.clone(), c.batch, c.words, client_tenant[ci]);
             tasks.push(tokio::spawn(async move {
                 let mut seed = (ci as u64) << 40 | (task as u64) << 20;
@@ -297,33 +298,45 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
                             .get(QUEUE_TIME_HEADER)
                             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
                             .map(Duration::from_micros);
+                        // As OpenAI's SDKs: `retry-after-ms`, else `Retry-After` in seconds.
+                        let header = |name: &str| {
+                            response.headers().get(name).and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                        };
+                        let wait = header("retry-after-ms")
+                            .map(Duration::from_millis)
+                            .or_else(|| header("retry-after").map(Duration::from_secs));
                         let body = response.into_body().collect().await.ok()?.to_bytes();
-                        Some((status, queued, body))
+                        Some((status, (queued, wait), body))
                     };
                     let Ok(answer) = tokio::time::timeout_at(deadline, answer).await else { break };
                     let at = start.elapsed();
                     let mut pause = Duration::ZERO;
                     per_replica[replica].0.fetch_add(1, Ordering::Relaxed);
                     let outcome = match answer {
-                        Some((StatusCode::OK, queued, body)) => {
+                        Some((StatusCode::OK, (queued, _), body)) => {
                             let tokens = serde_json::from_slice::<UsageOnly>(&body).map_or(0, |u| u.usage.total_tokens);
                             per_replica[replica].1.fetch_add(tokens, Ordering::Relaxed);
+                            mix[replica * n_tenants + tenant].fetch_add(tokens, Ordering::Relaxed);
                             live[tenant].fetch_add(tokens, Ordering::Relaxed);
                             Outcome::Ok { tokens, queued: queued.unwrap_or_default() }
                         }
-                        Some((status, _, body)) => {
+                        Some((status, (_, wait), body)) => {
                             let r: Refusal = serde_json::from_slice(&body).unwrap_or_default();
-                            pause = r.retry_after_ms.map_or(Duration::from_millis(50), Duration::from_millis);
-                            let what = match (&r.limit, &r.error) {
-                                (Some(limit), _) => limit.clone(),
-                                (None, Some(ErrorBody { code: Some(code) })) => code.clone(),
-                                _ => r.kind.clone().unwrap_or_else(|| "?".into()),
-                            };
+                            pause = wait.unwrap_or(Duration::from_millis(50));
+                            let error = r.error.unwrap_or_default();
+                            let code = error.code.unwrap_or_else(|| "?".into());
+                            // A plan's rate limit: `rate_limit_exceeded`, of `requests` or `tokens`.
+                            let own_rate_limit = code == "rate_limit_exceeded";
+                            // The limit the message names ("... for org.rpm (per org): ..."),
+                            // else the code.
+                            let what = error
+                                .message
+                                .as_deref()
+                                .and_then(|m| m.split_once(" for ")?.1.split([' ', ':']).next())
+                                .filter(|limit| !limit.is_empty())
+                                .map_or(code, str::to_owned);
                             refused_live.fetch_add(1, Ordering::Relaxed);
-                            Outcome::Refused {
-                                reason: format!("{} {what}", status.as_u16()),
-                                own_rate_limit: r.kind.as_deref() == Some("rate_limited") && r.tier.is_some(),
-                            }
+                            Outcome::Refused { reason: format!("{} {what}", status.as_u16()), own_rate_limit }
                         }
                         None => {
                             pause = Duration::from_millis(50);
@@ -448,6 +461,19 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
             millis(percentile(&r.queued, 0.99)),
         );
     }
+    // The same numbers as `/metrics` serves (every replica of this process).
+    let page = crate::metrics::handle().render();
+    let sum = |name: &str, labels: &[&str]| crate::metrics::sum(&page, name, labels);
+    let waits = sum("rate_limiting_request_time_in_queue_count", &[r#"layer="upstream""#, r#"result="admitted""#]);
+    let waited = sum("rate_limiting_request_time_in_queue_sum", &[r#"layer="upstream""#, r#"result="admitted""#]);
+    println!(
+        "/metrics: plans admitted {:.0} and refused {:.0}; the fair queue admitted {:.0} ({waits:.0} after a mean wait of {:.0} ms) and refused {:.0}",
+        sum("rate_limiting_requests", &[r#"layer="plan""#, r#"result="admitted""#]),
+        sum("rate_limiting_requests", &[r#"layer="plan""#, r#"result="refused""#]),
+        sum("rate_limiting_requests", &[r#"layer="upstream""#, r#"result="admitted""#]),
+        waited * 1000.0 / waits.max(1.0),
+        sum("rate_limiting_requests", &[r#"layer="upstream""#, r#"result="refused""#]),
+    );
     let served = upstream_stats.served.load(Ordering::Relaxed);
     let upstream_tokens = upstream_stats.tokens.load(Ordering::Relaxed);
     let upstream_429 = upstream_stats.refused();
@@ -497,9 +523,15 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         let all: u64 = per_replica.iter().map(|r| r.1.load(Ordering::Relaxed)).sum::<u64>().max(1);
         for (i, (answers, tokens)) in per_replica.iter().enumerate() {
             let (answers, tokens) = (answers.load(Ordering::Relaxed), tokens.load(Ordering::Relaxed));
+            let by_tenant: Vec<String> = tenants
+                .iter()
+                .enumerate()
+                .map(|(t, info)| format!("{} {}", info.name, mix[i * n_tenants + t].load(Ordering::Relaxed)))
+                .collect();
             println!(
-                "replica {i}: {answers} answers, {tokens} tokens served ({:.1}% of the fleet's)",
-                tokens as f64 * 100.0 / all as f64
+                "replica {i}: {answers} answers, {tokens} tokens served ({:.1}% of the fleet's: {})",
+                tokens as f64 * 100.0 / all as f64,
+                by_tenant.join(", ")
             );
         }
     }

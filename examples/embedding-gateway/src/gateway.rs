@@ -2,13 +2,15 @@
 //! upstream capacity, and the call to the chosen upstream account.
 //!
 //! ```text
-//! POST /v1/embeddings
+//! POST /v1/embeddings, POST /v1/chat/completions (streamed or not)
 //!   AuthLayer          Bearer key -> TenantKey + Identity          401
 //!   Prepare            body (within body_timeout) -> the inputs    408, 400, 404 (model),
-//!                      in any OpenAI form -> Cost(tokens)          413
-//!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (RateLimit fields,
-//!                      concurrency per tenant (LimitSetLayer,          JSON naming tier+limit
-//!                      in memory or on Redis)                          and OpenAI's error)
+//!                      in any OpenAI form -> Cost(tokens; for a    413
+//!                      chat: prompt + max_tokens)
+//!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (Retry-After,
+//!                      concurrency per tenant (LimitSetLayer,          retry-after-ms, the
+//!                      in memory or on Redis)                          RateLimit and x-ratelimit
+//!                                                                      fields, OpenAI's error)
 //!   FairQueueLayer     tenants (orgs) take turns by weight for     429 tenant queue full,
 //!                      the LimitPool of upstream accounts; the     503 queue full or
 //!                      turn waits at the gate for an account       max_wait passed
@@ -16,12 +18,30 @@
 //!   UpstreamCall       POST to the chosen account within           504 upstream_timeout,
 //!                      upstream_timeout; Usage(total_tokens)       502 unreachable,
 //!                      settles every layer above; the upstream's   503 upstream 429
-//!                      x-ratelimit-* feed LimitPool::observe
+//!                      x-ratelimit-* feed LimitPool::observe           (Retry-After)
 //! GET /v1/models, /healthz, /readyz                               see [`crate::health`]
 //! ```
 //!
+//! Every refusal, whoever answers it, is OpenAI's error object, `{"error": {"message",
+//! "type", "param", "code"}}` as `application/json`; those with a sensible wait (a rate, a
+//! concurrency limit, a full queue, a store that is down, a benched account) carry
+//! `Retry-After` and `retry-after-ms`, as OpenAI's SDKs read them.
+//!
+//! What a request holds (its tenant's concurrency and tokens, its turn at the upstream
+//! accounts) lives as long as the answer's body (`hold_body`): for a streamed chat
+//! completion, until its last chunk, or until the client goes away mid-stream. The
+//! stream's final `usage` chunk (`stream_options.include_usage`) settles the tokens; a
+//! stream without one keeps the estimate, the whole of `max_tokens`. `upstream_timeout`
+//! bounds a stream's head, not its length.
+//!
 //! Each layer adds what it knows to the answer's [`AccessInfo`] (tenant, tokens, time
 //! queued, time upstream, account), which the server's access line reports.
+//!
+//! With Redis, the replicas share the upstream accounts (`RedisAccounts`) and their fair
+//! queues share them by the tenants' weights across the fleet: each fair queue reports
+//! its backlog through a `FleetShares` handle and weighs its tenants by this replica's
+//! share of their demand (the Redis guide's "Fleet-wide weighted fairness"); in memory
+//! the fair queue is exactly the single-process one.
 //!
 //! With Redis, the plans' services sit in a [`PlanSlot`]: a gateway can start before
 //! Redis answers ([`Gateway::awaiting_redis`], following `gateway.backend_failure`) and
@@ -42,8 +62,10 @@ use http_body_util::{BodyExt, Limited};
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_limits::core::fair_queue::FairQueueConfig;
+use tower_limits::core::fleet::FleetShares;
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
-use tower_limits::http::{HttpAnswer, upstream_report};
+use tower_limits::http::{HttpAnswer, upstream_report, write_retry_after};
+use tower_limits::shell::body::{HeldBody, OpenAiStreamUsage};
 use tower_limits::{
     Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
 };
@@ -106,11 +128,21 @@ pub struct GatewayStats {
 pub struct Prepared {
     /// The body as received, forwarded as is.
     pub body: Bytes,
-    /// Its tokens (also in the request's [`Cost`]).
+    /// Its tokens (also in the request's [`Cost`]): counted for embeddings, the most it
+    /// may use for a chat completion (prompt and `max_tokens`).
     pub tokens: u64,
-    /// How many inputs it has.
+    /// How many inputs (or messages) it has.
     pub inputs: usize,
+    /// The upstream path it goes to ([`EMBEDDINGS_PATH`] or [`CHAT_PATH`]).
+    pub path: &'static str,
+    /// Whether the answer streams (a chat completion with `stream: true`).
+    pub stream: bool,
 }
+
+/// `POST /v1/embeddings`.
+pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
+/// `POST /v1/chat/completions`.
+pub const CHAT_PATH: &str = "/v1/chat/completions";
 
 /// Where the gateway keeps its tenants' limits.
 #[derive(Clone, Default)]
@@ -159,8 +191,8 @@ pub type PlanService = BoxCloneSyncService<Request<Body>, Response<Body>, Infall
 /// A built gateway: its router and what the demo and tests look at.
 #[derive(Debug, Clone)]
 pub struct Gateway {
-    /// `POST /v1/embeddings`, `GET /v1/models`, `/healthz`, `/readyz`; JSON errors for the
-    /// rest.
+    /// `POST /v1/embeddings`, `GET /v1/models`, `/healthz`, `/readyz`, `/metrics`; JSON
+    /// errors for the rest.
     pub router: Router,
     /// The upstream accounts' mirrors.
     pub pool: LimitPool<Account>,
@@ -184,6 +216,8 @@ struct RedisPlans {
     slot: PlanSlot,
     /// The shared accounts, once Redis answered.
     store: Mutex<Option<RedisAccounts>>,
+    /// What the fair queue and the shared accounts tell each other (fleet-wide shares).
+    fleet: Arc<FleetShares>,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -198,17 +232,35 @@ pub type PlanSlot = Arc<RwLock<Arc<[PlanService]>>>;
 
 /// Every plan's limits: a `LimitSetLayer` (in memory or on Redis) keyed by the tenant's
 /// tiers, costed by its tokens, settled by the upstream's usage, over `inner`.
+///
+/// What a request holds (its concurrency, its tokens' estimate) lives as long as the
+/// answer's body: to the end of a stream, settled from its final `usage` chunk
+/// ([`OpenAiStreamUsage`]), else from the answer's [`Usage`], else the estimate stands.
 macro_rules! plan_layer {
     ($layer:expr, $inner:expr) => {
+        plan_layer!($layer, $inner, HttpAnswer::new().with_openai_body().with_openai_fields().on_success())
+    };
+    ($layer:expr, $inner:expr, $answer:expr) => {
         BoxCloneSyncService::new(
-            $layer
-                .key(FromExtension::<TenantKey>::new())
-                .cost(CostFromExtension)
-                .usage(UsageFromExtension)
-                .reject_with(HttpAnswer::new().with_json_body().with_openai_fields().on_success())
-                .layer($inner),
+            ServiceBuilder::new()
+                .map_response(unheld)
+                .layer(
+                    $layer
+                        .key(FromExtension::<TenantKey>::new())
+                        .cost(CostFromExtension)
+                        .usage(UsageFromExtension)
+                        .reject_with($answer)
+                        .hold_body()
+                        .usage_from_body(OpenAiStreamUsage::default()),
+                )
+                .service($inner),
         )
     };
+}
+
+/// A held body as the router's body (it keeps holding).
+fn unheld(response: Response<HeldBody<Body, OpenAiStreamUsage>>) -> Response<Body> {
+    response.map(Body::new)
 }
 
 impl Gateway {
@@ -266,13 +318,26 @@ impl Gateway {
         for t in &config.tenants {
             weights = weights.weight(t.name.clone(), t.weight);
         }
-        let shared = FairQueueLayer::rate(weights, pool.clone())?
+        // A fleet's replicas share the accounts by the tenants' weights across the fleet:
+        // the fair queue reports its backlog to the shared accounts and weighs its
+        // tenants by this replica's share of their demand (in memory: as configured).
+        let fleet = Arc::new(FleetShares::new());
+        let mut shared = FairQueueLayer::rate(weights, pool.clone())?;
+        if redis {
+            shared = shared.fleet(fleet.clone());
+        }
+        let shared = shared
+            .metrics_name("upstream")
+            .metrics_tenants(config.tenants.iter().map(|t| t.name.clone()))?
             .key(FromExtension::<FairTenant>::new())
             .cost(CostFromExtension)
             .annotate(InsertChosen)
             .usage(UsageFromExtension)
             .max_queue_time(config.gateway.max_wait)
-            .reject_with(HttpAnswer::new().with_json_body());
+            .reject_with(HttpAnswer::new().with_openai_body())
+            // The turn and the account's tokens last as long as the answer's body.
+            .hold_body()
+            .usage_from_body(OpenAiStreamUsage::default());
         let clock = shared.clone();
         let now: Arc<dyn Fn() -> Instant + Send + Sync> = Arc::new(move || clock.now());
         let call = UpstreamCall {
@@ -283,26 +348,34 @@ impl Gateway {
             now: now.clone(),
             stats: stats.clone(),
         };
-        let inner: PlanService = BoxCloneSyncService::new(ServiceBuilder::new().layer(shared).service(call));
+        let inner: PlanService =
+            BoxCloneSyncService::new(ServiceBuilder::new().map_response(unheld).layer(shared).service(call));
 
         let failure = config.gateway.backend_failure;
         let mut plans: Vec<PlanService> = Vec::new();
         for plan in &config.plans {
             let service = match (redis, failure) {
-                (false, _) => plan_layer!(LimitSetLayer::new(plan.policy.clone())?, inner.clone()),
+                (false, _) => plan_layer!(LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan"), inner.clone()),
                 // Until Redis answers: the failure policy.
                 (true, BackendFailure::FailClosed) => BoxCloneSyncService::new(tower::service_fn(|_req| async {
-                    Ok::<_, Infallible>(api::error_response(
+                    let mut r = api::error_response(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "server_error",
                         "limits_unavailable",
-                        "the tenants' limits cannot be checked right now (their store does not answer); try again",
-                    ))
+                        "The rate limits cannot be checked right now (their store does not answer). \
+                         Please try again in 1.000s.",
+                    );
+                    // As the layers' own answer while the store is down: the suggested wait.
+                    write_retry_after(r.headers_mut(), BACKEND_DOWN_WAIT);
+                    Ok::<_, Infallible>(r)
                 })),
                 (true, BackendFailure::FailOpen) => inner.clone(),
-                (true, BackendFailure::Fallback) => {
-                    plan_layer!(LimitSetLayer::new(share_of(&plan.policy, replicas))?, inner.clone())
-                }
+                (true, BackendFailure::Fallback) => plan_layer!(
+                    LimitSetLayer::new(share_of(&plan.policy, replicas))?,
+                    inner.clone(),
+                    // This replica's share is not the tenant's plan: no field states it.
+                    HttpAnswer::new().with_openai_body().without_limit_fields()
+                ),
             };
             plans.push(service);
         }
@@ -333,6 +406,7 @@ impl Gateway {
                 inner: inner.clone(),
                 slot: slot.clone(),
                 store: Mutex::new(None),
+                fleet,
             })
         });
 
@@ -344,10 +418,9 @@ impl Gateway {
                 body_timeout: config.gateway.body_timeout,
                 models: config.gateway.models.iter().cloned().collect(),
             })
-            .map_future(|answer: BoxFuture| async move { Ok::<_, Infallible>(with_openai_error(answer.await?).await) })
             .service(PlanLimits { plans: slot });
         let router = crate::health::routes(
-            Router::new().route("/v1/embeddings", post_service(stack)),
+            Router::new().route(EMBEDDINGS_PATH, post_service(stack.clone())).route(CHAT_PATH, post_service(stack)),
             &health,
             &config.gateway.models,
         );
@@ -389,13 +462,14 @@ impl Gateway {
                 .on_failure(r.failure)
                 .build(connection)?;
             backends.push(backend.clone());
-            services.push(plan_layer!(LimitSetLayer::with_backend(backend), r.inner.clone()));
+            services.push(plan_layer!(LimitSetLayer::with_backend(backend).metrics_name("plan"), r.inner.clone()));
         }
         // The upstream accounts: one mirror per account in Redis, charged by every replica;
         // the pool's local mirrors (this replica's 1/N) decide only while Redis is away
         // (or refuse, failing closed; an account never fails open).
         let mut store = RedisAccounts::builder("accounts")
             .namespace(format!("{namespace}:pool"))
+            .fleet(r.fleet.clone())
             .timeout(Duration::from_millis(250))
             .on_failure(match r.failure {
                 FailurePolicy::FailClosed => FailurePolicy::FailClosed,
@@ -412,35 +486,6 @@ impl Gateway {
         self.health.set_redis(backends);
         Ok(())
     }
-}
-
-/// The limit layers' refusals (`application/problem+json`, naming kind, limit and tier)
-/// with an OpenAI `error` object added, so that OpenAI's SDKs show their message:
-/// `{"error": {"message": <detail>, "type": "rate_limit_error" | "server_error", "param":
-/// null, "code": <kind>}}`. Every other answer passes untouched.
-async fn with_openai_error(answer: Response<Body>) -> Response<Body> {
-    let is_problem = answer.headers().get(header::CONTENT_TYPE).is_some_and(|v| v == "application/problem+json");
-    if !is_problem {
-        return answer;
-    }
-    let (mut parts, body) = answer.into_parts();
-    parts.headers.remove(header::CONTENT_LENGTH);
-    // The library's refusal bodies are small and already in memory.
-    let Ok(bytes) = Limited::new(body, 64 * 1024).collect().await.map(|b| b.to_bytes()) else {
-        return Response::from_parts(parts, Body::empty());
-    };
-    let Ok(serde_json::Value::Object(mut problem)) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return Response::from_parts(parts, Body::from(bytes));
-    };
-    let kind = if parts.status == StatusCode::TOO_MANY_REQUESTS { "rate_limit_error" } else { "server_error" };
-    let error = serde_json::json!({
-        "message": problem.get("detail").cloned().unwrap_or_else(|| "refused".into()),
-        "type": kind,
-        "param": null,
-        "code": problem.get("kind").cloned().unwrap_or(serde_json::Value::Null),
-    });
-    problem.insert("error".into(), error);
-    Response::from_parts(parts, Body::from(serde_json::Value::Object(problem).to_string()))
 }
 
 /// `share` of every limit of `policy` (`1 / replicas`, at least 1 of each): what one
@@ -544,37 +589,44 @@ where
                     return Ok(r);
                 }
             };
-            let request = match EmbeddingRequest::parse(&body) {
-                Ok(r) => r,
-                Err(e) => return Ok(e.response()),
+            let is_chat = parts.uri.path() == CHAT_PATH;
+            let (model, tokens, inputs, stream, param) = if is_chat {
+                match api::ChatRequest::parse(&body) {
+                    Ok(r) => (r.model.clone(), r.estimate(settings.max_tokens), r.messages.len(), r.stream, "messages"),
+                    Err(e) => return Ok(e.response()),
+                }
+            } else {
+                match EmbeddingRequest::parse(&body) {
+                    Ok(r) => (r.model.clone(), r.tokens(), r.inputs.len(), false, "input"),
+                    Err(e) => return Ok(e.response()),
+                }
             };
-            if !settings.models.contains(&request.model) {
+            if !settings.models.contains(&model) {
                 return Ok(api::error_with_param(
                     StatusCode::NOT_FOUND,
                     "invalid_request_error",
                     "model_not_found",
                     Some("model"),
                     &format!(
-                        "the model {:?} does not exist here; this gateway serves {}",
-                        request.model,
+                        "the model {model:?} does not exist here; this gateway serves {}",
                         settings.models.join(", ")
                     ),
                 ));
             }
-            let tokens = request.tokens();
             if tokens > settings.max_tokens {
                 let mut r = api::error_with_param(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "invalid_request_error",
                     "too_many_tokens",
-                    Some("input"),
+                    Some(param),
                     &format!("{tokens} tokens; a request may carry at most {}", settings.max_tokens),
                 );
                 r.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
                 return Ok(r);
             }
             parts.extensions.insert(Cost(tokens));
-            parts.extensions.insert(Prepared { body, tokens, inputs: request.inputs.len() });
+            let path = if is_chat { CHAT_PATH } else { EMBEDDINGS_PATH };
+            parts.extensions.insert(Prepared { body, tokens, inputs, path, stream });
             let mut response = inner.call(Request::from_parts(parts, Body::empty())).await?;
             // The upstream's count when it gave one, the estimate otherwise.
             response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens.get_or_insert(tokens);
@@ -664,6 +716,16 @@ impl Service<Request<Body>> for UpstreamCall {
     }
 }
 
+/// An upstream answer: read whole, or a stream passed on as it comes.
+enum Answer {
+    Whole(Bytes),
+    Stream(Body),
+}
+
+/// The wait suggested when nobody knows how long: the limits' store is down, an upstream
+/// account is benched without saying for how long (the layers suggest the same).
+pub const BACKEND_DOWN_WAIT: Duration = Duration::from_secs(1);
+
 /// The queueing time of an answer, in microseconds: from arrival at the gateway to the
 /// call to the upstream.
 pub const QUEUE_TIME_HEADER: &str = "x-gateway-queue-us";
@@ -683,7 +745,7 @@ impl UpstreamCall {
         let tenant = req.extensions().get::<Identity>().map(|i| i.tenant.clone());
         let queued = req.extensions().get::<Arrived>().map(|a| a.0.elapsed());
         let account = &chosen.config;
-        let upstream = Request::post(format!("{}/v1/embeddings", account.base_url))
+        let upstream = Request::post(format!("{}{}", account.base_url, prepared.path))
             .header(header::AUTHORIZATION, format!("Bearer {}", account.api_key))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(prepared.body));
@@ -692,8 +754,13 @@ impl UpstreamCall {
         let call = async {
             let response = self.transport.clone().oneshot(upstream).await?;
             let (parts, body) = response.into_parts();
+            if prepared.stream && parts.status.is_success() {
+                // The stream goes on to the client as it comes: the layers above hold
+                // their permits in it and settle them from its final usage chunk.
+                return Ok::<_, BoxError>((parts, Answer::Stream(body)));
+            }
             let bytes = body.collect().await?.to_bytes();
-            Ok::<_, BoxError>((parts, bytes))
+            Ok((parts, Answer::Whole(bytes)))
         };
         let result = tokio::time::timeout(self.timeout, call).await;
         let took = started.elapsed();
@@ -744,7 +811,19 @@ impl UpstreamCall {
                     &format!("the upstream account {} could not be reached: {e}", chosen.name),
                 )
             }
-            Ok(Ok((parts, bytes))) => self.answer(&chosen, parts, bytes),
+            Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes),
+            Ok(Ok((parts, Answer::Stream(body)))) => {
+                let report = upstream_report(parts.status, &parts.headers);
+                self.pool.observe(chosen.index, &report, (self.now)());
+                let mut r = Response::new(body);
+                *r.status_mut() = parts.status;
+                for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+                    if let Some(v) = parts.headers.get(&name) {
+                        r.headers_mut().insert(name, v.clone());
+                    }
+                }
+                r
+            }
         };
         let h = out.headers_mut();
         if let Ok(v) = HeaderValue::from_str(&chosen.name) {
@@ -770,14 +849,18 @@ impl UpstreamCall {
             if let Some(suppressed) = self.stats.refusal_log.ready() {
                 tracing::warn!(account = %chosen.name, total = n, suppressed, "upstream answered 429: account benched, answered 503");
             }
+            let wait = report.retry_after.filter(|w| !w.is_zero()).unwrap_or(BACKEND_DOWN_WAIT);
             let mut r = api::error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "upstream_error",
+                "server_error",
                 "upstream_rate_limited",
-                &format!("upstream account {} is rate limited", chosen.name),
+                &format!(
+                    "The upstream account {} is rate limited. Please try again in {:.3}s.",
+                    chosen.name,
+                    wait.as_secs_f64()
+                ),
             );
-            let wait = report.retry_after.unwrap_or_default();
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(tower_limits::http::whole_seconds(wait)));
+            write_retry_after(r.headers_mut(), wait);
             return r;
         }
         if parts.status.is_server_error() {
@@ -785,6 +868,15 @@ impl UpstreamCall {
             if let Some(suppressed) = self.stats.error_log.ready() {
                 tracing::warn!(account = %chosen.name, status = parts.status.as_u16(), total = n, suppressed, "upstream answered an error");
             }
+        }
+        if !parts.status.is_success() && !api::is_openai_error(&bytes) {
+            // Whatever the upstream said, the client gets OpenAI's shape.
+            return api::error_response(
+                parts.status,
+                if parts.status.is_server_error() { "server_error" } else { "invalid_request_error" },
+                "upstream_error",
+                &format!("The upstream account {} answered {}.", chosen.name, parts.status),
+            );
         }
         let mut r = Response::new(Body::from(bytes.clone()));
         *r.status_mut() = parts.status;

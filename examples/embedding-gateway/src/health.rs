@@ -7,8 +7,10 @@
 //!   Redis away but `gateway.backend_failure` admitting requests, `fail_open` or
 //!   `fallback`), and at least one upstream account not benched by a `429`.
 //! - `GET /v1/models`: the models of `gateway.models`, in OpenAI's list shape.
+//! - `GET /metrics`: the layers' numbers in Prometheus' text format (see
+//!   [`crate::metrics`]), added here with the others.
 //!
-//! All three are unauthenticated and answered from memory: no call to Redis or the
+//! All four are unauthenticated and answered from memory: no call to Redis or the
 //! upstream. Any other path gets a JSON `404`, a known path with another method a JSON
 //! `405`, both in OpenAI's error shape.
 
@@ -143,8 +145,10 @@ fn json(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
     r
 }
 
-/// `router` with `/healthz`, `/readyz`, `/v1/models` and the JSON `404` and `405`.
+/// `router` with `/healthz`, `/readyz`, `/v1/models`, `/metrics` (see [`crate::metrics`])
+/// and the JSON `404` and `405`.
 pub fn routes(router: Router, health: &Arc<Health>, models: &[String]) -> Router {
+    let router = crate::metrics::routes(router);
     let ready = health.clone();
     let list = serde_json::json!({
         "object": "list",

@@ -15,22 +15,27 @@
 //! - [`server`]: the accept loop: connection timeouts and limit, access lines, draining
 //!   on SIGTERM and SIGINT.
 //! - [`health`]: `/healthz`, `/readyz`, `/v1/models`, JSON `404` and `405`.
+//! - [`metrics`]: `/metrics`, the layers' numbers in Prometheus' text format.
 //! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
 //!
 //! # The layers
 //!
-//! Each request meets, in order (see [`gateway`]): the auth layer (`401`); the cost, its
+//! Each request (`POST /v1/embeddings`, or `POST /v1/chat/completions`, streamed or not)
+//! meets, in order (see [`gateway`]): the auth layer (`401`); the cost, its
 //! token count (`400`, `413`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
-//! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`, the
-//! `RateLimit` fields and a JSON body naming tier and limit); then the shared upstream
+//! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`,
+//! `retry-after-ms`, the `RateLimit` and `x-ratelimit-*` fields stating the plan, and
+//! OpenAI's error object naming tier, limit and wait); then the shared upstream
 //! capacity, a [`FairQueueLayer`] keyed by tenant with the configured weights, whose rate
 //! is the [`LimitPool`] of upstream accounts: tenants take turns in weighted-fair order,
 //! the request whose turn it is waits until an account has room and goes to that account
 //! (`503` after `max_wait`). The plan's limits sit outside the queue, so a tenant over its
 //! own limits never queues, and its concurrency limit bounds how much of the queue it can
 //! hold. The upstream's `usage.total_tokens` settles the plan's TPM and the account's
-//! mirror.
+//! mirror; what a request holds lives as long as its answer's body, so a streamed chat
+//! completion keeps its concurrency until its last chunk and settles from its final
+//! `usage` chunk.
 //!
 //! With `--redis URL --replicas N` the plans' limits live in Redis, shared by every
 //! replica. Each replica keeps its own fair queue and mirrors `1 / N` of every account: a
@@ -87,6 +92,7 @@ pub mod demo;
 pub mod gateway;
 pub mod health;
 pub mod logging;
+pub mod metrics;
 pub mod server;
 pub mod tokenizer;
 pub mod upstream;

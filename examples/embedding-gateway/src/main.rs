@@ -51,14 +51,15 @@ and the upstream accounts' mirrors live in Redis, shared by every replica (the d
 N of them; serve is one); N only sizes what a replica decides alone while Redis is away
 (1/N of every limit and account). serve starts even while Redis is down, and follows
 gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
-to the first replica and splits the others' connections 60/30/10; --advisory-shares
-reports the tenants' shares without failing on them (a fleet's weighted fairness holds
-per replica only).
+to the first replica and splits the others' connections 60/30/10 (the replicas still
+share the accounts by the tenants' weights across the fleet); --advisory-shares reports
+the tenants' shares without failing on them.
 
 serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
 The gateway answers GET /healthz, GET /readyz and GET /v1/models besides
-POST /v1/embeddings.";
+POST /v1/embeddings and POST /v1/chat/completions (\"stream\": true for server-sent
+events).";
 
 /// The parsed command line.
 struct Args {

@@ -16,6 +16,9 @@
 //! configured `upstream.dimensions` otherwise) and `encoding_format: "base64"` (each vector
 //! as base64 of its little-endian `f32`s).
 //!
+//! `POST /v1/chat/completions` answers with a short fixed text, whole or streamed as
+//! server-sent events with a final `usage` chunk when asked, under the same limits.
+//!
 //! The log is written on purpose without the library, so that the gateway's mirror is
 //! checked against an independent implementation.
 
@@ -144,7 +147,8 @@ struct Provider {
     stats: Arc<UpstreamStats>,
 }
 
-/// The mock provider's router (`POST /v1/embeddings`, `GET /stats`) and its counters.
+/// The mock provider's router (`POST /v1/embeddings`, `POST /v1/chat/completions`, `GET
+/// /stats`) and its counters.
 pub fn router(accounts: &[Account], settings: UpstreamSettings) -> (Router, Arc<UpstreamStats>) {
     let stats = Arc::new(UpstreamStats::default());
     let provider = Provider {
@@ -164,6 +168,7 @@ pub fn router(accounts: &[Account], settings: UpstreamSettings) -> (Router, Arc<
     };
     let router = Router::new()
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/stats", get(stats_handler))
         .with_state(Arc::new(provider));
     (router, stats)
@@ -270,6 +275,119 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
     h.insert("x-ratelimit-remaining-tokens", HeaderValue::from(state.remaining_tokens));
     h.insert("x-ratelimit-reset-requests", go(state.reset_requests));
     h.insert("x-ratelimit-reset-tokens", go(state.reset_tokens));
+    response
+}
+
+/// The words of every mock chat answer, one token each.
+const ANSWER: [&str; 8] = ["the", "mock", "says", "hi", "and", "then", "it", "ends"];
+
+/// `POST /v1/chat/completions`: an answer of at most eight one-token words (fewer with a
+/// smaller `max_tokens`), counted with the prompt when the request arrives. Streamed as
+/// server-sent events when asked (`stream: true`): the head after `latency`, then one
+/// `chat.completion.chunk` per word every quarter of `latency`, then, with
+/// `stream_options.include_usage`, a chunk with no choices and the `usage`, then `data:
+/// [DONE]`.
+async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    let now = Instant::now();
+    let Some(account) = api::bearer(&headers).and_then(|k| p.accounts.iter().find(|a| a.api_key == k)) else {
+        return api::error_response(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "unknown upstream API key",
+        );
+    };
+    let request = match api::ChatRequest::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.response(),
+    };
+    let words = request.max_tokens.map_or(ANSWER.len(), |m| (m as usize).min(ANSWER.len()));
+    let prompt = request.prompt_tokens();
+    let tokens = prompt + words as u64;
+    let (verdict, _) = account.admit(now, tokens);
+    match verdict {
+        Verdict::Admitted => {}
+        Verdict::Never => {
+            return api::error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "context_length_exceeded",
+                &format!("{tokens} tokens are more than account {} allows per window", account.name),
+            );
+        }
+        Verdict::Requests(wait) | Verdict::Tokens(wait) => {
+            p.stats.refused.fetch_add(1, Ordering::Relaxed);
+            let mut r = api::error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "requests",
+                "rate_limit_exceeded",
+                &format!("rate limit reached on account {}", account.name),
+            );
+            tower_limits::http::write_retry_after(r.headers_mut(), wait);
+            return r;
+        }
+    }
+    if !p.settings.latency.is_zero() {
+        tokio::time::sleep(p.settings.latency).await;
+    }
+    p.stats.served.fetch_add(1, Ordering::Relaxed);
+    p.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
+    let usage = serde_json::json!({ "prompt_tokens": prompt, "completion_tokens": words, "total_tokens": tokens });
+    let id = format!("chatcmpl-mock-{}", p.stats.served.load(Ordering::Relaxed));
+    if !request.stream {
+        let answer = serde_json::json!({
+            "id": id,
+            "object": "chat.completion",
+            "model": request.model,
+            "choices": [{
+                "index": 0,
+                "message": { "role": "assistant", "content": ANSWER[..words].join(" ") },
+                "finish_reason": "stop",
+            }],
+            "usage": usage,
+        });
+        return api::json_response(answer.to_string());
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let pause = p.settings.latency / 4;
+    tokio::spawn(async move {
+        let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+            api::sse_event(&serde_json::json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "model": request.model,
+                "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+            }))
+        };
+        let mut events = vec![chunk(serde_json::json!({ "role": "assistant", "content": "" }), None)];
+        for (i, word) in ANSWER[..words].iter().enumerate() {
+            let text = if i == 0 { (*word).to_owned() } else { format!(" {word}") };
+            events.push(chunk(serde_json::json!({ "content": text }), None));
+        }
+        events.push(chunk(serde_json::json!({}), Some("stop")));
+        if request.include_usage {
+            events.push(api::sse_event(&serde_json::json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "model": request.model,
+                "choices": [],
+                "usage": usage,
+            })));
+        }
+        events.push(Bytes::from_static(api::SSE_DONE));
+        for event in events {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            // The client went away: stop.
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut response = Response::new(Body::new(api::ChannelBody(rx)));
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
 }
 

@@ -230,22 +230,28 @@ async fn a_tenant_over_its_plan_gets_429_with_its_fields() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let h = refused.headers();
     assert_eq!(h["retry-after"], "1");
-    assert_eq!(h["content-type"], "application/problem+json");
-    // Every limit of the plan, the one that refused first.
-    assert_eq!(h["ratelimit-policy"], "\"org.rpm\";q=2;w=2, \"user.tpm\";q=600;w=6");
+    let wait_ms: u64 = h["retry-after-ms"].to_str().unwrap().parse().unwrap();
+    assert!(wait_ms > 0 && wait_ms <= 1000, "{wait_ms}");
+    assert_eq!(h["content-type"], "application/json");
+    // Every limit of the plan, as the plan states it (60 per minute, 6,000 tokens per
+    // minute), not as its burst.
+    assert_eq!(h["ratelimit-policy"], "\"org.rpm\";q=60;w=60, \"user.tpm\";q=6000;w=60");
     assert!(h["ratelimit"].to_str().unwrap().starts_with("\"org.rpm\";r=0;t=2, \"user.tpm\";r="), "{h:?}");
+    assert_eq!(h["x-ratelimit-limit-requests"], "60");
     assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    // OpenAI's error object, and nothing else, for its SDKs.
     let body = json(refused).await;
-    assert_eq!(body["status"], 429);
-    assert_eq!(body["kind"], "rate_limited");
-    assert_eq!(body["limit"], "org.rpm");
-    assert_eq!(body["tier"], "org");
-    // And OpenAI's error object, for its SDKs.
-    assert_eq!(body["error"]["type"], "rate_limit_error");
-    assert_eq!(body["error"]["code"], "rate_limited");
-    assert!(body["error"]["message"].as_str().unwrap().contains("org.rpm"), "{body}");
-    let wait = body["retry_after_ms"].as_u64().unwrap();
-    assert!(wait > 0 && wait <= 1000, "{wait}");
+    assert_eq!(body.as_object().unwrap().len(), 1, "{body}");
+    assert_eq!(body["error"]["type"], "requests");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(body["error"]["param"], serde_json::Value::Null);
+    assert_eq!(
+        body["error"]["message"],
+        format!(
+            "Rate limit reached for org.rpm (per org): limit 60 requests per 1m. Please try again in {:.3}s.",
+            wait_ms as f64 / 1000.0
+        )
+    );
     assert_eq!(stats.served.load(Ordering::Relaxed), 2, "the refused request never reached the upstream");
 
     // Another tenant is not affected; acme passes again a second later.
@@ -267,6 +273,8 @@ async fn the_upstream_usage_settles_the_tenants_tokens() {
     let first = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     assert_eq!(first.headers()["x-ratelimit-remaining-tokens"], "950", "charged the estimate at admission");
+    // Settled when the answer's body has been read (it holds the estimate until then).
+    json(first).await;
     let second = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
     assert_eq!(second.headers()["x-ratelimit-remaining-tokens"], "930", "settled to 20: 30 came back");
     assert_eq!(calls.load(Ordering::Relaxed), 2);
@@ -285,6 +293,7 @@ async fn an_upstream_429_benches_the_account_and_answers_503() {
     let refused = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"two".into())).await.unwrap();
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(refused.headers()["retry-after"], "1");
+    assert!(refused.headers().contains_key("retry-after-ms"));
     assert_eq!(json(refused).await["error"]["code"], "upstream_rate_limited");
     assert_eq!(upstream_stats.refused(), 1);
     assert_eq!(gateway.stats.upstream_refusals.load(Ordering::Relaxed), 1);
@@ -340,8 +349,64 @@ fn replicas_share_the_tenants_limits_through_redis() {
             let refused =
                 replica.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
             assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
-            assert_eq!(json(refused).await["limit"], "org.rpm");
+            assert!(json(refused).await["error"]["message"].as_str().unwrap().contains("for org.rpm (per org)"));
         }
         assert_eq!(stats.served.load(Ordering::Relaxed), 2);
     });
+}
+
+/// The shared queue's refusals are OpenAI errors with a wait too: a tenant's queue full
+/// (`429`, the suggested wait), and a turn that would wait longer than `max_wait` for an
+/// account (`503`, with the account's exact wait).
+#[tokio::test(start_paused = true)]
+async fn the_queues_refusals_are_openai_errors_with_a_wait() {
+    // An account of 2 requests a second: its mirror admits one, then one every 1.1 s.
+    let queue = |max_wait: &str| {
+        let text = config_text("org = { rpm = 6000 }", "")
+            .replace("max_wait = \"60s\"", &format!("max_wait = \"{max_wait}\""))
+            .replace("tenant_queue = 200", "tenant_queue = 1")
+            .replace("rpm = 600\n", "rpm = 120\n");
+        let config = Config::parse(&text, Some("test.toml")).unwrap();
+        let (transport, _stats) = mock(&config);
+        Gateway::new(&config, transport).unwrap()
+    };
+
+    let gateway = queue("60s");
+    let first = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"one".into())).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // The second waits at the gate for the account, the third in acme's queue of one; a
+    // fourth finds that queue full.
+    let mut waiting = Vec::new();
+    for text in ["two", "three"] {
+        let router = gateway.router.clone();
+        waiting.push(tokio::spawn(async move { router.oneshot(request(Some("sk-acme-alice"), &text.into())).await }));
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let full = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"four".into())).await.unwrap();
+    assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(full.headers()["retry-after"], "1");
+    assert_eq!(full.headers()["retry-after-ms"], "1000");
+    assert_eq!(full.headers()["content-type"], "application/json");
+    let body = json(full).await;
+    assert_eq!(body["error"]["code"], "tenant_queue_full");
+    assert_eq!(body["error"]["message"], "Too many of your requests are queued. Please try again in 1.000s.");
+    for w in waiting {
+        assert_eq!(w.await.unwrap().unwrap().status(), StatusCode::OK, "their turns came");
+    }
+
+    // With half a second to wait at most, the second is refused at once: the account's
+    // next request is 1.1 s away, and the answer says so.
+    let gateway = queue("500ms");
+    let first = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"one".into())).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let busy = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"two".into())).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(busy.headers()["retry-after"], "2");
+    assert_eq!(busy.headers()["retry-after-ms"], "1100");
+    let body = json(busy).await;
+    assert_eq!(body["error"]["type"], "server_error");
+    assert_eq!(body["error"]["code"], "wait_timed_out");
+    assert!(body["error"]["message"].as_str().unwrap().ends_with("Please try again in 1.100s."), "{body}");
 }

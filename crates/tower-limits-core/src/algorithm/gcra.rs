@@ -170,11 +170,12 @@ impl Algorithm for Gcra {
 
     fn peek(&self, state: &GcraState, now: Instant) -> Snapshot {
         let debt = state.tat.nanos_since(now);
+        let (quota, window) = Snapshot::rate_quota(self.rate, self.burst);
         Snapshot {
-            quota: self.burst,
+            quota,
             remaining: self.tolerance.saturating_sub(debt) / self.interval,
             reset: Duration::from_nanos(debt),
-            window: Duration::from_nanos(self.tolerance),
+            window,
         }
     }
 

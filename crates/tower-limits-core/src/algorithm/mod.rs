@@ -45,6 +45,7 @@ pub use sliding_log::{SlidingWindowLog, SlidingWindowLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
 use crate::policy_error::PolicyError;
+use crate::rate::Rate;
 use crate::time::{Instant, duration_to_nanos};
 
 pub(crate) use crate::time::MAX_SPAN_NANOS;
@@ -81,18 +82,55 @@ pub enum Refusal {
 
 /// Remaining capacity and reset time of one limit for one key: what the `RateLimit`
 /// header fields report.
+///
+/// `quota` per `window` is the limit as the policy states it, the quota a user signed up
+/// for: `limit` per `window` for the windowed limits, `amount` per `period` of the rate
+/// for GCRA and the token bucket (see [`Snapshot::rate_quota`]), `capacity` for a
+/// semaphore. `remaining` and `reset` are the state: what could be granted right now, and
+/// when the limit is back to where it would be had nothing been granted. So `remaining`
+/// of a GCRA or a token bucket is at most its burst, which may be far below its quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Snapshot {
-    /// The quota: the most that can be granted at once (burst, limit or capacity).
+    /// The quota per `window`: the policy's limit, the rate's amount (or the burst when it
+    /// is larger), or a semaphore's capacity. Zero when no limit's state stands behind
+    /// the snapshot (for example a pool whose every upstream is benched).
     pub quota: u64,
     /// What could be granted right now.
     pub remaining: u64,
     /// How long until the limit is back to its full quota if nothing else happens.
     pub reset: Duration,
-    /// The time over which the full quota replenishes: the window of a windowed limit,
-    /// the time to refill a whole burst for GCRA and the token bucket, zero for a
-    /// semaphore (concurrency has no window).
+    /// The time `quota` is counted over: the window of a windowed limit, the rate's period
+    /// for GCRA and the token bucket (or the time to refill the burst when the burst is
+    /// larger than the rate's amount), zero for a semaphore (concurrency has no window).
     pub window: Duration,
+}
+
+impl Snapshot {
+    /// The quota and window that a rate limit of `rate` with `burst` advertises: the
+    /// rate's own `amount` per `period` (6,000 per minute stays 6,000 per minute, whatever
+    /// its burst), or, when the burst is larger than the amount, the burst per the time
+    /// it takes to refill (`burst * interval`), so that `remaining <= quota` always holds.
+    /// Either way `quota / window` is the rate.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits_core::{Rate, Snapshot};
+    ///
+    /// let minute = Duration::from_secs(60);
+    /// assert_eq!(Snapshot::rate_quota(Rate::per_minute(6_000), 600), (6_000, minute));
+    /// assert_eq!(Snapshot::rate_quota(Rate::per_minute(240), 2), (240, minute));
+    /// // A burst above the amount: 100 per 10 s, still 10 per second.
+    /// assert_eq!(Snapshot::rate_quota(Rate::per_second(10), 100), (100, Duration::from_secs(10)));
+    /// ```
+    #[must_use]
+    #[inline]
+    pub fn rate_quota(rate: Rate, burst: u64) -> (u64, Duration) {
+        if burst <= rate.amount() {
+            return (rate.amount(), rate.period());
+        }
+        let interval = rate.interval_nanos().unwrap_or(0);
+        (burst, Duration::from_nanos(interval.saturating_mul(burst)))
+    }
 }
 
 /// A limit algorithm: parameters here, state per key elsewhere.

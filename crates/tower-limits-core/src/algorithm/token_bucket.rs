@@ -127,11 +127,12 @@ impl Algorithm for TokenBucket {
 
     fn peek(&self, state: &TokenBucketState, now: Instant) -> Snapshot {
         let level = self.level_at(state, now);
+        let (quota, window) = Snapshot::rate_quota(self.rate, self.burst);
         Snapshot {
-            quota: self.burst,
+            quota,
             remaining: (level.max(0) as u64) / self.interval,
             reset: Duration::from_nanos(self.capacity.saturating_sub(level) as u64),
-            window: Duration::from_nanos(self.capacity as u64),
+            window,
         }
     }
 

@@ -234,7 +234,7 @@ impl Fast {
     /// The fast state for `config`, if its only limit is one global GCRA.
     pub(super) fn for_config(config: &Config) -> Option<Fast> {
         let [def] = config.limits.as_slice() else { return None };
-        let (None, Limit::Gcra(gcra)) = (def.tier, &def.limit) else { return None };
+        let (None, Limit::Gcra(gcra), false) = (def.tier, &def.limit, def.shadow) else { return None };
         static IDS: AtomicU64 = AtomicU64::new(1);
         Some(Fast {
             tat: Line(AtomicU64::new(0)),
@@ -252,6 +252,7 @@ impl Fast {
     /// Whether `config` is the very limit this fast state was built for.
     pub(super) fn fits(&self, config: &Config) -> bool {
         matches!(config.limits.as_slice(), [def] if def.tier.is_none()
+            && !def.shadow
             && def.name == self.name
             && def.counts == self.counts
             && matches!(&def.limit, Limit::Gcra(g) if *g == self.gcra))
@@ -413,16 +414,29 @@ impl Fast {
         };
         let snapshot = if cost == 1 {
             // Refused one unit: nothing remains, and the division is skipped.
+            let (quota, window) = Snapshot::rate_quota(self.gcra.rate(), self.gcra.burst());
             Snapshot {
-                quota: self.gcra.burst(),
+                quota,
                 remaining: 0,
                 reset: Duration::from_nanos(state.theoretical_arrival().nanos_since(now)),
-                window: Duration::from_nanos(self.tolerance),
+                window,
             }
         } else {
             self.gcra.peek(&state, now)
         };
         (retry, snapshot)
+    }
+
+    /// The limit's state now, as a snapshot for an answer's headers: one load of the TAT.
+    pub(super) fn observe(&self, now: Instant) -> super::LimitSnapshot {
+        let tat = self.tat.0.load(Ordering::Acquire);
+        super::LimitSnapshot {
+            name: self.name,
+            tier: None,
+            counts: self.counts,
+            is_semaphore: false,
+            snapshot: self.gcra.peek(&GcraState::at(Instant::from_nanos(tat.min(MAX_TAT))), now),
+        }
     }
 
     /// The limit's name.
@@ -433,11 +447,6 @@ impl Fast {
     /// Whether the atomic rules the state now.
     pub(super) fn enabled(&self) -> bool {
         self.tat.0.load(Ordering::Acquire) != DISABLED
-    }
-
-    /// The state now, for a peek. Call only while enabled, under the global lock.
-    pub(super) fn state(&self) -> LimitState {
-        LimitState::Gcra(GcraState::at(Instant::from_nanos(self.tat.0.load(Ordering::Acquire))))
     }
 
     /// Applies `f` to the state atomically (a correction). Call only while enabled, under

@@ -11,31 +11,11 @@
 //! takes at most two locks: the tenant's shard, then the global states, always in that
 //! order (which is why it cannot deadlock). Shards are padded to their own cache lines.
 //!
-//! **All or nothing.** Under those locks an acquisition first *checks* every limit
-//! without writing anything ([`Algorithm::check`](crate::algorithm::Algorithm::check)),
-//! and commits only if all of them pass. A denial therefore changes no state: it names
-//! the limit that frees last and the exact wait after which all of them would pass. A
-//! cost above some limit's capacity is refused at once as
-//! [`AcquireError::CostAboveCapacity`]: it can never pass, so it is never waited on.
-//!
-//! **Time.** `now` is passed in. Under the locks it is raised to the latest instant the
-//! shard has seen, so two callers whose clock reads raced never move a state backwards.
-//!
 //! **Permits.** A grant is a [`Permit`]. Dropping it releases what the set's semaphores
 //! hold; [`Permit::settle`] corrects cost-counted limits to the real usage (refunding or
 //! charging the difference); [`Permit::cancel`] gives back everything, for a request
 //! that did not happen. Rate limits need nothing on drop, so for a set without
 //! semaphores a permit is plain data.
-//!
-//! **Bounded memory.** The number of tracked (limit, key) states is bounded by the
-//! policy's `max_keys`, split evenly over the shards. When a shard is full, its idle
-//! states (those that decide exactly as a fresh state would, see
-//! [`Algorithm::is_idle`](crate::algorithm::Algorithm::is_idle)) are evicted, which
-//! changes no decision; if none is idle the acquisition fails with
-//! [`AcquireError::KeyTableFull`] rather than forget a key that still matters. A settle
-//! that charges a state evicted since its grant recreates it; only when the table is
-//! full of active keys at that moment is such a charge dropped, because the bound on
-//! memory comes first.
 //!
 //! **The one-limit path.** A set whose only limit is one global GCRA (the commonest
 //! use: one rate on one service) keeps that limit's state in one atomic instead, and
@@ -43,9 +23,11 @@
 //! many cores from queueing on one cache line, and why neither can over-admit. The
 //! locked operations (settle, peek, replace) work on the atomic while it rules.
 //!
-//! **Where things live.** This file holds the engine (shards, global states, the
-//! decision, corrections, replace, stats); [`fast`] the lock-free one-limit path;
-//! [`permit`] what a grant is and how it is given back.
+//! **Where things live.** This file holds the set: construction, the public operations,
+//! corrections, replace and stats; [`decide`] an acquisition under the locks, all or
+//! nothing, and the time it decides at; [`shard`] the keyed states, their shards and
+//! the bound on memory (eviction); [`global`] the global states; [`fast`] the lock-free
+//! one-limit path; [`permit`] what a grant is and how it is given back.
 //!
 //! **Policy changes.** [`LimitSet::replace_policy`] swaps the policy of a running set
 //! under all of its locks. A limit that keeps its name, algorithm and scope keeps every
@@ -53,75 +35,44 @@
 //! their semaphores; a settle that races a policy change is applied to limits that
 //! survived it.
 
+mod decide;
 mod fast;
+mod global;
 mod permit;
+mod shard;
 
 use std::fmt;
-use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
 use hashbrown::DefaultHashBuilder;
 
-use crate::algorithm::{Refusal, Snapshot};
-use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
-use crate::key::{MAX_TIERS, TenantKey};
+use crate::algorithm::Snapshot;
+use crate::error::AcquireError;
+use crate::key::TenantKey;
 use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS};
 use crate::policy::LimitSetPolicy;
 use crate::policy_error::PolicyError;
 use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
+use decide::{fast_denied, fast_never};
 use fast::{Decision, Fast};
+use global::{Global, GlobalStates};
 use permit::{Costs, Granted};
 pub use permit::{Grant, OwnedPermit, Permit};
+use shard::{Keyed, Padded, Shard, shard_cap, shard_count};
 
 /// A grant version that matches whatever policy is current (for corrections that are not
 /// tied to a grant).
 const ANY_VERSION: u64 = u64::MAX;
-
-/// The most shards a set spreads its keys over.
-const MAX_SHARDS: usize = 32;
-
-/// Keeps each lock on its own cache line, so that shards do not slow each other down.
-#[repr(align(128))]
-struct Padded<T>(T);
-
-/// Keyed states of the tenants whose root hashes here.
-struct Shard {
-    config: Arc<Config>,
-    keyed: Keyed,
-}
-
-struct Keyed {
-    /// One table per limit of the config (empty for global limits).
-    tables: Vec<Table>,
-    len: usize,
-    cap: usize,
-    latest: Instant,
-    counters: Counters,
-}
-
-/// The states of the global limits.
-struct Global {
-    config: Arc<Config>,
-    states: GlobalStates,
-}
-
-struct GlobalStates {
-    /// One state per limit of the config (unused for keyed limits).
-    states: Vec<LimitState>,
-    latest: Instant,
-    counters: Counters,
-    /// The fast path's denial counts already moved into `counters` (they never reset).
-    fast_base: (u64, u64),
-}
 
 #[derive(Clone, Copy, Default)]
 struct Counters {
     admitted: u64,
     denied: [u64; MAX_LIMITS],
     impossible: [u64; MAX_LIMITS],
+    /// Grants a shadow limit would have refused (not yet, or never).
+    shadow_denied: [u64; MAX_LIMITS],
 }
 
 struct Shared {
@@ -247,7 +198,8 @@ impl LimitSet {
             let charged = fast.cost(cost);
             match fast.acquire(charged, now) {
                 Some(Decision::Granted(granted_at, version)) => {
-                    let grant = Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None });
+                    let grant =
+                        Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None, shadowed: 0 });
                     return Ok(Permit { set: self, key, grant, done: false });
                 }
                 Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
@@ -300,6 +252,31 @@ impl LimitSet {
         Ok(Grant::new(costs, granted))
     }
 
+    /// Acquires like [`LimitSet::acquire_grant`] and reads every limit's state as the
+    /// decision left it, under the same locks and in the same pass: what an answer's
+    /// `RateLimit` headers need, with no second lookup. The snapshots come with a refusal
+    /// too (then nothing was charged).
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(10)).burst(nz!(3)));
+    /// let (granted, seen) = set.acquire_observed(&TenantKey::global(), 1, Instant::ZERO);
+    /// assert!(granted.is_ok());
+    /// assert_eq!(seen[0].snapshot.remaining, 2);
+    /// ```
+    pub fn acquire_observed(
+        &self,
+        key: &TenantKey,
+        cost: u64,
+        now: Instant,
+    ) -> (Result<Grant, AcquireError>, Vec<LimitSnapshot>) {
+        let costs = Costs::Uniform(cost);
+        let mut seen = Vec::new();
+        let granted = self.shared.acquire_observed(key, &costs, now, Some(&mut seen));
+        (granted.map(|g| Grant::new(costs, g)), seen)
+    }
+
     /// Settles a [`Grant`] to the real usage; see [`Permit::settle`].
     pub fn settle_grant(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
         self.shared.settle(key, grant, Costs::Uniform(actual), now);
@@ -324,8 +301,14 @@ impl LimitSet {
     /// (`x-ratelimit-remaining-*`) corrects a local mirror of its limits. Never raises
     /// anything.
     pub fn align_remaining(&self, key: &TenantKey, counts: Counts, remaining: u64, now: Instant) {
-        let probe =
-            Grant { granted_at: now, version: ANY_VERSION, config: None, acquired: Costs::Uniform(0), settled: None };
+        let probe = Grant {
+            granted_at: now,
+            version: ANY_VERSION,
+            config: None,
+            acquired: Costs::Uniform(0),
+            settled: None,
+            shadowed: 0,
+        };
         self.shared.correct(key, &probe, now, |_, def| {
             (def.counts == counts && !def.limit.is_semaphore()).then_some(Op::Align(remaining))
         });
@@ -370,6 +353,26 @@ impl LimitSet {
         self.shared.lock_global().config.limits.iter().map(|l| l.name.to_string()).collect()
     }
 
+    /// How many parts of a key a limit scoped to `tier` keeps its state by: 1 for the
+    /// broadest tier, 2 for the next, ...; `None` if the policy has no such tier.
+    ///
+    /// ```
+    /// use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+    ///
+    /// let policy = LimitSetPolicy::new()
+    ///     .tiers(["org", "user"])
+    ///     .limit(LimitPolicy::gcra("per-user", Rate::per_second(10), 10).per("user"));
+    /// let set = LimitSet::new(policy)?;
+    /// assert_eq!(set.tier_depth("org"), Some(1));
+    /// assert_eq!(set.tier_depth("user"), Some(2));
+    /// assert_eq!(set.tier_depth("team"), None);
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    #[must_use]
+    pub fn tier_depth(&self, tier: &str) -> Option<usize> {
+        self.shared.lock_global().config.tiers.iter().position(|t| *t == tier).map(|i| i + 1)
+    }
+
     /// Replaces the policy of the running set.
     ///
     /// Limits that keep their name, algorithm and scope keep the state of every key they
@@ -407,6 +410,7 @@ impl LimitSet {
                     tables[j] = table;
                     counters.denied[j] = k.counters.denied[i];
                     counters.impossible[j] = k.counters.impossible[i];
+                    counters.shadow_denied[j] = k.counters.shadow_denied[i];
                 }
             }
             k.len = tables.iter().map(Table::len).sum();
@@ -435,6 +439,7 @@ impl LimitSet {
                 states[j] = state;
                 counters.denied[j] = g.counters.denied[i];
                 counters.impossible[j] = g.counters.impossible[i];
+                counters.shadow_denied[j] = g.counters.shadow_denied[i];
             }
         }
         g.states = states;
@@ -448,310 +453,7 @@ impl LimitSet {
     }
 }
 
-/// As many shards as keep room for a few keys in each: a key needs one state per keyed
-/// limit, all in its shard.
-fn shard_count(max_keys: usize, states_per_key: usize) -> usize {
-    let mut n = MAX_SHARDS;
-    while n > 1 && max_keys / n < states_per_key.max(1) * 4 {
-        n /= 2;
-    }
-    n
-}
-
-fn shard_cap(max_keys: usize, shards: usize) -> usize {
-    (max_keys / shards).max(1)
-}
-
 impl Shared {
-    fn lock_global(&self) -> MutexGuard<'_, Global> {
-        lock(&self.global.0)
-    }
-
-    #[inline]
-    fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
-        let h = self.hasher.hash_one(key.root());
-        // The high bits: the table uses the low ones.
-        &self.shards[(h >> 40) as usize & self.mask].0
-    }
-
-    /// The lock-free state, while it rules (stable under the global lock).
-    #[inline]
-    fn fast_live(&self) -> Option<&Fast> {
-        self.fast.as_ref().filter(|f| f.enabled())
-    }
-
-    #[inline]
-    fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
-        loop {
-            if let Some(fast) = &self.fast {
-                let cost = match costs {
-                    Costs::Uniform(c) => fast.cost(*c),
-                    Costs::Each(each) => each.first().copied().unwrap_or(u64::MAX),
-                };
-                match fast.acquire(cost, now) {
-                    Some(Decision::Granted(granted_at, version)) => {
-                        return Ok(Granted { granted_at, version, config: None });
-                    }
-                    Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
-                    Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
-                    None => {}
-                }
-            }
-            // `None`: a replace enabled the fast path while this call waited for a lock.
-            if let Some(result) = self.acquire_locked(key, costs, now) {
-                return result;
-            }
-        }
-    }
-
-    /// The acquisition under the locks; `None` when the fast path rules the state now.
-    fn acquire_locked(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Option<Result<Granted, AcquireError>> {
-        if !key.is_global() && self.tiered.load(Ordering::Acquire) {
-            let mut shard = lock(self.shard_of(key));
-            let Shard { config, keyed } = &mut *shard;
-            if config.has_global {
-                let mut global = self.lock_global();
-                if self.fast_live().is_some() {
-                    return None;
-                }
-                Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now))
-            } else {
-                Some(self.decide(config, Some(keyed), None, key, costs, now))
-            }
-        } else {
-            let mut global = self.lock_global();
-            if self.fast_live().is_some() {
-                return None;
-            }
-            if global.config.has_tiered && !key.is_global() {
-                // The policy gained keyed limits since the hint was read: take the locks
-                // in order.
-                drop(global);
-                let mut shard = lock(self.shard_of(key));
-                let Shard { config, keyed } = &mut *shard;
-                let mut global = self.lock_global();
-                return Some(self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now));
-            }
-            let Global { config, states } = &mut *global;
-            Some(self.decide(config, None, Some(states), key, costs, now))
-        }
-    }
-
-    /// The decision, under the locks the caller took.
-    #[allow(clippy::too_many_lines)]
-    #[inline]
-    fn decide(
-        &self,
-        config: &Arc<Config>,
-        mut shard: Option<&mut Keyed>,
-        mut global: Option<&mut GlobalStates>,
-        key: &TenantKey,
-        costs: &Costs,
-        now: Instant,
-    ) -> Result<Granted, AcquireError> {
-        let cfg: &Config = config;
-        if cfg.depth_needed > 0 && key.prefix(cfg.depth_needed).is_none() {
-            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
-        }
-        let mut now = now;
-        if let Some(s) = &shard {
-            now = now.max(s.latest);
-        }
-        if let Some(g) = &global {
-            now = now.max(g.latest);
-        }
-
-        if cfg.limits.len() == 1 {
-            return self.decide_one(config, shard, global, key, costs, now);
-        }
-
-        // One hash per tier the policy uses.
-        let mut hashes = [0u64; MAX_TIERS];
-        let mut hashed = [false; MAX_TIERS];
-        for def in &cfg.limits {
-            if let Some(t) = def.tier {
-                if !hashed[t] {
-                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or(""));
-                    hashed[t] = true;
-                }
-            }
-        }
-
-        // Phase 1: check everything, write nothing.
-        let mut blocked: Option<(usize, Option<Duration>)> = None;
-        let mut retry = Duration::ZERO;
-        let mut needs_release = false;
-        let mut new_entries = 0usize;
-        for (i, def) in cfg.limits.iter().enumerate() {
-            let cost = costs.of(i, def);
-            let result = match def.tier {
-                None => def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost),
-                Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or("");
-                    let (found, result) = match shard.as_deref() {
-                        Some(s) => s.tables[i].check(&def.limit, hashes[t], prefix, now, cost),
-                        None => (false, def.limit.check(&cfg.fresh[i], now, cost)),
-                    };
-                    if !found {
-                        new_entries += 1;
-                    }
-                    result
-                }
-            };
-            match result {
-                Ok(()) => {}
-                Err(Refusal::Never { capacity }) => {
-                    counters(&mut shard, &mut global).impossible[i] += 1;
-                    return Err(cost_above_capacity(cfg, i, cost, capacity));
-                }
-                Err(Refusal::NotYet { retry_after }) => match retry_after {
-                    Some(wait) if wait >= retry => {
-                        retry = wait;
-                        blocked = Some((i, Some(wait)));
-                    }
-                    Some(_) => {}
-                    None => {
-                        needs_release = true;
-                        if blocked.is_none() {
-                            blocked = Some((i, None));
-                        }
-                    }
-                },
-            }
-        }
-
-        if let Some((i, _)) = blocked {
-            counters(&mut shard, &mut global).denied[i] += 1;
-            let def = &cfg.limits[i];
-            let snapshot = match def.tier {
-                None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
-                Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or("");
-                    match shard.as_deref() {
-                        Some(s) => s.tables[i].peek(&def.limit, hashes[t], prefix, now),
-                        None => def.limit.peek(&cfg.fresh[i], now),
-                    }
-                }
-            };
-            return Err(denied(cfg, i, retry, needs_release, snapshot));
-        }
-
-        // Room for the states this grant creates.
-        if let Some(s) = shard.as_deref_mut() {
-            if new_entries > 0 && s.len + new_entries > s.cap {
-                s.sweep(cfg, now);
-                // The sweep may have evicted idle states of this very key: count again.
-                new_entries = cfg
-                    .limits
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
-                    .filter(|&(i, t)| {
-                        let prefix = key.prefix(t + 1).unwrap_or("");
-                        !s.tables[i].contains(hashes[t], prefix)
-                    })
-                    .count();
-                if s.len + new_entries > s.cap {
-                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
-                }
-            }
-        }
-
-        // Phase 2: everything passed; commit everything.
-        for (i, def) in cfg.limits.iter().enumerate() {
-            let cost = costs.of(i, def);
-            match def.tier {
-                None => {
-                    if let Some(g) = global.as_deref_mut() {
-                        def.limit.commit(&mut g.states[i], now, cost);
-                    }
-                }
-                Some(t) => {
-                    let Some(s) = shard.as_deref_mut() else { continue };
-                    let prefix = key.prefix(t + 1).unwrap_or("");
-                    if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
-                        s.len += 1;
-                    }
-                }
-            }
-        }
-        if let Some(s) = shard.as_deref_mut() {
-            s.latest = now;
-        }
-        if let Some(g) = global.as_deref_mut() {
-            g.latest = now;
-        }
-        counters(&mut shard, &mut global).admitted += 1;
-
-        Ok(Granted { granted_at: now, version: cfg.version, config: cfg.has_semaphore.then(|| config.clone()) })
-    }
-
-    /// The decision for a set of one limit: one lookup, check and commit together.
-    #[inline]
-    fn decide_one(
-        &self,
-        config: &Arc<Config>,
-        shard: Option<&mut Keyed>,
-        global: Option<&mut GlobalStates>,
-        key: &TenantKey,
-        costs: &Costs,
-        now: Instant,
-    ) -> Result<Granted, AcquireError> {
-        let cfg: &Config = config;
-        let def = &cfg.limits[0];
-        let cost = costs.of(0, def);
-        let (result, counters) = match (def.tier, shard, global) {
-            (None, _, Some(g)) => {
-                let result =
-                    def.limit.acquire(&mut g.states[0], now, cost).map_err(|r| (r, def.limit.peek(&g.states[0], now)));
-                if result.is_ok() {
-                    g.latest = now;
-                }
-                (result, &mut g.counters)
-            }
-            (Some(t), Some(s), _) => {
-                let prefix = key.prefix(t + 1).unwrap_or("");
-                let h = key_hash(&self.hasher, prefix);
-                let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
-                    Some(result) => result,
-                    None => match def.limit.check(&cfg.fresh[0], now, cost) {
-                        Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
-                        Ok(()) => {
-                            if s.len >= s.cap {
-                                s.sweep(cfg, now);
-                                if s.len >= s.cap {
-                                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
-                                }
-                            }
-                            s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
-                            s.len += 1;
-                            Ok(())
-                        }
-                    },
-                };
-                if result.is_ok() {
-                    s.latest = now;
-                }
-                (result, &mut s.counters)
-            }
-            _ => unreachable!("the caller locks what the limit's scope needs"),
-        };
-        match result {
-            Ok(()) => {
-                counters.admitted += 1;
-                Ok(Granted { granted_at: now, version: cfg.version, config: cfg.has_semaphore.then(|| config.clone()) })
-            }
-            Err((Refusal::Never { capacity }, _)) => {
-                counters.impossible[0] += 1;
-                Err(cost_above_capacity(cfg, 0, cost, capacity))
-            }
-            Err((Refusal::NotYet { retry_after }, snapshot)) => {
-                counters.denied[0] += 1;
-                Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
-            }
-        }
-    }
-
     /// Runs `f` on each limit of the current config that grant-limit `i` maps to, with
     /// its state for the grant's key, under the locks that needs.
     /// Applies to each limit of the current policy the correction `op_for` gives for the
@@ -804,15 +506,17 @@ impl Shared {
     fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(config) = &grant.config else { return };
         self.correct(key, grant, grant.granted_at, |i, def| {
-            def.limit.is_semaphore().then(|| Op::Release(grant.acquired.of(i, &config.limits[i])))
+            (def.limit.is_semaphore() && !grant.shadowed(i))
+                .then(|| Op::Release(grant.acquired.of(i, &config.limits[i])))
         });
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
         let granted_at = grant.granted_at;
         let before = grant.charged().clone();
+        let shadowed = grant.shadowed;
         self.correct(key, grant, now, |i, def| {
-            if def.limit.is_semaphore() {
+            if def.limit.is_semaphore() || shadowed & (1 << i) != 0 {
                 return None;
             }
             let (was, is) = (before.of(i, def), actual.of(i, def));
@@ -828,43 +532,20 @@ impl Shared {
     fn cancel(&self, key: &TenantKey, grant: &Grant, now: Instant) {
         let granted_at = grant.granted_at;
         self.correct(key, grant, now, |i, def| {
-            (!def.limit.is_semaphore()).then(|| Op::Refund { granted_at, amount: grant.charged().of(i, def) })
+            (!def.limit.is_semaphore() && !grant.shadowed(i))
+                .then(|| Op::Refund { granted_at, amount: grant.charged().of(i, def) })
         });
     }
 
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         let shard = (!key.is_global()).then(|| lock(self.shard_of(key)));
         let global = self.lock_global();
-        let cfg = global.config.clone();
-        let mut now = now.max(global.states.latest);
         if let Some(fast) = self.fast_live() {
-            now = now.max(fast.latest());
+            // The fast path rules a set of one global GCRA.
+            return vec![fast.observe(now.max(fast.latest()).max(global.states.latest))];
         }
-        if let Some(s) = &shard {
-            now = now.max(s.keyed.latest);
-        }
-        let mut out = Vec::with_capacity(cfg.limits.len());
-        for (i, def) in cfg.limits.iter().enumerate() {
-            let snapshot = match def.tier {
-                None => match self.fast_live() {
-                    Some(fast) if i == 0 => def.limit.peek(&fast.state(), now),
-                    _ => def.limit.peek(&global.states.states[i], now),
-                },
-                Some(t) => {
-                    let (Some(s), Some(prefix)) = (shard.as_deref().map(|s| &s.keyed), key.prefix(t + 1)) else {
-                        continue;
-                    };
-                    s.tables[i].peek(&def.limit, key_hash(&self.hasher, prefix), prefix, now)
-                }
-            };
-            out.push(LimitSnapshot {
-                name: def.name,
-                tier: def.tier.map(|t| cfg.tiers[t]),
-                counts: def.counts,
-                is_semaphore: def.limit.is_semaphore(),
-                snapshot,
-            });
-        }
+        let mut out = Vec::new();
+        self.observe(&global.config, shard.as_deref().map(|s| &s.keyed), Some(&global.states), key, now, &mut out);
         out
     }
 
@@ -880,6 +561,7 @@ impl Shared {
                 tier: def.tier.map(|t| cfg.tiers[t].to_string()),
                 denied: global.states.counters.denied[i],
                 cost_above_capacity: global.states.counters.impossible[i],
+                shadow_refused: global.states.counters.shadow_denied[i],
                 held: match (&global.states.states[i], def.tier) {
                     (LimitState::Semaphore(s), None) => s.held(),
                     _ => 0,
@@ -907,80 +589,12 @@ impl Shared {
             for (i, stats) in limits.iter_mut().enumerate() {
                 stats.denied += s.counters.denied[i];
                 stats.cost_above_capacity += s.counters.impossible[i];
+                stats.shadow_refused += s.counters.shadow_denied[i];
                 stats.tracked_keys += s.tables[i].len();
                 stats.held += s.tables[i].held();
             }
         }
         LimitSetStats { admitted, limits }
-    }
-
-    fn shared_shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {
-        self.shards.iter().map(|s| &s.0)
-    }
-}
-
-#[cold]
-#[inline(never)]
-fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> AcquireError {
-    let def = &cfg.limits[limit];
-    AcquireError::Denied(Denial {
-        name: def.name,
-        tier: def.tier.map(|t| cfg.tiers[t]),
-        limit,
-        retry_after,
-        needs_release,
-        snapshot,
-    })
-}
-
-#[inline]
-fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
-    let (retry_after, snapshot) = fast.denial(tat, now, cost);
-    AcquireError::Denied(Denial {
-        name: fast.name(),
-        tier: None,
-        limit: 0,
-        retry_after,
-        needs_release: false,
-        snapshot,
-    })
-}
-
-#[cold]
-#[inline(never)]
-fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> AcquireError {
-    AcquireError::CostAboveCapacity(CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity })
-}
-
-#[cold]
-#[inline(never)]
-fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> AcquireError {
-    let def = &cfg.limits[limit];
-    AcquireError::CostAboveCapacity(CostAboveCapacity {
-        limit: def.name,
-        tier: def.tier.map(|t| cfg.tiers[t]),
-        cost,
-        capacity,
-    })
-}
-
-fn counters<'a>(shard: &'a mut Option<&mut Keyed>, global: &'a mut Option<&mut GlobalStates>) -> &'a mut Counters {
-    match (shard, global) {
-        (Some(s), _) => &mut s.counters,
-        (None, Some(g)) => &mut g.counters,
-        (None, None) => unreachable!("an acquisition holds at least one lock"),
-    }
-}
-
-impl Keyed {
-    /// Drops every idle state; returns how many.
-    fn sweep(&mut self, config: &Config, now: Instant) -> usize {
-        let before = self.len;
-        for (i, table) in self.tables.iter_mut().enumerate() {
-            table.sweep(&config.limits[i].limit, now);
-        }
-        self.len = self.tables.iter().map(Table::len).sum();
-        before - self.len
     }
 }
 
@@ -1019,6 +633,10 @@ pub struct LimitStats {
     pub denied: u64,
     /// Acquisitions refused because their cost was above this limit's capacity.
     pub cost_above_capacity: u64,
+    /// Acquisitions this limit, in shadow mode, would have refused (not yet, or never)
+    /// and let through uncharged. Counted only for acquisitions every enforcing limit
+    /// granted: exactly the refusals the limit would add if it enforced.
+    pub shadow_refused: u64,
     /// Permits held now (semaphores; zero for rate limits).
     pub held: u64,
     /// Keys this limit tracks now.

@@ -57,6 +57,10 @@ pub struct Grant {
     pub(super) acquired: Costs,
     /// The costs rate limits were last settled to, if ever.
     pub(super) settled: Option<Costs>,
+    /// The limits in shadow mode that would have refused it, one bit per limit (in the
+    /// order of the policy it was granted under): they were not charged, so nothing is
+    /// released, settled or refunded on them.
+    pub(crate) shadowed: u16,
 }
 
 /// What the engine answers on a grant; the caller adds the key and costs it already has.
@@ -64,6 +68,7 @@ pub(super) struct Granted {
     pub(super) granted_at: Instant,
     pub(super) version: u64,
     pub(super) config: Option<Arc<Config>>,
+    pub(super) shadowed: u16,
 }
 
 impl Grant {
@@ -77,12 +82,56 @@ impl Grant {
     /// dropping the grant loses nothing.
     #[must_use]
     pub fn holds_concurrency(&self) -> bool {
-        self.config.is_some()
+        self.config.as_ref().is_some_and(|c| c.has_semaphore)
+    }
+
+    /// The limits in shadow mode that would have refused this grant (see
+    /// [`LimitPolicy::shadow`](crate::LimitPolicy::shadow)), by name and tier, in the
+    /// order of the policy. They were not charged.
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+    ///
+    /// let set = LimitSet::new(
+    ///     LimitSetPolicy::new()
+    ///         .tiers(["user"])
+    ///         .limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).per("user").shadow()),
+    /// )?;
+    /// let alice = TenantKey::single("alice")?;
+    /// let first = set.acquire_grant(&alice, 1, Instant::ZERO).unwrap();
+    /// assert_eq!(first.shadow_refusals().count(), 0);
+    /// let second = set.acquire_grant(&alice, 1, Instant::ZERO).unwrap();
+    /// assert_eq!(second.shadow_refusals().collect::<Vec<_>>(), [("trial", Some("user"))]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn shadow_refusals(&self) -> impl Iterator<Item = (&'static str, Option<&'static str>)> + '_ {
+        let shadowed = self.shadowed;
+        self.config.iter().filter(move |_| shadowed != 0).flat_map(move |c| {
+            c.limits
+                .iter()
+                .enumerate()
+                .filter(move |&(i, _)| shadowed & (1 << i) != 0)
+                .map(|(_, def)| (def.name, def.tier.map(|t| c.tiers[t])))
+        })
+    }
+
+    /// Whether limit `i` of the grant's policy was in shadow mode and would have refused
+    /// it (so it holds nothing of that limit).
+    #[inline]
+    pub(super) fn shadowed(&self, i: usize) -> bool {
+        self.shadowed & (1 << i) != 0
     }
 
     #[inline]
     pub(super) fn new(costs: Costs, g: Granted) -> Self {
-        Grant { granted_at: g.granted_at, version: g.version, config: g.config, acquired: costs, settled: None }
+        Grant {
+            granted_at: g.granted_at,
+            version: g.version,
+            config: g.config,
+            acquired: costs,
+            settled: None,
+            shadowed: g.shadowed,
+        }
     }
 
     /// What rate limits are charged now.
@@ -167,7 +216,7 @@ impl OwnedPermit {
 impl Drop for Permit<'_> {
     #[inline]
     fn drop(&mut self) {
-        if !self.done && self.grant.config.is_some() {
+        if !self.done && self.grant.holds_concurrency() {
             self.set.shared.release(self.key, &self.grant);
         }
     }
@@ -176,7 +225,7 @@ impl Drop for Permit<'_> {
 impl Drop for OwnedPermit {
     #[inline]
     fn drop(&mut self) {
-        if !self.done && self.grant.config.is_some() {
+        if !self.done && self.grant.holds_concurrency() {
             self.set.shared.release(&self.key, &self.grant);
         }
     }

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tower_limits_core::{AlgorithmKind, Counts, Limit, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Scope, intern};
+use tower_limits_core::{
+    AlgorithmKind, Counts, Limit, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Scope, Snapshot, intern,
+};
 
 use crate::cache::BoundedMap;
 use crate::connection::RedisConnection;
@@ -156,10 +158,15 @@ impl RedisBackendBuilder {
     ///   spans more than 52 days, or a limit is above 2^52.
     /// - [`BuildError::CrossSlot`]: on a cluster with [`SlotLayout::PerTenant`], the set
     ///   mixes global and keyed limits.
+    /// - [`BuildError::Unsupported`] also for a limit in shadow mode
+    ///   ([`LimitPolicy::shadow`](tower_limits_core::LimitPolicy::shadow)): shadow limits
+    ///   are decided in memory only.
     /// - [`BuildError::Invalid`]: a namespace or tag containing braces, a zero timeout or
     ///   lease, a fallback share outside `(0, 1]`.
     pub fn build(self, connection: &RedisConnection) -> Result<RedisBackend, BuildError> {
         self.policy.validate()?;
+        #[cfg(feature = "metrics")]
+        crate::metrics::register(crate::metrics::LIMITS);
         for (field, text) in [("namespace", self.namespace.as_str()), ("slot_layout", tag(&self.layout))] {
             if text.is_empty() || text.contains(['{', '}']) {
                 return Err(BuildError::Invalid {
@@ -175,6 +182,14 @@ impl RedisBackendBuilder {
         let mut limits = Vec::with_capacity(self.policy.limits.len());
         let mut script_limits = Vec::with_capacity(self.policy.limits.len());
         for p in &self.policy.limits {
+            if p.shadow {
+                return Err(BuildError::Unsupported {
+                    limit: p.name.clone(),
+                    reason: "shadow mode is decided in memory only: enforce this limit, or try it on an \
+                             in-memory LimitSetLayer in shadow mode"
+                        .into(),
+                });
+            }
             let (info, script) = describe(p, &self.policy.tiers, &tiers)?;
             limits.push(info);
             script_limits.push(script);
@@ -294,7 +309,7 @@ fn describe(
                     "its burst of {burst} at {rate} spans more than the 52 days a script counts exactly"
                 )));
             }
-            (ScriptLimit::Gcra { cost, interval, tolerance }, Duration::from_nanos(tolerance))
+            (ScriptLimit::Gcra { cost, interval, tolerance }, Snapshot::rate_quota(rate, burst).1)
         }
         Limit::FixedWindow(w) => (
             ScriptLimit::Fixed { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
@@ -327,6 +342,11 @@ fn describe(
         counts: p.counts,
         capacity: limit.capacity(),
         is_semaphore: limit.is_semaphore(),
+        quota: match &limit {
+            Limit::Gcra(g) => Snapshot::rate_quota(g.rate(), g.burst()).0,
+            Limit::TokenBucket(t) => Snapshot::rate_quota(t.rate(), t.burst()).0,
+            _ => limit.capacity(),
+        },
         window,
         suffix: suffix.into(),
     };

@@ -108,7 +108,7 @@ impl Inner {
             counts: l.counts,
             is_semaphore: l.is_semaphore,
             snapshot: Snapshot {
-                quota: l.capacity,
+                quota: l.quota,
                 remaining: u64::try_from(remaining).unwrap_or(0),
                 reset: Duration::from_nanos(u64::try_from(reset).unwrap_or(0)),
                 window: l.window,
@@ -142,6 +142,8 @@ impl Inner {
             }
             Ok(Err(e)) => {
                 bump(&self.stats.errors);
+                #[cfg(feature = "metrics")]
+                crate::metrics::failure(crate::metrics::LIMITS, "error");
                 self.failed();
                 let sent = !(e.is_connection_refusal() || e.kind() == redis::ErrorKind::ClusterConnectionNotFound);
                 tracing::debug!(target: "tower_limits_redis", error = %e, "redis call failed");
@@ -149,6 +151,8 @@ impl Inner {
             }
             Err(_) => {
                 bump(&self.stats.timeouts);
+                #[cfg(feature = "metrics")]
+                crate::metrics::failure(crate::metrics::LIMITS, "timeout");
                 self.failed();
                 Err(CallError { message: format!("no answer within {:?}", self.settings.timeout), maybe_applied: true })
             }
@@ -158,6 +162,8 @@ impl Inner {
     pub(super) fn failed(&self) {
         if self.breaker.failure() {
             bump(&self.stats.breaker_opened);
+            #[cfg(feature = "metrics")]
+            crate::metrics::circuit_opened(crate::metrics::LIMITS);
         }
     }
 
@@ -170,16 +176,42 @@ impl Inner {
         why: &str,
     ) -> Result<RedisGrant, AcquireError> {
         bump(&self.stats.unavailable);
+        // The state last read from Redis is no longer known: headers must not claim it.
+        if let Some(map) = &self.snapshots {
+            map.with(key, |m| m.remove(key));
+        }
         match (&self.settings.failure, &self.fallback) {
             (FailurePolicy::FailOpen, _) => {
                 bump(&self.stats.fail_open_admits);
+                #[cfg(feature = "metrics")]
+                crate::metrics::unavailable("fail_open");
                 Ok(RedisGrant { kind: GrantKind::Open })
             }
             (FailurePolicy::Fallback { .. }, Some(local)) => {
+                #[cfg(feature = "metrics")]
+                crate::metrics::unavailable("fallback");
                 bump(&self.stats.fallback_acquisitions);
-                local.acquire_grant(key, cost, now).map(|g| RedisGrant { kind: GrantKind::Local(g) })
+                local.acquire_grant(key, cost, now).map(|g| RedisGrant { kind: GrantKind::Local(g) }).map_err(|e| {
+                    match e {
+                        // The local share's state is not the fleet's: the denial keeps its wait
+                        // and states no quota (a snapshot of quota 0 stands for no state).
+                        AcquireError::Denied(d) => AcquireError::Denied(Denial::new(
+                            d.limit(),
+                            d.tier(),
+                            d.limit_index(),
+                            d.retry_after(),
+                            d.needs_release(),
+                            Snapshot { quota: 0, remaining: 0, reset: d.retry_after(), window: Duration::ZERO },
+                        )),
+                        other => other,
+                    }
+                })
             }
-            _ => Err(AcquireError::Unavailable(Unavailable::new(format!("redis: {why}")))),
+            _ => {
+                #[cfg(feature = "metrics")]
+                crate::metrics::unavailable("fail_closed");
+                Err(AcquireError::Unavailable(Unavailable::new(format!("redis: {why}"))))
+            }
         }
     }
 
@@ -299,6 +331,8 @@ pub(super) async fn acquire_remote(
             Some(reply) => return inner.decide(&key, cost, now, holder, id, &reply),
             None => {
                 bump(&inner.stats.errors);
+                #[cfg(feature = "metrics")]
+                crate::metrics::failure(crate::metrics::LIMITS, "error");
                 inner.failed();
                 tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the limit script");
                 format!("unexpected reply {value:?}")

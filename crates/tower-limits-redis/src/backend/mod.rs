@@ -106,6 +106,8 @@ struct LimitInfo {
     counts: Counts,
     capacity: u64,
     is_semaphore: bool,
+    /// The quota per `window` the headers state (see `Snapshot::rate_quota`).
+    quota: u64,
     window: Duration,
     /// `:<escaped name>:<kind>`, appended to the tenant's part of the key.
     suffix: Box<str>,

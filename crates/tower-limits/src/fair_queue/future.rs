@@ -15,6 +15,7 @@ use tower_service::Service;
 use super::shared::{Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, NoAnnotation, UsageExtractor};
+use crate::meter::{Lease, QueueWatch};
 use crate::reject::{Finish, Hold, Rejection};
 
 /// What an admitted request holds while the inner service works: a slot and the rate
@@ -26,11 +27,18 @@ pub(crate) struct Held<B: Backend> {
     key: TenantKey,
     grant: Option<B::Grant>,
     settled: bool,
+    /// When it was admitted (nothing without the `metrics` feature).
+    lease: Lease,
 }
 
 impl<B: Backend> Held<B> {
+    /// What an admitted request holds; where admissions are counted.
     pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant) -> Self {
-        Held { shared, key, grant: Some(grant), settled: false }
+        if let Some(fleet) = &shared.fixed.fleet {
+            fleet.admitted(&key, shared.fixed.weight(&key));
+        }
+        let lease = shared.fixed.meter.admitted(&shared.fixed.clock);
+        Held { shared, key, grant: Some(grant), settled: false, lease }
     }
 
     /// Corrects the grant's cost to the real usage.
@@ -58,8 +66,12 @@ impl<B: Backend> Drop for Held<B> {
         if let Some(grant) = self.grant.take() {
             self.shared.fixed.backend.release(&self.key, grant);
         }
+        if let Some(fleet) = &self.shared.fixed.fleet {
+            fleet.finished(&self.key);
+        }
         // A settle may have given cost back: the request at the gate may fit now.
         self.shared.release(self.settled);
+        self.shared.fixed.meter.lease_ended(self.lease, &self.shared.fixed.clock);
     }
 }
 
@@ -75,11 +87,14 @@ pub(crate) struct Waiter<B: Backend> {
     /// The last instant a timer of ours fired for: time is at least that.
     floor: Instant,
     done: bool,
+    /// Reports the time in queue; dropped before the outcome, a cancellation.
+    watch: QueueWatch,
 }
 
 impl<B: Backend> Waiter<B> {
     pub(crate) fn new(shared: Arc<Shared<B>>, ticket: Ticket, key: TenantKey) -> Self {
-        Waiter { shared, ticket, key, sleep: None, sleep_at: Instant::ZERO, floor: Instant::ZERO, done: false }
+        let watch = shared.fixed.meter.enter_queue(&key, &shared.fixed.clock);
+        Waiter { shared, ticket, key, sleep: None, sleep_at: Instant::ZERO, floor: Instant::ZERO, done: false, watch }
     }
 
     /// Ready with the grant once the request is admitted, or with its refusal.
@@ -102,9 +117,12 @@ impl<B: Backend> Waiter<B> {
                                     "admitted after waiting for a fair turn"
                                 );
                             }
+                            self.watch.leave(true);
                             Ok(admitted.grant)
                         }
                         Err(error) => {
+                            self.watch.leave(false);
+                            self.shared.fixed.meter.refused(&error);
                             trace_refusal(&error, &self.key);
                             Err(error)
                         }

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 use tower_limits_core::fair_queue::FairQueueConfig;
+use tower_limits_core::fleet::FleetShares;
 use tower_limits_core::{Backend, PolicyError, TenantKey};
 
 use super::service::FairQueueService;
@@ -202,6 +203,88 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     /// 10,000.
     pub fn tracked_tenants(self, max: usize) -> Self {
         self.with_fixed(|f| f.tracked_tenants = max)
+    }
+
+    /// Serves one replica of a fleet whose shared store divides capacity fairly across
+    /// the fleet (the Redis upstream accounts built with the same handle): before every
+    /// acquisition the layer publishes its backlog to `fleet`, and it queues each tenant
+    /// with its weight scaled by this replica's share of the tenant's fleet demand, as
+    /// the store last answered. Tenants then get capacity in proportion to their weights
+    /// across the fleet, whichever replica their requests land on (see
+    /// [`tower_limits_core::fleet`]). Without it, or while the store does not answer,
+    /// the weights are the configured ones.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    /// use tower_limits::core::fleet::FleetShares;
+    /// use tower_limits::{FairQueueLayer, LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+    ///
+    /// let fleet = Arc::new(FleetShares::new());
+    /// let upstream = LimitSet::new(LimitSetPolicy::new().limit(
+    ///     LimitPolicy::token_bucket("tokens", Rate::per_minute(600_000), 10_000).counting_cost(),
+    /// ))?;
+    /// let layer = FairQueueLayer::rate(FairQueueConfig::new().weight("acme", 3), upstream)?.fleet(fleet.clone());
+    /// // Hand `fleet` to the shared store too (RedisAccountsBuilder::fleet).
+    /// # drop(layer);
+    /// # Ok::<(), tower_limits::PolicyError>(())
+    /// ```
+    pub fn fleet(self, fleet: Arc<FleetShares>) -> Self {
+        self.with_fixed(|f| f.fleet = Some(fleet))
+    }
+
+    /// The `layer` label of this layer's metrics (feature `metrics`; `default` when not
+    /// set); see [`LimitLayer::metrics_name`](crate::LimitLayer::metrics_name).
+    ///
+    /// ```
+    /// use tower_limits::FairQueueLayer;
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    ///
+    /// let fair = FairQueueLayer::concurrency(FairQueueConfig::new(), 8)?.metrics_name("upstream");
+    /// # drop(fair);
+    /// # Ok::<(), tower_limits::PolicyError>(())
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn metrics_name(self, name: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        let name = match name.into() {
+            std::borrow::Cow::Borrowed(s) => ::metrics::SharedString::const_str(s),
+            std::borrow::Cow::Owned(s) => ::metrics::SharedString::from_owned(s),
+        };
+        self.with_fixed(|f| f.meter = f.meter.clone().named(name))
+    }
+
+    /// The tenants whose queue depth is also reported by name (the `tenant` label of
+    /// `rate_limiting.queued_requests`, feature `metrics`), each named as in the weights
+    /// (`"acme"`, `"acme/alice"`). Every other tenant counts only in the layer's total:
+    /// the label's values are this list, never the open set of tenant keys.
+    ///
+    /// ```
+    /// use tower_limits::FairQueueLayer;
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    ///
+    /// let fair = FairQueueLayer::concurrency(FairQueueConfig::new(), 8)?.metrics_tenants(["acme", "globex"])?;
+    /// # drop(fair);
+    /// # Ok::<(), tower_limits::PolicyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// A name that is not a tenant key.
+    #[cfg(feature = "metrics")]
+    pub fn metrics_tenants<I, T>(self, tenants: I) -> Result<Self, PolicyError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let mut named = hashbrown::HashMap::new();
+        for name in tenants {
+            let name: String = name.into();
+            // Named as the weights are: parts joined by `/`, the empty name global.
+            let key = if name.is_empty() { Ok(TenantKey::global()) } else { TenantKey::new(name.split('/')) }.map_err(
+                |e| PolicyError::new(format!("metrics_tenants[{name:?}]"), format!("not a tenant key: {e}")),
+            )?;
+            named.insert(key, ::metrics::SharedString::from_owned(name));
+        }
+        Ok(self.with_fixed(|f| f.meter = f.meter.clone().with_tenants(named)))
     }
 
     /// Reads time from the CPU's counter instead of `tokio::time`: cheaper per request,

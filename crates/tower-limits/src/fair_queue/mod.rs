@@ -74,6 +74,18 @@
 //! at the gate try again at once. Feed the upstream's answers back with
 //! [`LimitPool::observe`](crate::LimitPool::observe) at [`FairQueueLayer::now`].
 //!
+//! # A fleet of replicas
+//!
+//! A fair queue is fair among the requests it sees. For replicas of one service behind a
+//! balancer that routes unevenly, give each replica's layer a
+//! [`FleetShares`](crate::core::fleet::FleetShares) handle with
+//! [`FairQueueLayer::fleet`], and the same handle to the shared store of its rate
+//! backend (`tower_limits_redis::RedisAccountsBuilder::fleet`): before every acquisition
+//! the layer publishes its backlog there, the store divides the capacity between the
+//! replicas by their tenants' weights and demand, and the layer queues each tenant with
+//! its weight scaled by this replica's share of the tenant's demand. Tenants then share
+//! the capacity by weight across the fleet. Without the handle nothing changes.
+//!
 //! # Tenants, weights and costs
 //!
 //! Each distinct [`TenantKey`](crate::TenantKey) from the key extractor (the same ones
@@ -203,7 +215,14 @@
 //! queue depth, admitted cost and queueing time (kept for a bounded number of tenants).
 //! Tracing (target `tower_limits`, level debug): an event for every refusal (kind,
 //! tenant, limit, retry after), every request that queues, every wait at the rate gate,
-//! and every admission after a wait.
+//! and every admission after a wait. With the `metrics` feature: decisions, time in queue,
+//! lease duration and queue depth through the `metrics` facade, the depth also per tenant
+//! for the tenants named with `metrics_tenants` (see the guide's page on metrics).
+//!
+//! There is no shadow mode for a fair queue: its decision is an order, which cannot be
+//! observed without being enforced. Watch its queue depth and time in queue, or try the
+//! capacity you consider with a [`LimitSetLayer`](crate::LimitSetLayer) in shadow mode in
+//! front of it.
 
 pub mod future;
 mod layer;

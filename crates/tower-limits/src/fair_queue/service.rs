@@ -108,6 +108,7 @@ where
                 None => {
                     shared.count_refusal(ErrorKind::MissingKey);
                     let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                    shared.fixed.meter.refused(&error);
                     trace_refusal(&error, &tower_limits_core::TenantKey::global());
                     return ResponseFuture::rejected(Box::new(error), self.rejection.clone(), self.usage.clone());
                 }
@@ -134,6 +135,7 @@ where
                 )
             }
             Arrival::Refused(error) => {
+                shared.fixed.meter.refused(&error);
                 trace_refusal(&error, &key);
                 ResponseFuture::rejected(error, self.rejection.clone(), self.usage.clone())
             }

@@ -13,6 +13,7 @@ use tower_service::Service;
 use super::shared::{Shared, Unfinished};
 use crate::error::LimitError;
 use crate::extract::UsageExtractor;
+use crate::meter::Lease;
 use crate::reject::{Finish, Hold, Rejection};
 
 /// A permit held while the inner service works. On completion it settles with the real
@@ -23,11 +24,22 @@ pub(crate) struct PermitGuard<B: Backend> {
     grant: Option<B::Grant>,
     key: TenantKey,
     shared: Arc<Shared<B>>,
+    /// When it was granted (nothing without the `metrics` feature).
+    lease: Lease,
 }
 
 impl<B: Backend> PermitGuard<B> {
+    /// Guards an admitted request's grant; where admissions are counted.
     pub(crate) fn new(grant: B::Grant, key: TenantKey, shared: Arc<Shared<B>>) -> Self {
-        PermitGuard { grant: Some(grant), key, shared }
+        let meter = &shared.settings.meter;
+        let lease = match shared.backend.shadow_refusal(&grant) {
+            None => meter.admitted(&shared.clock),
+            Some((limit, tier)) => {
+                shared.shadow_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                meter.shadow_limit(limit, tier, &shared.clock)
+            }
+        };
+        PermitGuard { grant: Some(grant), key, shared, lease }
     }
 
     fn finish(&mut self, outcome: Outcome) {
@@ -48,8 +60,9 @@ impl<B: Backend> PermitGuard<B> {
             backend.release(&self.key, grant);
         }
         if self.shared.settings.max_wait.is_some() {
-            self.shared.waiters.released.notify_waiters();
+            self.shared.waiters.released(&self.key);
         }
+        self.shared.settings.meter.lease_ended(self.lease, &self.shared.clock);
     }
 }
 
@@ -77,7 +90,8 @@ impl<B: Backend> Drop for PermitGuard<B> {
 
 /// What an admitted waiter carries to the call.
 pub(crate) struct Admitted<B: Backend, S, Req> {
-    pub(crate) guard: PermitGuard<B>,
+    /// `None` when shadow mode let the request through without a grant.
+    pub(crate) guard: Option<PermitGuard<B>>,
     pub(crate) inner: S,
     pub(crate) req: Req,
     pub(crate) snapshots: Option<Box<[LimitSnapshot]>>,
@@ -185,7 +199,7 @@ where
                     let admitted = ready!(admission.as_mut().poll(cx));
                     match admitted {
                         Ok(Admitted { guard, mut inner, req, snapshots }) => {
-                            *this.guard = Some(guard);
+                            *this.guard = guard;
                             *this.snapshots = snapshots;
                             let fut = inner.call(req);
                             this.state.set(State::Called { fut });

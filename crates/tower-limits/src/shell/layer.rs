@@ -236,6 +236,55 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
         self.with_settings(|s, _| s.on_cancel = what)
     }
 
+    /// Shadow mode: every request is decided and recorded as usual (the layer's
+    /// [`layer_stats`](Self::layer_stats), tracing, metrics, and the `RateLimit` headers
+    /// of an [`HttpAnswer`](crate::http::HttpAnswer)), but none is refused: one that
+    /// would have been is counted in [`LayerStats::shadow_refused`](super::LayerStats)
+    /// (and as `result="shadow_refused"` in the metrics) and passes on, holding nothing
+    /// (no concurrency was taken, so none is given back). Shadow mode never waits: it
+    /// decides as a layer that refuses fast would, whatever [`wait`](Self::wait) says.
+    /// For trying a limit on live traffic before enforcing it; to try one limit of a set,
+    /// mark that limit instead ([`LimitPolicy::shadow`](crate::LimitPolicy::shadow)).
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use tower::{ServiceBuilder, ServiceExt};
+    /// use tower_limits::{GcraLayer, Quota, nz};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// let layer = GcraLayer::new(Quota::per_minute(nz!(1))).shadow();
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(layer.clone())
+    ///     .service_fn(|req: u32| async move { Ok::<_, Infallible>(req) });
+    /// for i in 0..3 {
+    ///     assert_eq!(svc.clone().oneshot(i).await.unwrap(), i); // never refused
+    /// }
+    /// assert_eq!(layer.layer_stats().shadow_refused, 2); // what enforcing would have refused
+    /// # }
+    /// ```
+    pub fn shadow(self) -> Self {
+        self.with_settings(|s, _| s.shadow = true)
+    }
+
+    /// The `layer` label of this layer's metrics (feature `metrics`; `default` when not
+    /// set): a name of the user's choosing, such as `"gateway"` or `"upstream"`. Give each
+    /// layer of a service its own, from a small fixed set.
+    ///
+    /// ```
+    /// use tower_limits::{GcraLayer, Quota, nz};
+    ///
+    /// let layer = GcraLayer::new(Quota::per_second(nz!(10))).metrics_name("gateway");
+    /// # drop(layer);
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn metrics_name(self, name: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        let name = match name.into() {
+            std::borrow::Cow::Borrowed(s) => ::metrics::SharedString::const_str(s),
+            std::borrow::Cow::Owned(s) => ::metrics::SharedString::from_owned(s),
+        };
+        self.with_settings(|s, _| s.meter = s.meter.clone().named(name))
+    }
+
     /// Reads time from the CPU's counter instead of `tokio::time`: cheaper per request,
     /// but it does not follow `tokio::time::pause()`.
     pub fn system_clock(self) -> Self {

@@ -17,6 +17,15 @@
 //! time, or, with [`wait`](crate::LimitLayer::wait), waits in arrival order for exactly as
 //! long as needed.
 //!
+//! In shadow mode ([`shadow`](crate::LimitLayer::shadow)) a request that would be refused
+//! is counted and passed on holding nothing; a limit in shadow mode
+//! ([`LimitPolicy::shadow`](crate::LimitPolicy::shadow)) is decided by the backend, and
+//! the grant says which one would have refused. Admissions, refusals, waits and leases are
+//! reported where they are counted: a permit guard is made (an admission), dropped (the
+//! lease ends), a refusal is counted, a waiter joins or leaves its queue; with the
+//! `metrics` feature they go to the `metrics` facade (see the guide's page on metrics),
+//! and without it that code is not compiled.
+//!
 //! ```
 //! use std::convert::Infallible;
 //! use tower::{ServiceBuilder, ServiceExt};

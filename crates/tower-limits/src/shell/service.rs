@@ -5,14 +5,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, Waker};
 
-use tower_limits_core::{Backend, Clock, LimitSnapshot, TenantKey};
+use tower_limits_core::{Backend, Clock, LimitSnapshot, Observed, TenantKey};
 use tower_service::Service;
 
 use super::future::{Admitted, PermitGuard, ResponseFuture};
-use super::shared::{Shared, Ticket, Unfinished};
+use super::shared::{Shared, Unfinished};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, CostExtractor, KeyExtractor, UsageExtractor};
+use crate::meter::Meter;
 use crate::reject::Rejection;
+use crate::wait::Blocked;
 
 /// The service built by [`LimitSetLayer`](crate::LimitSetLayer).
 ///
@@ -92,7 +94,7 @@ where
         self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
     }
 
-    fn call(&mut self, mut req: Req) -> Self::Future {
+    fn call(&mut self, req: Req) -> Self::Future {
         let shared = &self.shared;
         let key = match self.keys.extract(&req) {
             Ok(key) => key,
@@ -100,43 +102,39 @@ where
                 Some(key) => key.clone(),
                 None => {
                     let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                    if shared.settings.shadow {
+                        return self.pass(error, req, None);
+                    }
                     return self.refuse(error, None);
                 }
             },
         };
         let cost = self.cost.cost(&req);
         let now = shared.clock.now();
-        let waits = shared.settings.max_wait.is_some();
+        let waits = shared.settings.max_wait.is_some() && !shared.settings.shadow;
         if waits && shared.waiters.has_waiters(&key) {
             // Others of this key wait already: queue behind them.
             return self.wait(key, cost, req, None);
         }
+        if self.rejection.wants_snapshots() {
+            return self.call_observed(key, cost, req, now);
+        }
         let mut acquire = shared.backend.acquire(&key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(grant)) => {
-                let snapshots = self.rejection.wants_snapshots().then(|| snapshots(shared, &key, now));
-                // Nothing to do once the response is in: no guard, no reference to hold.
-                let settings = &shared.settings;
-                let idle = !U::REPORTS
-                    && !self.rejection.holds_body()
-                    && settings.on_error == Unfinished::Keep
-                    && settings.on_cancel == Unfinished::Keep
-                    && !shared.backend.needs_release(&grant);
-                self.annotate.annotate(&mut req, &grant);
-                let guard = (!idle).then(|| PermitGuard::new(grant, key, shared.clone()));
-                let fut = self.inner.call(req);
-                ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
-            }
+            Poll::Ready(Ok(grant)) => self.admitted(key, grant, req, None),
             Poll::Ready(Err(e)) => {
                 let error = LimitError::from(e);
                 if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
                     return self.wait(key, cost, req, None);
                 }
-                self.refuse(error, Some((&key, now)))
+                if shared.settings.shadow {
+                    return self.pass(error, req, None);
+                }
+                self.refuse(error, None)
             }
             // A remote backend: the acquisition is under way; finish it in the response
             // future rather than start another.
-            Poll::Pending => self.wait(key, cost, req, Some(acquire)),
+            Poll::Pending => self.wait(key, cost, req, Some(Observed::unobserved(acquire))),
         }
     }
 }
@@ -147,23 +145,102 @@ where
     U: Clone,
     R: Clone,
 {
-    fn refuse<Req>(
-        &self,
-        mut error: LimitError,
-        at: Option<(&TenantKey, tower_limits_core::Instant)>,
+    /// The call of a layer whose answers carry the limits' states: they come with the
+    /// decision, in the same pass.
+    fn call_observed<Req>(
+        &mut self,
+        key: TenantKey,
+        cost: u64,
+        req: Req,
+        now: tower_limits_core::Instant,
+    ) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        S::Future: Send,
+        Req: Send + 'static,
+        U: UsageExtractor<S::Response>,
+        R: Rejection<S::Response, S::Error>,
+        A: Annotate<Req, B::Grant>,
+    {
+        let shared = &self.shared;
+        let mut observed = shared.backend.acquire_observed(&key, cost, now);
+        match Pin::new(&mut observed).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready((Ok(grant), seen)) => self.admitted(key, grant, req, Some(seen.into_boxed_slice())),
+            Poll::Ready((Err(e), seen)) => {
+                let error = LimitError::from(e);
+                if shared.settings.shadow {
+                    return self.pass(error, req, Some(seen));
+                }
+                if shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
+                    return self.wait(key, cost, req, None);
+                }
+                self.refuse(error, Some(seen))
+            }
+            Poll::Pending => self.wait(key, cost, req, Some(observed)),
+        }
+    }
+
+    /// Calls the inner service for an admitted request.
+    #[inline]
+    fn admitted<Req>(
+        &mut self,
+        key: TenantKey,
+        grant: B::Grant,
+        mut req: Req,
+        snapshots: Option<Box<[LimitSnapshot]>>,
+    ) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: Service<Req>,
+        U: UsageExtractor<S::Response>,
+        R: Rejection<S::Response, S::Error>,
+        A: Annotate<Req, B::Grant>,
+    {
+        let shared = &self.shared;
+        // Nothing to do once the response is in: no guard, no reference to hold.
+        let settings = &shared.settings;
+        let idle = !U::REPORTS
+            && !self.rejection.holds_body()
+            && settings.on_error == Unfinished::Keep
+            && settings.on_cancel == Unfinished::Keep
+            && !shared.backend.needs_release(&grant)
+            && !Meter::LEASES
+            && shared.backend.shadow_refusal(&grant).is_none();
+        self.annotate.annotate(&mut req, &grant);
+        let guard = (!idle).then(|| PermitGuard::new(grant, key, shared.clone()));
+        let fut = self.inner.call(req);
+        ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
+    }
+
+    /// Refuses, with the limits' states when the decision read them.
+    fn refuse<Req>(&self, mut error: LimitError, seen: Option<Vec<LimitSnapshot>>) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: tower_service::Service<Req>,
+        R: Rejection<S::Response, S::Error>,
+    {
+        self.shared.count_refusal(&error);
+        trace_refusal(&error);
+        error.snapshots = seen.map(Into::into);
+        ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
+    }
+
+    /// Shadow mode: records what would have been refused, and calls the inner service
+    /// anyway, holding nothing (nothing was granted, so nothing is released).
+    fn pass<Req>(
+        &mut self,
+        error: LimitError,
+        req: Req,
+        seen: Option<Vec<LimitSnapshot>>,
     ) -> ResponseFuture<S, Req, U, R, B>
     where
         S: tower_service::Service<Req>,
         R: Rejection<S::Response, S::Error>,
     {
-        self.shared.rejected.fetch_add(1, Ordering::Relaxed);
-        trace_refusal(&error);
-        if let Some((key, now)) = at {
-            if self.rejection.wants_snapshots() {
-                error.snapshots = Some(snapshots(&self.shared, key, now).into());
-            }
-        }
-        ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
+        self.shared.shadow_refused.fetch_add(1, Ordering::Relaxed);
+        self.shared.settings.meter.shadow_refused(&error);
+        trace_shadow(&error);
+        // The states read with the decision tell the answer's headers what is left.
+        let snapshots = seen.map(Vec::into_boxed_slice);
+        ResponseFuture::called(self.inner.call(req), None, self.usage.clone(), self.rejection.clone(), snapshots)
     }
 
     /// The slow path: wait for capacity (or for a remote backend's `pending` acquisition),
@@ -173,7 +250,7 @@ where
         key: TenantKey,
         cost: u64,
         mut req: Req,
-        pending: Option<B::Acquire>,
+        pending: Option<Observed<B>>,
     ) -> ResponseFuture<S, Req, U, R, B>
     where
         S: Service<Req> + Clone + Send + 'static,
@@ -190,15 +267,20 @@ where
         let admitted = async move {
             let answered = match pending {
                 Some(acquire) => match acquire.await {
-                    Ok(grant) => Some(grant),
-                    Err(e) => {
+                    (Ok(grant), seen) => Some((grant, wants_snapshots.then(|| seen.into_boxed_slice()))),
+                    (Err(e), seen) => {
                         let mut error = LimitError::from(e);
+                        if shared.settings.shadow {
+                            shared.shadow_refused.fetch_add(1, Ordering::Relaxed);
+                            shared.settings.meter.shadow_refused(&error);
+                            trace_shadow(&error);
+                            let snapshots = wants_snapshots.then(|| seen.into_boxed_slice());
+                            return Ok(Admitted { guard: None, inner, req, snapshots });
+                        }
                         if !shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
-                            shared.rejected.fetch_add(1, Ordering::Relaxed);
+                            shared.count_refusal(&error);
                             trace_refusal(&error);
-                            if wants_snapshots {
-                                error.snapshots = Some(snapshots(&shared, &key, shared.clock.now()).into());
-                            }
+                            error.snapshots = wants_snapshots.then(|| seen.into());
                             return Err(Box::new(error));
                         }
                         None
@@ -207,19 +289,30 @@ where
                 None => None,
             };
             let (grant, snapshots) = match answered {
-                Some(grant) => (grant, wants_snapshots.then(|| snapshots(&shared, &key, shared.clock.now()))),
+                Some(admitted) => admitted,
                 None => admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?,
             };
             annotate.annotate(&mut req, &grant);
-            Ok(Admitted { guard: PermitGuard::new(grant, key, shared.clone()), inner, req, snapshots })
+            Ok(Admitted { guard: Some(PermitGuard::new(grant, key, shared.clone())), inner, req, snapshots })
         };
         ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())
     }
 }
 
-/// Every limit's state for `key`, for the answer's headers.
-fn snapshots<B: Backend>(shared: &Shared<B>, key: &TenantKey, now: tower_limits_core::Instant) -> Box<[LimitSnapshot]> {
-    shared.backend.peek(key, now).into_boxed_slice()
+/// One attempt: the decision, and the limits' states when the answer wants them.
+async fn attempt<B: Backend>(
+    shared: &Shared<B>,
+    key: &TenantKey,
+    cost: u64,
+    now: tower_limits_core::Instant,
+    wants_snapshots: bool,
+) -> (Result<B::Grant, LimitError>, Option<Vec<LimitSnapshot>>) {
+    if wants_snapshots {
+        let (granted, seen) = shared.backend.acquire_observed(key, cost, now).await;
+        (granted.map_err(LimitError::from), Some(seen))
+    } else {
+        (shared.backend.acquire(key, cost, now).await.map_err(LimitError::from), None)
+    }
 }
 
 /// Whether waiting can help: a rate denial within `max_wait`, or a concurrency denial.
@@ -229,6 +322,16 @@ fn waitable(error: &LimitError, max_wait: std::time::Duration) -> bool {
         ErrorKind::ConcurrencyLimited => true,
         _ => false,
     }
+}
+
+fn trace_shadow(error: &LimitError) {
+    tracing::debug!(
+        target: "tower_limits",
+        kind = ?error.kind(),
+        limit = error.limit().unwrap_or(""),
+        tier = error.tier().unwrap_or(""),
+        "shadow mode: request would have been refused, admitted"
+    );
 }
 
 fn trace_refusal(error: &LimitError) {
@@ -256,53 +359,60 @@ async fn admit<B: Backend>(
     let start = shared.clock.now();
     let deadline = start + max_wait;
     let Some(ticket) = shared.waiters.join(key, shared.settings.max_waiters) else {
-        shared.rejected.fetch_add(1, Ordering::Relaxed);
-        return Err(LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting"));
+        let error = LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting");
+        shared.count_refusal(&error);
+        return Err(error);
     };
-    let ticket = Ticket { waiters: &shared.waiters, key: key.clone(), ticket };
+    // Reports the wait when it ends; dropped with this future, a cancelled one.
+    let mut watch = shared.settings.meter.enter_queue(key, &shared.clock);
     let span = tracing::debug_span!(target: "tower_limits", "limit_wait", key = %key);
     let _enter = span.enter();
     ticket.head().await;
     let mut waited = false;
     loop {
-        let released = shared.waiters.released.notified();
-        let mut released = pin!(released);
-        released.as_mut().enable();
+        let epoch = shared.waiters.epoch();
         let now = shared.clock.now();
-        let error = match shared.backend.acquire(key, cost, now).await {
+        let (granted, seen) = attempt(shared, key, cost, now, wants_snapshots).await;
+        let mut error = match granted {
             Ok(grant) => {
+                // A grant may leave room for the next waiter on the same state.
+                ticket.unpark();
                 if waited {
                     shared.waited.fetch_add(1, Ordering::Relaxed);
                 }
-                let snapshots = wants_snapshots.then(|| snapshots(shared, key, now));
-                return Ok((grant, snapshots));
+                watch.leave(true);
+                return Ok((grant, seen.map(Vec::into_boxed_slice)));
             }
-            Err(e) => LimitError::from(e),
+            Err(error) => error,
         };
+        error.snapshots = seen.map(Into::into);
         let until = match error.kind() {
             ErrorKind::RateLimited => {
                 let wait = error.retry_after().unwrap_or_default();
                 if now + wait > deadline {
-                    shared.rejected.fetch_add(1, Ordering::Relaxed);
+                    shared.count_refusal(&error);
                     if waited {
                         shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
                     }
                     trace_refusal(&error);
+                    watch.leave(false);
                     return Err(error);
                 }
                 now + wait
             }
             ErrorKind::ConcurrencyLimited if now < deadline => deadline,
             ErrorKind::ConcurrencyLimited => {
-                shared.rejected.fetch_add(1, Ordering::Relaxed);
                 shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
                 let timed_out = LimitError { kind: ErrorKind::WaitTimedOut, ..error };
+                shared.count_refusal(&timed_out);
                 trace_refusal(&timed_out);
+                watch.leave(false);
                 return Err(timed_out);
             }
             _ => {
-                shared.rejected.fetch_add(1, Ordering::Relaxed);
+                shared.count_refusal(&error);
                 trace_refusal(&error);
+                watch.leave(false);
                 return Err(error);
             }
         };
@@ -316,14 +426,28 @@ async fn admit<B: Backend>(
         waited = true;
         let sleep = tokio::time::sleep_until(shared.clock.to_tokio(until));
         let mut sleep = pin!(sleep);
-        let release_helps = error.kind() == ErrorKind::ConcurrencyLimited;
-        std::future::poll_fn(|cx| {
-            if sleep.as_mut().poll(cx).is_ready() || (release_helps && released.as_mut().poll(cx).is_ready()) {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await;
+        if error.kind() == ErrorKind::ConcurrencyLimited {
+            // Park on the state that refused: only its releases wake this request.
+            let limit = error.limit.unwrap_or("");
+            let depth = match error.tier() {
+                None => Some(0),
+                Some(tier) => shared.backend.tier_depth(tier),
+            };
+            let state = Blocked::new(limit, depth, key);
+            let park = ticket.park(&state, epoch);
+            let mut park = pin!(park);
+            std::future::poll_fn(|cx| {
+                if sleep.as_mut().poll(cx).is_ready() || park.as_mut().poll(cx).is_ready() {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            })
+            .await;
+        } else {
+            // A rate limit names its instant: this request's own timer, no one's wake-up.
+            ticket.unpark();
+            sleep.await;
+        }
     }
 }

@@ -1,29 +1,19 @@
 //! The state every service of one layer shares: the backend, the clock, the settings and
 //! the waiters.
 //!
-//! # Waiting
-//!
-//! With a `max_wait`, a refused request may wait instead of failing. Waiters of one key
-//! form a FIFO queue (a `VecDeque` of tickets per key, in one map behind a mutex); only
-//! the head of a key's queue tries to acquire, so arrival order is kept. The head sleeps
-//! until the exact instant the backend said the request would pass, or, when a
-//! concurrency limit blocks, until a permit is released (a `Notify` that every release
-//! signals while waiting is on) or its deadline passes. When the head leaves (granted,
-//! failed or dropped), it removes its ticket and wakes the next; wakers are collected
-//! under the lock and woken after it is released. A dropped waiter's ticket guard
-//! removes it wherever it is in its queue, so cancellation leaks nothing.
+//! With a `max_wait`, a refused request may wait instead of failing: how waiters queue
+//! and who wakes them is the [waiting machine](crate::wait).
 
-use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
-use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tower_limits_core::{LimitSet, LimitSetPolicy, Scope, TenantKey};
 
 use crate::clock::LayerClock;
+use crate::error::LimitError;
+use crate::meter::Meter;
+use crate::wait::Waiters;
 
 /// What to do with the cost charged for a request that did not complete normally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,6 +32,10 @@ pub(crate) struct Settings {
     pub(crate) max_waiters: usize,
     pub(crate) on_error: Unfinished,
     pub(crate) on_cancel: Unfinished,
+    /// Decide and record, never refuse.
+    pub(crate) shadow: bool,
+    /// Where decisions are reported (nothing without the `metrics` feature).
+    pub(crate) meter: Meter,
 }
 
 impl Default for Settings {
@@ -52,6 +46,8 @@ impl Default for Settings {
             max_waiters: 10_000,
             on_error: Unfinished::Keep,
             on_cancel: Unfinished::Keep,
+            shadow: false,
+            meter: Meter::default(),
         }
     }
 }
@@ -67,6 +63,10 @@ pub struct LayerStats {
     pub wait_timeouts: u64,
     /// Requests waiting now.
     pub waiting: u64,
+    /// Requests admitted although they would have been refused: by the layer in shadow
+    /// mode ([`LimitLayer::shadow`](crate::LimitLayer::shadow)), or by a limit in shadow
+    /// mode ([`LimitPolicy::shadow`](crate::LimitPolicy::shadow)).
+    pub shadow_refused: u64,
 }
 
 pub(crate) struct Shared<B> {
@@ -79,6 +79,7 @@ pub(crate) struct Shared<B> {
     pub(crate) rejected: AtomicU64,
     pub(crate) waited: AtomicU64,
     pub(crate) wait_timeouts: AtomicU64,
+    pub(crate) shadow_refused: AtomicU64,
 }
 
 impl<B> Shared<B> {
@@ -92,7 +93,14 @@ impl<B> Shared<B> {
             rejected: AtomicU64::new(0),
             waited: AtomicU64::new(0),
             wait_timeouts: AtomicU64::new(0),
+            shadow_refused: AtomicU64::new(0),
         }
+    }
+
+    /// Counts a refusal, and reports it.
+    pub(crate) fn count_refusal(&self, error: &LimitError) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        self.settings.meter.refused(error);
     }
 
     pub(crate) fn layer_stats(&self) -> LayerStats {
@@ -101,6 +109,7 @@ impl<B> Shared<B> {
             waited: self.waited.load(Ordering::Relaxed),
             wait_timeouts: self.wait_timeouts.load(Ordering::Relaxed),
             waiting: self.waiters.len() as u64,
+            shadow_refused: self.shadow_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -158,100 +167,5 @@ impl<B> Source<B> {
     /// A backend enforcing this source's policy.
     pub(crate) fn backend(&self) -> B {
         (self.build)(self.policy.clone())
-    }
-}
-
-/// Per-key FIFO queues of waiting requests.
-#[derive(Default)]
-pub(crate) struct Waiters {
-    queues: Mutex<Queues>,
-    /// Signalled on every release of a permit while anyone waits.
-    pub(crate) released: Notify,
-}
-
-#[derive(Default)]
-struct Queues {
-    by_key: HashMap<TenantKey, VecDeque<(u64, Option<Waker>)>>,
-    next: u64,
-    len: usize,
-}
-
-impl Waiters {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
-        self.queues.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.lock().len
-    }
-
-    /// Whether anyone waits for `key` (a newcomer must then queue behind them).
-    pub(crate) fn has_waiters(&self, key: &TenantKey) -> bool {
-        let q = self.lock();
-        q.len > 0 && q.by_key.contains_key(key)
-    }
-
-    /// Joins the queue of `key`, unless `max` requests already wait.
-    pub(crate) fn join(&self, key: &TenantKey, max: usize) -> Option<u64> {
-        let mut q = self.lock();
-        if q.len >= max {
-            return None;
-        }
-        q.next += 1;
-        let ticket = q.next;
-        q.by_key.entry(key.clone()).or_default().push_back((ticket, None));
-        q.len += 1;
-        Some(ticket)
-    }
-
-    /// Ready when `ticket` is at the head of its key's queue.
-    pub(crate) fn poll_head(&self, key: &TenantKey, ticket: u64, cx: &mut Context<'_>) -> Poll<()> {
-        let mut q = self.lock();
-        let Some(queue) = q.by_key.get_mut(key) else { return Poll::Ready(()) };
-        match queue.iter_mut().position(|(t, _)| *t == ticket) {
-            Some(0) | None => Poll::Ready(()),
-            Some(i) => {
-                queue[i].1 = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
-    }
-
-    /// Leaves the queue; if `ticket` was the head, wakes the next waiter.
-    pub(crate) fn leave(&self, key: &TenantKey, ticket: u64) {
-        let wake = {
-            let mut q = self.lock();
-            let Some(queue) = q.by_key.get_mut(key) else { return };
-            let Some(i) = queue.iter().position(|(t, _)| *t == ticket) else { return };
-            queue.remove(i);
-            let wake = if i == 0 { queue.front_mut().and_then(|(_, w)| w.take()) } else { None };
-            if queue.is_empty() {
-                q.by_key.remove(key);
-            }
-            q.len -= 1;
-            wake
-        };
-        if let Some(w) = wake {
-            w.wake();
-        }
-    }
-}
-
-/// A place in a key's queue; leaving it (on drop) wakes the next waiter.
-pub(crate) struct Ticket<'a> {
-    pub(crate) waiters: &'a Waiters,
-    pub(crate) key: TenantKey,
-    pub(crate) ticket: u64,
-}
-
-impl Ticket<'_> {
-    pub(crate) async fn head(&self) {
-        std::future::poll_fn(|cx| self.waiters.poll_head(&self.key, self.ticket, cx)).await;
-    }
-}
-
-impl Drop for Ticket<'_> {
-    fn drop(&mut self) {
-        self.waiters.leave(&self.key, self.ticket);
     }
 }

@@ -1,5 +1,5 @@
 //! What the service tests share: a configuration, a raw HTTP/1.1 client over real
-//! sockets, and deadlines.
+//! sockets, deadlines, and an upstream whose streams the test writes.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -134,4 +134,24 @@ pub async fn closed_by_peer(stream: &mut TcpStream, into: &mut Vec<u8>) -> bool 
     })
     .await
     .is_ok()
+}
+
+/// An upstream whose every answer is a `text/event-stream` the test writes: each call
+/// hands the test the sending end of its body (dropping it ends the stream).
+pub fn scripted() -> (
+    embedding_gateway::gateway::Transport,
+    tokio::sync::mpsc::UnboundedReceiver<tokio::sync::mpsc::Sender<bytes::Bytes>>,
+) {
+    let (streams_tx, streams_rx) = tokio::sync::mpsc::unbounded_channel();
+    let transport =
+        tower::util::BoxCloneSyncService::new(tower::service_fn(move |_req: http::Request<axum::body::Body>| {
+            let (tx, rx) = tokio::sync::mpsc::channel(8);
+            let _ = streams_tx.send(tx);
+            async move {
+                let mut r = http::Response::new(axum::body::Body::new(embedding_gateway::api::ChannelBody(rx)));
+                r.headers_mut().insert("content-type", http::HeaderValue::from_static("text/event-stream"));
+                Ok::<_, tower::BoxError>(r)
+            }
+        }));
+    (transport, streams_rx)
 }

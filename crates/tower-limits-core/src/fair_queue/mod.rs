@@ -35,15 +35,13 @@
 //! request; cancelling a request behind the head changes no tag at all; and a tenant's
 //! tags depend only on what it was actually served, never on what it queued.
 //!
-//! **The heap of backlogged tenants.** Each backlogged tenant has one entry in a binary
-//! heap keyed by its head's (start tag, arrival number); the entry knows its tenant and
-//! the tenant knows its entry's position, so the entry is moved in place when the head
-//! changes. Dispatch, and every change of a head, costs O(log n) in the number of
-//! backlogged tenants; nothing ever scans the tenants.
-//!
-//! **Requests.** Requests live in one slab shared by all tenants; each tenant's queue is
-//! a doubly linked list through it, so a request can leave from anywhere in O(1). The
-//! slab never holds more than the global queue limit.
+//! **Where things live.** This file holds [`FairQueue`] and its operations (enqueue,
+//! dispatch, cancel, idle records); `tenant.rs` a tenant's record and its tag arithmetic;
+//! `heap.rs` the heaps of backlogged and idle tenants, whose entries move in place, so
+//! dispatch and every change of a head cost O(log n) in the number of backlogged tenants;
+//! `slab.rs` the requests, in one slab where each tenant's queue is a doubly linked list
+//! (a request leaves from anywhere in O(1)), and the tickets into it; `config.rs` the
+//! configuration and [`QueueFull`]; `stats.rs` the counters.
 //!
 //! **Exact integer tags.** Tags count units of 2⁻³² of a cost unit per unit of weight,
 //! in `u128`; nothing is a float. `cost / weight` is rarely a whole number of units, so
@@ -145,235 +143,27 @@
 //! assert_eq!(queue.tenant_stats(&"bulk").unwrap().dispatched_cost, 5);
 //! ```
 
-use std::collections::BTreeMap;
+mod config;
+mod heap;
+mod slab;
+mod stats;
+mod tenant;
+
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 
 use hashbrown::{DefaultHashBuilder, HashTable};
-use serde::{Deserialize, Serialize};
 
 use crate::policy_error::PolicyError;
-
-/// Tags count virtual time in units of 2^-FRACTION_BITS of one cost unit per weight.
-const FRACTION_BITS: u32 = 32;
-
-/// The end of a list, and no position.
-const NONE: u32 = u32::MAX;
-
-/// The default bound on one tenant's queued requests.
-pub const DEFAULT_TENANT_QUEUE_LIMIT: usize = 64;
-
-/// The default bound on all queued requests.
-pub const DEFAULT_GLOBAL_QUEUE_LIMIT: usize = 1024;
-
-/// The largest queue limit accepted (the queue indexes its slabs with 32 bits).
-pub const MAX_QUEUE_LIMIT: usize = (1 << 31) - 1;
-
-/// How a [`FairQueue`] shares: weights and queue limits, as plain data.
-///
-/// Weights are relative: a tenant of weight 3 gets three times the cost of a tenant of
-/// weight 1 when both are waiting. The queue itself takes each request's weight from
-/// the caller; [`FairQueueConfig::weight_for`] is how a layer finds a tenant's weight
-/// from its name.
-///
-/// ```
-/// use tower_limits_core::fair_queue::FairQueueConfig;
-///
-/// let config: FairQueueConfig = toml::from_str(r#"
-///     default_weight = 1
-///     tenant_queue_limit = 32
-///     global_queue_limit = 512
-///
-///     [weights]
-///     acme = 4
-/// "#).unwrap();
-/// config.validate().unwrap();
-/// assert_eq!(config.weight_for("acme"), 4);
-/// assert_eq!(config.weight_for("globex"), 1);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FairQueueConfig {
-    /// The weight of a tenant not listed in `weights`; at least 1. Defaults to 1.
-    #[serde(default = "default_weight")]
-    pub default_weight: u32,
-    /// Weights by tenant name, each at least 1.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub weights: BTreeMap<String, u32>,
-    /// The most requests one tenant can have queued; at least 1. Defaults to 64.
-    #[serde(default = "default_tenant_queue_limit")]
-    pub tenant_queue_limit: usize,
-    /// The most requests queued in all; at least 1. Defaults to 1024.
-    #[serde(default = "default_global_queue_limit")]
-    pub global_queue_limit: usize,
-}
-
-fn default_weight() -> u32 {
-    1
-}
-
-fn default_tenant_queue_limit() -> usize {
-    DEFAULT_TENANT_QUEUE_LIMIT
-}
-
-fn default_global_queue_limit() -> usize {
-    DEFAULT_GLOBAL_QUEUE_LIMIT
-}
-
-impl Default for FairQueueConfig {
-    fn default() -> Self {
-        FairQueueConfig {
-            default_weight: 1,
-            weights: BTreeMap::new(),
-            tenant_queue_limit: DEFAULT_TENANT_QUEUE_LIMIT,
-            global_queue_limit: DEFAULT_GLOBAL_QUEUE_LIMIT,
-        }
-    }
-}
-
-impl FairQueueConfig {
-    /// Weight 1 for everyone and the default queue limits.
-    #[must_use]
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// With this weight for tenants not listed.
-    #[must_use]
-    pub fn default_weight(mut self, weight: u32) -> Self {
-        self.default_weight = weight;
-        self
-    }
-
-    /// With a weight for the tenant named `name`.
-    #[must_use]
-    pub fn weight(mut self, name: impl Into<String>, weight: u32) -> Self {
-        self.weights.insert(name.into(), weight);
-        self
-    }
-
-    /// With a bound on one tenant's queued requests.
-    #[must_use]
-    pub fn tenant_queue_limit(mut self, limit: usize) -> Self {
-        self.tenant_queue_limit = limit;
-        self
-    }
-
-    /// With a bound on all queued requests.
-    #[must_use]
-    pub fn global_queue_limit(mut self, limit: usize) -> Self {
-        self.global_queue_limit = limit;
-        self
-    }
-
-    /// The weight of the tenant named `name`: its entry in `weights`, or the default.
-    #[must_use]
-    pub fn weight_for(&self, name: &str) -> u32 {
-        self.weights.get(name).copied().unwrap_or(self.default_weight)
-    }
-
-    /// Checks the configuration.
-    ///
-    /// # Errors
-    /// The first problem found, naming its field (`weights["acme"]: must be at least 1`).
-    pub fn validate(&self) -> Result<(), PolicyError> {
-        if self.default_weight == 0 {
-            return Err(PolicyError::new("default_weight", "must be at least 1"));
-        }
-        if let Some((name, _)) = self.weights.iter().find(|(_, w)| **w == 0) {
-            return Err(PolicyError::new(format!("weights[{name:?}]"), "must be at least 1"));
-        }
-        for (field, limit) in
-            [("tenant_queue_limit", self.tenant_queue_limit), ("global_queue_limit", self.global_queue_limit)]
-        {
-            if limit == 0 {
-                return Err(PolicyError::new(field, "must be at least 1"));
-            }
-            if limit > MAX_QUEUE_LIMIT {
-                return Err(PolicyError::new(field, format!("must be at most {MAX_QUEUE_LIMIT}")));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Identifies one queued request, to [`cancel`](FairQueue::cancel) it or reach its item.
-///
-/// A ticket stays unique for the life of the queue that issued it: once its request is
-/// dispatched or cancelled, the ticket matches nothing, even after its slot is reused.
-/// A ticket means nothing to another queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Ticket {
-    slot: u32,
-    seq: u64,
-}
-
-impl Ticket {
-    /// The request's arrival number: tickets of one queue compare by it in arrival order.
-    #[must_use]
-    pub fn arrival(&self) -> u64 {
-        self.seq
-    }
-}
-
-/// Which queue was full.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum QueueKind {
-    /// The tenant's own queue: the tenant asks for too much (HTTP 429).
-    Tenant,
-    /// The whole queue: shared overload (HTTP 503).
-    Global,
-}
-
-/// A request refused because a queue was full. Gives the item back.
-pub struct QueueFull<T> {
-    kind: QueueKind,
-    limit: usize,
-    item: T,
-}
-
-impl<T> QueueFull<T> {
-    /// Which queue was full.
-    #[must_use]
-    pub fn kind(&self) -> QueueKind {
-        self.kind
-    }
-
-    /// Whether it was the tenant's own queue (rather than the whole queue).
-    #[must_use]
-    pub fn is_tenant(&self) -> bool {
-        self.kind == QueueKind::Tenant
-    }
-
-    /// The limit of the full queue.
-    #[must_use]
-    pub fn limit(&self) -> usize {
-        self.limit
-    }
-
-    /// The item that was not queued.
-    #[must_use]
-    pub fn into_item(self) -> T {
-        self.item
-    }
-}
-
-impl<T> fmt::Debug for QueueFull<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("QueueFull").field("kind", &self.kind).field("limit", &self.limit).finish_non_exhaustive()
-    }
-}
-
-impl<T> fmt::Display for QueueFull<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.kind {
-            QueueKind::Tenant => write!(f, "tenant queue is full ({} queued)", self.limit),
-            QueueKind::Global => write!(f, "queue is full ({} queued)", self.limit),
-        }
-    }
-}
-
-impl<T> std::error::Error for QueueFull<T> {}
+pub use config::{
+    DEFAULT_GLOBAL_QUEUE_LIMIT, DEFAULT_TENANT_QUEUE_LIMIT, FairQueueConfig, MAX_QUEUE_LIMIT, QueueFull, QueueKind,
+};
+use heap::{Entry, Heap};
+pub use slab::Ticket;
+use slab::{NONE, Node};
+use stats::Counters;
+pub use stats::{FairQueueStats, TenantStats};
+use tenant::{Tenant, tenant, tenant_mut};
 
 /// The request [`FairQueue::pop_next`] would dispatch, from [`FairQueue::peek_next`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -397,51 +187,6 @@ pub struct Dispatched<K, T> {
     pub cost: u64,
     /// Its item.
     pub item: T,
-}
-
-/// Counters of a [`FairQueue`], from [`FairQueue::stats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct FairQueueStats {
-    /// Requests queued now.
-    pub queued: usize,
-    /// Tenants with requests queued now.
-    pub backlogged_tenants: usize,
-    /// Tenant records kept now: the backlogged ones and idle ones whose finish tag is
-    /// still ahead of virtual time.
-    pub tracked_tenants: usize,
-    /// Requests queued since the queue was made.
-    pub enqueued: u64,
-    /// Requests dispatched.
-    pub dispatched: u64,
-    /// Their total cost (saturating).
-    pub dispatched_cost: u64,
-    /// Requests cancelled.
-    pub cancelled: u64,
-    /// Requests refused because their tenant's queue was full.
-    pub rejected_tenant_full: u64,
-    /// Requests refused because the whole queue was full.
-    pub rejected_global_full: u64,
-    /// Idle tenant records forgotten early because too many were kept.
-    pub evicted_idle: u64,
-}
-
-/// Counters of one tenant, from [`FairQueue::tenant_stats`].
-///
-/// They count from the moment the queue started tracking the tenant; its record, and
-/// these counters with it, are dropped once the tenant is idle and its finish tag has
-/// been reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TenantStats {
-    /// The weight given with its latest request.
-    pub weight: u32,
-    /// Its requests queued now.
-    pub queued: usize,
-    /// Their total cost (saturating).
-    pub queued_cost: u64,
-    /// Its requests dispatched.
-    pub dispatched: u64,
-    /// Their total cost (saturating).
-    pub dispatched_cost: u64,
 }
 
 /// A weighted-fair queue of tenants' requests (start-time fair queuing).
@@ -470,179 +215,6 @@ pub struct FairQueue<K, T> {
     vtime: u128,
     next_seq: u64,
     counters: Counters,
-}
-
-#[derive(Default)]
-struct Counters {
-    enqueued: u64,
-    dispatched: u64,
-    dispatched_cost: u64,
-    cancelled: u64,
-    rejected_tenant: u64,
-    rejected_global: u64,
-    evicted: u64,
-}
-
-struct Tenant<K> {
-    key: K,
-    hash: u64,
-    /// Backlogged: the start tag of the head, in whole units. Idle: the finish tag.
-    tag: u128,
-    /// The exact tag is `tag + rem / weight` units; `rem < weight`.
-    rem: u32,
-    weight: u32,
-    head: u32,
-    tail: u32,
-    len: u32,
-    queued_cost: u64,
-    dispatched: u64,
-    dispatched_cost: u64,
-}
-
-impl<K> Tenant<K> {
-    /// The finish tag after serving `cost` from the current start tag, carrying the
-    /// remainder. `cost * 2^32 / weight` is computed in two 64-bit divisions.
-    fn advance(&mut self, cost: u64) {
-        let w = u64::from(self.weight);
-        let (whole, part) = (cost / w, cost % w);
-        // part < w < 2^32 and rem < w, so this fits in 64 bits.
-        let low = (part << FRACTION_BITS) | u64::from(self.rem);
-        let step = (u128::from(whole) << FRACTION_BITS) + u128::from(low / w);
-        self.tag = self.tag.saturating_add(step);
-        self.rem = (low % w) as u32;
-    }
-
-    /// Takes `weight` for what is served from now on; returns whether `tag` moved.
-    fn reweight(&mut self, weight: u32) -> bool {
-        if self.weight == weight {
-            return false;
-        }
-        let old = self.weight;
-        self.weight = weight;
-        if self.rem == 0 {
-            return false;
-        }
-        // rem/old rounded up to a multiple of 1/weight: at most one unit, and only later.
-        let rem = (u64::from(self.rem) * u64::from(weight)).div_ceil(u64::from(old));
-        if rem >= u64::from(weight) {
-            self.rem = 0;
-            self.tag = self.tag.saturating_add(1);
-            true
-        } else {
-            self.rem = rem as u32;
-            false
-        }
-    }
-
-    /// The exact tag rounded up to a whole unit.
-    fn ceil_tag(&self) -> u128 {
-        self.tag.saturating_add(u128::from(self.rem != 0))
-    }
-}
-
-struct Node<T> {
-    /// `None` when the slot is free.
-    item: Option<T>,
-    seq: u64,
-    cost: u64,
-    tenant: u32,
-    prev: u32,
-    /// The next request of the tenant, or the next free slot.
-    next: u32,
-}
-
-#[derive(Clone, Copy)]
-struct Entry {
-    tag: u128,
-    seq: u64,
-    tenant: u32,
-}
-
-impl Entry {
-    #[inline]
-    fn before(&self, other: &Entry) -> bool {
-        (self.tag, self.seq) < (other.tag, other.seq)
-    }
-}
-
-/// A binary min-heap of tenants that records each tenant's position.
-#[derive(Default)]
-struct Heap {
-    entries: Vec<Entry>,
-}
-
-impl Heap {
-    fn push(&mut self, entry: Entry, positions: &mut [u32]) {
-        self.entries.push(entry);
-        self.sift_up(self.entries.len() - 1, positions);
-    }
-
-    fn remove(&mut self, at: usize, positions: &mut [u32]) -> Entry {
-        let removed = self.entries.swap_remove(at);
-        if at < self.entries.len() && self.sift_up(at, positions) == at {
-            self.sift_down(at, positions);
-        }
-        removed
-    }
-
-    /// Replaces the entry at `at` with one that sorts no earlier.
-    fn replace_later(&mut self, at: usize, entry: Entry, positions: &mut [u32]) {
-        self.entries[at] = entry;
-        self.sift_down(at, positions);
-    }
-
-    fn sift_up(&mut self, mut at: usize, positions: &mut [u32]) -> usize {
-        let entry = self.entries[at];
-        while at > 0 {
-            let parent = (at - 1) / 2;
-            let p = self.entries[parent];
-            if !entry.before(&p) {
-                break;
-            }
-            self.entries[at] = p;
-            positions[p.tenant as usize] = at as u32;
-            at = parent;
-        }
-        self.entries[at] = entry;
-        positions[entry.tenant as usize] = at as u32;
-        at
-    }
-
-    fn sift_down(&mut self, mut at: usize, positions: &mut [u32]) {
-        let entry = self.entries[at];
-        let len = self.entries.len();
-        loop {
-            let left = 2 * at + 1;
-            if left >= len {
-                break;
-            }
-            let right = left + 1;
-            let child = if right < len && self.entries[right].before(&self.entries[left]) { right } else { left };
-            let c = self.entries[child];
-            if !c.before(&entry) {
-                break;
-            }
-            self.entries[at] = c;
-            positions[c.tenant as usize] = at as u32;
-            at = child;
-        }
-        self.entries[at] = entry;
-        positions[entry.tenant as usize] = at as u32;
-    }
-}
-
-fn tenant<K>(tenants: &[Option<Tenant<K>>], slot: u32) -> &Tenant<K> {
-    match &tenants[slot as usize] {
-        Some(t) => t,
-        None => unreachable!("a tenant slot in use holds a tenant"),
-    }
-}
-
-fn tenant_mut<K>(tenants: &mut [Option<Tenant<K>>], slot: u32) -> &mut Tenant<K> {
-    match &mut tenants[slot as usize] {
-        Some(t) => t,
-        None => unreachable!("a tenant slot in use holds a tenant"),
-    }
 }
 
 impl<K, T> fmt::Debug for FairQueue<K, T> {
@@ -891,6 +463,25 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         })
     }
 
+    /// The tenants with requests queued, with how many requests and how much cost each
+    /// has queued, in no particular order: what a fleet reports as this replica's demand
+    /// ([`FleetShares`](crate::fleet::FleetShares)).
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let mut queue = FairQueue::new(FairQueueConfig::new()).unwrap();
+    /// queue.enqueue("a", 1, 5, ()).unwrap();
+    /// queue.enqueue("a", 1, 2, ()).unwrap();
+    /// assert_eq!(queue.backlog().collect::<Vec<_>>(), [(&"a", 2, 7)]);
+    /// ```
+    pub fn backlog(&self) -> impl Iterator<Item = (&K, u64, u64)> + '_ {
+        self.backlogged.entries.iter().map(|e| {
+            let t = tenant(&self.tenants, e.tenant);
+            (&t.key, u64::from(t.len), t.queued_cost)
+        })
+    }
+
     /// Counters of the whole queue.
     #[must_use]
     pub fn stats(&self) -> FairQueueStats {
@@ -936,19 +527,6 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         let tenants = &self.tenants;
         self.table.insert_unique(hash, slot, |&s| tenant(tenants, s).hash);
         slot
-    }
-
-    fn add_node(&mut self, node: Node<T>) -> u32 {
-        if self.free_node == NONE {
-            self.nodes.push(node);
-            (self.nodes.len() - 1) as u32
-        } else {
-            let at = self.free_node;
-            let slot = &mut self.nodes[at as usize];
-            self.free_node = slot.next;
-            *slot = node;
-            at
-        }
     }
 
     /// Files a tenant whose queue just emptied: dropped when its finish tag is reached,
@@ -1012,6 +590,7 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
 
 #[cfg(test)]
 mod tests {
+    use super::tenant::FRACTION_BITS;
     use super::*;
 
     fn queue<T>(tenant: usize, global: usize) -> FairQueue<&'static str, T> {
@@ -1269,27 +848,6 @@ mod tests {
         assert_eq!((stats.tracked_tenants, stats.evicted_idle), (4, 1));
         assert_eq!(q.tenant_stats(&"a"), None);
         assert!(q.tenant_stats(&"d").is_some());
-    }
-
-    #[test]
-    fn config_validates_and_round_trips() {
-        let config = FairQueueConfig::new().weight("acme", 4).tenant_queue_limit(8);
-        config.validate().unwrap();
-        let json = serde_json::to_string(&config).unwrap();
-        assert_eq!(serde_json::from_str::<FairQueueConfig>(&json).unwrap(), config);
-        let toml_text = toml::to_string(&config).unwrap();
-        assert_eq!(toml::from_str::<FairQueueConfig>(&toml_text).unwrap(), config);
-        assert_eq!(serde_json::from_str::<FairQueueConfig>("{}").unwrap(), FairQueueConfig::default());
-        let err = |c: FairQueueConfig| c.validate().unwrap_err().to_string();
-        assert_eq!(err(FairQueueConfig::new().default_weight(0)), "default_weight: must be at least 1");
-        assert_eq!(err(FairQueueConfig::new().weight("acme", 0)), "weights[\"acme\"]: must be at least 1");
-        assert_eq!(err(FairQueueConfig::new().tenant_queue_limit(0)), "tenant_queue_limit: must be at least 1");
-        assert_eq!(
-            err(FairQueueConfig::new().global_queue_limit(MAX_QUEUE_LIMIT + 1)),
-            "global_queue_limit: must be at most 2147483647"
-        );
-        assert!(FairQueue::<u8, ()>::new(FairQueueConfig::new().global_queue_limit(0)).is_err());
-        assert!(serde_json::from_str::<FairQueueConfig>(r#"{"weight": 1}"#).is_err());
     }
 
     /// Random operations, every invariant checked after each.

@@ -1,0 +1,64 @@
+//! Runs one operation of the `peers` table a fixed number of times, for instruction
+//! counts that do not depend on the machine's load:
+//! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
+//! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
+//! `keyed1`, `gov-keyed1`, `none` (the loop and the clock alone).
+
+#![allow(clippy::print_stdout)]
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+
+use governor::{Quota, RateLimiter};
+use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let op = args.next().unwrap_or_else(|| "allow".into());
+    let n: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(100_000);
+    let nz = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+    let clock = SystemClock::new();
+    let global = TenantKey::global();
+    let huge = Rate::per_second(1_000_000_000);
+    let open = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", huge, 1_000_000))).ok();
+    let shut = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_hour(1), 1))).ok();
+    let set3 = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("requests", huge, 1_000_000).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", huge, 1_000_000).counting_cost())
+            .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
+    )
+    .ok();
+    let keyed = LimitSet::new(
+        LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::gcra("r", huge, 1_000_000).per("tenant")),
+    )
+    .ok();
+    let acme = TenantKey::single("acme").ok();
+    let gov_open = RateLimiter::direct(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
+    let gov_shut = RateLimiter::direct(Quota::per_hour(nz(1)));
+    let gov_keyed = RateLimiter::keyed(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
+    if let Some(s) = &shut {
+        let _ = s.acquire(&global, 1, clock.now());
+    }
+    let _ = gov_shut.check();
+    let (Some(open), Some(shut), Some(set3), Some(keyed), Some(acme)) = (open, shut, set3, keyed, acme) else {
+        println!("bad setup");
+        return;
+    };
+    let mut hits = 0u64;
+    for _ in 0..n {
+        let ok = match op.as_str() {
+            "allow" => open.acquire(&global, 1, clock.now()).is_ok(),
+            "deny" => shut.acquire(&global, 1, clock.now()).is_err(),
+            "gov-allow" => gov_open.check().is_ok(),
+            "gov-deny" => gov_shut.check().is_err(),
+            "set3" => set3.acquire(&acme, 10, clock.now()).is_ok(),
+            "keyed1" => keyed.acquire(&acme, 1, clock.now()).is_ok(),
+            "gov-keyed1" => gov_keyed.check_key(&"acme").is_ok(),
+            _ => black_box(clock.now()) > tower_limits_core::Instant::ZERO,
+        };
+        hits += u64::from(black_box(ok));
+    }
+    println!("{op}: {hits} of {n}");
+}

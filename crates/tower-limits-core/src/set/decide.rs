@@ -1,0 +1,482 @@
+//! An acquisition under the locks: which locks it takes, and the decision.
+//!
+//! **All or nothing.** Under those locks an acquisition first *checks* every limit
+//! without writing anything ([`Algorithm::check`](crate::algorithm::Algorithm::check)),
+//! and commits only if all of them pass. A denial therefore changes no state: it names
+//! the limit that frees last and the exact wait after which all of them would pass. A
+//! cost above some limit's capacity is refused at once as
+//! [`AcquireError::CostAboveCapacity`]: it can never pass, so it is never waited on.
+//!
+//! **Shadow limits.** A limit in shadow mode is checked like the others, but its refusal
+//! does not block: the acquisition goes on without it, commits every other limit and
+//! skips it, and the grant records it (one bit per limit) so that releases, settles and
+//! refunds skip it too; nothing it never took is given back. It is counted as a shadow
+//! refusal only when the acquisition is granted, so the count is exactly the refusals it
+//! would add if it enforced, on the requests the enforcing limits let through.
+//!
+//! **Time.** `now` is passed in. Under the locks it is raised to the latest instant the
+//! shard has seen, so two callers whose clock reads raced never move a state backwards.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::fast::{Decision, Fast};
+use super::global::{Global, GlobalStates};
+use super::permit::{Costs, Granted};
+use super::shard::{Keyed, Shard};
+use super::{Counters, LimitSnapshot, Shared, lock};
+use crate::algorithm::{Refusal, Snapshot};
+use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
+use crate::key::{MAX_TIERS, TenantKey};
+use crate::limit::Config;
+use crate::table::key_hash;
+use crate::time::Instant;
+
+impl Shared {
+    #[inline]
+    pub(super) fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
+        self.acquire_observed(key, costs, now, None)
+    }
+
+    /// The acquisition; with `observe`, every limit's state as the decision left it is
+    /// read under the same locks, in the same pass.
+    #[inline]
+    pub(super) fn acquire_observed(
+        &self,
+        key: &TenantKey,
+        costs: &Costs,
+        now: Instant,
+        mut observe: Option<&mut Vec<LimitSnapshot>>,
+    ) -> Result<Granted, AcquireError> {
+        loop {
+            if let Some(fast) = &self.fast {
+                let cost = match costs {
+                    Costs::Uniform(c) => fast.cost(*c),
+                    Costs::Each(each) => each.first().copied().unwrap_or(u64::MAX),
+                };
+                let decision = fast.acquire(cost, now);
+                if let (Some(out), Some(_)) = (observe.as_deref_mut(), &decision) {
+                    out.push(fast.observe(now));
+                }
+                match decision {
+                    Some(Decision::Granted(granted_at, version)) => {
+                        return Ok(Granted { granted_at, version, config: None, shadowed: 0 });
+                    }
+                    Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
+                    Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
+                    None => {}
+                }
+            }
+            // `None`: a replace enabled the fast path while this call waited for a lock.
+            if let Some(result) = self.acquire_locked(key, costs, now, observe.as_deref_mut()) {
+                return result;
+            }
+        }
+    }
+
+    /// The acquisition under the locks; `None` when the fast path rules the state now.
+    fn acquire_locked(
+        &self,
+        key: &TenantKey,
+        costs: &Costs,
+        now: Instant,
+        observe: Option<&mut Vec<LimitSnapshot>>,
+    ) -> Option<Result<Granted, AcquireError>> {
+        if !key.is_global() && self.tiered.load(Ordering::Acquire) {
+            let mut shard = lock(self.shard_of(key));
+            let Shard { config, keyed } = &mut *shard;
+            if config.has_global {
+                let mut global = self.lock_global();
+                if self.fast_live().is_some() {
+                    return None;
+                }
+                let result = self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                if let Some(out) = observe {
+                    self.observe(config, Some(keyed), Some(&global.states), key, now, out);
+                }
+                Some(result)
+            } else {
+                let result = self.decide(config, Some(keyed), None, key, costs, now);
+                if let Some(out) = observe {
+                    self.observe(config, Some(keyed), None, key, now, out);
+                }
+                Some(result)
+            }
+        } else {
+            let mut global = self.lock_global();
+            if self.fast_live().is_some() {
+                return None;
+            }
+            if global.config.has_tiered && !key.is_global() {
+                // The policy gained keyed limits since the hint was read: take the locks
+                // in order.
+                drop(global);
+                let mut shard = lock(self.shard_of(key));
+                let Shard { config, keyed } = &mut *shard;
+                let mut global = self.lock_global();
+                let result = self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                if let Some(out) = observe {
+                    self.observe(config, Some(keyed), Some(&global.states), key, now, out);
+                }
+                return Some(result);
+            }
+            let Global { config, states } = &mut *global;
+            let result = self.decide(config, None, Some(states), key, costs, now);
+            if let Some(out) = observe {
+                self.observe(config, None, Some(states), key, now, out);
+            }
+            Some(result)
+        }
+    }
+
+    /// Every limit's state for `key`, read under the locks the caller holds (the
+    /// acquisition's, or a peek's); a keyed limit needs the shard, and is skipped for a
+    /// key too shallow for its tier.
+    pub(super) fn observe(
+        &self,
+        cfg: &Config,
+        shard: Option<&Keyed>,
+        global: Option<&GlobalStates>,
+        key: &TenantKey,
+        now: Instant,
+        out: &mut Vec<LimitSnapshot>,
+    ) {
+        let mut now = now;
+        if let Some(s) = shard {
+            now = now.max(s.latest);
+        }
+        if let Some(g) = global {
+            now = now.max(g.latest);
+        }
+        out.reserve(cfg.limits.len());
+        for (i, def) in cfg.limits.iter().enumerate() {
+            let snapshot = match def.tier {
+                None => def.limit.peek(global.map_or(&cfg.fresh[i], |g| &g.states[i]), now),
+                Some(t) => {
+                    let (Some(s), Some(prefix)) = (shard, key.prefix(t + 1)) else { continue };
+                    s.tables[i].peek(&def.limit, key_hash(&self.hasher, prefix), prefix, now)
+                }
+            };
+            out.push(LimitSnapshot {
+                name: def.name,
+                tier: def.tier.map(|t| cfg.tiers[t]),
+                counts: def.counts,
+                is_semaphore: def.limit.is_semaphore(),
+                snapshot,
+            });
+        }
+    }
+
+    /// The decision, under the locks the caller took.
+    #[allow(clippy::too_many_lines)]
+    #[inline]
+    fn decide(
+        &self,
+        config: &Arc<Config>,
+        mut shard: Option<&mut Keyed>,
+        mut global: Option<&mut GlobalStates>,
+        key: &TenantKey,
+        costs: &Costs,
+        now: Instant,
+    ) -> Result<Granted, AcquireError> {
+        let cfg: &Config = config;
+        if cfg.depth_needed > 0 && key.prefix(cfg.depth_needed).is_none() {
+            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+        }
+        let mut now = now;
+        if let Some(s) = &shard {
+            now = now.max(s.latest);
+        }
+        if let Some(g) = &global {
+            now = now.max(g.latest);
+        }
+
+        if cfg.limits.len() == 1 {
+            return self.decide_one(config, shard, global, key, costs, now);
+        }
+
+        // One hash per tier the policy uses.
+        let mut hashes = [0u64; MAX_TIERS];
+        let mut hashed = [false; MAX_TIERS];
+        for def in &cfg.limits {
+            if let Some(t) = def.tier {
+                if !hashed[t] {
+                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or(""));
+                    hashed[t] = true;
+                }
+            }
+        }
+
+        // Phase 1: check everything, write nothing.
+        let mut blocked: Option<(usize, Option<Duration>)> = None;
+        let mut retry = Duration::ZERO;
+        let mut needs_release = false;
+        let mut new_entries = 0usize;
+        // Shadow limits that would refuse: skipped below, not charged.
+        let mut shadowed = 0u16;
+        for (i, def) in cfg.limits.iter().enumerate() {
+            let cost = costs.of(i, def);
+            if def.shadow && def.tier.is_some_and(|t| key.prefix(t + 1).is_none()) {
+                // The key lacks this shadow limit's tier: it would have been refused.
+                shadowed |= 1 << i;
+                continue;
+            }
+            let (found, result) = match def.tier {
+                None => (true, def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost)),
+                Some(t) => {
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    match shard.as_deref() {
+                        Some(s) => s.tables[i].check(&def.limit, hashes[t], prefix, now, cost),
+                        None => (false, def.limit.check(&cfg.fresh[i], now, cost)),
+                    }
+                }
+            };
+            if result.is_err() && def.shadow {
+                shadowed |= 1 << i;
+                continue;
+            }
+            if !found {
+                new_entries += 1;
+            }
+            match result {
+                Ok(()) => {}
+                Err(Refusal::Never { capacity }) => {
+                    counters(&mut shard, &mut global).impossible[i] += 1;
+                    return Err(cost_above_capacity(cfg, i, cost, capacity));
+                }
+                Err(Refusal::NotYet { retry_after }) => match retry_after {
+                    Some(wait) if wait >= retry => {
+                        retry = wait;
+                        blocked = Some((i, Some(wait)));
+                    }
+                    Some(_) => {}
+                    None => {
+                        needs_release = true;
+                        if blocked.is_none() {
+                            blocked = Some((i, None));
+                        }
+                    }
+                },
+            }
+        }
+
+        if let Some((i, _)) = blocked {
+            counters(&mut shard, &mut global).denied[i] += 1;
+            let def = &cfg.limits[i];
+            let snapshot = match def.tier {
+                None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
+                Some(t) => {
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    match shard.as_deref() {
+                        Some(s) => s.tables[i].peek(&def.limit, hashes[t], prefix, now),
+                        None => def.limit.peek(&cfg.fresh[i], now),
+                    }
+                }
+            };
+            return Err(denied(cfg, i, retry, needs_release, snapshot));
+        }
+
+        // Room for the states this grant creates.
+        if let Some(s) = shard.as_deref_mut() {
+            if new_entries > 0 && s.len + new_entries > s.cap {
+                s.sweep(cfg, now);
+                // The sweep may have evicted idle states of this very key: count again.
+                new_entries = cfg
+                    .limits
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
+                    .filter(|&(i, _)| shadowed & (1 << i) == 0)
+                    .filter(|&(i, t)| {
+                        let prefix = key.prefix(t + 1).unwrap_or("");
+                        !s.tables[i].contains(hashes[t], prefix)
+                    })
+                    .count();
+                if s.len + new_entries > s.cap {
+                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                }
+            }
+        }
+
+        // Phase 2: everything passed; commit everything.
+        for (i, def) in cfg.limits.iter().enumerate() {
+            if shadowed & (1 << i) != 0 {
+                continue;
+            }
+            let cost = costs.of(i, def);
+            match def.tier {
+                None => {
+                    if let Some(g) = global.as_deref_mut() {
+                        def.limit.commit(&mut g.states[i], now, cost);
+                    }
+                }
+                Some(t) => {
+                    let Some(s) = shard.as_deref_mut() else { continue };
+                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
+                        s.len += 1;
+                    }
+                }
+            }
+        }
+        if let Some(s) = shard.as_deref_mut() {
+            s.latest = now;
+        }
+        if let Some(g) = global.as_deref_mut() {
+            g.latest = now;
+        }
+        let counters = counters(&mut shard, &mut global);
+        counters.admitted += 1;
+        if shadowed != 0 {
+            count_shadowed(counters, shadowed);
+        }
+        let keep = cfg.has_semaphore || shadowed != 0;
+        Ok(Granted { granted_at: now, version: cfg.version, config: keep.then(|| config.clone()), shadowed })
+    }
+
+    /// The decision for a set of one limit: one lookup, check and commit together.
+    #[inline]
+    fn decide_one(
+        &self,
+        config: &Arc<Config>,
+        mut shard: Option<&mut Keyed>,
+        mut global: Option<&mut GlobalStates>,
+        key: &TenantKey,
+        costs: &Costs,
+        now: Instant,
+    ) -> Result<Granted, AcquireError> {
+        let cfg: &Config = config;
+        let def = &cfg.limits[0];
+        let cost = costs.of(0, def);
+        if def.shadow && def.tier.is_some_and(|t| key.prefix(t + 1).is_none()) {
+            // The key lacks this shadow limit's tier: it would have been refused.
+            let counters = counters(&mut shard, &mut global);
+            counters.admitted += 1;
+            counters.shadow_denied[0] += 1;
+            return Ok(Granted { granted_at: now, version: cfg.version, config: Some(config.clone()), shadowed: 1 });
+        }
+        let (result, counters) = match (def.tier, shard, global) {
+            (None, _, Some(g)) => {
+                let result =
+                    def.limit.acquire(&mut g.states[0], now, cost).map_err(|r| (r, def.limit.peek(&g.states[0], now)));
+                if result.is_ok() {
+                    g.latest = now;
+                }
+                (result, &mut g.counters)
+            }
+            (Some(t), Some(s), _) => {
+                let prefix = key.prefix(t + 1).unwrap_or("");
+                let h = key_hash(&self.hasher, prefix);
+                let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
+                    Some(result) => result,
+                    None => match def.limit.check(&cfg.fresh[0], now, cost) {
+                        Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
+                        Ok(()) => {
+                            if s.len >= s.cap {
+                                s.sweep(cfg, now);
+                                if s.len >= s.cap {
+                                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                                }
+                            }
+                            s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
+                            s.len += 1;
+                            Ok(())
+                        }
+                    },
+                };
+                if result.is_ok() {
+                    s.latest = now;
+                }
+                (result, &mut s.counters)
+            }
+            _ => unreachable!("the caller locks what the limit's scope needs"),
+        };
+        match result {
+            Ok(()) => {
+                counters.admitted += 1;
+                Ok(Granted {
+                    granted_at: now,
+                    version: cfg.version,
+                    config: cfg.has_semaphore.then(|| config.clone()),
+                    shadowed: 0,
+                })
+            }
+            Err(_) if def.shadow => {
+                // Would have refused: admitted uncharged, and counted.
+                counters.admitted += 1;
+                counters.shadow_denied[0] += 1;
+                Ok(Granted { granted_at: now, version: cfg.version, config: Some(config.clone()), shadowed: 1 })
+            }
+            Err((Refusal::Never { capacity }, _)) => {
+                counters.impossible[0] += 1;
+                Err(cost_above_capacity(cfg, 0, cost, capacity))
+            }
+            Err((Refusal::NotYet { retry_after }, snapshot)) => {
+                counters.denied[0] += 1;
+                Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
+            }
+        }
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> AcquireError {
+    let def = &cfg.limits[limit];
+    AcquireError::Denied(Denial {
+        name: def.name,
+        tier: def.tier.map(|t| cfg.tiers[t]),
+        limit,
+        retry_after,
+        needs_release,
+        snapshot,
+    })
+}
+
+#[inline]
+pub(super) fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
+    let (retry_after, snapshot) = fast.denial(tat, now, cost);
+    AcquireError::Denied(Denial {
+        name: fast.name(),
+        tier: None,
+        limit: 0,
+        retry_after,
+        needs_release: false,
+        snapshot,
+    })
+}
+
+#[cold]
+#[inline(never)]
+pub(super) fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> AcquireError {
+    AcquireError::CostAboveCapacity(CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity })
+}
+
+#[cold]
+#[inline(never)]
+fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> AcquireError {
+    let def = &cfg.limits[limit];
+    AcquireError::CostAboveCapacity(CostAboveCapacity {
+        limit: def.name,
+        tier: def.tier.map(|t| cfg.tiers[t]),
+        cost,
+        capacity,
+    })
+}
+
+fn count_shadowed(counters: &mut Counters, shadowed: u16) {
+    for (i, n) in counters.shadow_denied.iter_mut().enumerate() {
+        if shadowed & (1 << i) != 0 {
+            *n += 1;
+        }
+    }
+}
+
+fn counters<'a>(shard: &'a mut Option<&mut Keyed>, global: &'a mut Option<&mut GlobalStates>) -> &'a mut Counters {
+    match (shard, global) {
+        (Some(s), _) => &mut s.counters,
+        (None, Some(g)) => &mut g.counters,
+        (None, None) => unreachable!("an acquisition holds at least one lock"),
+    }
+}

@@ -1,0 +1,40 @@
+//! The global states: one state per global limit, behind one lock.
+//!
+//! An acquisition takes this lock after the tenant's shard, never before. While the
+//! one-limit path rules (see [`fast`](super::fast)), the limit's state lives in its atomic
+//! instead, and the locked operations work on the atomic; the fast path's denial counts
+//! are moved into `counters` when a replace hands the state back to the lock.
+
+use std::sync::{Arc, MutexGuard};
+
+use super::fast::Fast;
+use super::{Counters, Shared, lock};
+use crate::limit::{Config, LimitState};
+use crate::time::Instant;
+
+/// The states of the global limits.
+pub(super) struct Global {
+    pub(super) config: Arc<Config>,
+    pub(super) states: GlobalStates,
+}
+
+pub(super) struct GlobalStates {
+    /// One state per limit of the config (unused for keyed limits).
+    pub(super) states: Vec<LimitState>,
+    pub(super) latest: Instant,
+    pub(super) counters: Counters,
+    /// The fast path's denial counts already moved into `counters` (they never reset).
+    pub(super) fast_base: (u64, u64),
+}
+
+impl Shared {
+    pub(super) fn lock_global(&self) -> MutexGuard<'_, Global> {
+        lock(&self.global.0)
+    }
+
+    /// The lock-free state, while it rules (stable under the global lock).
+    #[inline]
+    pub(super) fn fast_live(&self) -> Option<&Fast> {
+        self.fast.as_ref().filter(|f| f.enabled())
+    }
+}

@@ -1,0 +1,84 @@
+//! The keyed states: shards, their per-limit tables, room and eviction.
+//!
+//! Keyed states live in shards chosen by the key's *root*, its broadest tier, so all the
+//! tiers of one tenant share a shard. Shards are padded to their own cache lines.
+//!
+//! **Bounded memory.** The number of tracked (limit, key) states is bounded by the
+//! policy's `max_keys`, split evenly over the shards. When a shard is full, its idle
+//! states (those that decide exactly as a fresh state would, see
+//! [`Algorithm::is_idle`](crate::algorithm::Algorithm::is_idle)) are evicted, which
+//! changes no decision; if none is idle the acquisition fails with
+//! [`AcquireError::KeyTableFull`] rather than forget a key that still matters. A settle
+//! that charges a state evicted since its grant recreates it; only when the table is
+//! full of active keys at that moment is such a charge dropped, because the bound on
+//! memory comes first.
+
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex};
+
+use super::{Counters, Shared};
+use crate::key::TenantKey;
+use crate::limit::Config;
+use crate::table::Table;
+use crate::time::Instant;
+
+/// The most shards a set spreads its keys over.
+const MAX_SHARDS: usize = 32;
+
+/// Keeps each lock on its own cache line, so that shards do not slow each other down.
+#[repr(align(128))]
+pub(super) struct Padded<T>(pub(super) T);
+
+/// Keyed states of the tenants whose root hashes here.
+pub(super) struct Shard {
+    pub(super) config: Arc<Config>,
+    pub(super) keyed: Keyed,
+}
+
+pub(super) struct Keyed {
+    /// One table per limit of the config (empty for global limits).
+    pub(super) tables: Vec<Table>,
+    pub(super) len: usize,
+    pub(super) cap: usize,
+    pub(super) latest: Instant,
+    pub(super) counters: Counters,
+}
+
+/// As many shards as keep room for a few keys in each: a key needs one state per keyed
+/// limit, all in its shard.
+pub(super) fn shard_count(max_keys: usize, states_per_key: usize) -> usize {
+    let mut n = MAX_SHARDS;
+    while n > 1 && max_keys / n < states_per_key.max(1) * 4 {
+        n /= 2;
+    }
+    n
+}
+
+pub(super) fn shard_cap(max_keys: usize, shards: usize) -> usize {
+    (max_keys / shards).max(1)
+}
+
+impl Shared {
+    #[inline]
+    pub(super) fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
+        let h = self.hasher.hash_one(key.root());
+        // The high bits: the table uses the low ones.
+        &self.shards[(h >> 40) as usize & self.mask].0
+    }
+
+    pub(super) fn shared_shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {
+        self.shards.iter().map(|s| &s.0)
+    }
+}
+
+impl Keyed {
+    /// Drops every idle state; returns how many.
+    pub(super) fn sweep(&mut self, config: &Config, now: Instant) -> usize {
+        let before = self.len;
+        for (i, table) in self.tables.iter_mut().enumerate() {
+            table.sweep(&config.limits[i].limit, now);
+        }
+        self.len = self.tables.iter().map(Table::len).sum();
+        before - self.len
+    }
+}

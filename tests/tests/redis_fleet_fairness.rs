@@ -1,0 +1,342 @@
+//! Fleet-wide weighted fairness through the Redis upstream accounts: replicas whose
+//! balancer routes tenants unevenly still give every backlogged tenant its weight's share
+//! of the accounts, never overrun an account in any window, and a replica that stops
+//! coming loses its turn and its share of the demand within the documented bound.
+//!
+//! Each replica is simulated as its fair queue would drive the store: a core
+//! [`FairQueue`] weighted through a [`FleetShares`] handle, the request at its gate
+//! published with the backlog before every acquisition, a refused gate retried at the
+//! instant the store named (at least a millisecond later), and every admitted request
+//! replaced by a new one of its tenant (closed-loop clients). Time is a manual clock
+//! given to the store's script: the run is the same on any machine, and admitted tokens
+//! are counted, never timed.
+
+// The shares and costs are printed: the figures the guide quotes (`--nocapture`).
+#![allow(clippy::print_stdout)]
+
+mod redis_common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+use tower_limits_core::{
+    AcquireError, FleetShares, Instant, LimitPolicy, LimitSetPolicy, Rate, SharedAccounts, TenantKey,
+};
+use tower_limits_redis::test_support::{own_redis_for, redis_for};
+use tower_limits_redis::{RedisAccounts, RedisConnection};
+
+use redis_common::{admin, cmd, connect, namespace, runtime};
+
+/// The account: 10,000 tokens a second, a burst of 500.
+const RATE: u64 = 10_000;
+const BURST: u64 = 500;
+
+/// Tenants: name, weight, cost per request, requests kept waiting per replica (uneven:
+/// acme only on replica 0, the others 60/30/10 as nearly as whole clients allow).
+const TENANTS: [(&str, u32, u64, [usize; 3]); 3] =
+    [("acme", 3, 100, [6, 0, 0]), ("globex", 2, 50, [4, 2, 1]), ("initech", 1, 80, [5, 2, 1])];
+
+fn account() -> LimitSetPolicy {
+    LimitSetPolicy::new().limit(LimitPolicy::token_bucket("tpm", Rate::per_second(RATE), BURST).counting_cost())
+}
+
+struct Replica {
+    store: RedisAccounts,
+    fleet: Arc<FleetShares>,
+    queue: FairQueue<TenantKey, ()>,
+    gate: Option<(TenantKey, u64)>,
+    wake: Instant,
+}
+
+fn key(name: &str) -> TenantKey {
+    TenantKey::single(name).unwrap()
+}
+
+fn replica(conn: &RedisConnection, ns: &str, r: usize) -> Replica {
+    let fleet = Arc::new(FleetShares::new());
+    let store = RedisAccounts::builder("accounts")
+        .namespace(ns)
+        .timeout(Duration::from_secs(5))
+        .manual_clock()
+        .fleet(fleet.clone())
+        .member("a", account())
+        .build(conn)
+        .unwrap();
+    let mut replica = Replica {
+        store,
+        fleet,
+        queue: FairQueue::new(FairQueueConfig::new().tenant_queue_limit(64).global_queue_limit(256)).unwrap(),
+        gate: None,
+        wake: Instant::ZERO,
+    };
+    for (name, _, _, clients) in TENANTS {
+        for _ in 0..clients[r] {
+            replica.enqueue(name);
+        }
+    }
+    replica
+}
+
+impl Replica {
+    fn enqueue(&mut self, name: &str) {
+        let (_, weight, cost, _) = TENANTS.iter().find(|t| t.0 == name).copied().unwrap();
+        let k = key(name);
+        let local = self.fleet.local_weight(&k, weight);
+        self.queue.enqueue(k, local, cost, ()).unwrap();
+    }
+
+    /// What the fair queue layer publishes before an acquisition: the queue's backlog
+    /// and the gate's request.
+    fn publish(&self) {
+        let mut backlog: Vec<(TenantKey, u32, u64)> = self
+            .queue
+            .backlog()
+            .map(|(k, n, _)| (k.clone(), TENANTS.iter().find(|t| k == &key(t.0)).unwrap().1, n))
+            .collect();
+        if let Some((k, _)) = &self.gate {
+            match backlog.iter_mut().find(|(x, _, _)| x == k) {
+                Some(e) => e.2 += 1,
+                None => backlog.push((k.clone(), TENANTS.iter().find(|t| k == &key(t.0)).unwrap().1, 1)),
+            }
+        }
+        self.fleet.publish(backlog);
+    }
+}
+
+/// What a run admitted: per grant, when, which replica, which tenant, what cost.
+struct Run {
+    grants: Vec<(u64, usize, String, u64)>,
+}
+
+impl Run {
+    /// Each tenant's share of the tokens admitted in `[from, to)` (ns).
+    fn shares(&self, from: u64, to: u64) -> HashMap<String, f64> {
+        let mut by: HashMap<String, u64> = HashMap::new();
+        let mut all = 0;
+        for (at, _, t, c) in &self.grants {
+            if (from..to).contains(at) {
+                *by.entry(t.clone()).or_default() += c;
+                all += c;
+            }
+        }
+        by.into_iter().map(|(t, c)| (t, c as f64 / all.max(1) as f64)).collect()
+    }
+
+    fn tokens(&self, from: u64, to: u64) -> u64 {
+        self.grants.iter().filter(|g| (from..to).contains(&g.0)).map(|g| g.3).sum()
+    }
+
+    /// The most tokens admitted in any window of `window` ns.
+    fn busiest(&self, window: u64) -> u64 {
+        let mut best = 0;
+        let mut sum = 0;
+        let mut lo = 0;
+        for hi in 0..self.grants.len() {
+            sum += self.grants[hi].3;
+            while self.grants[hi].0 - self.grants[lo].0 >= window {
+                sum -= self.grants[lo].3;
+                lo += 1;
+            }
+            best = best.max(sum);
+        }
+        best
+    }
+}
+
+/// Drives the replicas until `until` (ns of the manual clock); replica `dead.0` stops
+/// coming at `dead.1`.
+async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>) -> Run {
+    let mut grants = Vec::new();
+    let mut turn = 0;
+    loop {
+        let alive = |r: usize, at: u64| dead.is_none_or(|(d, when)| d != r || at < when);
+        let Some(now) =
+            (0..replicas.len()).filter(|&r| alive(r, replicas[r].wake.as_nanos())).map(|r| replicas[r].wake).min()
+        else {
+            break;
+        };
+        if now.as_nanos() >= until {
+            break;
+        }
+        turn += 1;
+        // The replicas due at this instant, in an order that rotates.
+        let n = replicas.len();
+        for k in 0..n {
+            let r = (turn + k) % n;
+            if replicas[r].wake != now || !alive(r, now.as_nanos()) {
+                continue;
+            }
+            loop {
+                let rep = &mut replicas[r];
+                if rep.gate.is_none() {
+                    let Some(next) = rep.queue.pop_next() else { break };
+                    rep.gate = Some((next.key, next.cost));
+                }
+                rep.publish();
+                let (k, cost) = rep.gate.clone().unwrap();
+                match rep.store.acquire_for(&k, cost, now).await {
+                    Ok(_) => {
+                        let name = k.to_string();
+                        grants.push((now.as_nanos(), r, name.clone(), cost));
+                        rep.gate = None;
+                        rep.enqueue(&name);
+                    }
+                    Err(AcquireError::Denied(d)) => {
+                        rep.wake = now + d.retry_after().max(Duration::from_millis(1));
+                        break;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+    }
+    Run { grants }
+}
+
+const SECOND: u64 = 1_000_000_000;
+
+fn check_shares(shares: &HashMap<String, f64>, tolerance: f64) {
+    let total: u32 = TENANTS.iter().map(|t| t.1).sum();
+    for (name, weight, _, _) in TENANTS {
+        let target = f64::from(weight) / f64::from(total);
+        let got = shares.get(name).copied().unwrap_or(0.0);
+        assert!((got - target).abs() <= tolerance, "{name}: share {got:.3}, target {target:.3} (all: {shares:?})");
+    }
+}
+
+#[test]
+fn uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them() {
+    let Some(server) = redis_for("uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("fleet-fair");
+        let mut replicas = Vec::new();
+        for r in 0..3 {
+            let conn = connect(&server.url()).await;
+            replicas.push(replica(&conn, &ns, r));
+        }
+        let run = drive(&mut replicas, 12 * SECOND, None).await;
+        // After a second (the burst spent, the reports in), over whole seconds.
+        let shares = run.shares(SECOND, 12 * SECOND);
+        let per_replica: Vec<u64> =
+            (0..3).map(|r| run.grants.iter().filter(|g| g.1 == r && g.0 >= SECOND).map(|g| g.3).sum()).collect();
+        println!("shares {shares:?}, tokens per replica {per_replica:?}, {} grants", run.grants.len());
+        check_shares(&shares, 0.02);
+        // Every second taken alone is within 5 points too.
+        for s in 1..12 {
+            check_shares(&run.shares(s * SECOND, (s + 1) * SECOND), 0.05);
+        }
+        // Never beyond the account in any window; and the fleet used it.
+        for window in [SECOND / 10, SECOND, 5 * SECOND] {
+            let cap = RATE * window / SECOND + BURST;
+            assert!(run.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", run.busiest(window));
+        }
+        let used = run.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
+        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
+        // The per-replica split follows demand, not a fixed third.
+        let r0: u64 = run.grants.iter().filter(|g| g.1 == 0).map(|g| g.3).sum();
+        assert!(r0 as f64 > 0.6 * run.tokens(0, 12 * SECOND) as f64);
+    });
+}
+
+#[test]
+fn without_fleet_shares_the_routing_decides() {
+    // The reference point: the same run without the fleet (each replica fair on its own,
+    // replicas taking the first-refused turn) leaves acme, routed to one replica only,
+    // well below its weight's share. In this closed loop, with no upstream latency, the
+    // replica that was just served is always the first refused again, and replica 0 never
+    // gets the turn at all.
+    let Some(server) = redis_for("without_fleet_shares_the_routing_decides") else { return };
+    runtime().block_on(async {
+        let ns = namespace("fleet-unfair");
+        let mut replicas = Vec::new();
+        for r in 0..3 {
+            let conn = connect(&server.url()).await;
+            let mut rep = replica(&conn, &ns, r);
+            // A handle the store does not know: shares stay whole, reports go nowhere.
+            rep.fleet = Arc::new(FleetShares::new());
+            let store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .member("a", account())
+                .build(&conn)
+                .unwrap();
+            rep.store = store;
+            replicas.push(rep);
+        }
+        let run = drive(&mut replicas, 6 * SECOND, None).await;
+        let acme = run.shares(SECOND, 6 * SECOND).get("acme").copied().unwrap_or(0.0);
+        println!("without fleet shares: {:?}", run.shares(SECOND, 6 * SECOND));
+        assert!(acme < 0.40, "acme got {acme:.3} without fleet shares");
+    });
+}
+
+#[test]
+fn a_replica_that_stops_loses_its_turn_and_its_demand_within_the_bound() {
+    let Some(server) = redis_for("a_replica_that_stops_loses_its_turn_and_its_demand_within_the_bound") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let ns = namespace("fleet-dead");
+        let mut replicas = Vec::new();
+        for r in 0..3 {
+            let conn = connect(&url).await;
+            replicas.push(replica(&conn, &ns, r));
+        }
+        // Replica 1 (globex and initech) stops at 4 s, in the middle of its waits.
+        let death = 4 * SECOND;
+        let run = drive(&mut replicas, 10 * SECOND, Some((1, death))).await;
+        assert!(run.grants.iter().all(|g| g.1 != 1 || g.0 < death));
+        // The documented bound: its turn lasts its last wait plus 50 ms, its demand
+        // 250 ms. After it, the others use the whole account and share it by weight.
+        let bound = death + 250_000_000 + 50_000_000;
+        println!("after the bound: {:?}", run.shares(bound, 10 * SECOND));
+        check_shares(&run.shares(bound, 10 * SECOND), 0.03);
+        let used = run.tokens(bound, 10 * SECOND) as f64 / (RATE as f64 * (10 * SECOND - bound) as f64 / SECOND as f64);
+        assert!(used >= 0.97, "after the bound the fleet used {:.1}% of the account", used * 100.0);
+        // What the death cost while it lasted: the tokens the account could have served
+        // in the bound, at most.
+        let lost = (RATE as f64 * (bound - death) as f64 / SECOND as f64) - run.tokens(death, bound) as f64;
+        println!("lost in the bound: {lost} tokens");
+        assert!(lost <= RATE as f64 * 0.3, "{lost} tokens lost");
+        // Its entries leave the fleet's hash.
+        let mut admin = admin(&url).await;
+        let fields: Vec<String> = cmd(&mut admin, &["HKEYS", &format!("{ns}:{{accounts}}:fleet")]).await;
+        let count = |kind: &str| fields.iter().filter(|f| f.starts_with(kind)).count();
+        assert_eq!(count("d:"), 2, "only the live replicas' demand remains: {fields:?}");
+        assert!(count("w:") <= 2, "only the live replicas wait: {fields:?}");
+    });
+}
+
+#[test]
+fn while_redis_is_away_every_share_is_whole_again() {
+    // Per-replica fairness while the store cannot answer: a failed acquisition clears the
+    // shares the last answer set (the pool's failure policy then decides, as without a
+    // fleet), and the next answer sets them again.
+    let Some(mut server) = own_redis_for("while_redis_is_away_every_share_is_whole_again") else { return };
+    runtime().block_on(async {
+        let ns = namespace("fleet-away");
+        let conn = connect(&server.url()).await;
+        let (a, b) = (replica(&conn, &ns, 0), replica(&conn, &ns, 1));
+        let globex = key("globex");
+        for r in [&a, &b] {
+            r.publish();
+            r.store.acquire_for(&globex, 50, Instant::ZERO).await.unwrap();
+        }
+        // Replica 0 has 4 of globex's requests waiting, replica 1 reported 2: a's share
+        // is 4/6 of 1024.
+        a.publish();
+        a.store.acquire_for(&globex, 50, Instant::ZERO).await.unwrap();
+        assert_eq!(a.fleet.share(&globex), 683);
+        server.stop();
+        let refused = a.store.acquire_for(&globex, 50, Instant::ZERO).await;
+        assert!(matches!(refused, Err(AcquireError::Unavailable(_))), "{refused:?}");
+        assert_eq!(a.fleet.share(&globex), tower_limits_core::fleet::FULL_SHARE);
+        assert_eq!(a.fleet.local_weight(&globex, 2), 2 * tower_limits_core::fleet::FULL_SHARE);
+    });
+}
