@@ -52,6 +52,11 @@
 //! needs, from `s` to `s + k*T`, and keeps them in a thread-local slot. Later calls of
 //! that thread use the leased units without touching any shared line.
 //!
+//! Until some thread sees its swap fail no thread can hold a lease, so a flag on the
+//! read-mostly line (set once, by the first failed swap) keeps the leases out of the lone
+//! thread's path altogether: its acquisition is the stripe, one load, the decision and one
+//! compare-and-swap.
+//!
 //! **Why it cannot over-admit.** Taking a lease is admitting its `k` units at once, at the
 //! instant `t0` the lease was taken, under the unchanged GCRA rule `s + k*T - t0 <= tau`.
 //! Unit `j` of the lease owns the slot `[s + j*T, s + (j+1)*T)`, and a thread may use it at
@@ -91,7 +96,7 @@
 //! All of this wastes capacity for a while; none of it can admit a unit more.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::algorithm::{Algorithm, Gcra, GcraState, Refusal, Snapshot};
@@ -141,7 +146,10 @@ pub(super) struct Fast {
     gcra: Gcra,
     name: &'static str,
     counts: Counts,
-    stripes: Box<[Stripe]>,
+    /// Set for good the first time any thread sees its swap fail: until then no thread
+    /// can hold a lease, and acquisitions skip the leases altogether.
+    contended: AtomicBool,
+    stripes: Box<[Stripe; STRIPES]>,
 }
 
 /// What the fast path decided.
@@ -187,32 +195,29 @@ const COOLDOWN: u32 = 4_096;
 
 const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false, cooldown: 0 };
 
-/// What a thread keeps: its counter stripe and its leases.
-struct Local {
-    stripe: Cell<usize>,
-    leases: [Cell<Lease>; LEASE_SLOTS],
-}
-
-impl Local {
-    /// The stripe of this thread, and whether it is this thread's alone: threads take
-    /// consecutive stripes in the order they first ask, so the first `STRIPES` threads of
-    /// the process own theirs and later ones share.
-    #[inline]
-    fn stripe(&self) -> (usize, bool) {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let mut v = self.stripe.get();
-        if v == usize::MAX {
-            v = NEXT.fetch_add(1, Ordering::Relaxed);
-            self.stripe.set(v);
-        }
-        (v & (STRIPES - 1), v < STRIPES)
-    }
-}
-
 thread_local! {
-    static LOCAL: Local = const {
-        Local { stripe: Cell::new(usize::MAX), leases: [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] }
-    };
+    /// This thread's place in the order threads first acquired in (`usize::MAX`: not yet).
+    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// This thread's leases, looked at only once a limit has seen contention.
+    static LEASES: [Cell<Lease>; LEASE_SLOTS] = const { [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] };
+}
+
+/// The stripe of this thread, and whether it is this thread's alone: threads take
+/// consecutive stripes in the order they first ask, so the first `STRIPES` threads of the
+/// process own theirs and later ones share.
+#[inline]
+fn stripe() -> (usize, bool) {
+    let v = STRIPE.get();
+    let v = if v == usize::MAX { first_stripe() } else { v };
+    (v & (STRIPES - 1), v < STRIPES)
+}
+
+#[cold]
+fn first_stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let v = NEXT.fetch_add(1, Ordering::Relaxed);
+    STRIPE.set(v);
+    v
 }
 
 /// Adds one to a counter: a plain load and store on a stripe this thread owns, an atomic
@@ -245,7 +250,8 @@ impl Fast {
             gcra: *gcra,
             name: def.name,
             counts: def.counts,
-            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            contended: AtomicBool::new(false),
+            stripes: Box::new(std::array::from_fn(|_| Stripe::default())),
         })
     }
 
@@ -281,14 +287,61 @@ impl Fast {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide_packed(&self, cost: u64, now: Instant) -> Packed {
-        LOCAL.with(|local| {
-            let (index, own) = local.stripe();
-            let stripe = &self.stripes[index];
-            let latest = stripe.latest.load(Ordering::Relaxed);
-            let now = now.max(Instant::from_nanos(latest)).as_nanos();
-            let entry = &local.leases[(self.id as usize) & (LEASE_SLOTS - 1)];
+        let (index, own) = stripe();
+        let stripe = &self.stripes[index];
+        let latest = stripe.latest.load(Ordering::Relaxed);
+        let now = now.max(Instant::from_nanos(latest)).as_nanos();
+        if !self.contended.load(Ordering::Relaxed) {
+            // No thread has ever seen a swap fail, so none holds a lease: one decision on
+            // the shared TAT, as plain GCRA, with no thread-local state but the stripe.
+            let cur = self.tat.0.load(Ordering::Acquire);
+            if cur == DISABLED {
+                return Packed(0, OFF);
+            }
+            let mut state = GcraState::at(Instant::from_nanos(cur));
+            if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
+                return self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own));
+            }
+            let granted = state.theoretical_arrival().as_nanos();
+            if self.tat.0.compare_exchange(cur, granted, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return self.granted(stripe, own, latest, now);
+            }
+            // Another thread admitted in between: from now on every thread looks at its
+            // leases, and this one counts as having seen contention.
+            self.contended.store(true, Ordering::Relaxed);
+            LEASES.with(|leases| self.mark_seen(&leases[self.slot()]));
+        }
+        self.decide_leased(cost, now, latest, (stripe, own))
+    }
+
+    /// This limit's slot among a thread's leases.
+    #[inline]
+    fn slot(&self) -> usize {
+        (self.id as usize) & (LEASE_SLOTS - 1)
+    }
+
+    /// Records in `entry` that this thread saw a swap on this limit fail; returns whether
+    /// it may lease (not cooling down).
+    fn mark_seen(&self, entry: &Cell<Lease>) -> bool {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let mut l = entry.get();
+        if l.owner != self.id || l.epoch != epoch {
+            l = Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+        }
+        l.contended = true;
+        entry.set(l);
+        l.cooldown == 0
+    }
+
+    /// The decision once the limit has seen contention: from this thread's lease if it
+    /// has one for this limit, or on the shared TAT (leasing, if this thread has seen a
+    /// swap fail).
+    #[inline(never)]
+    fn decide_leased(&self, cost: u64, now: u64, latest: u64, (stripe, own): (&Stripe, bool)) -> Packed {
+        LEASES.with(|leases| {
+            let entry = &leases[self.slot()];
             let mut lease = entry.get();
             let mine = lease.owner == self.id && lease.epoch == self.epoch.load(Ordering::Acquire);
             if mine {
@@ -369,13 +422,7 @@ impl Fast {
                 }
                 Err(seen) => {
                     cur = seen;
-                    let mut l = entry.get();
-                    if l.owner != self.id || l.epoch != epoch {
-                        l = Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
-                    }
-                    l.contended = true;
-                    entry.set(l);
-                    lease_ok = l.cooldown == 0;
+                    lease_ok = self.mark_seen(entry);
                 }
             }
         }
@@ -516,9 +563,10 @@ mod tests {
     impl Fast {
         /// As if this thread had seen a swap fail: its next grants take leases.
         fn mark_contended(&self) {
+            self.contended.store(true, Ordering::Relaxed);
             let epoch = self.epoch.load(Ordering::Acquire);
-            LOCAL.with(|l| {
-                l.leases[(self.id as usize) & (LEASE_SLOTS - 1)].set(Lease {
+            LEASES.with(|l| {
+                l[self.slot()].set(Lease {
                     owner: self.id,
                     epoch,
                     taken: 0,

@@ -207,6 +207,13 @@ impl LimitSet {
                 None => {}
             }
         }
+        self.acquire_locked(key, cost, now)
+    }
+
+    /// [`LimitSet::acquire`] under the locks: kept out of line so that the one-limit
+    /// path above stays small enough to inline, with no stack frame of its own.
+    #[inline(never)]
+    fn acquire_locked<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
         let costs = Costs::Uniform(cost);
         let granted = self.shared.acquire(key, &costs, now)?;
         Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
