@@ -56,9 +56,20 @@ pub struct Denial {
     pub(crate) name: &'static str,
     pub(crate) tier: Option<&'static str>,
     pub(crate) limit: usize,
-    pub(crate) retry_after: Duration,
+    /// The times are kept in nanoseconds and made [`Duration`]s by the accessors: a
+    /// refusal that nobody reads the times of costs no division.
+    pub(crate) retry_nanos: u64,
     pub(crate) needs_release: bool,
-    pub(crate) snapshot: Snapshot,
+    pub(crate) quota: u64,
+    pub(crate) remaining: u64,
+    pub(crate) reset_nanos: u64,
+    pub(crate) window_nanos: u64,
+}
+
+/// A duration in nanoseconds, saturating (at 584 years).
+#[inline]
+pub(crate) fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Denial {
@@ -74,19 +85,29 @@ impl Denial {
         needs_release: bool,
         snapshot: Snapshot,
     ) -> Self {
-        Denial { name, tier, limit, retry_after, needs_release, snapshot }
+        Denial {
+            name,
+            tier,
+            limit,
+            retry_nanos: nanos(retry_after),
+            needs_release,
+            quota: snapshot.quota,
+            remaining: snapshot.remaining,
+            reset_nanos: nanos(snapshot.reset),
+            window_nanos: nanos(snapshot.window),
+        }
     }
 
     /// Every upstream of a pool refused and is benched for `wait`.
     pub(crate) fn upstream(wait: Duration) -> Self {
-        Denial {
-            name: "upstream",
-            tier: None,
-            limit: 0,
-            retry_after: wait,
-            needs_release: false,
-            snapshot: Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO },
-        }
+        Denial::new(
+            "upstream",
+            None,
+            0,
+            wait,
+            false,
+            Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO },
+        )
     }
 
     /// The name of the limit that blocked (names live as long as the process).
@@ -118,7 +139,7 @@ impl Denial {
     /// request, if nothing else happened. Zero when only concurrency blocked.
     #[must_use]
     pub fn retry_after(&self) -> Duration {
-        self.retry_after
+        Duration::from_nanos(self.retry_nanos)
     }
 
     /// Whether a concurrency limit (a semaphore) also has to release capacity before the
@@ -131,7 +152,12 @@ impl Denial {
     /// The blocking limit's quota, remaining capacity and reset time, for headers.
     #[must_use]
     pub fn snapshot(&self) -> Snapshot {
-        self.snapshot
+        Snapshot {
+            quota: self.quota,
+            remaining: self.remaining,
+            reset: Duration::from_nanos(self.reset_nanos),
+            window: Duration::from_nanos(self.window_nanos),
+        }
     }
 }
 
@@ -140,9 +166,9 @@ impl fmt::Debug for Denial {
         f.debug_struct("Denial")
             .field("limit", &self.limit())
             .field("tier", &self.tier())
-            .field("retry_after", &self.retry_after)
+            .field("retry_after", &self.retry_after())
             .field("needs_release", &self.needs_release)
-            .field("snapshot", &self.snapshot)
+            .field("snapshot", &self.snapshot())
             .finish()
     }
 }
@@ -153,8 +179,8 @@ impl fmt::Display for Denial {
         if let Some(tier) = self.tier() {
             write!(f, " (tier {tier})")?;
         }
-        if self.retry_after > Duration::ZERO {
-            write!(f, ", retry after {:?}", self.retry_after)?;
+        if self.retry_nanos > 0 {
+            write!(f, ", retry after {:?}", self.retry_after())?;
         }
         if self.needs_release {
             f.write_str(", waiting for concurrency to be released")?;

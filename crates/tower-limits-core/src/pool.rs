@@ -385,9 +385,9 @@ impl<T> LimitPool<T> {
         match best {
             Some(AcquireError::Denied(mut d)) => {
                 if let Some(b) = earliest_bench {
-                    let bench_wait = Duration::from_nanos(b - now.as_nanos());
-                    if bench_wait < d.retry_after || d.needs_release {
-                        d.retry_after = bench_wait;
+                    let bench_wait = b - now.as_nanos();
+                    if bench_wait < d.retry_nanos || d.needs_release {
+                        d.retry_nanos = bench_wait;
                         d.needs_release = false;
                     }
                 }
@@ -523,7 +523,7 @@ fn sooner(best: Option<AcquireError>, next: AcquireError) -> AcquireError {
     match (best, next) {
         (None, next) => next,
         (Some(AcquireError::Denied(a)), AcquireError::Denied(b)) => {
-            let key = |d: &crate::Denial| (d.needs_release, d.retry_after);
+            let key = |d: &crate::Denial| (d.needs_release, d.retry_nanos);
             AcquireError::Denied(if key(&b) < key(&a) { b } else { a })
         }
         (Some(AcquireError::Denied(a)), _) => AcquireError::Denied(a),

@@ -424,27 +424,19 @@ impl Shared {
 #[inline(never)]
 fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> AcquireError {
     let def = &cfg.limits[limit];
-    AcquireError::Denied(Denial {
-        name: def.name,
-        tier: def.tier.map(|t| cfg.tiers[t]),
+    AcquireError::Denied(Denial::new(
+        def.name,
+        def.tier.map(|t| cfg.tiers[t]),
         limit,
         retry_after,
         needs_release,
         snapshot,
-    })
+    ))
 }
 
 #[inline]
 pub(super) fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
-    let (retry_after, snapshot) = fast.denial(tat, now, cost);
-    AcquireError::Denied(Denial {
-        name: fast.name(),
-        tier: None,
-        limit: 0,
-        retry_after,
-        needs_release: false,
-        snapshot,
-    })
+    AcquireError::Denied(fast.denial(tat, now, cost))
 }
 
 #[cold]

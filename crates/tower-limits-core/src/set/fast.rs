@@ -100,6 +100,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::algorithm::{Algorithm, Gcra, GcraState, Refusal, Snapshot};
+use crate::error::Denial;
 use crate::limit::{Config, Limit, LimitState};
 use crate::policy::Counts;
 use crate::time::Instant;
@@ -141,6 +142,9 @@ pub(super) struct Fast {
     /// Bumped by every disable, voiding the leases taken before.
     epoch: AtomicU64,
     tolerance: u64,
+    /// The quota and window a snapshot reports ([`Snapshot::rate_quota`]).
+    quota: u64,
+    window_nanos: u64,
     /// The config version grants are stamped with.
     version: AtomicU64,
     gcra: Gcra,
@@ -241,11 +245,14 @@ impl Fast {
         let [def] = config.limits.as_slice() else { return None };
         let (None, Limit::Gcra(gcra), false) = (def.tier, &def.limit, def.shadow) else { return None };
         static IDS: AtomicU64 = AtomicU64::new(1);
+        let (quota, window) = Snapshot::rate_quota(gcra.rate(), gcra.burst());
         Some(Fast {
             tat: Line(AtomicU64::new(0)),
             id: IDS.fetch_add(1, Ordering::Relaxed),
             epoch: AtomicU64::new(0),
             tolerance: gcra.interval_nanos() * gcra.burst(),
+            quota,
+            window_nanos: crate::error::nanos(window),
             version: AtomicU64::new(config.version),
             gcra: *gcra,
             name: def.name,
@@ -451,27 +458,31 @@ impl Fast {
         }
     }
 
-    /// The exact wait and the snapshot of a refusal of `cost` on `tat` at `now`.
+    /// The refusal of `cost` on `tat` at `now`, with its exact wait and snapshot.
     #[inline]
-    pub(super) fn denial(&self, tat: u64, now: Instant, cost: u64) -> (Duration, Snapshot) {
-        let state = GcraState::at(Instant::from_nanos(tat));
-        let retry = match self.gcra.check(&state, now, cost) {
-            Err(Refusal::NotYet { retry_after }) => retry_after.unwrap_or(Duration::ZERO),
-            _ => Duration::ZERO,
-        };
-        let snapshot = if cost == 1 {
-            // Refused one unit: nothing remains, and the division is skipped.
-            let (quota, window) = Snapshot::rate_quota(self.gcra.rate(), self.gcra.burst());
-            Snapshot {
-                quota,
-                remaining: 0,
-                reset: Duration::from_nanos(state.theoretical_arrival().nanos_since(now)),
-                window,
-            }
-        } else {
-            self.gcra.peek(&state, now)
-        };
-        (retry, snapshot)
+    pub(super) fn denial(&self, tat: u64, now: Instant, cost: u64) -> Denial {
+        // GCRA's own refusal, on the TAT the decision read: the cost would end `ahead` of
+        // `now`, past the tolerance by the wait.
+        let now_nanos = now.as_nanos();
+        let ahead = tat.max(now_nanos).saturating_add(cost.saturating_mul(self.gcra.interval_nanos())) - now_nanos;
+        let retry_nanos = ahead.saturating_sub(self.tolerance);
+        if cost != 1 {
+            let snapshot = self.gcra.peek(&GcraState::at(Instant::from_nanos(tat)), now);
+            return Denial::new(self.name, None, 0, Duration::from_nanos(retry_nanos), false, snapshot);
+        }
+        // Refused one unit: nothing remains, and the quota is the one worked out when the
+        // set was built.
+        Denial {
+            name: self.name,
+            tier: None,
+            limit: 0,
+            retry_nanos,
+            needs_release: false,
+            quota: self.quota,
+            remaining: 0,
+            reset_nanos: tat.saturating_sub(now_nanos),
+            window_nanos: self.window_nanos,
+        }
     }
 
     /// The limit's state now, as a snapshot for an answer's headers: one load of the TAT.
