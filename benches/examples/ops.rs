@@ -2,14 +2,27 @@
 //! counts that do not depend on the machine's load:
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
-//! `keyed1`, `gov-keyed1`, `none` (the loop and the clock alone).
+//! `keyed1`, `gov-keyed1`, `layer` and `gov-layer` (our GCRA layer and tower_governor's
+//! over the same bare service, error mode), `none` (the loop and the clock alone).
 
 #![allow(clippy::print_stdout)]
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
 
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use axum::body::Body;
 use governor::{Quota, RateLimiter};
+use http::{Request, Response};
+use tower::{Layer, Service};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::GlobalKeyExtractor;
+use tower_limits::{GcraLayer, nz};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
 fn main() {
@@ -46,6 +59,17 @@ fn main() {
         println!("bad setup");
         return;
     };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().ok();
+    let _enter = rt.as_ref().map(tokio::runtime::Runtime::enter);
+    let open_quota = tower_limits::Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000));
+    let mut layer = GcraLayer::new(open_quota).system_clock().layer(bare());
+    let mut config = GovernorConfigBuilder::default();
+    config.per_nanosecond(1).burst_size(1_000_000);
+    let Some(config) = config.key_extractor(GlobalKeyExtractor).finish() else {
+        println!("bad governor config");
+        return;
+    };
+    let mut gov_layer = GovernorLayer::<_, _, Body>::new(config).layer(bare());
     let mut hits = 0u64;
     for _ in 0..n {
         let ok = match op.as_str() {
@@ -56,9 +80,27 @@ fn main() {
             "set3" => set3.acquire(&acme, 10, clock.now()).is_ok(),
             "keyed1" => keyed.acquire(&acme, 1, clock.now()).is_ok(),
             "gov-keyed1" => gov_keyed.check_key(&"acme").is_ok(),
+            "layer" => drive(&mut layer),
+            "gov-layer" => drive(&mut gov_layer),
             _ => black_box(clock.now()) > tower_limits_core::Instant::ZERO,
         };
         hits += u64::from(black_box(ok));
     }
     println!("{op}: {hits} of {n}");
+}
+
+type Req = Request<()>;
+
+fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Future: Send> + Clone + Send + 'static {
+    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, Infallible>(Response::new(Body::empty()))))
+}
+
+/// One request through `svc`, polled once with a no-op waker.
+fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
+        return false;
+    }
+    let fut = pin!(svc.call(Request::new(())));
+    matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
 }

@@ -352,6 +352,47 @@ fn a_one_limit_set_counts_grants_denials_and_impossible_costs() {
     }
 }
 
+/// The one-limit path counts in its own counters and hands them to the locked state when
+/// a replace disables it; replaced back and forth, the path is disabled more than once and
+/// each hand-over moves only what was counted since the last one.
+#[test]
+fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
+    let gcra = || LimitPolicy::gcra("g", Rate::per_hour(1), 1).counting_cost();
+    let one = || LimitSetPolicy::new().limit(gcra());
+    let two = || LimitSetPolicy::new().limit(gcra()).limit(LimitPolicy::semaphore("s", 4));
+    let set = LimitSet::new(one()).unwrap();
+    let key = TenantKey::global();
+    let now = Instant::ZERO;
+    let expect = |admitted: u64, denied: u64, impossible: u64| {
+        let stats = set.stats();
+        assert_eq!(
+            (stats.admitted, stats.limits[0].denied, stats.limits[0].cost_above_capacity),
+            (admitted, denied, impossible),
+            "{stats:?}"
+        );
+    };
+    drop(set.acquire(&key, 1, now).unwrap());
+    for _ in 0..2 {
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+    }
+    assert!(matches!(set.acquire(&key, 2, now), Err(AcquireError::CostAboveCapacity(_))));
+    expect(1, 2, 1);
+    set.replace_policy(two()).unwrap();
+    expect(1, 2, 1);
+    assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+    expect(1, 3, 1);
+    set.replace_policy(one()).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+    }
+    assert!(matches!(set.acquire(&key, 5, now), Err(AcquireError::CostAboveCapacity(_))));
+    expect(1, 6, 2);
+    set.replace_policy(two()).unwrap();
+    expect(1, 6, 2);
+    set.replace_policy(one()).unwrap();
+    expect(1, 6, 2);
+}
+
 /// A table full of active keys, behind a global limit (so the set takes its path for
 /// several limits): a sweep that finds nothing idle refuses the new key.
 #[test]

@@ -193,21 +193,26 @@ impl LimitSet {
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
     #[inline]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
-        if let Some(fast) = &self.shared.fast {
-            // The one-limit path, its answer built in place.
-            let charged = fast.cost(cost);
-            match fast.acquire(charged, now) {
-                Some(Decision::Granted(granted_at, version)) => {
-                    let grant =
-                        Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None, shadowed: 0 });
-                    return Ok(Permit { set: self, key, grant, done: false });
-                }
-                Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
-                Some(Decision::Never(capacity)) => return Err(fast_never(fast, charged, capacity)),
-                None => {}
-            }
+        match self.acquire_fast(cost, now) {
+            Some(Ok(grant)) => Ok(Permit { set: self, key, grant, done: false }),
+            Some(Err(e)) => Err(e),
+            None => self.acquire_locked(key, cost, now),
         }
-        self.acquire_locked(key, cost, now)
+    }
+
+    /// The one-limit path, its answer built in place; `None` when the set has no such
+    /// path (or it is disabled).
+    #[inline(always)]
+    fn acquire_fast(&self, cost: u64, now: Instant) -> Option<Result<Grant, AcquireError>> {
+        let fast = self.shared.fast.as_ref()?;
+        let charged = fast.cost(cost);
+        Some(match fast.acquire(charged, now)? {
+            Decision::Granted(granted_at, version) => {
+                Ok(Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None, shadowed: 0 }))
+            }
+            Decision::Denied(tat, at) => Err(fast_denied(fast, tat, at, charged)),
+            Decision::Never(capacity) => Err(fast_never(fast, charged, capacity)),
+        })
     }
 
     /// [`LimitSet::acquire`] under the locks: kept out of line so that the one-limit
@@ -254,6 +259,14 @@ impl LimitSet {
     /// As [`LimitSet::acquire`].
     #[inline]
     pub fn acquire_grant(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Grant, AcquireError> {
+        match self.acquire_fast(cost, now) {
+            Some(answer) => answer,
+            None => self.acquire_grant_locked(key, cost, now),
+        }
+    }
+
+    #[inline(never)]
+    fn acquire_grant_locked(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Grant, AcquireError> {
         let costs = Costs::Uniform(cost);
         let granted = self.shared.acquire(key, &costs, now)?;
         Ok(Grant::new(costs, granted))
