@@ -91,7 +91,7 @@ impl<B: Backend> Drop for PermitGuard<B> {
 /// What an admitted waiter carries to the call.
 pub(crate) struct Admitted<B: Backend, S, Req> {
     /// `None` when shadow mode let the request through without a grant.
-    pub(crate) guard: Option<PermitGuard<B>>,
+    pub(crate) guard: Option<Box<PermitGuard<B>>>,
     pub(crate) inner: S,
     pub(crate) req: Req,
     pub(crate) snapshots: Option<Box<[LimitSnapshot]>>,
@@ -123,7 +123,9 @@ pin_project! {
     {
         #[pin]
         state: State<S::Future, Admission<B, S, Req>>,
-        guard: Option<PermitGuard<B>>,
+        // Boxed: a request that holds nothing (a rate limit, error mode) moves a small
+        // future, and a held body takes the box as it is.
+        guard: Option<Box<PermitGuard<B>>>,
         snapshots: Option<Box<[LimitSnapshot]>>,
         usage: U,
         rejection: R,
@@ -138,7 +140,7 @@ where
     #[inline]
     pub(crate) fn called(
         fut: S::Future,
-        guard: Option<PermitGuard<B>>,
+        guard: Option<Box<PermitGuard<B>>>,
         usage: U,
         rejection: R,
         snapshots: Option<Box<[LimitSnapshot]>>,
@@ -177,7 +179,7 @@ where
                             let snapshots = this.snapshots.as_deref();
                             match guard {
                                 Some(g) if this.rejection.holds_body() => {
-                                    let hold = Hold::new(Box::new(g), this.usage.usage(&response));
+                                    let hold = Hold::new(g, this.usage.usage(&response));
                                     Ok(this.rejection.respond_held(response, snapshots, hold))
                                 }
                                 Some(mut g) => {

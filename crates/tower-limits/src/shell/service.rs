@@ -206,7 +206,7 @@ where
             && !Meter::LEASES
             && shared.backend.shadow_refusal(&grant).is_none();
         self.annotate.annotate(&mut req, &grant);
-        let guard = (!idle).then(|| PermitGuard::new(grant, key, shared.clone()));
+        let guard = (!idle).then(|| Box::new(PermitGuard::new(grant, key, shared.clone())));
         let fut = self.inner.call(req);
         ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
     }
@@ -293,7 +293,7 @@ where
                 None => admit(&shared, &key, cost, wants_snapshots).await.map_err(Box::new)?,
             };
             annotate.annotate(&mut req, &grant);
-            Ok(Admitted { guard: Some(PermitGuard::new(grant, key, shared.clone())), inner, req, snapshots })
+            Ok(Admitted { guard: Some(Box::new(PermitGuard::new(grant, key, shared.clone()))), inner, req, snapshots })
         };
         ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())
     }
