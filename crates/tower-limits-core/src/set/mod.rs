@@ -474,8 +474,6 @@ impl LimitSet {
 }
 
 impl Shared {
-    /// Runs `f` on each limit of the current config that grant-limit `i` maps to, with
-    /// its state for the grant's key, under the locks that needs.
     /// Applies to each limit of the current policy the correction `op_for` gives for the
     /// grant's limit it maps to (by index, or by name after a policy change), under the
     /// locks that needs. A correction that adds to a state evicted since the grant brings
