@@ -257,7 +257,7 @@ impl LimitSet {
     ///
     /// # Errors
     /// As [`LimitSet::acquire`].
-    #[inline]
+    #[inline(always)]
     pub fn acquire_grant(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Grant, AcquireError> {
         match self.acquire_fast(cost, now) {
             Some(answer) => answer,
