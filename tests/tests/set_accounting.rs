@@ -393,6 +393,57 @@ fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
     expect(1, 6, 2);
 }
 
+/// A limit in shadow mode that refused a grant holds nothing of it: releasing the grant
+/// gives back nothing of its semaphore, and settling it refunds nothing of its rate.
+#[test]
+fn a_shadow_limit_that_refused_is_neither_released_nor_settled() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("rate", Rate::per_hour(1), 10).counting_cost().shadow())
+            .limit(LimitPolicy::semaphore("slots", 1).shadow())
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000)),
+    )
+    .unwrap();
+    let key = TenantKey::global();
+    let now = Instant::ZERO;
+    let first = set.acquire_grant(&key, 8, now).unwrap();
+    assert_eq!(first.shadow_refusals().count(), 0);
+    let mut second = set.acquire_grant(&key, 8, now).unwrap();
+    assert_eq!(second.shadow_refusals().map(|(name, _)| name).collect::<Vec<_>>(), ["rate", "slots"]);
+    let remaining = |set: &LimitSet| set.peek(&key, now)[0].snapshot.remaining;
+    assert_eq!(remaining(&set), 2, "the first grant charged the shadow rate");
+    set.settle_grant(&key, &mut second, 0, now);
+    assert_eq!(remaining(&set), 2, "the refused grant was never charged: nothing to refund");
+    set.release_grant(&key, second);
+    assert_eq!(set.stats().limits[1].held, 1, "the first grant still holds the shadow semaphore");
+    set.release_grant(&key, first);
+    assert_eq!(set.stats().limits[1].held, 0);
+}
+
+/// A settle up of a grant whose state was evicted brings the state back with the charge
+/// when a sweep makes room, even if the table was full of idle states when it came.
+#[test]
+fn a_charge_after_eviction_comes_back_when_a_sweep_makes_room() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(2)
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(10), 10).counting_cost().per("tenant")),
+    )
+    .unwrap();
+    let [a, b, c] = ["a", "b", "c"].map(|t| TenantKey::single(t).unwrap());
+    let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+    let mut grant = set.acquire_grant(&a, 1, at(0)).unwrap();
+    drop(set.acquire_grant(&b, 1, at(10)).unwrap());
+    // Full: the sweep evicts a's state, idle since it refilled.
+    drop(set.acquire_grant(&c, 1, at(10)).unwrap());
+    assert_eq!(set.tracked_keys(), 2);
+    // Later b and c are idle too; the table is full of them when a's settle comes.
+    set.settle_grant(&a, &mut grant, 6, at(20));
+    assert_eq!(set.peek(&a, at(20))[0].snapshot.remaining, 5, "the charge of 5 came back with the state");
+    assert_eq!(set.tracked_keys(), 1);
+}
+
 /// A table full of active keys, behind a global limit (so the set takes its path for
 /// several limits): a sweep that finds nothing idle refuses the new key.
 #[test]
