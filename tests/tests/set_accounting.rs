@@ -393,15 +393,17 @@ fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
     expect(1, 6, 2);
 }
 
-/// A limit in shadow mode that refused a grant holds nothing of it: releasing the grant
-/// gives back nothing of its semaphore, and settling it refunds nothing of its rate.
+/// A limit in shadow mode that refused a grant holds nothing of it: settling the grant
+/// refunds nothing of its rate, cancelling it refunds nothing either, and releasing it
+/// gives back nothing of its semaphore. (The shadow limits come after an enforcing one,
+/// so that their bits are not the first.)
 #[test]
-fn a_shadow_limit_that_refused_is_neither_released_nor_settled() {
+fn a_shadow_limit_that_refused_is_neither_settled_cancelled_nor_released() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
             .limit(LimitPolicy::gcra("rate", Rate::per_hour(1), 10).counting_cost().shadow())
-            .limit(LimitPolicy::semaphore("slots", 1).shadow())
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000)),
+            .limit(LimitPolicy::semaphore("slots", 1).shadow()),
     )
     .unwrap();
     let key = TenantKey::global();
@@ -410,14 +412,19 @@ fn a_shadow_limit_that_refused_is_neither_released_nor_settled() {
     assert_eq!(first.shadow_refusals().count(), 0);
     let mut second = set.acquire_grant(&key, 8, now).unwrap();
     assert_eq!(second.shadow_refusals().map(|(name, _)| name).collect::<Vec<_>>(), ["rate", "slots"]);
-    let remaining = |set: &LimitSet| set.peek(&key, now)[0].snapshot.remaining;
+    let remaining = |set: &LimitSet| set.peek(&key, now)[1].snapshot.remaining;
+    let held = |set: &LimitSet| set.stats().limits[2].held;
     assert_eq!(remaining(&set), 2, "the first grant charged the shadow rate");
     set.settle_grant(&key, &mut second, 0, now);
     assert_eq!(remaining(&set), 2, "the refused grant was never charged: nothing to refund");
+    let third = set.acquire_grant(&key, 8, now).unwrap();
+    assert_eq!(third.shadow_refusals().count(), 2);
+    set.cancel_grant(&key, third, now);
+    assert_eq!(remaining(&set), 2, "nor on a cancel");
     set.release_grant(&key, second);
-    assert_eq!(set.stats().limits[1].held, 1, "the first grant still holds the shadow semaphore");
+    assert_eq!(held(&set), 1, "the first grant still holds the shadow semaphore");
     set.release_grant(&key, first);
-    assert_eq!(set.stats().limits[1].held, 0);
+    assert_eq!(held(&set), 0);
 }
 
 /// A settle up of a grant whose state was evicted brings the state back with the charge
