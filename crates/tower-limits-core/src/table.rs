@@ -140,7 +140,9 @@ impl Table {
         }
     }
 
-    /// Checks `cost` for `key` without writing: (whether the key has a state, the answer).
+    /// Checks `cost` for `key` without writing: (where the key's state is, if it has one;
+    /// the answer). The place stays valid for [`Table::commit_at`] until this table
+    /// changes.
     #[inline]
     pub(crate) fn check(
         &self,
@@ -149,15 +151,33 @@ impl Table {
         key: &str,
         now: Instant,
         cost: u64,
-    ) -> (bool, Result<(), Refusal>) {
+    ) -> (Option<usize>, Result<(), Refusal>) {
         with_table!(
             limit,
             self,
-            |a, t| match find(t, h, key) {
-                Some(s) => (true, a.check(s, now, cost)),
-                None => (false, a.check(&a.fresh(), now, cost)),
+            |a, t| match t.find_bucket_index(h, |e| &*e.key == key) {
+                Some(at) => (Some(at), t.get_bucket(at).map_or(Ok(()), |e| a.check(&e.state, now, cost))),
+                None => (None, a.check(&a.fresh(), now, cost)),
             },
-            (true, Err(Refusal::Never { capacity: 0 }))
+            (None, Err(Refusal::Never { capacity: 0 }))
+        )
+    }
+
+    /// Records a grant that [`Table::check`] allowed, on the state it found at `at` (no
+    /// second lookup); returns `false` if there is none there (the table changed since).
+    #[inline]
+    pub(crate) fn commit_at(&mut self, limit: &Limit, at: usize, now: Instant, cost: u64) -> bool {
+        with_table!(
+            limit,
+            self,
+            |a, t| match t.get_bucket_mut(at) {
+                Some(e) => {
+                    a.commit(&mut e.state, now, cost);
+                    true
+                }
+                None => false,
+            },
+            false
         )
     }
 

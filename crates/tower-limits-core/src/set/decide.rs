@@ -29,7 +29,7 @@ use super::{Counters, LimitSnapshot, Shared, lock};
 use crate::algorithm::{Refusal, Snapshot};
 use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
 use crate::key::{MAX_TIERS, TenantKey};
-use crate::limit::Config;
+use crate::limit::{Config, MAX_LIMITS};
 use crate::table::key_hash;
 use crate::time::Instant;
 
@@ -213,6 +213,8 @@ impl Shared {
         let mut retry = Duration::ZERO;
         let mut needs_release = false;
         let mut new_entries = 0usize;
+        // Where each keyed limit's state was found, for the commit (no second lookup).
+        let mut found_at = [None::<usize>; MAX_LIMITS];
         // Shadow limits that would refuse: skipped below, not charged.
         let mut shadowed = 0u16;
         for (i, def) in cfg.limits.iter().enumerate() {
@@ -227,7 +229,11 @@ impl Shared {
                 Some(t) => {
                     let prefix = key.prefix(t + 1).unwrap_or("");
                     match shard.as_deref() {
-                        Some(s) => s.tables[i].check(&def.limit, hashes[t], prefix, now, cost),
+                        Some(s) => {
+                            let (at, result) = s.tables[i].check(&def.limit, hashes[t], prefix, now, cost);
+                            found_at[i] = at;
+                            (at.is_some(), result)
+                        }
                         None => (false, def.limit.check(&cfg.fresh[i], now, cost)),
                     }
                 }
@@ -281,6 +287,8 @@ impl Shared {
         if let Some(s) = shard.as_deref_mut() {
             if new_entries > 0 && s.len + new_entries > s.cap {
                 s.sweep(cfg, now);
+                // The tables changed: the states are looked up again at the commit.
+                found_at = [None; MAX_LIMITS];
                 // The sweep may have evicted idle states of this very key: count again.
                 new_entries = cfg
                     .limits
@@ -313,6 +321,11 @@ impl Shared {
                 }
                 Some(t) => {
                     let Some(s) = shard.as_deref_mut() else { continue };
+                    if let Some(at) = found_at[i] {
+                        if s.tables[i].commit_at(&def.limit, at, now, cost) {
+                            continue;
+                        }
+                    }
                     let prefix = key.prefix(t + 1).unwrap_or("");
                     if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
                         s.len += 1;

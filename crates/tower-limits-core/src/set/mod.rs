@@ -480,8 +480,11 @@ impl Shared {
     /// it back, room permitting.
     fn correct(&self, key: &TenantKey, grant: &Grant, now: Instant, op_for: impl Fn(usize, &LimitDef) -> Option<Op>) {
         let mut shard = (!key.is_global()).then(|| lock(self.shard_of(key)));
-        let mut global = self.lock_global();
-        let current = global.config.clone();
+        let mut guard = self.lock_global();
+        // Borrowed field by field: the config is read while the states change, with no
+        // reference count taken.
+        let global = &mut *guard;
+        let current = &*global.config;
         let mut now = now.max(global.states.latest);
         if let Some(fast) = self.fast_live() {
             now = now.max(fast.latest());
@@ -509,7 +512,7 @@ impl Shared {
                     let h = key_hash(&self.hasher, prefix);
                     let mut create = op.adds();
                     if create && s.len >= s.cap && !s.tables[j].contains(h, prefix) {
-                        s.sweep(&current, now);
+                        s.sweep(current, now);
                         // The bound on memory comes first: a charge with no room is dropped.
                         create = s.len < s.cap;
                     }
