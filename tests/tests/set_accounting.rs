@@ -427,6 +427,28 @@ fn a_shadow_limit_that_refused_is_neither_settled_cancelled_nor_released() {
     assert_eq!(held(&set), 0);
 }
 
+/// Shadow refusals are counted per limit, for keyed limits (kept in the shards) as for
+/// global ones.
+#[test]
+fn shadow_refusals_of_keyed_and_global_limits_are_counted() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
+            .limit(LimitPolicy::gcra("per-tenant", Rate::per_hour(1), 1).per("tenant").shadow())
+            .limit(LimitPolicy::gcra("everyone", Rate::per_hour(1), 2).shadow()),
+    )
+    .unwrap();
+    let key = TenantKey::single("a").unwrap();
+    for _ in 0..4 {
+        drop(set.acquire_grant(&key, 1, Instant::ZERO).unwrap());
+    }
+    let stats = set.stats();
+    assert_eq!(stats.admitted, 4);
+    let refused: Vec<u64> = stats.limits.iter().map(|l| l.shadow_refused).collect();
+    assert_eq!(refused, [0, 3, 2], "{stats:?}");
+}
+
 /// A settle up of a grant whose state was evicted brings the state back with the charge
 /// when a sweep makes room, even if the table was full of idle states when it came.
 #[test]
