@@ -473,6 +473,20 @@ impl LimitSet {
     }
 }
 
+/// The index, in the policy `grant` was made under, of limit `j` of `current`: the same
+/// index under the same policy, the limit it became by name after a replace, or `None`
+/// for a limit the grant never held.
+#[inline]
+fn granted_as(current: &Config, grant: &Grant, j: usize) -> Option<usize> {
+    if current.version == grant.version || grant.version == ANY_VERSION {
+        Some(j)
+    } else if let Some(old) = &grant.config {
+        (0..old.limits.len()).find(|&i| current.successor(old, i) == Some(j))
+    } else {
+        None
+    }
+}
+
 impl Shared {
     /// Applies to each limit of the current policy the correction `op_for` gives for the
     /// grant's limit it maps to (by index, or by name after a policy change), under the
@@ -493,14 +507,7 @@ impl Shared {
             now = now.max(s.keyed.latest);
         }
         for (j, def) in current.limits.iter().enumerate() {
-            let from = if current.version == grant.version || grant.version == ANY_VERSION {
-                Some(j)
-            } else if let Some(old) = &grant.config {
-                (0..old.limits.len()).find(|&i| current.successor(old, i) == Some(j))
-            } else {
-                None
-            };
-            let Some(op) = from.and_then(|i| op_for(i, def)) else { continue };
+            let Some(op) = granted_as(current, grant, j).and_then(|i| op_for(i, def)) else { continue };
             match def.tier {
                 None => match self.fast_live() {
                     Some(fast) if j == 0 => fast.update(|state| apply_global(&def.limit, state, op, now)),
@@ -526,10 +533,28 @@ impl Shared {
 
     fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(config) = &grant.config else { return };
-        self.correct(key, grant, grant.granted_at, |i, def| {
+        let op_for = |i: usize, def: &LimitDef| {
             (def.limit.is_semaphore() && !grant.shadowed(i))
                 .then(|| Op::Release(grant.acquired.of(i, &config.limits[i])))
-        });
+        };
+        if !key.is_global() {
+            // When every semaphore of the current policy is keyed, the release touches the
+            // key's shard alone: its lock suffices (a replace swaps the shard's config
+            // under it too), and a release needs no instant.
+            let mut shard = lock(self.shard_of(key));
+            let Shard { config: current, keyed } = &mut *shard;
+            if !current.limits.iter().any(|d| d.limit.is_semaphore() && d.tier.is_none()) {
+                for (j, def) in current.limits.iter().enumerate() {
+                    let Some(t) = def.tier else { continue };
+                    let Some(op) = granted_as(current, grant, j).and_then(|i| op_for(i, def)) else { continue };
+                    let Some(prefix) = key.prefix(t + 1) else { continue };
+                    let h = key_hash(&self.hasher, prefix);
+                    keyed.tables[j].apply(&def.limit, &self.hasher, (h, prefix), op, grant.granted_at, false);
+                }
+                return;
+            }
+        }
+        self.correct(key, grant, grant.granted_at, op_for);
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
