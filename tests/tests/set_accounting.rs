@@ -624,6 +624,27 @@ fn tier_depth_names_how_deep_each_tier_keeps_its_state() {
 
 /// A grant made before a replace that reorders the limits settles each limit by name, not
 /// by its old place in the policy.
+/// A keyed semaphore that moves to another place in the policy is released by name, its
+/// cost taken as the limit counted it when granted (for a policy whose semaphores are all
+/// keyed, the release takes only the key's shard).
+#[test]
+fn a_release_after_a_reordering_replace_finds_a_keyed_semaphore_by_name() {
+    let a = || LimitPolicy::gcra("a", Rate::per_hour(1), 100).per("tenant");
+    let b = || LimitPolicy::gcra("b", Rate::per_hour(1), 100);
+    let s = || LimitPolicy::semaphore("s", 10).per("tenant").counting_cost();
+    let policy = |limits: Vec<LimitPolicy>| {
+        limits.into_iter().fold(LimitSetPolicy::new().tiers(["tenant"]), LimitSetPolicy::limit)
+    };
+    let set = LimitSet::new(policy(vec![a(), b(), s()])).expect("a valid policy");
+    let key = TenantKey::single("alice").unwrap();
+    let grant = set.acquire_grant(&key, 3, Instant::ZERO).expect("granted");
+    assert_eq!(set.stats().limits[2].held, 3);
+    set.replace_policy(policy(vec![s(), a(), b()])).expect("a valid policy");
+    assert_eq!(set.stats().limits[0].held, 3, "the hold moved with the semaphore");
+    set.release_grant(&key, grant);
+    assert_eq!(set.stats().limits[0].held, 0, "released by name, all 3 of it");
+}
+
 #[test]
 fn a_settle_after_a_reordering_replace_finds_each_limit_by_name() {
     let a = || LimitPolicy::token_bucket("a", Rate::per_hour(1), 100).counting_cost();
