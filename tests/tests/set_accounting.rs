@@ -449,6 +449,25 @@ fn shadow_refusals_of_keyed_and_global_limits_are_counted() {
     assert_eq!(refused, [0, 3, 2], "{stats:?}");
 }
 
+/// A key too shallow for a shadow limit's tier would have been refused by it: the grant
+/// names it, the limit counts it, and nothing is charged on its behalf.
+#[test]
+fn a_key_too_shallow_for_a_shadow_limit_is_its_refusal() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
+            .limit(LimitPolicy::gcra("per-user", Rate::per_hour(1), 5).per("user").shadow()),
+    )
+    .unwrap();
+    let org_only = TenantKey::single("acme").unwrap();
+    let grant = set.acquire_grant(&org_only, 1, Instant::ZERO).unwrap();
+    assert_eq!(grant.shadow_refusals().collect::<Vec<_>>(), [("per-user", Some("user"))]);
+    let stats = set.stats();
+    assert_eq!(stats.limits[1].shadow_refused, 1, "{stats:?}");
+    assert_eq!(stats.limits[1].tracked_keys, 0, "no state made for a key without the tier");
+}
+
 /// A settle up of a grant whose state was evicted brings the state back with the charge
 /// when a sweep makes room, even if the table was full of idle states when it came.
 #[test]
