@@ -3,7 +3,8 @@
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
 //! `keyed1`, `gov-keyed1`, `layer` and `gov-layer` (our GCRA layer and tower_governor's
-//! over the same bare service, error mode), `none` (the loop and the clock alone).
+//! over the same bare service, error mode), `headers` and `gov-headers` (the same with
+//! the rate-limit header fields on every success), `none` (the loop and the clock alone).
 
 #![allow(clippy::print_stdout)]
 
@@ -70,6 +71,17 @@ fn main() {
         return;
     };
     let mut gov_layer = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut headers = GcraLayer::new(open_quota)
+        .system_clock()
+        .reject_with(tower_limits::http::HttpAnswer::new().on_success())
+        .layer(bare());
+    let mut config = GovernorConfigBuilder::default();
+    config.per_nanosecond(1).burst_size(1_000_000);
+    let Some(config) = config.key_extractor(GlobalKeyExtractor).use_headers().finish() else {
+        println!("bad governor config");
+        return;
+    };
+    let mut gov_headers = GovernorLayer::<_, _, Body>::new(config).layer(bare());
     let mut hits = 0u64;
     for _ in 0..n {
         let ok = match op.as_str() {
@@ -82,6 +94,8 @@ fn main() {
             "gov-keyed1" => gov_keyed.check_key(&"acme").is_ok(),
             "layer" => drive(&mut layer),
             "gov-layer" => drive(&mut gov_layer),
+            "headers" => drive(&mut headers),
+            "gov-headers" => drive(&mut gov_headers),
             _ => black_box(clock.now()) > tower_limits_core::Instant::ZERO,
         };
         hits += u64::from(black_box(ok));

@@ -281,8 +281,19 @@ fn sf_string(text: &str) -> String {
     out
 }
 
+/// Appends `n` in decimal, without the formatting machinery.
+fn push_u64(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
+}
+
 fn write_sf_string(out: &mut String, text: &str) {
     out.push('"');
+    if text.bytes().all(|b| matches!(b, b' '..=b'~') && b != b'"' && b != b'\\') {
+        // The common name: printable ASCII with nothing to escape, copied at once.
+        out.push_str(text);
+        out.push('"');
+        return;
+    }
     for c in text.chars() {
         match c {
             '"' | '\\' => {
@@ -329,7 +340,10 @@ fn quota_per_whole_seconds(quota: u64, window: Duration) -> (u64, u64) {
 
 fn write_state_member(out: &mut String, name: &str, s: &Snapshot) {
     write_sf_string(out, name);
-    let _ = write!(out, ";r={};t={}", s.remaining, whole_seconds(s.reset));
+    out.push_str(";r=");
+    push_u64(out, s.remaining);
+    out.push_str(";t=");
+    push_u64(out, whole_seconds(s.reset));
 }
 
 /// What the `RateLimit-Policy` field of a list of limits depends on: constant for a
@@ -379,7 +393,9 @@ fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, b
     }
     RECENT.with_borrow_mut(|recent| {
         // A value over static bytes: cloning it copies a pointer, validating it is done once.
-        if let Some((_, value)) = recent.iter().find(|(k, _)| *k == key) {
+        // Compared on the members in use only: a key is sixteen slots, mostly empty.
+        let used = &key.0[..key.1];
+        if let Some((_, value)) = recent.iter().find(|(k, _)| k.1 == key.1 && k.0[..k.1] == *used) {
             return value.clone();
         }
         let text = {
@@ -491,19 +507,23 @@ pub fn go_duration(d: Duration) -> String {
 }
 
 fn write_go_duration(out: &mut String, d: Duration) {
-    let ms = d.as_millis();
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     if ms < 1000 {
-        let _ = write!(out, "{ms}ms");
+        push_u64(out, ms);
+        out.push_str("ms");
         return;
     }
     let (h, m) = (ms / 3_600_000, (ms / 60_000) % 60);
-    let s = (ms % 60_000) as f64 / 1000.0;
     if h > 0 {
-        let _ = write!(out, "{h}h");
+        push_u64(out, h);
+        out.push('h');
     }
     if h > 0 || m > 0 {
-        let _ = write!(out, "{m}m");
+        push_u64(out, m);
+        out.push('m');
     }
+    // Seconds with their fraction, as Go writes them: "1s", "1.5s", "0.25s".
+    let s = (ms % 60_000) as f64 / 1000.0;
     let _ = write!(out, "{s}s");
 }
 
