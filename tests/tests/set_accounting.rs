@@ -468,6 +468,33 @@ fn a_key_too_shallow_for_a_shadow_limit_is_its_refusal() {
     assert_eq!(stats.limits[1].tracked_keys, 0, "no state made for a key without the tier");
 }
 
+/// When the table is full, the sweep's recount asks room only for the states the grant
+/// will make: a shadow limit that refused makes none.
+#[test]
+fn a_shadow_limit_that_refused_needs_no_room_after_a_sweep() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(3)
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
+            .limit(LimitPolicy::gcra("each", Rate::per_hour(1), 10).per("tenant").counting_cost())
+            .limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).per("tenant").counting_cost().shadow()),
+    )
+    .unwrap();
+    let [a, b, c] = ["a", "b", "c"].map(|t| TenantKey::single(t).unwrap());
+    let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+    // a: a state on each limit; c: on `each` only (its cost of 2 is above `trial`'s burst).
+    drop(set.acquire_grant(&a, 1, at(0)).unwrap());
+    let for_c = set.acquire_grant(&c, 2, at(0)).unwrap();
+    assert_eq!(for_c.shadow_refusals().count(), 1);
+    assert_eq!(set.tracked_keys(), 3);
+    // Two seconds on, a's `trial` state is idle and `each` states are not: the sweep frees
+    // one place, which is all that b's grant needs (its `trial` refuses, in shadow).
+    let for_b = set.acquire_grant(&b, 2, at(2)).expect("room after the sweep");
+    assert_eq!(for_b.shadow_refusals().count(), 1);
+    assert_eq!(set.tracked_keys(), 3);
+}
+
 /// A settle up of a grant whose state was evicted brings the state back with the charge
 /// when a sweep makes room, even if the table was full of idle states when it came.
 #[test]
