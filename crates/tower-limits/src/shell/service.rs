@@ -121,7 +121,7 @@ where
         }
         let mut acquire = shared.backend.acquire(&key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(grant)) => self.admitted(key, grant, req, None),
+            Poll::Ready(Ok(grant)) => self.admitted(&key, grant, req, None),
             Poll::Ready(Err(e)) => {
                 let error = LimitError::from(e);
                 if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
@@ -165,7 +165,7 @@ where
         let shared = &self.shared;
         let mut observed = shared.backend.acquire_observed(&key, cost, now);
         match Pin::new(&mut observed).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready((Ok(grant), seen)) => self.admitted(key, grant, req, Some(seen.into_boxed_slice())),
+            Poll::Ready((Ok(grant), seen)) => self.admitted(&key, grant, req, Some(seen.into_boxed_slice())),
             Poll::Ready((Err(e), seen)) => {
                 let error = LimitError::from(e);
                 if shared.settings.shadow {
@@ -184,7 +184,9 @@ where
     #[inline]
     fn admitted<Req>(
         &mut self,
-        key: TenantKey,
+        // Borrowed: a request that holds nothing never copies its key (a key is some
+        // sixty bytes, and its moves cost more than their size suggests).
+        key: &TenantKey,
         grant: B::Grant,
         mut req: Req,
         snapshots: Option<Box<[LimitSnapshot]>>,
@@ -206,7 +208,7 @@ where
             && !Meter::LEASES
             && shared.backend.shadow_refusal(&grant).is_none();
         self.annotate.annotate(&mut req, &grant);
-        let guard = (!idle).then(|| Box::new(PermitGuard::new(grant, key, shared.clone())));
+        let guard = (!idle).then(|| Box::new(PermitGuard::new(grant, key.clone(), shared.clone())));
         let fut = self.inner.call(req);
         ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
     }
