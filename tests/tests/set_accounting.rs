@@ -495,6 +495,53 @@ fn a_shadow_limit_that_refused_needs_no_room_after_a_sweep() {
     assert_eq!(set.tracked_keys(), 3);
 }
 
+/// Sets of one shadow limit decide on their own path: a global one refuses only past its
+/// burst, a keyed one refuses a key too shallow for its tier.
+#[test]
+fn one_shadow_limit_alone_refuses_only_what_it_should() {
+    let global =
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Rate::per_hour(1), 1).shadow())).unwrap();
+    let key = TenantKey::global();
+    assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 0);
+    assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 1);
+
+    let keyed = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("per-user", Rate::per_hour(1), 5).per("user").shadow()),
+    )
+    .unwrap();
+    let org_only = TenantKey::single("acme").unwrap();
+    let grant = keyed.acquire_grant(&org_only, 1, Instant::ZERO).unwrap();
+    assert_eq!(grant.shadow_refusals().collect::<Vec<_>>(), [("per-user", Some("user"))]);
+    assert_eq!(keyed.tracked_keys(), 0);
+}
+
+/// A key's state is found again after its table has grown many times over (a lookup uses
+/// the hash the table files it under).
+#[test]
+fn a_key_is_found_again_after_its_table_grew() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(10_000)
+            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000_000), 1_000_000))
+            .limit(LimitPolicy::gcra("each", Rate::per_hour(1), 1).per("tenant")),
+    )
+    .unwrap();
+    let tenants: Vec<TenantKey> = (0..300).map(|i| TenantKey::single(format!("t{i}")).unwrap()).collect();
+    for key in &tenants {
+        drop(set.acquire_grant(key, 1, Instant::ZERO).unwrap());
+    }
+    for key in &tenants {
+        assert!(
+            matches!(set.acquire_grant(key, 1, Instant::ZERO), Err(AcquireError::Denied(_))),
+            "{key:?} was served twice"
+        );
+    }
+    assert_eq!(set.tracked_keys(), 300);
+}
+
 /// A settle up of a grant whose state was evicted brings the state back with the charge
 /// when a sweep makes room, even if the table was full of idle states when it came.
 #[test]
