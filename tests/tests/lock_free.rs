@@ -194,3 +194,31 @@ fn a_cost_above_the_burst_is_never_granted() {
     let stats = set.stats();
     assert_eq!((stats.admitted, stats.limits[0].cost_above_capacity), (1, 3));
 }
+
+/// A charge can move the limit's state to any instant, up to where time stops counting:
+/// the lock-free path then refuses, cleanly and for as long as the charge says, whether
+/// the state lands on an ordinary far instant or saturates at the end of time (584 years
+/// of nanoseconds).
+#[test]
+fn a_charge_to_the_end_of_time_refuses_for_as_long_as_time_counts() {
+    const YEAR: u64 = 365 * 86_400;
+    // One unit a nanosecond: a charge of `n` units moves the state `n` nanoseconds.
+    let set = LimitSet::new(
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000_000), 10).counting_cost()),
+    )
+    .unwrap();
+    let key = TenantKey::global();
+    let wait = |set: &LimitSet| match set.acquire_grant(&key, 1, Instant::ZERO) {
+        Err(AcquireError::Denied(d)) => d.retry_after(),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let mut grant = set.acquire_grant(&key, 1, Instant::ZERO).unwrap();
+    // To 2^63 - 1 ns exactly: an instant like any other, 292 years out.
+    set.settle_grant(&key, &mut grant, (1 << 63) - 1, Instant::ZERO);
+    let far = wait(&set);
+    assert!(far > Duration::from_secs(290 * YEAR) && far < Duration::from_secs(293 * YEAR), "{far:?}");
+    // Past anything a u64 of nanoseconds holds: saturated, 584 years out.
+    set.settle_grant(&key, &mut grant, u64::MAX, Instant::ZERO);
+    let end = wait(&set);
+    assert!(end > Duration::from_secs(580 * YEAR), "{end:?}");
+}
