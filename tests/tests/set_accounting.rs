@@ -504,6 +504,8 @@ fn one_shadow_limit_alone_refuses_only_what_it_should() {
     let key = TenantKey::global();
     assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 0);
     assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 1);
+    let stats = global.stats();
+    assert_eq!((stats.admitted, stats.limits[0].shadow_refused), (2, 1), "{stats:?}");
 
     let keyed = LimitSet::new(
         LimitSetPolicy::new()
@@ -515,6 +517,8 @@ fn one_shadow_limit_alone_refuses_only_what_it_should() {
     let grant = keyed.acquire_grant(&org_only, 1, Instant::ZERO).unwrap();
     assert_eq!(grant.shadow_refusals().collect::<Vec<_>>(), [("per-user", Some("user"))]);
     assert_eq!(keyed.tracked_keys(), 0);
+    let stats = keyed.stats();
+    assert_eq!((stats.admitted, stats.limits[0].shadow_refused), (1, 1), "{stats:?}");
 }
 
 /// A key's state is found again after its table has grown many times over (a lookup uses
