@@ -212,7 +212,12 @@ thread_local! {
 #[inline]
 fn stripe() -> (usize, bool) {
     let v = STRIPE.get();
-    let v = if v == usize::MAX { first_stripe() } else { v };
+    place(if v == usize::MAX { first_stripe() } else { v })
+}
+
+/// The stripe of the `v`-th thread to ask, and whether it is that thread's alone.
+#[inline]
+const fn place(v: usize) -> (usize, bool) {
     (v & (STRIPES - 1), v < STRIPES)
 }
 
@@ -637,6 +642,42 @@ mod tests {
         assert!(granted(f.acquire(1, later)).is_some());
         let (admitted, _, _) = f.counts();
         assert_eq!(admitted, 67);
+    }
+
+    /// A thread keeps the stripe it was first given, and owns it exactly when it was among
+    /// the first `STRIPES` threads to ask.
+    #[test]
+    fn a_thread_keeps_its_stripe_and_owns_it_only_if_it_came_early() {
+        for _ in 0..3 {
+            std::thread::spawn(|| {
+                let first = stripe();
+                let raw = STRIPE.get();
+                assert_ne!(raw, usize::MAX, "the thread was given its place");
+                assert_eq!(stripe(), first, "the same stripe on every call");
+                assert_eq!(STRIPE.get(), raw);
+                assert_eq!(first, place(raw));
+            })
+            .join()
+            .unwrap();
+        }
+        assert_eq!([place(0), place(15)], [(0, true), (15, true)], "the first threads own theirs");
+        assert_eq!([place(16), place(17)], [(0, false), (1, false)], "later ones share");
+    }
+
+    /// Two limits leased by one thread keep a lease each: their ids pick different slots.
+    #[test]
+    fn a_thread_keeps_a_lease_per_limit() {
+        let (one, two) = (fast(Rate::per_second(1_000_000), 1_000), fast(Rate::per_second(1_000_000), 1_000));
+        assert_ne!(one.slot(), two.slot());
+        let now = Instant::from_nanos(5_000_000);
+        one.mark_contended();
+        two.mark_contended();
+        assert!(granted(one.acquire(1, now)).is_some());
+        assert!(granted(two.acquire(1, now)).is_some());
+        let (tat_one, tat_two) = (one.tat(), two.tat());
+        assert!(granted(one.acquire(1, now)).is_some());
+        assert!(granted(two.acquire(1, now)).is_some());
+        assert_eq!((one.tat(), two.tat()), (tat_one, tat_two), "both granted from their leases");
     }
 
     #[test]

@@ -728,6 +728,22 @@ mod tests {
     use crate::policy::{LimitPolicy, LimitSetPolicy};
     use crate::rate::Rate;
 
+    /// Replacing a one-limit policy by the same one keeps the lock-free path, its state
+    /// carried over; any other policy turns it off.
+    #[test]
+    fn the_same_one_limit_policy_keeps_the_lock_free_path() {
+        let policy = || LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(10), 5));
+        let set = LimitSet::new(policy()).unwrap();
+        let key = TenantKey::global();
+        assert!(set.shared.fast_live().is_some());
+        drop(set.acquire(&key, 1, Instant::ZERO).unwrap());
+        set.replace_policy(policy()).unwrap();
+        assert!(set.shared.fast_live().is_some(), "the very same limit");
+        assert_eq!(set.peek(&key, Instant::ZERO)[0].snapshot.remaining, 4, "its state carried over");
+        set.replace_policy(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(10), 6))).unwrap();
+        assert!(set.shared.fast_live().is_none(), "another burst");
+    }
+
     /// The lock-order hint may be stale: an acquisition that read it before a replace
     /// added keyed limits finds them under the global lock, and takes the shard in order.
     /// (The race cannot be staged through the public API; here the hint is made stale by
