@@ -680,6 +680,58 @@ mod tests {
         assert_eq!((one.tat(), two.tat()), (tat_one, tat_two), "both granted from their leases");
     }
 
+    /// What a thread records when its swap fails: the lease slot becomes this limit's,
+    /// marked contended; a lease of this limit keeps its units and its cooldown (and says
+    /// whether it may lease now); one of another limit, or of an earlier epoch, is dropped.
+    #[test]
+    fn a_failed_swap_marks_the_slot_as_this_limits() {
+        let f = fast(Rate::per_second(1_000_000), 1_000);
+        let other = fast(Rate::per_second(1_000_000), 1_000);
+        let epoch = f.epoch.load(Ordering::Acquire);
+        let lease =
+            |owner, epoch, cooldown| Lease { owner, epoch, taken: 7, next: 10, end: 20, contended: false, cooldown };
+        let fresh = Lease { owner: f.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+        let same = |a: Lease, b: Lease| {
+            (a.owner, a.epoch, a.taken, a.next, a.end, a.contended, a.cooldown)
+                == (b.owner, b.epoch, b.taken, b.next, b.end, b.contended, b.cooldown)
+        };
+        for (before, may, after) in [
+            (NO_LEASE, true, fresh),
+            (lease(other.id, epoch, 3), true, fresh),
+            (lease(f.id, epoch + 1, 3), true, fresh),
+            (lease(f.id, epoch, 0), true, Lease { contended: true, ..lease(f.id, epoch, 0) }),
+            (lease(f.id, epoch, 3), false, Lease { contended: true, ..lease(f.id, epoch, 3) }),
+        ] {
+            let cell = Cell::new(before);
+            assert_eq!(f.mark_seen(&cell), may);
+            assert!(
+                same(cell.get(), after),
+                "from owner {} epoch {} cooldown {}",
+                before.owner,
+                before.epoch,
+                before.cooldown
+            );
+        }
+    }
+
+    /// A lease of another limit that shares the slot is not this limit's to use, even when
+    /// their epochs agree.
+    #[test]
+    fn a_lease_in_the_slot_of_another_limit_is_not_used() {
+        let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+        let (a, b) = (&limits[0], &limits[LEASE_SLOTS]);
+        assert_eq!(a.slot(), b.slot());
+        assert_eq!(a.epoch.load(Ordering::Acquire), b.epoch.load(Ordering::Acquire));
+        let now = Instant::from_nanos(5_000_000);
+        a.mark_contended();
+        assert!(granted(a.acquire(1, now)).is_some());
+        // `b` has seen contention too, but the slot holds `a`'s lease.
+        b.contended.store(true, Ordering::Relaxed);
+        let before = b.tat();
+        assert!(granted(b.acquire(1, now)).is_some());
+        assert_ne!(b.tat(), before, "b decided on its own state");
+    }
+
     #[test]
     fn near_the_limit_a_lease_shrinks_to_nothing() {
         let f = fast(Rate::per_second(1_000_000), 8);
