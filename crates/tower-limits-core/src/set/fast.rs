@@ -732,6 +732,49 @@ mod tests {
         assert_ne!(b.tat(), before, "b decided on its own state");
     }
 
+    /// A lease whose slots began unused is given back (the TAT returns to its first unused
+    /// unit), and the thread then decides on the shared TAT for `COOLDOWN` calls before it
+    /// leases again.
+    #[test]
+    fn an_expired_lease_is_given_back_and_the_thread_cools_down() {
+        // T = 1us, burst 100,000.
+        let f = fast(Rate::per_second(1_000_000), 100_000);
+        let t0 = 5_000_000;
+        f.mark_contended();
+        assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+        let end = f.tat();
+        assert_eq!(end, t0 + 64_000, "a lease of 63 units beside the grant");
+        for _ in 0..2 {
+            assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+        }
+        assert_eq!(f.tat(), end);
+        // 10us on, the lease's next unit (t0 + 3us) has begun: it is given back first, so
+        // this grant lands right after the clock, not after the lease.
+        let t1 = t0 + 10_000;
+        assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+        assert_eq!(f.tat(), t1 + 1_000, "given back, then one unit from the clock");
+        // Cooling down: one unit per call on the shared TAT...
+        for i in 1..COOLDOWN {
+            assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+            assert_eq!(f.tat(), t1 + 1_000 * (1 + u64::from(i)), "call {i} of the cooldown");
+        }
+        // ...and then a lease again.
+        let before = f.tat();
+        assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+        assert_eq!(f.tat(), before + 1_000 + 63 * 1_000, "a lease once the cooldown is over");
+    }
+
+    /// The path raises `now` to the latest instant it granted at, for grants and for the
+    /// reads of the locked side, so a clock read that lags decides as if on time.
+    #[test]
+    fn an_earlier_now_is_raised_to_the_latest_grant() {
+        let f = fast(Rate::per_second(1), 5);
+        let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+        assert_eq!(granted(f.acquire(1, at(10))), Some(at(10).as_nanos()));
+        assert_eq!(granted(f.acquire(1, at(3))), Some(at(10).as_nanos()), "raised to the latest grant");
+        assert_eq!(f.latest(), at(10));
+    }
+
     #[test]
     fn near_the_limit_a_lease_shrinks_to_nothing() {
         let f = fast(Rate::per_second(1_000_000), 8);

@@ -742,6 +742,19 @@ mod tests {
         assert_eq!(set.peek(&key, Instant::ZERO)[0].snapshot.remaining, 4, "its state carried over");
         set.replace_policy(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(10), 6))).unwrap();
         assert!(set.shared.fast_live().is_none(), "another burst");
+        set.replace_policy(policy()).unwrap();
+        assert!(set.shared.fast_live().is_some(), "back to the first limit: on again");
+        assert_eq!(set.peek(&key, Instant::ZERO)[0].snapshot.remaining, 4, "with the state it had");
+    }
+
+    /// A read of a one-limit set raises its instant to the latest grant, as decisions do.
+    #[test]
+    fn a_peek_at_an_earlier_instant_reads_the_state_as_of_the_latest_grant() {
+        let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1), 5))).unwrap();
+        let key = TenantKey::global();
+        let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+        drop(set.acquire(&key, 1, at(10)).unwrap());
+        assert_eq!(set.peek(&key, at(0))[0].snapshot.remaining, 4);
     }
 
     /// The lock-order hint may be stale: an acquisition that read it before a replace
