@@ -360,7 +360,7 @@ impl Fast {
                 // A unit may be used only while its slot has not begun: `next >= now`.
                 let need = cost.saturating_mul(self.gcra.interval_nanos());
                 let now = now.max(lease.taken);
-                if lease.next >= now && lease.end - lease.next >= need && need > 0 {
+                if lease.next >= now && lease.end - lease.next >= need {
                     lease.next += need;
                     entry.set(lease);
                     return self.granted(stripe, own, latest, now);
@@ -630,6 +630,9 @@ mod tests {
         assert!(granted(f.acquire(1, now)).is_some());
         let leased_end = f.tat();
         assert_eq!(leased_end, now.as_nanos() + 65_000);
+        // A request that costs nothing takes nothing from the lease, and keeps it.
+        assert!(granted(f.acquire(0, now)).is_some());
+        assert_eq!(f.tat(), leased_end);
         for _ in 0..63 {
             assert!(granted(f.acquire(1, now)).is_some());
             assert_eq!(f.tat(), leased_end, "leased units touch no shared state");
@@ -641,7 +644,7 @@ mod tests {
         let later = Instant::from_nanos(f.tat() + 10_000);
         assert!(granted(f.acquire(1, later)).is_some());
         let (admitted, _, _) = f.counts();
-        assert_eq!(admitted, 67);
+        assert_eq!(admitted, 68, "the zero-cost request counted too");
     }
 
     /// A thread keeps the stripe it was first given, and owns it exactly when it was among
