@@ -599,6 +599,16 @@ mod tests {
         }
     }
 
+    /// The first two of `limits` that `fit` each other.
+    fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
+        for (i, x) in limits.iter().enumerate() {
+            if let Some(y) = limits[i + 1..].iter().find(|y| fit(x, y)) {
+                return (x, y);
+            }
+        }
+        unreachable!("{} limits over {LEASE_SLOTS} slots hold such a pair", limits.len())
+    }
+
     fn granted(d: Option<Decision>) -> Option<u64> {
         match d.expect("enabled") {
             Decision::Granted(at, _) => Some(at.as_nanos()),
@@ -670,8 +680,9 @@ mod tests {
     /// Two limits leased by one thread keep a lease each: their ids pick different slots.
     #[test]
     fn a_thread_keeps_a_lease_per_limit() {
-        let (one, two) = (fast(Rate::per_second(1_000_000), 1_000), fast(Rate::per_second(1_000_000), 1_000));
-        assert_ne!(one.slot(), two.slot());
+        // Ids come from a counter other tests draw from too: pick two in different slots.
+        let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+        let (one, two) = pair(&limits, |x, y| x.slot() != y.slot());
         let now = Instant::from_nanos(5_000_000);
         one.mark_contended();
         two.mark_contended();
@@ -721,9 +732,9 @@ mod tests {
     /// their epochs agree.
     #[test]
     fn a_lease_in_the_slot_of_another_limit_is_not_used() {
+        // Ids come from a counter other tests draw from too: pick two that share a slot.
         let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
-        let (a, b) = (&limits[0], &limits[LEASE_SLOTS]);
-        assert_eq!(a.slot(), b.slot());
+        let (a, b) = pair(&limits, |x, y| x.slot() == y.slot());
         assert_eq!(a.epoch.load(Ordering::Acquire), b.epoch.load(Ordering::Acquire));
         let now = Instant::from_nanos(5_000_000);
         a.mark_contended();
