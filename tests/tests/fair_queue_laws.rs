@@ -702,6 +702,7 @@ fn conservation_over_a_million_operations() {
     let mut per_tenant = vec![0usize; TENANTS as usize];
     let (mut dispatched, mut cancelled, mut refused, mut cost_out) = (0u64, 0u64, 0u64, 0u64);
     let (mut dead_dispatched, mut dead_cancelled) = (0u64, 0u64);
+    let mut last_arrival: Option<u64> = None;
 
     for _ in 0..OPS {
         match rng.below(100) {
@@ -711,6 +712,9 @@ fn conservation_over_a_million_operations() {
                 let cost = rng.range(0, 500);
                 let (state, ticket) = match q.enqueue(key, rng.range(1, 10) as u32, cost, id) {
                     Ok(t) => {
+                        // Tickets compare in arrival order.
+                        assert!(last_arrival.is_none_or(|a| t.arrival() > a), "arrival numbers grow");
+                        last_arrival = Some(t.arrival());
                         per_tenant[key as usize] += 1;
                         live.push(id);
                         (State::Queued, Some(t))
@@ -762,6 +766,7 @@ fn conservation_over_a_million_operations() {
             _ => {}
         }
         assert_eq!(q.len(), live.len());
+        assert_eq!(q.is_empty(), live.is_empty());
         if dead.len() > 4096 {
             dead.drain(..3072);
         }
@@ -777,6 +782,19 @@ fn conservation_over_a_million_operations() {
     for key in 0..TENANTS as u32 {
         assert_eq!(q.tenant_stats(&key).map_or(0, |s| s.queued), per_tenant[key as usize]);
     }
+    // The backlog names every tenant with requests queued, with their count and cost.
+    let mut backlog: Vec<(u32, u64, u64)> = q.backlog().map(|(k, n, c)| (*k, n, c)).collect();
+    backlog.sort_unstable();
+    let mut expected: Vec<(u32, u64, u64)> = Vec::new();
+    for key in 0..TENANTS as u32 {
+        let queued = live.iter().map(|&id| &items[id as usize]).filter(|i| i.key == key);
+        let (n, cost) = queued.fold((0, 0), |(n, c), i| (n + 1, c + i.cost));
+        if n > 0 {
+            expected.push((key, n, cost));
+        }
+    }
+    assert_eq!(backlog, expected);
+    assert!(!backlog.is_empty());
     let count = |items: &[Item], s: State| items.iter().filter(|i| i.state == s).count() as u64;
     assert_eq!(count(&items, State::Queued), live.len() as u64);
     assert_eq!(count(&items, State::Dispatched), dispatched);
@@ -798,4 +816,42 @@ fn conservation_over_a_million_operations() {
          {dead_cancelled} cancelled",
         live.len()
     );
+}
+
+/// What the queue says about itself: its counters per tenant (dispatched and queued, in
+/// requests and cost, and the weight last given), its emptiness, its description, and
+/// the weights its configuration gives by name.
+#[test]
+fn the_queue_reports_what_it_holds() {
+    let mut q: FairQueue<u32, &str> = queue(8, 64);
+    assert!(q.is_empty());
+    assert_eq!(q.tenant_stats(&1), None);
+    q.enqueue(1, 3, 5, "a").unwrap();
+    q.enqueue(1, 2, 7, "b").unwrap();
+    q.enqueue(2, 1, 11, "c").unwrap();
+    assert!(!q.is_empty());
+    let one = q.tenant_stats(&1).unwrap();
+    assert_eq!((one.weight, one.queued, one.queued_cost, one.dispatched, one.dispatched_cost), (2, 2, 12, 0, 0));
+    // Tenant 1's head starts first (both start at zero; it arrived first).
+    let d = q.pop_next().unwrap();
+    assert_eq!((d.key, d.cost, d.item), (1, 5, "a"));
+    let one = q.tenant_stats(&1).unwrap();
+    assert_eq!((one.queued, one.queued_cost, one.dispatched, one.dispatched_cost), (1, 7, 1, 5));
+    let _ = q.pop_next().unwrap();
+    let _ = q.pop_next().unwrap();
+    assert!(q.is_empty());
+    // Records of tenants still due service are kept until their finish tag is reached.
+    if let Some(one) = q.tenant_stats(&1) {
+        assert_eq!((one.queued, one.dispatched, one.dispatched_cost), (0, 2, 12));
+    }
+    let shown = format!("{q:?}");
+    assert!(shown.starts_with("FairQueue {") && shown.contains("queued: 0"), "{shown}");
+
+    let config = FairQueueConfig::new().default_weight(3).weight("acme", 7);
+    assert_eq!((config.weight_for("acme"), config.weight_for("globex")), (7, 3));
+    // The largest queue limits are accepted; one more is refused, naming the field.
+    let largest = tower_limits_core::fair_queue::MAX_QUEUE_LIMIT;
+    assert!(FairQueueConfig::new().tenant_queue_limit(largest).global_queue_limit(largest).validate().is_ok());
+    let error = FairQueueConfig::new().global_queue_limit(largest + 1).validate().unwrap_err();
+    assert!(error.to_string().contains("global_queue_limit"), "{error}");
 }

@@ -794,6 +794,34 @@ mod tests {
         assert_eq!(t.tag, u128::MAX, "saturates");
     }
 
+    /// The remainder below a unit is carried across a change of weight, rounded up to the
+    /// new weight's fractions: 2/3 becomes 4/5, and 2/3 at weight 2 makes a whole unit.
+    #[test]
+    fn reweighting_carries_the_remainder() {
+        let tenant = |rem: u32, weight: u32| Tenant {
+            key: (),
+            hash: 0,
+            tag: 10,
+            rem,
+            weight,
+            head: NONE,
+            tail: NONE,
+            len: 0,
+            queued_cost: 0,
+            dispatched: 0,
+            dispatched_cost: 0,
+        };
+        let mut t = tenant(2, 3);
+        assert!(!t.reweight(5));
+        assert_eq!((t.tag, t.rem, t.weight), (10, 4, 5));
+        let mut t = tenant(2, 3);
+        assert!(t.reweight(2), "the tag moves by the unit rounded up");
+        assert_eq!((t.tag, t.rem, t.weight), (11, 0, 2));
+        let mut t = tenant(0, 3);
+        assert!(!t.reweight(2));
+        assert_eq!((t.tag, t.rem, t.weight), (10, 0, 2));
+    }
+
     #[test]
     fn reweighting_rounds_up() {
         let mut q = queue(10, 10);
