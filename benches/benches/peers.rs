@@ -443,6 +443,8 @@ fn redis_rows(rows: &mut Vec<Row>) {
             .namespace(format!("peers-{name}"))
             .timeout(Duration::from_secs(5))
             .max_leases(0)
+            // Neither side reports the limits' states (nor does the plain script).
+            .peek_cache(0)
             .build(&conn)
             .expect("a backend")
     };

@@ -216,6 +216,30 @@ fn peek_answers_from_the_last_reply() {
     });
 }
 
+#[test]
+fn without_a_peek_cache_a_grant_answers_briefly_and_a_denial_in_full() {
+    let Some(server) = redis_for("without_a_peek_cache_a_grant_answers_briefly_and_a_denial_in_full") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let backend = manual(three_limits(), "brief").peek_cache(0).build(&conn).unwrap();
+        let (alice, bob) = (TenantKey::new(["acme", "alice"]).unwrap(), TenantKey::new(["acme", "bob"]).unwrap());
+        // The brief reply still carries the server's time of the grant, which its settle
+        // sends back.
+        let mut grant = backend.acquire(&alice, 300, at(S + 1_234)).await.unwrap();
+        assert_eq!(grant.granted_at_micros(), Some(S / 1_000 + 1));
+        assert!(backend.peek(&alice, at(S)).is_empty(), "no cache, no states");
+        backend.settle(&alice, &mut grant, 500, at(S + 2_000));
+        backend.flush().await;
+        // A denial answers in full: the blocking limit and its state.
+        let denied = backend.acquire(&bob, 600, at(S + 2_000)).await.unwrap_err();
+        let d = denied.as_denial().expect("a denial");
+        assert_eq!((d.limit(), d.snapshot().remaining), ("tokens", 500));
+        assert!(d.retry_after() > Duration::from_millis(99) && d.retry_after() <= Duration::from_millis(100));
+        backend.release(&alice, grant);
+        backend.flush().await;
+    });
+}
+
 fn limit_error(e: &BoxError) -> &LimitError {
     e.downcast_ref::<LimitError>().expect("a LimitError")
 }

@@ -17,10 +17,13 @@
 //!
 //! - `a`, acquire (then the cost, and the grant's holder id when a semaphore or a log
 //!   records it): read the server's `TIME` once, load every limit's state, check every
-//!   limit **without writing**, and only if all pass commit all of them. The reply is a
+//!   limit **without writing** (but for pruning a full semaphore's expired leases, which
+//!   count as free either way), and only if all pass commit all of them. The reply is a
 //!   flat array of integers: `granted, now_us, now_sub, blocking index, retry_after_ns,
 //!   needs_release`, then `remaining, reset_ns` for every limit (after the grant, or as
 //!   they stand on a denial).
+//! - `b`, acquire like `a`, but a grant answers only `1, now_us, now_sub`: what the
+//!   backend sends when no peek cache keeps the states. A denial answers in full.
 //! - `s`, settle: correct the limits that count cost from the charged cost to the real
 //!   one (a charge or a refund), and optionally release the grant's semaphore holds.
 //!   Cancel is a settle to zero with a release.
@@ -36,8 +39,9 @@
 //! nanoseconds, which stays below 2^52 (52 days) because the builder refuses longer
 //! windows and tolerances. The one product that can exceed that, in the sliding-window
 //! counter, goes through `muldiv`, an exact `floor(a*b/c)` by doubling. Numbers that go
-//! back to Redis as arguments are formatted with `%.0f`, never with Lua's `tostring`,
-//! which would round them to 14 digits.
+//! back to Redis as arguments are either passed as numbers (`redis.call` writes them
+//! with `%.17g`, exact below 2^53) or formatted with `%.0f`, never through Lua's
+//! `tostring` or `..`, which would round them to 14 digits.
 //!
 //! # State per limit
 //!
@@ -47,7 +51,7 @@
 //! | fixed window | string | `window_start_us:count` |
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member `at_us.at_sub:cost:holder` per grant, scored by `at_us`; member `=` scored `-(sum+1)` |
-//! | semaphore counting requests | sorted set | one member `holder:1` per grant, scored by its lease deadline (us); the count is that of live deadlines, and expired ones are pruned by one grant in eight |
+//! | semaphore counting requests | sorted set | one member `holder:1` per grant, scored by its lease deadline (us); the count is the set's cardinality: expired leases are pruned by one grant in eight, and always before a refusal (a refusal counts live leases only) |
 //! | semaphore counting cost | sorted set | one member `holder:weight` per grant, scored by its lease deadline (us); member `=` scored `-(held+1)` |
 //!
 //! Every key carries an expiry at the instant its state becomes indistinguishable from
@@ -103,7 +107,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     let counter = limits.iter().any(|l| matches!(l, ScriptLimit::Counter { .. }));
     let log = limits.iter().any(|l| matches!(l, ScriptLimit::Log { .. }));
     let semaphore = limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. }));
-    s.push_str("if ARGV[1] == 'a' then\n");
+    s.push_str("if ARGV[1] == 'a' or ARGV[1] == 'b' then\n");
     // The caller's time comes first with the test clock; the holder id only when a
     // semaphore or a log records it.
     let first = if manual_clock { 4 } else { 2 };
@@ -128,7 +132,9 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
         s.push_str(LOG);
     }
     if semaphore {
-        s.push_str("  local NOWS, DEADLINE = fmt('%.0f', NOW_US), fmt('%.0f', NOW_US + LEASE_US)\n  local LIVE = '(' .. NOWS\n");
+        // Numbers, not strings: `redis.call` writes a number exactly (`%.17g`), and a
+        // `string.format` per call costs the server more than the conversion.
+        s.push_str("  local NOWS, DEADLINE = NOW_US, NOW_US + LEASE_US\n");
     }
     let lease_ttl = lease_us / 1000 + 1002 + slack_ms;
     let ttl = |ns: &str| format!("floor(({ns}) / 1000000) + {}", 2 + slack_ms);
@@ -189,8 +195,12 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
             ScriptLimit::Semaphore { cost: false, capacity } => write!(
                 s,
                 "  local k{i} = KEYS[{i}]
-  local h{i} = call('ZCOUNT', k{i}, LIVE, '+inf')
-  if h{i} + 1 > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
+  local h{i} = call('ZCARD', k{i})
+  if h{i} + 1 > {capacity} then
+    call('ZREMRANGEBYSCORE', k{i}, 0, NOWS)
+    h{i} = call('ZCARD', k{i})
+    if h{i} + 1 > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
+  end
 "
             ),
             ScriptLimit::Semaphore { cost: true, capacity } => write!(
@@ -261,7 +271,9 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
             ),
         };
     }
-    s.push_str("  end\n");
+    // A grant asked for briefly: the states are not read back (each integer of a reply
+    // costs the server about as much as a fifth of a `GET`).
+    s.push_str("    if ARGV[1] == 'b' then return {1, NOW_US, NOW_SUB} end\n  end\n");
     // Remaining and reset of every limit, as they stand now.
     for (n, l) in limits.iter().enumerate() {
         let i = n + 1;

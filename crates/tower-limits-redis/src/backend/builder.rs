@@ -124,7 +124,10 @@ impl RedisBackendBuilder {
     }
 
     /// How many keys' last snapshots [`Backend::peek`](tower_limits_core::Backend::peek) can answer from (default 10,000;
-    /// 0 turns it off, and `peek` answers nothing).
+    /// 0 turns it off, and `peek` answers nothing). Without it, a grant's reply carries
+    /// no states: three integers instead of six and two per limit, which for a set of
+    /// three limits saves the server about a twentieth of its work per call. Turn it off
+    /// when nothing reads the states (no rate-limit headers, no `peek`).
     pub fn peek_cache(mut self, keys: usize) -> Self {
         self.peek_cache = keys;
         self

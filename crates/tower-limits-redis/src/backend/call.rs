@@ -215,7 +215,9 @@ impl Inner {
         }
     }
 
-    /// Turns the script's reply into a grant or a denial.
+    /// Turns the script's reply into a grant or a denial. A reply carries every limit's
+    /// state after the first six integers, except a grant's brief reply (`b`: granted,
+    /// `now_us`, `now_sub`), asked for when no peek cache wants the states.
     pub(super) fn decide(
         &self,
         key: &TenantKey,
@@ -226,8 +228,7 @@ impl Inner {
         reply: &[i64],
     ) -> Result<RedisGrant, AcquireError> {
         let n = self.limits.len();
-        let snapshots: Box<[LimitSnapshot]> =
-            (0..n).map(|i| self.snapshot_of(i, reply[6 + 2 * i], reply[7 + 2 * i])).collect();
+        let snapshot = |i: usize| self.snapshot_of(i, reply[6 + 2 * i], reply[7 + 2 * i]);
         let at = |v: i64| u64::try_from(v).unwrap_or(0);
         let result = if reply[0] == 1 {
             bump(&self.stats.granted);
@@ -251,7 +252,7 @@ impl Inner {
             let l = &self.limits[i];
             let retry = Duration::from_nanos(at(reply[4]));
             let needs_release = reply[5] == 1;
-            let snapshot = snapshots[i].snapshot;
+            let snapshot = snapshot(i).snapshot;
             if let Some(cache) = &self.denials {
                 if !retry.is_zero() {
                     let denial = CachedDenial {
@@ -269,7 +270,9 @@ impl Inner {
             Err(AcquireError::Denied(Denial::new(l.name, l.tier_name, i, retry, needs_release, snapshot)))
         };
         if let Some(map) = &self.snapshots {
-            map.insert(key, (now, snapshots), |_| true);
+            if reply.len() == FULL + 2 * n {
+                map.insert(key, (now, (0..n).map(snapshot).collect()), |_| true);
+            }
         }
         result
     }
@@ -299,9 +302,17 @@ pub(super) struct CallError {
     pub(super) maybe_applied: bool,
 }
 
+/// The integers a reply starts with: granted, `now_us`, `now_sub`, the blocking limit, the
+/// wait, whether a release is needed; two per limit follow.
+const FULL: usize = 6;
+/// A brief grant: granted, `now_us`, `now_sub`.
+const BRIEF: usize = 3;
+
+/// The script's reply as integers: a full one, or a brief grant.
 fn ints(value: &Value, n: usize) -> Option<Vec<i64>> {
     let Value::Array(items) = value else { return None };
-    if items.len() != 6 + 2 * n {
+    let brief = items.len() == BRIEF && matches!(items.first(), Some(Value::Int(1)));
+    if items.len() != FULL + 2 * n && !brief {
         return None;
     }
     items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect()
@@ -318,13 +329,15 @@ pub(super) async fn acquire_remote(
     let keys = inner.keys_for(&key);
     let cost_arg = cost.min(EXACT).to_string();
     let id = inner.holder_id(holder);
+    // The limits' states come back only for the peek cache (and with every denial).
+    let op = if inner.snapshots.is_some() { "a" } else { "b" };
     let result = if inner.settings.manual_clock {
         let (us, sub) = inner.now_args(now);
-        inner.call(&keys, &["a", &us, &sub, &cost_arg, &id]).await
+        inner.call(&keys, &[op, &us, &sub, &cost_arg, &id]).await
     } else if inner.records_holders {
-        inner.call(&keys, &["a", &cost_arg, &id]).await
+        inner.call(&keys, &[op, &cost_arg, &id]).await
     } else {
-        inner.call(&keys, &["a", &cost_arg]).await
+        inner.call(&keys, &[op, &cost_arg]).await
     };
     let why = match result {
         Ok(value) => match ints(&value, inner.limits.len()) {
