@@ -42,6 +42,16 @@ impl std::error::Error for KeyMissing {}
 
 /// Finds the tenant key of a request.
 pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
+    /// Whether every request's key is [`TenantKey::global()`]: the layer then uses one
+    /// key it keeps, and never calls [`extract`](Self::extract). `false` unless said.
+    ///
+    /// ```
+    /// use tower_limits::extract::{GlobalKey, KeyExtractor};
+    ///
+    /// assert!(<GlobalKey as KeyExtractor<()>>::GLOBAL);
+    /// ```
+    const GLOBAL: bool = false;
+
     /// The key, or why there is none.
     ///
     /// # Errors
@@ -54,6 +64,8 @@ pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
 pub struct GlobalKey;
 
 impl<Req> KeyExtractor<Req> for GlobalKey {
+    const GLOBAL: bool = true;
+
     #[inline]
     fn extract(&self, _req: &Req) -> Result<TenantKey, KeyMissing> {
         Ok(TenantKey::global())

@@ -96,36 +96,51 @@ where
 
     fn call(&mut self, req: Req) -> Self::Future {
         let shared = &self.shared;
-        let key = match self.keys.extract(&req) {
-            Ok(key) => key,
-            Err(missing) => match &shared.settings.default_key {
-                Some(key) => key.clone(),
-                None => {
-                    let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
-                    if shared.settings.shadow {
-                        return self.pass(error, req, None);
-                    }
-                    return self.refuse(error, None);
+        // Borrowed, never moved: a key is some sixty bytes, written in pieces by whoever
+        // builds it, and a copy read back whole right after those writes stalls the core.
+        // The global key is one kept for every request.
+        static GLOBAL: TenantKey = TenantKey::global();
+        let extracted;
+        let key: &TenantKey = if K::GLOBAL {
+            &GLOBAL
+        } else {
+            match self.keys.extract(&req) {
+                Ok(key) => {
+                    extracted = key;
+                    &extracted
                 }
-            },
+                Err(missing) => match &shared.settings.default_key {
+                    Some(key) => {
+                        extracted = key.clone();
+                        &extracted
+                    }
+                    None => {
+                        let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                        if shared.settings.shadow {
+                            return self.pass(error, req, None);
+                        }
+                        return self.refuse(error, None);
+                    }
+                },
+            }
         };
         let cost = self.cost.cost(&req);
         let now = shared.clock.now();
         let waits = shared.settings.max_wait.is_some() && !shared.settings.shadow;
-        if waits && shared.waiters.has_waiters(&key) {
+        if waits && shared.waiters.has_waiters(key) {
             // Others of this key wait already: queue behind them.
-            return self.wait(key, cost, req, None);
+            return self.wait(key.clone(), cost, req, None);
         }
         if self.rejection.wants_snapshots() {
             return self.call_observed(key, cost, req, now);
         }
-        let mut acquire = shared.backend.acquire(&key, cost, now);
+        let mut acquire = shared.backend.acquire(key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(grant)) => self.admitted(&key, grant, req, None),
+            Poll::Ready(Ok(grant)) => self.admitted(key, grant, req, None),
             Poll::Ready(Err(e)) => {
                 let error = LimitError::from(e);
                 if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
-                    return self.wait(key, cost, req, None);
+                    return self.wait(key.clone(), cost, req, None);
                 }
                 if shared.settings.shadow {
                     return self.pass(error, req, None);
@@ -134,7 +149,7 @@ where
             }
             // A remote backend: the acquisition is under way; finish it in the response
             // future rather than start another.
-            Poll::Pending => self.wait(key, cost, req, Some(Observed::unobserved(acquire))),
+            Poll::Pending => self.wait(key.clone(), cost, req, Some(Observed::unobserved(acquire))),
         }
     }
 }
@@ -149,7 +164,7 @@ where
     /// decision, in the same pass.
     fn call_observed<Req>(
         &mut self,
-        key: TenantKey,
+        key: &TenantKey,
         cost: u64,
         req: Req,
         now: tower_limits_core::Instant,
@@ -163,20 +178,20 @@ where
         A: Annotate<Req, B::Grant>,
     {
         let shared = &self.shared;
-        let mut observed = shared.backend.acquire_observed(&key, cost, now);
+        let mut observed = shared.backend.acquire_observed(key, cost, now);
         match Pin::new(&mut observed).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready((Ok(grant), seen)) => self.admitted(&key, grant, req, Some(seen.into_boxed_slice())),
+            Poll::Ready((Ok(grant), seen)) => self.admitted(key, grant, req, Some(seen.into_boxed_slice())),
             Poll::Ready((Err(e), seen)) => {
                 let error = LimitError::from(e);
                 if shared.settings.shadow {
                     return self.pass(error, req, Some(seen));
                 }
                 if shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
-                    return self.wait(key, cost, req, None);
+                    return self.wait(key.clone(), cost, req, None);
                 }
                 self.refuse(error, Some(seen))
             }
-            Poll::Pending => self.wait(key, cost, req, Some(observed)),
+            Poll::Pending => self.wait(key.clone(), cost, req, Some(observed)),
         }
     }
 
