@@ -4,7 +4,9 @@
 //! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
 //! `keyed1`, `gov-keyed1`, `layer` and `gov-layer` (our GCRA layer and tower_governor's
 //! over the same bare service, error mode), `headers` and `gov-headers` (the same with
-//! the rate-limit header fields on every success), `none` (the loop and the clock alone).
+//! the rate-limit header fields on every success), `peer` and `gov-peer` (both layers
+//! keyed by the peer's IP address, 1,000 peers in turn), `none` (the loop and the clock
+//! alone).
 
 #![allow(clippy::print_stdout)]
 
@@ -22,7 +24,7 @@ use http::{Request, Response};
 use tower::{Layer, Service};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::key_extractor::GlobalKeyExtractor;
+use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
@@ -82,8 +84,16 @@ fn main() {
         return;
     };
     let mut gov_headers = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut peer = GcraLayer::new(open_quota).key(tower_limits::extract::PeerIp).system_clock().layer(bare());
+    let mut config = GovernorConfigBuilder::default();
+    config.per_nanosecond(1).burst_size(1_000_000);
+    let Some(config) = config.key_extractor(PeerIpKeyExtractor).finish() else {
+        println!("bad governor config");
+        return;
+    };
+    let mut gov_peer = GovernorLayer::<_, _, Body>::new(config).layer(bare());
     let mut hits = 0u64;
-    for _ in 0..n {
+    for i in 0..n {
         let ok = match op.as_str() {
             "allow" => open.acquire(&global, 1, clock.now()).is_ok(),
             "deny" => shut.acquire(&global, 1, clock.now()).is_err(),
@@ -96,6 +106,8 @@ fn main() {
             "gov-layer" => drive(&mut gov_layer),
             "headers" => drive(&mut headers),
             "gov-headers" => drive(&mut gov_headers),
+            "peer" => drive_request(&mut peer, from_peer(i)),
+            "gov-peer" => drive_request(&mut gov_peer, from_peer(i)),
             _ => black_box(clock.now()) > tower_limits_core::Instant::ZERO,
         };
         hits += u64::from(black_box(ok));
@@ -111,10 +123,25 @@ fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Fu
 
 /// One request through `svc`, polled once with a no-op waker.
 fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> bool {
+    drive_request(svc, Request::new(()))
+}
+
+/// `req` through `svc`, polled once with a no-op waker.
+fn drive_request<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
     let mut cx = Context::from_waker(Waker::noop());
     if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
         return false;
     }
-    let fut = pin!(svc.call(Request::new(())));
+    let fut = pin!(svc.call(req));
     matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
+}
+
+/// A request from peer `i % 1000`, its address where axum and hyper put it.
+fn from_peer(i: u64) -> Req {
+    let n = (i % 1_000) as u32;
+    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
+    let mut req = Request::new(());
+    req.extensions_mut().insert(addr);
+    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
+    req
 }
