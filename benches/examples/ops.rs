@@ -65,33 +65,29 @@ fn main() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().ok();
     let _enter = rt.as_ref().map(tokio::runtime::Runtime::enter);
     let open_quota = tower_limits::Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000));
-    let mut layer = GcraLayer::new(open_quota).system_clock().layer(bare());
-    let mut config = GovernorConfigBuilder::default();
-    config.per_nanosecond(1).burst_size(1_000_000);
-    let Some(config) = config.key_extractor(GlobalKeyExtractor).finish() else {
+    // tower_governor's configurations: the same open quota, with three key extractors.
+    let governed = || {
+        let mut config = GovernorConfigBuilder::default();
+        config.per_nanosecond(1).burst_size(1_000_000);
+        config
+    };
+    let (Some(global_config), Some(headers_config), Some(peer_config)) = (
+        governed().key_extractor(GlobalKeyExtractor).finish(),
+        governed().key_extractor(GlobalKeyExtractor).use_headers().finish(),
+        governed().key_extractor(PeerIpKeyExtractor).finish(),
+    ) else {
         println!("bad governor config");
         return;
     };
-    let mut gov_layer = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut layer = GcraLayer::new(open_quota).system_clock().layer(bare());
+    let mut gov_layer = GovernorLayer::<_, _, Body>::new(global_config).layer(bare());
     let mut headers = GcraLayer::new(open_quota)
         .system_clock()
         .reject_with(tower_limits::http::HttpAnswer::new().on_success())
         .layer(bare());
-    let mut config = GovernorConfigBuilder::default();
-    config.per_nanosecond(1).burst_size(1_000_000);
-    let Some(config) = config.key_extractor(GlobalKeyExtractor).use_headers().finish() else {
-        println!("bad governor config");
-        return;
-    };
-    let mut gov_headers = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut gov_headers = GovernorLayer::<_, _, Body>::new(headers_config).layer(bare());
     let mut peer = GcraLayer::new(open_quota).key(tower_limits::extract::PeerIp).system_clock().layer(bare());
-    let mut config = GovernorConfigBuilder::default();
-    config.per_nanosecond(1).burst_size(1_000_000);
-    let Some(config) = config.key_extractor(PeerIpKeyExtractor).finish() else {
-        println!("bad governor config");
-        return;
-    };
-    let mut gov_peer = GovernorLayer::<_, _, Body>::new(config).layer(bare());
+    let mut gov_peer = GovernorLayer::<_, _, Body>::new(peer_config).layer(bare());
     let mut hits = 0u64;
     for i in 0..n {
         let ok = match op.as_str() {

@@ -500,19 +500,7 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     }
 
     fn add_tenant(&mut self, key: K, hash: u64, weight: u32) -> u32 {
-        let record = Tenant {
-            key,
-            hash,
-            tag: self.vtime,
-            rem: 0,
-            weight,
-            head: NONE,
-            tail: NONE,
-            len: 0,
-            queued_cost: 0,
-            dispatched: 0,
-            dispatched_cost: 0,
-        };
+        let record = Tenant::new(key, hash, self.vtime, weight);
         let slot = match self.free_tenants.pop() {
             Some(slot) => {
                 self.tenants[slot as usize] = Some(record);
@@ -769,19 +757,7 @@ mod tests {
         }
         let order: String = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
         assert_eq!(order, "baaaba");
-        let mut t = Tenant {
-            key: (),
-            hash: 0,
-            tag: 0,
-            rem: 0,
-            weight: 7,
-            head: NONE,
-            tail: NONE,
-            len: 0,
-            queued_cost: 0,
-            dispatched: 0,
-            dispatched_cost: 0,
-        };
+        let mut t = Tenant::new((), 0, 0, 7);
         for _ in 0..7_000 {
             t.advance(3);
         }
@@ -798,19 +774,7 @@ mod tests {
     /// new weight's fractions: 2/3 becomes 4/5, and 2/3 at weight 2 makes a whole unit.
     #[test]
     fn reweighting_carries_the_remainder() {
-        let tenant = |rem: u32, weight: u32| Tenant {
-            key: (),
-            hash: 0,
-            tag: 10,
-            rem,
-            weight,
-            head: NONE,
-            tail: NONE,
-            len: 0,
-            queued_cost: 0,
-            dispatched: 0,
-            dispatched_cost: 0,
-        };
+        let tenant = |rem: u32, weight: u32| Tenant { rem, ..Tenant::new((), 0, 10, weight) };
         let mut t = tenant(2, 3);
         assert!(!t.reweight(5));
         assert_eq!((t.tag, t.rem, t.weight), (10, 4, 5));

@@ -7,6 +7,8 @@
 //! a remainder has it rounded up to the new weight, which delays it by less than 2⁻³².
 //! Tags saturate rather than overflow.
 
+use super::slab::NONE;
+
 /// Tags count virtual time in units of 2^-FRACTION_BITS of one cost unit per weight.
 pub(super) const FRACTION_BITS: u32 = 32;
 
@@ -27,6 +29,23 @@ pub(super) struct Tenant<K> {
 }
 
 impl<K> Tenant<K> {
+    /// A tenant with nothing queued or dispatched yet, its tag at `tag`.
+    pub(super) fn new(key: K, hash: u64, tag: u128, weight: u32) -> Self {
+        Tenant {
+            key,
+            hash,
+            tag,
+            rem: 0,
+            weight,
+            head: NONE,
+            tail: NONE,
+            len: 0,
+            queued_cost: 0,
+            dispatched: 0,
+            dispatched_cost: 0,
+        }
+    }
+
     /// The finish tag after serving `cost` from the current start tag, carrying the
     /// remainder. `cost * 2^32 / weight` is computed in two 64-bit divisions.
     pub(super) fn advance(&mut self, cost: u64) {
