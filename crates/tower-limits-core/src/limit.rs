@@ -274,9 +274,55 @@ pub(crate) struct Config {
     pub(crate) fresh: Vec<LimitState>,
     /// How many limits are keyed by a tier: the states one key needs.
     pub(crate) keyed_limits: usize,
+    /// What grants keep of it.
+    pub(crate) shape: &'static Shape,
 }
 
 pub(crate) static VERSIONS: AtomicU64 = AtomicU64::new(1);
+
+/// What a grant needs of the policy it was made under, to release its semaphores (also
+/// after a replace) and to name the shadow limits that would have refused it. It lives as
+/// long as the process, interned by content like the names in it: a grant refers to it
+/// with no reference count, so grants on many cores write no shared line for it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub(crate) tiers: Vec<&'static str>,
+    pub(crate) limits: Vec<LimitShape>,
+    pub(crate) has_semaphore: bool,
+}
+
+/// One limit of a [`Shape`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct LimitShape {
+    pub(crate) name: &'static str,
+    pub(crate) tier: Option<usize>,
+    pub(crate) kind: AlgorithmKind,
+    pub(crate) counts: Counts,
+}
+
+impl Shape {
+    /// The shape of a policy's limits, stored once per distinct shape: the memory it
+    /// takes is bounded by the policies a process ever builds, not by how often.
+    pub(crate) fn interned(tiers: &[&'static str], limits: &[LimitDef]) -> &'static Shape {
+        // Few distinct shapes, looked up only when a set is built or replaced.
+        static SHAPES: Mutex<Vec<&'static Shape>> = Mutex::new(Vec::new());
+        let shape = Shape {
+            tiers: tiers.to_vec(),
+            limits: limits
+                .iter()
+                .map(|l| LimitShape { name: l.name, tier: l.tier, kind: l.limit.kind(), counts: l.counts })
+                .collect(),
+            has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
+        };
+        let mut shapes = SHAPES.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(known) = shapes.iter().find(|known| ***known == shape) {
+            return known;
+        }
+        let leaked: &'static Shape = Box::leak(Box::new(shape));
+        shapes.push(leaked);
+        leaked
+    }
+}
 
 /// Limit and tier names live as long as the process, so that a denial can name its limit
 /// without a reference count on the hot path. Each distinct name is stored once, so the
@@ -297,11 +343,11 @@ pub fn intern(name: &str) -> &'static str {
 impl Config {
     /// The index in `self` of the limit that `other.limits[i]` became: same name, same
     /// algorithm and same scope, or none.
-    pub(crate) fn successor(&self, other: &Config, i: usize) -> Option<usize> {
+    pub(crate) fn successor(&self, other: &Shape, i: usize) -> Option<usize> {
         let old = &other.limits[i];
         self.limits.iter().position(|l| {
             l.name == old.name
-                && l.limit.kind() == old.limit.kind()
+                && l.limit.kind() == old.kind
                 && l.tier.map(|t| self.tiers[t]) == old.tier.map(|t| other.tiers[t])
                 && l.tier == old.tier
         })

@@ -47,7 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{FixedWindow, Gcra, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket};
 use crate::key::MAX_TIERS;
-use crate::limit::{Config, LimitDef, VERSIONS, intern};
+use crate::limit::{Config, LimitDef, Shape, VERSIONS, intern};
 use crate::rate::Rate;
 
 pub use crate::limit::{AlgorithmKind, Counts, Limit, MAX_LIMITS, Scope};
@@ -462,9 +462,11 @@ impl Config {
             let limit = Limit::from_policy(p).map_err(|e| e.within(&at))?;
             limits.push(LimitDef { name: intern(&p.name), tier, counts: p.counts, limit, shadow: p.shadow });
         }
+        let tiers: Vec<&'static str> = policy.tiers.iter().map(|t| intern(t)).collect();
         Ok(Config {
             version: VERSIONS.fetch_add(1, Ordering::Relaxed),
-            tiers: policy.tiers.iter().map(|t| intern(t)).collect(),
+            shape: Shape::interned(&tiers, &limits),
+            tiers,
             has_global: limits.iter().any(|l| l.tier.is_none()),
             has_tiered: limits.iter().any(|l| l.tier.is_some()),
             has_semaphore: limits.iter().any(|l| l.limit.is_semaphore()),
@@ -481,6 +483,26 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Grants refer to their policy's shape without a reference count: it is stored once
+    /// per distinct shape, however often a set is built or replaced with it.
+    #[test]
+    fn a_shape_is_stored_once() {
+        let policy = |quota: u64| {
+            LimitSetPolicy::new()
+                .tiers(["org", "user"])
+                .limit(LimitPolicy::gcra("requests", Rate::per_second(quota), 2).per("user"))
+                .limit(LimitPolicy::semaphore("concurrent", 4).per("org"))
+        };
+        let (a, b) = (Config::build(&policy(10)).unwrap(), Config::build(&policy(20)).unwrap());
+        assert!(std::ptr::eq(a.shape, b.shape), "quotas are not part of the shape");
+        assert_ne!(a.version, b.version);
+        let other = Config::build(&policy(10).limit(LimitPolicy::semaphore("more", 4).per("user"))).unwrap();
+        assert!(!std::ptr::eq(a.shape, other.shape));
+        assert_eq!(other.shape.limits.len(), 3);
+        assert!(other.shape.has_semaphore);
+        assert_eq!((other.shape.limits[2].name, other.shape.limits[2].tier), ("more", Some(1)));
+    }
 
     #[test]
     fn durations_round_trip() {

@@ -60,7 +60,7 @@ impl Shared {
             }
             match decision {
                 Some(Decision::Granted(granted_at, version)) => {
-                    return Ok(Granted { granted_at, version, config: None, shadowed: 0 });
+                    return Ok(Granted { granted_at, version, shape: None, shadowed: 0 });
                 }
                 Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
                 Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
@@ -350,7 +350,7 @@ impl Shared {
             count_shadowed(counters, shadowed);
         }
         let keep = cfg.has_semaphore || shadowed != 0;
-        Ok(Granted { granted_at: now, version: cfg.version, config: keep.then(|| config.clone()), shadowed })
+        Ok(Granted { granted_at: now, version: cfg.version, shape: keep.then_some(cfg.shape), shadowed })
     }
 
     /// The decision for a set of one limit: one lookup, check and commit together.
@@ -372,7 +372,7 @@ impl Shared {
             let counters = counters(&mut shard, &mut global);
             counters.admitted += 1;
             counters.shadow_denied[0] += 1;
-            return Ok(Granted { granted_at: now, version: cfg.version, config: Some(config.clone()), shadowed: 1 });
+            return Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 });
         }
         let (result, counters) = match (def.tier, shard, global) {
             (None, _, Some(g)) => {
@@ -416,7 +416,7 @@ impl Shared {
                 Ok(Granted {
                     granted_at: now,
                     version: cfg.version,
-                    config: cfg.has_semaphore.then(|| config.clone()),
+                    shape: cfg.has_semaphore.then_some(cfg.shape),
                     shadowed: 0,
                 })
             }
@@ -424,7 +424,7 @@ impl Shared {
                 // Would have refused: admitted uncharged, and counted.
                 counters.admitted += 1;
                 counters.shadow_denied[0] += 1;
-                Ok(Granted { granted_at: now, version: cfg.version, config: Some(config.clone()), shadowed: 1 })
+                Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 })
             }
             Err((Refusal::Never { capacity }, _)) => {
                 counters.impossible[0] += 1;

@@ -208,7 +208,7 @@ impl LimitSet {
         let charged = fast.cost(cost);
         Some(match fast.acquire(charged, now)? {
             Decision::Granted(granted_at, version) => {
-                Ok(Grant::new(Costs::Uniform(cost), Granted { granted_at, version, config: None, shadowed: 0 }))
+                Ok(Grant::new(Costs::Uniform(cost), Granted { granted_at, version, shape: None, shadowed: 0 }))
             }
             Decision::Denied(tat, at) => Err(fast_denied(fast, tat, at, charged)),
             Decision::Never(capacity) => Err(fast_never(fast, charged, capacity)),
@@ -324,7 +324,7 @@ impl LimitSet {
         let probe = Grant {
             granted_at: now,
             version: ANY_VERSION,
-            config: None,
+            shape: None,
             acquired: Costs::Uniform(0),
             settled: None,
             shadowed: 0,
@@ -419,7 +419,7 @@ impl LimitSet {
         let mut shards: Vec<_> = self.shared.shards.iter().map(|s| lock(&s.0)).collect();
         let mut global = lock(&self.shared.global.0);
         let old = global.config.clone();
-        let moves: Vec<Option<usize>> = (0..old.limits.len()).map(|i| new.successor(&old, i)).collect();
+        let moves: Vec<Option<usize>> = (0..old.limits.len()).map(|i| new.successor(old.shape, i)).collect();
         let cap = shard_cap(new.max_keys, shards.len());
         for shard in &mut shards {
             let k = &mut shard.keyed;
@@ -480,7 +480,7 @@ impl LimitSet {
 fn granted_as(current: &Config, grant: &Grant, j: usize) -> Option<usize> {
     if current.version == grant.version || grant.version == ANY_VERSION {
         Some(j)
-    } else if let Some(old) = &grant.config {
+    } else if let Some(old) = grant.shape {
         (0..old.limits.len()).find(|&i| current.successor(old, i) == Some(j))
     } else {
         None
@@ -532,10 +532,10 @@ impl Shared {
     }
 
     fn release(&self, key: &TenantKey, grant: &Grant) {
-        let Some(config) = &grant.config else { return };
+        let Some(shape) = grant.shape else { return };
         let op_for = |i: usize, def: &LimitDef| {
             (def.limit.is_semaphore() && !grant.shadowed(i))
-                .then(|| Op::Release(grant.acquired.of(i, &config.limits[i])))
+                .then(|| Op::Release(grant.acquired.counting(i, shape.limits[i].counts)))
         };
         if !key.is_global() {
             // When every semaphore of the current policy is keyed, the release touches the

@@ -4,16 +4,16 @@
 //! A grant remembers what the set needs to correct it later: the instant it was made at,
 //! the policy version it was made under (a settle after a replace maps it by name), the
 //! costs acquired and those last settled to. Rate limits need nothing on drop; a grant
-//! holds a handle to its config only when the policy has semaphores, so that a release
-//! after a replace still finds them. A permit borrows or owns the set and the key and
-//! releases on drop; a bare `Grant` leaves that duty with its holder.
+//! refers to its policy's shape (interned, no reference count) only when the policy has
+//! semaphores or a shadow limit refused it, so that a release after a replace still
+//! finds the semaphores and the refusals can be named. A permit borrows or owns the set
+//! and the key and releases on drop; a bare `Grant` leaves that duty with its holder.
 
 use std::fmt;
-use std::sync::Arc;
 
 use super::LimitSet;
 use crate::key::TenantKey;
-use crate::limit::{Config, LimitDef};
+use crate::limit::{LimitDef, Shape};
 use crate::policy::Counts;
 use crate::time::Instant;
 
@@ -29,8 +29,14 @@ pub(super) enum Costs {
 impl Costs {
     #[inline]
     pub(super) fn of(&self, i: usize, def: &LimitDef) -> u64 {
+        self.counting(i, def.counts)
+    }
+
+    /// The cost of limit `i`, which counts `counts`.
+    #[inline]
+    pub(super) fn counting(&self, i: usize, counts: Counts) -> u64 {
         match self {
-            Costs::Uniform(cost) => match def.counts {
+            Costs::Uniform(cost) => match counts {
                 Counts::Requests => 1,
                 Counts::Cost => *cost,
             },
@@ -50,9 +56,9 @@ impl Costs {
 pub struct Grant {
     pub(super) granted_at: Instant,
     pub(super) version: u64,
-    /// Kept only when the policy has semaphores, so that a release after a policy change
-    /// can still find them by name.
-    pub(super) config: Option<Arc<Config>>,
+    /// Kept only when the policy has semaphores (so that a release after a policy change
+    /// can still find them by name) or a shadow limit refused it.
+    pub(super) shape: Option<&'static Shape>,
     /// The costs acquired: what semaphores release, whatever was settled since.
     pub(super) acquired: Costs,
     /// The costs rate limits were last settled to, if ever.
@@ -67,7 +73,7 @@ pub struct Grant {
 pub(super) struct Granted {
     pub(super) granted_at: Instant,
     pub(super) version: u64,
-    pub(super) config: Option<Arc<Config>>,
+    pub(super) shape: Option<&'static Shape>,
     pub(super) shadowed: u16,
 }
 
@@ -82,7 +88,7 @@ impl Grant {
     /// dropping the grant loses nothing.
     #[must_use]
     pub fn holds_concurrency(&self) -> bool {
-        self.config.as_ref().is_some_and(|c| c.has_semaphore)
+        self.shape.is_some_and(|s| s.has_semaphore)
     }
 
     /// The limits in shadow mode that would have refused this grant (see
@@ -106,12 +112,12 @@ impl Grant {
     /// ```
     pub fn shadow_refusals(&self) -> impl Iterator<Item = (&'static str, Option<&'static str>)> + '_ {
         let shadowed = self.shadowed;
-        self.config.iter().filter(move |_| shadowed != 0).flat_map(move |c| {
-            c.limits
+        self.shape.into_iter().filter(move |_| shadowed != 0).flat_map(move |s| {
+            s.limits
                 .iter()
                 .enumerate()
                 .filter(move |&(i, _)| shadowed & (1 << i) != 0)
-                .map(|(_, def)| (def.name, def.tier.map(|t| c.tiers[t])))
+                .map(|(_, def)| (def.name, def.tier.map(|t| s.tiers[t])))
         })
     }
 
@@ -127,7 +133,7 @@ impl Grant {
         Grant {
             granted_at: g.granted_at,
             version: g.version,
-            config: g.config,
+            shape: g.shape,
             acquired: costs,
             settled: None,
             shadowed: g.shadowed,
