@@ -28,6 +28,10 @@
 //!   one (a charge or a refund), and optionally release the grant's semaphore holds.
 //!   Cancel is a settle to zero with a release.
 //! - `n`, renew: push the grant's semaphore lease deadlines to `now + lease`.
+//! - `r`, release (then the holder id and the cost acquired): what `s` does with a
+//!   release and no correction, written out first in the script so that it runs before
+//!   the clock is read and the settle's tables and helpers are built (a release costs the
+//!   server about a third of what it did through `s`).
 //!
 //! # Time and exact integers
 //!
@@ -96,6 +100,9 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     let mut s = String::with_capacity(8192);
     s.push_str("-- tower-limits-redis: the limit script of one set (see the crate docs)\n");
     s.push_str("local call, floor, fmt, match, sub, tonumber = redis.call, math.floor, string.format, string.match, string.sub, tonumber\n");
+    // The release first: it needs neither the clock nor the tables and helpers below,
+    // which the server would otherwise build on every call.
+    release_branch(&mut s, limits);
     if manual_clock {
         // Test-only: the caller's clock, and expiries an hour longer so that keys never
         // expire in real time before they are idle in the test's time.
@@ -326,6 +333,31 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     s.push_str(MULDIV);
     s.push_str(SETTLE);
     s
+}
+
+/// `r`, release (then the holder id and the cost acquired): the grant's semaphore holds
+/// leave, as in a settle with a release, written out per semaphore of the set.
+fn release_branch(s: &mut String, limits: &[ScriptLimit]) {
+    s.push_str("if ARGV[1] == 'r' then\n  local uid, acq = ARGV[2], tonumber(ARGV[3])\n");
+    for (n, l) in limits.iter().enumerate() {
+        let i = n + 1;
+        let _ = match *l {
+            ScriptLimit::Semaphore { cost: false, .. } => writeln!(s, "  call('ZREM', KEYS[{i}], uid .. ':1')"),
+            ScriptLimit::Semaphore { cost: true, .. } => write!(
+                s,
+                "  if acq > 0 and call('ZREM', KEYS[{i}], uid .. ':' .. fmt('%.0f', acq)) == 1 then
+    local t = call('ZSCORE', KEYS[{i}], '=')
+    local held = (t and (-tonumber(t) - 1) or 0) - acq
+    if held < 0 then held = 0 end
+    if held == 0 and call('ZCARD', KEYS[{i}]) == 1 then call('DEL', KEYS[{i}])
+    else call('ZADD', KEYS[{i}], fmt('%.0f', -held - 1), '=') end
+  end
+"
+            ),
+            _ => Ok(()),
+        };
+    }
+    s.push_str("  return 1\nend\n");
 }
 
 fn cost_of(counts_cost: bool) -> &'static str {

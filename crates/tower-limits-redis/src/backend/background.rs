@@ -89,13 +89,20 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
         // the holds of requests that ended during a stall outlived it and refused new
         // requests until the release's backoff ran out.
         {
-            let (now_us, now_sub) = inner.now_args(op.now);
             let n = |v: u64| v.min(EXACT).to_string();
-            let (us, sub, acq) = (n(op.us), n(op.sub), n(op.acquired));
-            let (rq0, rq1, c0, c1) = (n(op.req.0), n(op.req.1), n(op.cost.0), n(op.cost.1));
-            let release = if op.release { "1" } else { "0" };
-            let args = ["s", &now_us, &now_sub, &op.id, &us, &sub, &acq, &rq0, &rq1, &c0, &c1, release];
-            match inner.call(&keys, &args).await {
+            let acq = n(op.acquired);
+            let sent = if op.release && !op.adjusts() {
+                // A release alone: the script's short operation.
+                inner.call(&keys, &["r", &op.id, &acq]).await
+            } else {
+                let (now_us, now_sub) = inner.now_args(op.now);
+                let (us, sub) = (n(op.us), n(op.sub));
+                let (rq0, rq1, c0, c1) = (n(op.req.0), n(op.req.1), n(op.cost.0), n(op.cost.1));
+                let release = if op.release { "1" } else { "0" };
+                let args = ["s", &now_us, &now_sub, &op.id, &us, &sub, &acq, &rq0, &rq1, &c0, &c1, release];
+                inner.call(&keys, &args).await
+            };
+            match sent {
                 Ok(_) => {
                     bump(&inner.stats.background_ops);
                     return;
