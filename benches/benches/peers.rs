@@ -454,7 +454,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
             .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user")),
         "single",
     );
-    let three = backend(
+    let three_policy = || {
         LimitSetPolicy::new()
             .tiers(["org", "user"])
             .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
@@ -463,9 +463,9 @@ fn redis_rows(rows: &mut Vec<Row>) {
                     .per("org")
                     .counting_cost(),
             )
-            .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org")),
-        "three",
-    );
+            .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
+    };
+    let three = backend(three_policy(), "three");
     let keys: Arc<[TenantKey]> =
         (0..1_000).map(|i| TenantKey::new([format!("org-{}", i / 10), format!("user-{i}")]).expect("key")).collect();
     const IN_FLIGHT: usize = 64;
@@ -543,6 +543,64 @@ fn redis_rows(rows: &mut Vec<Row>) {
                     .arg(format!("plain:{{{org}}}:t"))
                     .arg(format!("plain:{{{org}}}:s"))
                     .arg(round)
+                    .query_async(&mut raw.clone())
+                    .await
+                    .expect("EVALSHA");
+            }
+        });
+        row.ours.push(ours);
+        row.theirs.push(usec_per_evalsha(&mut raw));
+    }
+    rows.push(row);
+
+    // A whole request: the acquisition and, once it is done, the release of its
+    // semaphore; the plain side releases with a `DECR`. Two calls a request on each side,
+    // so the ratio per call is the ratio per request. A backend of its own: the rows above
+    // never release, and their semaphores' sets hold every grant they made for a lease,
+    // which makes each write to them dearer than in a service, where a set holds only the
+    // requests in flight.
+    let three = backend(three_policy(), "three-released");
+    let release_sha: String = rt
+        .block_on(redis::cmd("SCRIPT").arg("LOAD").arg("return redis.call('DECR', KEYS[1])").query_async(&mut raw))
+        .expect("SCRIPT LOAD");
+    let mut row = Row {
+        name: "Redis CPU per call, acquire + release: 3 limits / plain".into(),
+        ours: Vec::new(),
+        theirs: Vec::new(),
+        unit: "us",
+    };
+    for round in 0..ROUNDS {
+        reset(&mut raw);
+        rt.block_on(async {
+            for i in 0..CALLS {
+                let key = &keys[(i as usize * 7919) % keys.len()];
+                if let Ok(grant) = three.acquire(key, 1, tower_limits_core::Instant::ZERO).await {
+                    three.release(key, grant);
+                }
+            }
+            three.flush().await;
+        });
+        let ours = usec_per_evalsha(&mut raw);
+        reset(&mut raw);
+        rt.block_on(async {
+            for i in 0..CALLS {
+                let key = &keys[(i as usize * 7919) % keys.len()];
+                let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
+                let held = format!("plain:{{{org}}}:s");
+                let _: redis::Value = redis::cmd("EVALSHA")
+                    .arg(&sha)
+                    .arg(3)
+                    .arg(format!("plain:{{{org}}}:{user}:g"))
+                    .arg(format!("plain:{{{org}}}:t"))
+                    .arg(&held)
+                    .arg(round)
+                    .query_async(&mut raw.clone())
+                    .await
+                    .expect("EVALSHA");
+                let _: redis::Value = redis::cmd("EVALSHA")
+                    .arg(&release_sha)
+                    .arg(1)
+                    .arg(&held)
                     .query_async(&mut raw.clone())
                     .await
                     .expect("EVALSHA");
