@@ -114,6 +114,11 @@ fn median(v: &[f64]) -> f64 {
 }
 
 impl Row {
+    /// A row with no rounds yet.
+    fn new(name: impl Into<String>, unit: &'static str) -> Row {
+        Row { name: name.into(), ours: Vec::new(), theirs: Vec::new(), unit }
+    }
+
     fn print(&self) {
         let ratios: Vec<f64> = self.ours.iter().zip(&self.theirs).map(|(o, t)| o / t).collect();
         let mut sorted = ratios.clone();
@@ -134,7 +139,7 @@ impl Row {
 
 /// Times `ours` and `theirs` per call, interleaved over the rounds.
 fn pair(name: &str, ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) -> Row {
-    let mut row = Row { name: name.to_string(), ours: Vec::new(), theirs: Vec::new(), unit: "ns" };
+    let mut row = Row::new(name, "ns");
     for round in 0..ROUNDS {
         if round % 2 == 0 {
             row.ours.push(per_call(ours));
@@ -199,12 +204,7 @@ fn main() {
     }
     let mut ours_one = Vec::new();
     for &threads in &thread_counts {
-        let mut row = Row {
-            name: format!("one limit, {threads} threads: ops/s (ours / governor)"),
-            ours: Vec::new(),
-            theirs: Vec::new(),
-            unit: "Mop/s",
-        };
+        let mut row = Row::new(format!("one limit, {threads} threads: ops/s (ours / governor)"), "Mop/s");
         let ours = open_set();
         let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000))));
         let ours_op: Arc<dyn Fn() + Send + Sync> = {
@@ -338,7 +338,7 @@ fn from_peer(n: u32) -> Req {
 /// times the bare service, ours and theirs (in turn), and keeps ours - bare and theirs -
 /// bare.
 fn overhead(name: &str, bare: &mut dyn FnMut(), ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) -> Row {
-    let mut row = Row { name: name.to_string(), ours: Vec::new(), theirs: Vec::new(), unit: "ns" };
+    let mut row = Row::new(name, "ns");
     for round in 0..ROUNDS {
         let (o, t, b) = if round % 2 == 0 {
             let b = per_call(bare);
@@ -490,12 +490,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
             CALLS as f64 / start.elapsed().as_secs_f64() / 1e3
         })
     };
-    let mut row = Row {
-        name: format!("Redis, {IN_FLIGHT} in flight: 3 limits / 1 GCRA kop/s"),
-        ours: Vec::new(),
-        theirs: Vec::new(),
-        unit: "kop/s",
-    };
+    let mut row = Row::new(format!("Redis, {IN_FLIGHT} in flight: 3 limits / 1 GCRA kop/s"), "kop/s");
     for round in 0..ROUNDS {
         if round % 2 == 0 {
             row.ours.push(throughput(&three));
@@ -521,12 +516,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
     let reset = |raw: &mut redis::aio::MultiplexedConnection| {
         let () = rt.block_on(redis::cmd("CONFIG").arg("RESETSTAT").query_async(raw)).expect("RESETSTAT");
     };
-    let mut row = Row {
-        name: "Redis CPU per call: 3 limits / plain 3-key script".into(),
-        ours: Vec::new(),
-        theirs: Vec::new(),
-        unit: "us",
-    };
+    let mut row = Row::new("Redis CPU per call: 3 limits / plain 3-key script", "us");
     for round in 0..ROUNDS {
         reset(&mut raw);
         throughput(&three);
@@ -535,17 +525,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
         rt.block_on(async {
             for i in 0..CALLS {
                 let key = &keys[(i as usize * 7919) % keys.len()];
-                let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
-                let _: redis::Value = redis::cmd("EVALSHA")
-                    .arg(&sha)
-                    .arg(3)
-                    .arg(format!("plain:{{{org}}}:{user}:g"))
-                    .arg(format!("plain:{{{org}}}:t"))
-                    .arg(format!("plain:{{{org}}}:s"))
-                    .arg(round)
-                    .query_async(&mut raw.clone())
-                    .await
-                    .expect("EVALSHA");
+                plain_acquire(&mut raw.clone(), &sha, key, round).await;
             }
         });
         row.ours.push(ours);
@@ -563,12 +543,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
     let release_sha: String = rt
         .block_on(redis::cmd("SCRIPT").arg("LOAD").arg("return redis.call('DECR', KEYS[1])").query_async(&mut raw))
         .expect("SCRIPT LOAD");
-    let mut row = Row {
-        name: "Redis CPU per call, acquire + release: 3 limits / plain".into(),
-        ours: Vec::new(),
-        theirs: Vec::new(),
-        unit: "us",
-    };
+    let mut row = Row::new("Redis CPU per call, acquire + release: 3 limits / plain", "us");
     for round in 0..ROUNDS {
         reset(&mut raw);
         rt.block_on(async {
@@ -585,18 +560,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
         rt.block_on(async {
             for i in 0..CALLS {
                 let key = &keys[(i as usize * 7919) % keys.len()];
-                let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
-                let held = format!("plain:{{{org}}}:s");
-                let _: redis::Value = redis::cmd("EVALSHA")
-                    .arg(&sha)
-                    .arg(3)
-                    .arg(format!("plain:{{{org}}}:{user}:g"))
-                    .arg(format!("plain:{{{org}}}:t"))
-                    .arg(&held)
-                    .arg(round)
-                    .query_async(&mut raw.clone())
-                    .await
-                    .expect("EVALSHA");
+                let held = plain_acquire(&mut raw.clone(), &sha, key, round).await;
                 let _: redis::Value = redis::cmd("EVALSHA")
                     .arg(&release_sha)
                     .arg(1)
@@ -611,6 +575,28 @@ fn redis_rows(rows: &mut Vec<Row>) {
     }
     rows.push(row);
     drop(server);
+}
+
+/// One acquisition through the plain script for `key`; returns the key of its counter.
+async fn plain_acquire(
+    raw: &mut redis::aio::MultiplexedConnection,
+    sha: &str,
+    key: &TenantKey,
+    round: usize,
+) -> String {
+    let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
+    let held = format!("plain:{{{org}}}:s");
+    let _: redis::Value = redis::cmd("EVALSHA")
+        .arg(sha)
+        .arg(3)
+        .arg(format!("plain:{{{org}}}:{user}:g"))
+        .arg(format!("plain:{{{org}}}:t"))
+        .arg(&held)
+        .arg(round)
+        .query_async(raw)
+        .await
+        .expect("EVALSHA");
+    held
 }
 
 /// A plain hand-written script over three keys: a GCRA, a token bucket and a semaphore
