@@ -1,1 +1,59 @@
 //! Criterion benchmarks live in `benches/benches/`; run them with `cargo bench -p tower-limits-benches`.
+//!
+//! This library holds what the Tower rows of several benchmarks share: the bare service
+//! every middleware wraps, the requests it gets, and one way to drive them.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use axum::body::Body;
+use http::{Request, Response};
+use tower::Service;
+
+/// The request of every Tower row.
+pub type Req = Request<()>;
+
+/// The bare service every middleware wraps: it answers `200` at once.
+///
+/// ```
+/// let mut svc = tower_limits_benches::bare();
+/// assert!(tower_limits_benches::drive(&mut svc, http::Request::new(())));
+/// ```
+pub fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Future: Send> + Clone + Send + 'static
+{
+    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, Infallible>(Response::new(Body::empty()))))
+}
+
+/// One request through `svc`, polled once with a no-op waker (every service here
+/// answers at once): whether it answered `Ok`.
+///
+/// ```
+/// let mut svc = tower_limits_benches::bare();
+/// assert!(tower_limits_benches::drive(&mut svc, tower_limits_benches::from_peer(7)));
+/// ```
+pub fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
+        return false;
+    }
+    let fut = pin!(svc.call(req));
+    matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
+}
+
+/// A request from peer `n` (`10.x.y.z`), its address where axum and a bare hyper accept
+/// loop record it.
+///
+/// ```
+/// let req = tower_limits_benches::from_peer(258);
+/// let addr = req.extensions().get::<std::net::SocketAddr>().unwrap();
+/// assert_eq!(addr.ip().to_string(), "10.0.1.2");
+/// ```
+pub fn from_peer(n: u32) -> Req {
+    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
+    let mut req = Request::new(());
+    req.extensions_mut().insert(addr);
+    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
+    req
+}

@@ -23,14 +23,7 @@ use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::extract::{GlobalKey, NoUsage, One, PeerIp};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, nz};
-
-type Req = Request<()>;
-
-fn bare()
--> impl Service<Req, Response = Response<Body>, Error = std::convert::Infallible, Future: Send> + Clone + Send + 'static
-{
-    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))))
-}
+use tower_limits_benches::{Req, bare, from_peer};
 
 /// One request through `svc`, polled to completion with a no-op waker: the status.
 fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> u16 {
@@ -108,16 +101,6 @@ fn allow(c: &mut Criterion) {
         .finish()
         .expect("config");
     bench_service(c, "allow/tower_governor", GovernorLayer::<_, _, Body>::new(config).layer(bare()), StatusCode::OK);
-}
-
-/// A request from a peer, as axum (`ConnectInfo`) and a bare hyper accept loop
-/// (`SocketAddr`) record it: both layers find their key in it.
-fn from_peer(n: u32) -> Req {
-    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
-    let mut req = Request::new(());
-    req.extensions_mut().insert(addr);
-    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
-    req
 }
 
 /// The modes users compare: the `RateLimit` fields on every success against

@@ -16,21 +16,17 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant as StdInstant};
 
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
-
 use axum::body::Body;
 use governor::{Quota as GovQuota, RateLimiter};
-use http::{Request, Response};
-use tower::{Layer, Service};
+use http::Request;
+use tower::Layer;
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::extract::PeerIp;
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, Quota, nz};
+use tower_limits_benches::{bare, drive, from_peer};
 use tower_limits_core::{Backend, Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 use tower_limits_redis::redis;
 use tower_limits_redis::test_support::RedisServer;
@@ -306,32 +302,6 @@ fn main() {
     println!();
     println!("ns rows: ratio below 1.0 is faster than the peer. Mop/s rows: above 1.0 is more throughput.");
     println!("tower rows: overhead over the same bare `service_fn` and request, measured in the same round.");
-}
-
-/// One request through `svc`, polled once with a no-op waker (every service here answers
-/// at once): whether it answered.
-fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
-    let mut cx = Context::from_waker(Waker::noop());
-    if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
-        return false;
-    }
-    let fut = pin!(svc.call(req));
-    matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
-}
-
-type Req = Request<()>;
-
-fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Future: Send> + Clone + Send + 'static {
-    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, Infallible>(Response::new(Body::empty()))))
-}
-
-/// A request from one of 1,000 peers, as axum and a bare hyper accept loop record it.
-fn from_peer(n: u32) -> Req {
-    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
-    let mut req = Request::new(());
-    req.extensions_mut().insert(addr);
-    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
-    req
 }
 
 /// The overhead of two middlewares over the same bare service and request: each round

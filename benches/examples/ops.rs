@@ -13,19 +13,15 @@
 use std::hint::black_box;
 use std::num::NonZeroU32;
 
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
-
 use axum::body::Body;
 use governor::{Quota, RateLimiter};
-use http::{Request, Response};
-use tower::{Layer, Service};
+use http::Request;
+use tower::Layer;
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
+use tower_limits_benches::{bare, drive, from_peer};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
 fn main() {
@@ -98,46 +94,15 @@ fn main() {
             "set3" => set3.acquire(&acme, 10, clock.now()).is_ok(),
             "keyed1" => keyed.acquire(&acme, 1, clock.now()).is_ok(),
             "gov-keyed1" => gov_keyed.check_key(&"acme").is_ok(),
-            "layer" => drive(&mut layer),
-            "gov-layer" => drive(&mut gov_layer),
-            "headers" => drive(&mut headers),
-            "gov-headers" => drive(&mut gov_headers),
-            "peer" => drive_request(&mut peer, from_peer(i)),
-            "gov-peer" => drive_request(&mut gov_peer, from_peer(i)),
+            "layer" => drive(&mut layer, Request::new(())),
+            "gov-layer" => drive(&mut gov_layer, Request::new(())),
+            "headers" => drive(&mut headers, Request::new(())),
+            "gov-headers" => drive(&mut gov_headers, Request::new(())),
+            "peer" => drive(&mut peer, from_peer((i % 1_000) as u32)),
+            "gov-peer" => drive(&mut gov_peer, from_peer((i % 1_000) as u32)),
             _ => black_box(clock.now()) > tower_limits_core::Instant::ZERO,
         };
         hits += u64::from(black_box(ok));
     }
     println!("{op}: {hits} of {n}");
-}
-
-type Req = Request<()>;
-
-fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible, Future: Send> + Clone + Send + 'static {
-    tower::service_fn(|_req: Req| std::future::ready(Ok::<_, Infallible>(Response::new(Body::empty()))))
-}
-
-/// One request through `svc`, polled once with a no-op waker.
-fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> bool {
-    drive_request(svc, Request::new(()))
-}
-
-/// `req` through `svc`, polled once with a no-op waker.
-fn drive_request<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
-    let mut cx = Context::from_waker(Waker::noop());
-    if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
-        return false;
-    }
-    let fut = pin!(svc.call(req));
-    matches!(fut.poll(&mut cx), Poll::Ready(Ok(_)))
-}
-
-/// A request from peer `i % 1000`, its address where axum and hyper put it.
-fn from_peer(i: u64) -> Req {
-    let n = (i % 1_000) as u32;
-    let addr = std::net::SocketAddr::from(([10, (n >> 16) as u8, (n >> 8) as u8, n as u8], 40_000));
-    let mut req = Request::new(());
-    req.extensions_mut().insert(addr);
-    req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
-    req
 }

@@ -299,6 +299,20 @@ impl Fast {
         }
     }
 
+    /// The plain GCRA decision on the shared TAT `cur` at `now`: the TAT a grant stores,
+    /// or the answer to give at once (the path is off, or the limit refuses).
+    #[inline(always)]
+    fn decide_on(&self, cur: u64, cost: u64, now: u64, at: (&Stripe, bool)) -> Result<u64, Packed> {
+        if cur == DISABLED {
+            return Err(Packed(0, OFF));
+        }
+        let mut state = GcraState::at(Instant::from_nanos(cur));
+        if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
+            return Err(self.refused(refusal, &state, Instant::from_nanos(now), at));
+        }
+        Ok(state.theoretical_arrival().as_nanos())
+    }
+
     #[inline(always)]
     fn decide_packed(&self, cost: u64, now: Instant) -> Packed {
         let (index, own) = stripe();
@@ -309,14 +323,10 @@ impl Fast {
             // No thread has ever seen a swap fail, so none holds a lease: one decision on
             // the shared TAT, as plain GCRA, with no thread-local state but the stripe.
             let cur = self.tat.0.load(Ordering::Acquire);
-            if cur == DISABLED {
-                return Packed(0, OFF);
-            }
-            let mut state = GcraState::at(Instant::from_nanos(cur));
-            if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
-                return self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own));
-            }
-            let granted = state.theoretical_arrival().as_nanos();
+            let granted = match self.decide_on(cur, cost, now, (stripe, own)) {
+                Ok(granted) => granted,
+                Err(answer) => return answer,
+            };
             if self.tat.0.compare_exchange(cur, granted, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return self.granted(stripe, own, latest, now);
             }
@@ -400,14 +410,10 @@ impl Fast {
         let interval = self.gcra.interval_nanos();
         let mut cur = self.tat.0.load(Ordering::Acquire);
         loop {
-            if cur == DISABLED {
-                return Packed(0, OFF);
-            }
-            let mut state = GcraState::at(Instant::from_nanos(cur));
-            if let Err(refusal) = self.gcra.acquire(&mut state, Instant::from_nanos(now), cost) {
-                return self.refused(refusal, &state, Instant::from_nanos(now), (stripe, own));
-            }
-            let granted = state.theoretical_arrival().as_nanos();
+            let granted = match self.decide_on(cur, cost, now, (stripe, own)) {
+                Ok(granted) => granted,
+                Err(answer) => return answer,
+            };
             // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
             // units in all); near the limit that is nothing, and the decision is exact.
             let extra = if lease_ok {
