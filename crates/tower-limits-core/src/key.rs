@@ -343,6 +343,8 @@ mod tests {
             "0.0.0.0",
             "9.10.100.255",
             "192.0.2.7",
+            "255.255.255.255",
+            "100.99.10.9",
             "::",
             "::1",
             "2001:db8::7",
@@ -354,6 +356,11 @@ mod tests {
             assert_eq!(key.to_string(), ip.to_string());
             assert_eq!(key, TenantKey::single(ip.to_string()).unwrap());
             assert_eq!(key.root(), ip.to_string());
+        }
+        // Every octet value, in every position.
+        for n in 0..=255u8 {
+            let ip = IpAddr::from([n, 255 - n, n / 2, n.wrapping_mul(7)]);
+            assert_eq!(TenantKey::from_ip(ip).to_string(), ip.to_string());
         }
     }
 }

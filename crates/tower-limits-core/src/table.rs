@@ -2,8 +2,10 @@
 //! type: a GCRA entry is its key and one integer, nothing more.
 //!
 //! Entries are found by the hash of the key path, computed once per tier by the caller,
-//! and compared by the path itself, so a lookup allocates nothing; only an insertion
-//! copies the path.
+//! and compared by the path itself, so a lookup allocates nothing. A path of up to 15
+//! bytes (any IPv4 address, most single-tier ids) is kept in the entry and compared as two
+//! words: no pointer to follow, no call to compare, no allocation on insertion. Longer
+//! paths are copied to the heap when inserted.
 
 use std::hash::BuildHasher;
 
@@ -17,8 +19,89 @@ use crate::limit::{Limit, LimitState};
 use crate::time::Instant;
 
 pub(crate) struct Entry<S> {
-    key: Box<str>,
+    key: StoredKey,
     state: S,
+}
+
+/// The longest path kept inside an entry; the last of its 16 bytes holds the length.
+const SHORT: usize = 15;
+
+/// A key path as an entry keeps it.
+enum StoredKey {
+    /// The bytes as two little-endian words, zero-padded, with the length in the top byte
+    /// of the second: two paths are equal when their words are.
+    Short([u64; 2]),
+    Long(Box<str>),
+}
+
+/// A path being looked up, in the form its entry keeps it: made once per lookup, so
+/// that every comparison is the words' or, for a long path, the text's.
+#[derive(Clone, Copy)]
+enum Probe<'a> {
+    Short([u64; 2]),
+    Long(&'a str),
+}
+
+impl<'a> Probe<'a> {
+    #[inline(always)]
+    fn new(key: &'a str) -> Self {
+        let bytes = key.as_bytes();
+        if bytes.len() > SHORT {
+            return Probe::Long(key);
+        }
+        let (lo, hi) = bytes.split_at(bytes.len().min(8));
+        Probe::Short([word(lo), word(hi) | (bytes.len() as u64) << 56])
+    }
+}
+
+/// Up to eight bytes as a little-endian word, zero-padded, read in at most two
+/// overlapping loads. Never through a buffer: a word read back from bytes just written
+/// into one, piece by piece, waits for every piece (the store cannot be forwarded).
+#[inline(always)]
+fn word(b: &[u8]) -> u64 {
+    let n = b.len();
+    if n >= 4 {
+        let first = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let last = u32::from_le_bytes([b[n - 4], b[n - 3], b[n - 2], b[n - 1]]);
+        u64::from(first) | u64::from(last) << (8 * (n - 4))
+    } else if n > 0 {
+        u64::from(b[0]) | u64::from(b[n / 2]) << (8 * (n / 2)) | u64::from(b[n - 1]) << (8 * (n - 1))
+    } else {
+        0
+    }
+}
+
+impl StoredKey {
+    fn new(probe: Probe<'_>) -> Self {
+        match probe {
+            Probe::Short(words) => StoredKey::Short(words),
+            Probe::Long(key) => StoredKey::Long(key.into()),
+        }
+    }
+
+    #[inline(always)]
+    fn matches(&self, probe: &Probe<'_>) -> bool {
+        match (self, probe) {
+            (StoredKey::Short(a), Probe::Short(b)) => a == b,
+            (StoredKey::Long(a), Probe::Long(b)) => **a == **b,
+            _ => false,
+        }
+    }
+
+    /// The hash the entry was placed by, for the table to move it when it grows.
+    fn hash(&self, hasher: &DefaultHashBuilder) -> u64 {
+        match self {
+            StoredKey::Short([lo, hi]) => {
+                let mut text = [0u8; 16];
+                text[..8].copy_from_slice(&lo.to_le_bytes());
+                text[8..].copy_from_slice(&hi.to_le_bytes());
+                let len = usize::from(text[SHORT]).min(SHORT);
+                // The bytes were a `&str`'s, cut at its end: they are its text again.
+                key_hash(hasher, std::str::from_utf8(&text[..len]).unwrap_or_default())
+            }
+            StoredKey::Long(key) => key_hash(hasher, key),
+        }
+    }
 }
 
 /// The table of one limit in one shard.
@@ -70,18 +153,20 @@ macro_rules! with_table {
     };
 }
 
-#[inline]
+#[inline(always)]
 fn find<'t, S>(t: &'t HashTable<Entry<S>>, h: u64, key: &str) -> Option<&'t S> {
-    t.find(h, |e| &*e.key == key).map(|e| &e.state)
+    let probe = Probe::new(key);
+    t.find(h, |e| e.key.matches(&probe)).map(|e| &e.state)
 }
 
-#[inline]
+#[inline(always)]
 fn find_mut<'t, S>(t: &'t mut HashTable<Entry<S>>, h: u64, key: &str) -> Option<&'t mut S> {
-    t.find_mut(h, |e| &*e.key == key).map(|e| &mut e.state)
+    let probe = Probe::new(key);
+    t.find_mut(h, |e| e.key.matches(&probe)).map(|e| &mut e.state)
 }
 
 fn insert<S>(t: &mut HashTable<Entry<S>>, hasher: &DefaultHashBuilder, h: u64, key: &str, state: S) {
-    t.insert_unique(h, Entry { key: key.into(), state }, |e| key_hash(hasher, &e.key));
+    t.insert_unique(h, Entry { key: StoredKey::new(Probe::new(key)), state }, |e| e.key.hash(hasher));
 }
 
 /// The hash of a key path as every table stores it.
@@ -155,9 +240,12 @@ impl Table {
         with_table!(
             limit,
             self,
-            |a, t| match t.find_bucket_index(h, |e| &*e.key == key) {
-                Some(at) => (Some(at), t.get_bucket(at).map_or(Ok(()), |e| a.check(&e.state, now, cost))),
-                None => (None, a.check(&a.fresh(), now, cost)),
+            |a, t| {
+                let probe = Probe::new(key);
+                match t.find_bucket_index(h, |e| e.key.matches(&probe)) {
+                    Some(at) => (Some(at), t.get_bucket(at).map_or(Ok(()), |e| a.check(&e.state, now, cost))),
+                    None => (None, a.check(&a.fresh(), now, cost)),
+                }
             },
             (None, Err(Refusal::Never { capacity: 0 }))
         )
@@ -298,5 +386,67 @@ pub(crate) fn apply_global(limit: &Limit, state: &mut LimitState, op: Op, now: I
         (Limit::FixedWindow(a), LimitState::FixedWindow(s)) => apply(a, s, op, now),
         (Limit::Semaphore(a), LimitState::Semaphore(s)) => apply(a, s, op, now),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Paths of every length around the inline bound, some differing only in a trailing
+    /// zero byte or in their length byte's position.
+    fn paths() -> Vec<String> {
+        let mut paths: Vec<String> = (0..40).map(|n| "k".repeat(n)).collect();
+        paths.extend(
+            ["a", "a\0", "\0", "\0\0", "10.0.0.1", "10.0.0.10", "fifteen-bytes-x", "sixteen-bytes-xy"]
+                .map(String::from),
+        );
+        paths.extend((0..2_000).map(|i| format!("tenant-{i}")));
+        paths.extend((0..500).map(|i| format!("a-much-longer-tenant-path-{i}")));
+        paths
+    }
+
+    #[test]
+    fn every_path_is_found_again_after_the_table_grows() {
+        let hasher = DefaultHashBuilder::default();
+        let mut table: HashTable<Entry<u64>> = HashTable::new();
+        let paths = paths();
+        for (i, path) in paths.iter().enumerate() {
+            let h = key_hash(&hasher, path);
+            assert!(find(&table, h, path).is_none(), "{path:?} before insertion");
+            insert(&mut table, &hasher, h, path, i as u64);
+        }
+        // The table has grown (and moved every entry by its stored hash) many times.
+        assert_eq!(table.len(), paths.len());
+        for (i, path) in paths.iter().enumerate() {
+            let h = key_hash(&hasher, path);
+            assert_eq!(find(&table, h, path), Some(&(i as u64)), "{path:?}");
+        }
+        for absent in ["b", "a\0\0", "k".repeat(40).as_str(), "tenant-2000", "sixteen-bytes-xz"] {
+            assert!(find(&table, key_hash(&hasher, absent), absent).is_none(), "{absent:?}");
+        }
+    }
+
+    #[test]
+    fn a_word_is_its_bytes_zero_padded() {
+        let bytes = *b"abcdefgh";
+        for n in 0..=8 {
+            let mut padded = [0u8; 8];
+            padded[..n].copy_from_slice(&bytes[..n]);
+            assert_eq!(word(&bytes[..n]), u64::from_le_bytes(padded), "{n} bytes");
+        }
+    }
+
+    #[test]
+    fn a_short_path_and_a_long_one_never_match() {
+        let short = Probe::new("fifteen-bytes-x");
+        let long = Probe::new("sixteen-bytes-xy");
+        assert!(matches!(short, Probe::Short(_)));
+        assert!(matches!(long, Probe::Long(_)));
+        assert!(StoredKey::new(short).matches(&short));
+        assert!(!StoredKey::new(short).matches(&long));
+        assert!(!StoredKey::new(long).matches(&short));
+        assert!(StoredKey::new(long).matches(&long));
+        assert!(!StoredKey::new(Probe::new("a")).matches(&Probe::new("a\0")));
     }
 }
