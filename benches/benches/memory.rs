@@ -1,12 +1,13 @@
 //! Bytes per tracked key: our keyed GCRA set against governor's default keyed store, in
-//! the same run, counted by a global allocator (live bytes requested, so allocator
-//! overhead is left out for both).
+//! the same run, for text ids, IPv4 addresses and numeric ids, counted by a global
+//! allocator (live bytes requested, so allocator overhead is left out for both).
 //!
 //! Run: `cargo bench -p tower-limits-benches --bench memory`.
 #![allow(unsafe_code, clippy::print_stdout)] // a counting allocator; printing is the point
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
+use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
@@ -48,35 +49,87 @@ fn live() -> isize {
 
 const KEYS: usize = 100_000;
 
-fn main() {
-    let names: Vec<String> = (0..KEYS).map(|i| format!("tenant-{i:06}")).collect();
-    let keys: Vec<TenantKey> = names.iter().map(|s| TenantKey::single(s).expect("key")).collect();
-
+/// Live bytes per key after `insert` has tracked `KEYS` keys.
+fn per_key(insert: impl FnOnce()) -> f64 {
     let before = live();
-    let ours = LimitSet::new(
+    insert();
+    (live() - before) as f64 / KEYS as f64
+}
+
+fn ours() -> LimitSet {
+    LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(2 * KEYS)
             .limit(LimitPolicy::gcra("r", Rate::per_second(1_000), 1_000).per("tenant")),
     )
-    .expect("policy");
-    for k in &keys {
-        black_box(ours.acquire(k, 1, Instant::ZERO).is_ok());
-    }
-    let ours_bytes = live() - before;
-    assert_eq!(ours.tracked_keys(), KEYS);
+    .expect("policy")
+}
 
-    let before = live();
-    let theirs = RateLimiter::keyed(Quota::per_second(NonZeroU32::new(1_000).expect("non-zero")));
-    for n in &names {
-        black_box(theirs.check_key(n).is_ok());
-    }
-    let theirs_bytes = live() - before;
-    assert_eq!(theirs.len(), KEYS);
+fn row(name: &str, ours: f64, theirs: f64) {
+    println!("  {name:<34} {ours:>7.1} {theirs:>9.1} {:>7.2}", ours / theirs);
+}
 
-    let per = |b: isize| b as f64 / KEYS as f64;
-    println!("bytes per tracked key ({KEYS} keys \"tenant-NNNNNN\", live bytes requested):");
-    println!("  tower-limits keyed GCRA : {:>7.1}", per(ours_bytes));
-    println!("  governor keyed (dashmap): {:>7.1}", per(theirs_bytes));
-    println!("  ratio                   : {:>7.2}", ours_bytes as f64 / theirs_bytes as f64);
+fn main() {
+    let quota = Quota::per_second(NonZeroU32::new(1_000).expect("non-zero"));
+    println!("bytes per tracked key ({KEYS} keys, live bytes requested):");
+    println!("  {:<34} {:>7} {:>9} {:>7}", "keys", "ours", "governor", "ratio");
+
+    // Text ids: ours keeps the path, governor its `String` key.
+    let names: Vec<String> = (0..KEYS).map(|i| format!("tenant-{i:06}")).collect();
+    let keys: Vec<TenantKey> = names.iter().map(|s| TenantKey::single(s).expect("key")).collect();
+    let set = ours();
+    let o = per_key(|| {
+        for k in &keys {
+            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
+        }
+    });
+    assert_eq!(set.tracked_keys(), KEYS);
+    let gov = RateLimiter::keyed(quota);
+    let t = per_key(|| {
+        for n in &names {
+            black_box(gov.check_key(n).is_ok());
+        }
+    });
+    assert_eq!(gov.len(), KEYS);
+    row("\"tenant-NNNNNN\" (String)", o, t);
+
+    // Client addresses: ours keys by the address's text, governor by `IpAddr`.
+    let ips: Vec<IpAddr> =
+        (0..KEYS as u32).map(|n| IpAddr::from([10, (n >> 16) as u8, (n >> 8) as u8, n as u8])).collect();
+    let keys: Vec<TenantKey> = ips.iter().map(|ip| TenantKey::from_ip(*ip)).collect();
+    let set = ours();
+    let o = per_key(|| {
+        for k in &keys {
+            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
+        }
+    });
+    assert_eq!(set.tracked_keys(), KEYS);
+    let gov = RateLimiter::keyed(quota);
+    let t = per_key(|| {
+        for ip in &ips {
+            black_box(gov.check_key(ip).is_ok());
+        }
+    });
+    assert_eq!(gov.len(), KEYS);
+    row("IPv4 addresses (IpAddr)", o, t);
+
+    // Numeric ids: ours keys by the number's text, governor by `u64`.
+    let ids: Vec<u64> = (0..KEYS as u64).map(|i| 1_000_000_007 * i).collect();
+    let keys: Vec<TenantKey> = ids.iter().map(|id| TenantKey::single(id.to_string()).expect("key")).collect();
+    let set = ours();
+    let o = per_key(|| {
+        for k in &keys {
+            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
+        }
+    });
+    assert_eq!(set.tracked_keys(), KEYS);
+    let gov = RateLimiter::keyed(quota);
+    let t = per_key(|| {
+        for id in &ids {
+            black_box(gov.check_key(id).is_ok());
+        }
+    });
+    assert_eq!(gov.len(), KEYS);
+    row("numeric ids (u64)", o, t);
 }
