@@ -56,80 +56,49 @@ fn per_key(insert: impl FnOnce()) -> f64 {
     (live() - before) as f64 / KEYS as f64
 }
 
-fn ours() -> LimitSet {
-    LimitSet::new(
+/// One row: `ours` tracked by our keyed GCRA set, `theirs` (the same keys in their
+/// natural type) by governor's keyed store.
+fn row<K: std::hash::Hash + Eq + Clone>(name: &str, ours: &[TenantKey], theirs: &[K]) {
+    let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(2 * KEYS)
             .limit(LimitPolicy::gcra("r", Rate::per_second(1_000), 1_000).per("tenant")),
     )
-    .expect("policy")
-}
-
-fn row(name: &str, ours: f64, theirs: f64) {
-    println!("  {name:<34} {ours:>7.1} {theirs:>9.1} {:>7.2}", ours / theirs);
+    .expect("policy");
+    let o = per_key(|| {
+        for k in ours {
+            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
+        }
+    });
+    assert_eq!(set.tracked_keys(), KEYS);
+    let gov = RateLimiter::keyed(Quota::per_second(NonZeroU32::new(1_000).expect("non-zero")));
+    let t = per_key(|| {
+        for k in theirs {
+            black_box(gov.check_key(k).is_ok());
+        }
+    });
+    assert_eq!(gov.len(), KEYS);
+    println!("  {name:<34} {o:>7.1} {t:>9.1} {:>7.2}", o / t);
 }
 
 fn main() {
-    let quota = Quota::per_second(NonZeroU32::new(1_000).expect("non-zero"));
     println!("bytes per tracked key ({KEYS} keys, live bytes requested):");
     println!("  {:<34} {:>7} {:>9} {:>7}", "keys", "ours", "governor", "ratio");
 
     // Text ids: ours keeps the path, governor its `String` key.
     let names: Vec<String> = (0..KEYS).map(|i| format!("tenant-{i:06}")).collect();
     let keys: Vec<TenantKey> = names.iter().map(|s| TenantKey::single(s).expect("key")).collect();
-    let set = ours();
-    let o = per_key(|| {
-        for k in &keys {
-            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
-        }
-    });
-    assert_eq!(set.tracked_keys(), KEYS);
-    let gov = RateLimiter::keyed(quota);
-    let t = per_key(|| {
-        for n in &names {
-            black_box(gov.check_key(n).is_ok());
-        }
-    });
-    assert_eq!(gov.len(), KEYS);
-    row("\"tenant-NNNNNN\" (String)", o, t);
+    row("\"tenant-NNNNNN\" (String)", &keys, &names);
 
     // Client addresses: ours keys by the address's text, governor by `IpAddr`.
     let ips: Vec<IpAddr> =
         (0..KEYS as u32).map(|n| IpAddr::from([10, (n >> 16) as u8, (n >> 8) as u8, n as u8])).collect();
     let keys: Vec<TenantKey> = ips.iter().map(|ip| TenantKey::from_ip(*ip)).collect();
-    let set = ours();
-    let o = per_key(|| {
-        for k in &keys {
-            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
-        }
-    });
-    assert_eq!(set.tracked_keys(), KEYS);
-    let gov = RateLimiter::keyed(quota);
-    let t = per_key(|| {
-        for ip in &ips {
-            black_box(gov.check_key(ip).is_ok());
-        }
-    });
-    assert_eq!(gov.len(), KEYS);
-    row("IPv4 addresses (IpAddr)", o, t);
+    row("IPv4 addresses (IpAddr)", &keys, &ips);
 
     // Numeric ids: ours keys by the number's text, governor by `u64`.
     let ids: Vec<u64> = (0..KEYS as u64).map(|i| 1_000_000_007 * i).collect();
     let keys: Vec<TenantKey> = ids.iter().map(|id| TenantKey::single(id.to_string()).expect("key")).collect();
-    let set = ours();
-    let o = per_key(|| {
-        for k in &keys {
-            black_box(set.acquire(k, 1, Instant::ZERO).is_ok());
-        }
-    });
-    assert_eq!(set.tracked_keys(), KEYS);
-    let gov = RateLimiter::keyed(quota);
-    let t = per_key(|| {
-        for id in &ids {
-            black_box(gov.check_key(id).is_ok());
-        }
-    });
-    assert_eq!(gov.len(), KEYS);
-    row("numeric ids (u64)", o, t);
+    row("numeric ids (u64)", &keys, &ids);
 }
