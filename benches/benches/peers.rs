@@ -554,7 +554,8 @@ async fn plain_acquire(
     key: &TenantKey,
     round: usize,
 ) -> String {
-    let (org, user) = (key.part(0).unwrap_or(""), key.part(1).unwrap_or(""));
+    let text = |i| key.part(i).map(|p| p.to_string()).unwrap_or_default();
+    let (org, user) = (text(0), text(1));
     let held = format!("plain:{{{org}}}:s");
     let _: redis::Value = redis::cmd("EVALSHA")
         .arg(sha)

@@ -21,10 +21,10 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use tower_limits_core::{
-    AcquireError, Clock, Instant, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, OwnedPermit, Permit, Rate,
-    TenantKey,
+    AcquireError, Clock, Instant, KeyPart, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, OwnedPermit, Permit,
+    Rate, TenantKey,
 };
-use tower_limits_tests::{describe, keys, peek_all, proptest_config};
+use tower_limits_tests::{describe, peek_all, proptest_config};
 
 const MS: u64 = 1_000_000;
 const CASES: u32 = 160;
@@ -138,9 +138,19 @@ fn set_of(specs: &[Spec], max_keys: usize) -> LimitSet {
     LimitSet::new(policy_of(specs, max_keys)).expect("generated policies are valid")
 }
 
-/// Two users of one org, one user of each of two other orgs.
+/// Two users of one org, one user of each of two other orgs, with parts of every kind:
+/// the org numbered 7 and the org named "7" are two orgs.
 fn tenant_keys() -> Vec<TenantKey> {
-    keys(&[["a", "x"], ["a", "y"], ["b", "x"], ["c", "z"]])
+    let ip = KeyPart::Ip(std::net::IpAddr::from([10, 0, 0, 7]));
+    [
+        [KeyPart::Number(7), KeyPart::Text("x")],
+        [KeyPart::Number(7), ip],
+        [KeyPart::Text("7"), KeyPart::Text("x")],
+        [ip, KeyPart::Number(7)],
+    ]
+    .into_iter()
+    .map(|parts| TenantKey::from_parts(parts).expect("a valid key"))
+    .collect()
 }
 
 // ---------------------------------------------------------------------------------------

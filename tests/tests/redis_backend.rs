@@ -9,7 +9,7 @@ use std::time::Duration;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::KeyFn;
 use tower_limits::{BoxError, ErrorKind, LimitError, LimitSetLayer};
-use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Backend, Instant, KeyPart, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{GrantSource, RedisBackend, key_slot, redis};
 
@@ -151,6 +151,12 @@ fn keys_are_escaped_tagged_and_expire() {
         assert!(keys.iter().all(|k| key_slot(k) == key_slot(&keys[0])), "{keys:?}");
         let other = backend.keys(&TenantKey::new(["a{b}c:d", "x"]).unwrap());
         assert_eq!(key_slot(&other[0]), key_slot(&keys[0]), "a tenant's users share its slot");
+        // Numbers and addresses are marked apart from text ids that print alike.
+        let ip = std::net::IpAddr::from([10, 0, 0, 7]);
+        let typed = backend.keys(&TenantKey::from_parts([KeyPart::Number(7), KeyPart::Ip(ip)]).unwrap());
+        assert_eq!(typed[0], format!("{ns}:{{#7}}/#10.0.0.7:requests:g"));
+        let text = backend.keys(&TenantKey::new(["7", "10.0.0.7"]).unwrap());
+        assert_eq!(text[0], format!("{ns}:{{7}}/10.0.0.7:requests:g"));
         let grant = backend.acquire(&tricky, 5, Instant::ZERO).await.unwrap();
         for k in &keys {
             // -1: the key has no expiry (the fault looked for); -2: it is gone already,

@@ -6,33 +6,143 @@
 //! including that tier, so `alice` in one team and `alice` in another are different
 //! users, and a limit on `agent` never confuses two users' `agent-1`.
 //!
-//! The path is stored once, joined, so every tier's key is a prefix of one string:
-//! looking a tier up allocates nothing. A path of up to 39 bytes (an IP address in any
-//! form, most tenant paths) is stored inside the key itself: building one allocates
-//! nothing, and cloning it is a copy, touching no shared reference count (which every
-//! core would otherwise write). Longer paths are shared behind a reference count.
+//! A part is text, a number or an IP address ([`KeyPart`]). Numbers and addresses are
+//! kept as their bytes, never as text: building a key from a client's address or a user's
+//! numeric id formats nothing, and a limit's table keeps a numeric id in eight bytes.
+//!
+//! The path is stored once, joined, so every tier's key is a prefix of one byte string:
+//! looking a tier up allocates nothing. A path of up to 39 bytes (an address, a number,
+//! most tenant paths) is stored inside the key itself: building one allocates nothing,
+//! and cloning it is a copy, touching no shared reference count (which every core would
+//! otherwise write). Longer paths are shared behind a reference count.
+//!
+//! # The joined path
+//!
+//! Parts are joined by the byte `0x1F` (U+001F, which text parts may not contain). A
+//! text part is its UTF-8 bytes; a number or an address is the byte `0xFF` (which UTF-8
+//! never contains), a byte naming its kind, then its bytes in a fixed length: eight for
+//! a number, four or sixteen for an address. Reading left to right, every joined path
+//! splits into its parts one way only, so two keys share a tier's state exactly when
+//! their parts up to that tier are equal, kind included.
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 
-use arrayvec::ArrayString;
+use arrayvec::ArrayVec;
 
 /// The most tiers a key can have.
 pub const MAX_TIERS: usize = 8;
 
-/// Separates parts inside the joined path; parts may not contain it.
+/// Separates parts inside the joined path; text parts may not contain it.
 const SEPARATOR: char = '\u{1f}';
+
+/// Opens a part kept as its bytes (a number or an address); never a byte of UTF-8.
+const TYPED: u8 = 0xFF;
+/// The kinds of a typed part, the byte after [`TYPED`].
+const NUMBER: u8 = b'n';
+const IPV4: u8 = b'4';
+const IPV6: u8 = b'6';
+
+/// One identifier of a [`TenantKey`]: text, a number or an IP address.
+///
+/// A part of one kind never equals a part of another, even when they print alike:
+/// `KeyPart::Number(42)` and `KeyPart::Text("42")` are different tenants.
+///
+/// ```
+/// use std::net::IpAddr;
+/// use tower_limits_core::{KeyPart, TenantKey};
+///
+/// let ip: IpAddr = "192.0.2.7".parse().unwrap();
+/// let key = TenantKey::from_parts([KeyPart::Text("acme"), KeyPart::Number(42), KeyPart::Ip(ip)]).unwrap();
+/// assert_eq!(key.part(1), Some(KeyPart::Number(42)));
+/// assert_eq!(key.to_string(), "acme/42/192.0.2.7");
+/// assert_ne!(TenantKey::from_u64(42), TenantKey::single("42").unwrap());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyPart<'a> {
+    /// An identifier as text.
+    Text(&'a str),
+    /// A numeric identifier, kept as its eight bytes.
+    Number(u64),
+    /// An IP address, kept as its four or sixteen bytes.
+    Ip(IpAddr),
+}
+
+impl<'a> From<&'a str> for KeyPart<'a> {
+    fn from(text: &'a str) -> Self {
+        KeyPart::Text(text)
+    }
+}
+
+impl From<u64> for KeyPart<'_> {
+    fn from(n: u64) -> Self {
+        KeyPart::Number(n)
+    }
+}
+
+impl From<IpAddr> for KeyPart<'_> {
+    fn from(ip: IpAddr) -> Self {
+        KeyPart::Ip(ip)
+    }
+}
+
+impl fmt::Display for KeyPart<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyPart::Text(text) => f.write_str(text),
+            KeyPart::Number(n) => fmt::Display::fmt(n, f),
+            KeyPart::Ip(ip) => fmt::Display::fmt(ip, f),
+        }
+    }
+}
+
+impl<'a> KeyPart<'a> {
+    /// Reads the part whose joined bytes are `bytes` (see the module's notes).
+    fn decode(bytes: &'a [u8]) -> Self {
+        match bytes {
+            [TYPED, NUMBER, rest @ ..] => KeyPart::Number(u64::from_be_bytes(array(rest))),
+            [TYPED, IPV4, rest @ ..] => KeyPart::Ip(IpAddr::V4(Ipv4Addr::from(array::<4>(rest)))),
+            [TYPED, IPV6, rest @ ..] => KeyPart::Ip(IpAddr::V6(Ipv6Addr::from(array::<16>(rest)))),
+            // A text part was a `&str`'s bytes: they are its text again.
+            text => KeyPart::Text(std::str::from_utf8(text).unwrap_or_default()),
+        }
+    }
+}
+
+/// The number a tier's joined prefix holds when it is that one number alone.
+#[inline(always)]
+pub(crate) fn as_number(prefix: &[u8]) -> Option<u64> {
+    match prefix {
+        [TYPED, NUMBER, rest @ ..] => <[u8; 8]>::try_from(rest).ok().map(u64::from_be_bytes),
+        _ => None,
+    }
+}
+
+/// The joined prefix of a key that is the one number `n`.
+pub(crate) fn number_prefix(n: u64) -> [u8; 10] {
+    let mut bytes = [TYPED, NUMBER, 0, 0, 0, 0, 0, 0, 0, 0];
+    bytes[2..].copy_from_slice(&n.to_be_bytes());
+    bytes
+}
+
+/// The first `N` bytes of `bytes`, zero-padded (a typed part always has them all).
+fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
+    let mut out = [0u8; N];
+    let n = bytes.len().min(N);
+    out[..n].copy_from_slice(&bytes[..n]);
+    out
+}
 
 /// An ordered path of identifiers, one per tier, broadest first.
 ///
 /// ```
-/// use tower_limits_core::TenantKey;
+/// use tower_limits_core::{KeyPart, TenantKey};
 ///
 /// let key = TenantKey::new(["acme", "engineering", "alice"]).unwrap();
 /// assert_eq!(key.depth(), 3);
-/// assert_eq!(key.part(1), Some("engineering"));
+/// assert_eq!(key.part(1), Some(KeyPart::Text("engineering")));
 /// assert_eq!(key.to_string(), "acme/engineering/alice");
 /// ```
 ///
@@ -56,8 +166,8 @@ enum Path {
     #[default]
     Global,
     /// A short path, kept in the key itself.
-    Inline(ArrayString<INLINE>),
-    Shared(Arc<str>),
+    Inline(ArrayVec<u8, INLINE>),
+    Shared(Arc<[u8]>),
 }
 
 impl PartialEq for TenantKey {
@@ -107,28 +217,63 @@ impl TenantKey {
         TenantKey { path: Path::Global, ends: [0; MAX_TIERS], depth: 0 }
     }
 
-    /// A key of one tier: an IP address, as text (`192.0.2.7`, `2001:db8::1`). Builds
-    /// without allocating, for limits per client address.
+    /// A key of one tier: an IP address, kept as its bytes, for limits per client
+    /// address. Builds without formatting or allocating.
     ///
     /// ```
     /// use std::net::IpAddr;
-    /// use tower_limits_core::TenantKey;
+    /// use tower_limits_core::{KeyPart, TenantKey};
     ///
     /// let ip: IpAddr = "2001:db8::7".parse().unwrap();
-    /// assert_eq!(TenantKey::from_ip(ip).to_string(), "2001:db8::7");
-    /// assert_eq!(TenantKey::from_ip(ip), TenantKey::single("2001:db8::7").unwrap());
+    /// let key = TenantKey::from_ip(ip);
+    /// assert_eq!(key.part(0), Some(KeyPart::Ip(ip)));
+    /// assert_eq!(key.to_string(), "2001:db8::7");
+    /// // An address is not its text: the two are different tenants.
+    /// assert_ne!(key, TenantKey::single("2001:db8::7").unwrap());
     /// ```
     #[must_use]
+    #[inline]
     pub fn from_ip(ip: IpAddr) -> Self {
-        let mut text = ArrayString::<INLINE>::new();
         match ip {
-            IpAddr::V4(v4) => write_ipv4(&mut text, v4.octets()),
-            // An IPv6 address is at most 39 bytes of text: the write cannot fail.
-            IpAddr::V6(v6) => drop(fmt::write(&mut text, format_args!("{v6}"))),
+            IpAddr::V4(v4) => {
+                let [a, b, c, d] = v4.octets();
+                Self::one_typed(&[TYPED, IPV4, a, b, c, d])
+            }
+            IpAddr::V6(v6) => {
+                let mut bytes = [0u8; 18];
+                bytes[0] = TYPED;
+                bytes[1] = IPV6;
+                bytes[2..].copy_from_slice(&v6.octets());
+                Self::one_typed(&bytes)
+            }
         }
+    }
+
+    /// A key of one tier: a numeric id, kept as its eight bytes. Builds without
+    /// formatting or allocating; a keyed table keeps it in eight bytes.
+    ///
+    /// ```
+    /// use tower_limits_core::{KeyPart, TenantKey};
+    ///
+    /// let key = TenantKey::from_u64(1_000_042);
+    /// assert_eq!(key.part(0), Some(KeyPart::Number(1_000_042)));
+    /// assert_eq!(key.to_string(), "1000042");
+    /// ```
+    #[must_use]
+    #[inline]
+    pub fn from_u64(id: u64) -> Self {
+        Self::one_typed(&number_prefix(id))
+    }
+
+    /// A key of one typed part, whose encoding is `bytes` (at most 18 of them).
+    #[inline]
+    fn one_typed(bytes: &[u8]) -> Self {
+        let mut path = ArrayVec::new();
+        // At most 18 bytes into 39: this cannot fail.
+        let _ = path.try_extend_from_slice(bytes);
         let mut ends = [0u16; MAX_TIERS];
-        ends[0] = text.len() as u16;
-        TenantKey { path: Path::Inline(text), ends, depth: 1 }
+        ends[0] = bytes.len() as u16;
+        TenantKey { path: Path::Inline(path), ends, depth: 1 }
     }
 
     /// A key of one tier.
@@ -139,7 +284,7 @@ impl TenantKey {
         Self::new([id])
     }
 
-    /// A key from its parts, broadest tier first.
+    /// A key from its text parts, broadest tier first.
     ///
     /// # Errors
     /// More than [`MAX_TIERS`] parts, a part containing U+001F, or a path longer than
@@ -149,56 +294,42 @@ impl TenantKey {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        // Built inline while it fits, on the heap from the first part that does not.
-        let mut inline = ArrayString::<INLINE>::new();
-        let mut long: Option<String> = None;
-        let mut ends = [0u16; MAX_TIERS];
-        let mut depth = 0usize;
+        let mut key = Builder::default();
         for part in parts {
-            let part = part.as_ref();
-            if depth == MAX_TIERS {
-                return Err(KeyError::TooManyTiers(depth + 1));
-            }
-            if part.contains(SEPARATOR) {
-                return Err(KeyError::ReservedCharacter(depth));
-            }
-            let sep = if depth > 0 { SEPARATOR.len_utf8() } else { 0 };
-            if long.is_none() && inline.len() + sep + part.len() > INLINE {
-                long = Some(String::from(inline.as_str()));
-            }
-            let len = match &mut long {
-                Some(path) => {
-                    if sep > 0 {
-                        path.push(SEPARATOR);
-                    }
-                    path.push_str(part);
-                    path.len()
-                }
-                None => {
-                    if sep > 0 {
-                        inline.push(SEPARATOR);
-                    }
-                    inline.push_str(part);
-                    inline.len()
-                }
-            };
-            ends[depth] = u16::try_from(len).map_err(|_| KeyError::TooLong)?;
-            depth += 1;
+            key.push(KeyPart::Text(part.as_ref()))?;
         }
-        let path = match long {
-            _ if depth == 0 => Path::Global,
-            Some(path) => Path::Shared(Arc::from(path)),
-            None => Path::Inline(inline),
-        };
-        Ok(TenantKey { path, ends, depth: depth as u8 })
+        Ok(key.finish())
+    }
+
+    /// A key from parts of any kind, broadest tier first: an organisation's name over a
+    /// user's numeric id, say.
+    ///
+    /// ```
+    /// use tower_limits_core::{KeyPart, TenantKey};
+    ///
+    /// let key = TenantKey::from_parts([KeyPart::Text("acme"), KeyPart::Number(7)]).unwrap();
+    /// assert_eq!(key.parts().collect::<Vec<_>>(), [KeyPart::Text("acme"), KeyPart::Number(7)]);
+    /// ```
+    ///
+    /// # Errors
+    /// As [`TenantKey::new`].
+    pub fn from_parts<'a, I>(parts: I) -> Result<Self, KeyError>
+    where
+        I: IntoIterator<Item = KeyPart<'a>>,
+    {
+        let mut key = Builder::default();
+        for part in parts {
+            key.push(part)?;
+        }
+        Ok(key.finish())
     }
 
     /// The whole joined path (`None` for the global key).
     #[inline]
-    fn full(&self) -> Option<&str> {
+    fn full(&self) -> Option<&[u8]> {
         match &self.path {
             Path::Global => None,
-            Path::Inline(text) => Some(text.as_str()),
+            Path::Inline(bytes) => Some(bytes.as_slice()),
             Path::Shared(path) => Some(path),
         }
     }
@@ -212,27 +343,38 @@ impl TenantKey {
 
     /// The identifier at tier `i`, if the key is that deep.
     #[must_use]
-    pub fn part(&self, i: usize) -> Option<&str> {
+    pub fn part(&self, i: usize) -> Option<KeyPart<'_>> {
         let path = self.full()?;
         if i >= self.depth() {
             return None;
         }
         let start = if i == 0 { 0 } else { usize::from(self.ends[i - 1]) + SEPARATOR.len_utf8() };
-        Some(&path[start..usize::from(self.ends[i])])
+        Some(KeyPart::decode(&path[start..usize::from(self.ends[i])]))
     }
 
     /// The parts, broadest first.
-    pub fn parts(&self) -> impl Iterator<Item = &str> + '_ {
+    pub fn parts(&self) -> impl Iterator<Item = KeyPart<'_>> + '_ {
         (0..self.depth()).filter_map(|i| self.part(i))
     }
 
-    /// The joined path of the first `tiers` parts: the key of a limit scoped to tier
-    /// `tiers - 1`. `None` if the key is not that deep.
+    /// The joined bytes of the first `tiers` parts: what a limit scoped to tier
+    /// `tiers - 1` keeps its state by. Two keys' prefixes are equal exactly when their
+    /// first `tiers` parts are. `None` if the key is not that deep.
+    ///
+    /// ```
+    /// use tower_limits_core::TenantKey;
+    ///
+    /// let alice = TenantKey::new(["acme", "alice"]).unwrap();
+    /// let bob = TenantKey::new(["acme", "bob"]).unwrap();
+    /// assert_eq!(alice.prefix(1), bob.prefix(1));
+    /// assert_ne!(alice.prefix(2), bob.prefix(2));
+    /// assert_eq!(alice.prefix(3), None);
+    /// ```
     #[must_use]
     #[inline]
-    pub fn prefix(&self, tiers: usize) -> Option<&str> {
+    pub fn prefix(&self, tiers: usize) -> Option<&[u8]> {
         match (tiers, self.full()) {
-            (0, _) => Some(""),
+            (0, _) => Some(&[]),
             (n, Some(path)) if n <= self.depth() => Some(&path[..usize::from(self.ends[n - 1])]),
             _ => None,
         }
@@ -244,12 +386,72 @@ impl TenantKey {
     pub fn is_global(&self) -> bool {
         matches!(self.path, Path::Global)
     }
+}
 
-    /// The first part: the broadest tier, which decides where the key's state lives.
-    #[must_use]
-    #[inline]
-    pub fn root(&self) -> &str {
-        self.prefix(1).unwrap_or("")
+/// A key being built part by part: inline while it fits, on the heap from the first part
+/// that does not.
+#[derive(Default)]
+struct Builder {
+    inline: ArrayVec<u8, INLINE>,
+    long: Option<Vec<u8>>,
+    ends: [u16; MAX_TIERS],
+    depth: usize,
+}
+
+impl Builder {
+    fn push(&mut self, part: KeyPart<'_>) -> Result<(), KeyError> {
+        if self.depth == MAX_TIERS {
+            return Err(KeyError::TooManyTiers(self.depth + 1));
+        }
+        let mut typed = [0u8; 18];
+        let bytes: &[u8] = match part {
+            KeyPart::Text(text) if text.contains(SEPARATOR) => return Err(KeyError::ReservedCharacter(self.depth)),
+            KeyPart::Text(text) => text.as_bytes(),
+            KeyPart::Number(n) => {
+                typed[..2].copy_from_slice(&[TYPED, NUMBER]);
+                typed[2..10].copy_from_slice(&n.to_be_bytes());
+                &typed[..10]
+            }
+            KeyPart::Ip(IpAddr::V4(v4)) => {
+                typed[..2].copy_from_slice(&[TYPED, IPV4]);
+                typed[2..6].copy_from_slice(&v4.octets());
+                &typed[..6]
+            }
+            KeyPart::Ip(IpAddr::V6(v6)) => {
+                typed[..2].copy_from_slice(&[TYPED, IPV6]);
+                typed[2..].copy_from_slice(&v6.octets());
+                &typed[..]
+            }
+        };
+        let sep: &[u8] = if self.depth > 0 { &[SEPARATOR as u8] } else { &[] };
+        if self.long.is_none() && self.inline.len() + sep.len() + bytes.len() > INLINE {
+            self.long = Some(self.inline.to_vec());
+        }
+        let len = match &mut self.long {
+            Some(path) => {
+                path.extend_from_slice(sep);
+                path.extend_from_slice(bytes);
+                path.len()
+            }
+            None => {
+                // Checked above: both fit.
+                let _ = self.inline.try_extend_from_slice(sep);
+                let _ = self.inline.try_extend_from_slice(bytes);
+                self.inline.len()
+            }
+        };
+        self.ends[self.depth] = u16::try_from(len).map_err(|_| KeyError::TooLong)?;
+        self.depth += 1;
+        Ok(())
+    }
+
+    fn finish(self) -> TenantKey {
+        let path = match self.long {
+            _ if self.depth == 0 => Path::Global,
+            Some(path) => Path::Shared(Arc::from(path)),
+            None => Path::Inline(self.inline),
+        };
+        TenantKey { path, ends: self.ends, depth: self.depth as u8 }
     }
 }
 
@@ -259,7 +461,7 @@ impl fmt::Display for TenantKey {
             if i > 0 {
                 f.write_str("/")?;
             }
-            f.write_str(part)?;
+            fmt::Display::fmt(&part, f)?;
         }
         Ok(())
     }
@@ -271,36 +473,25 @@ impl fmt::Debug for TenantKey {
     }
 }
 
-/// Writes an IPv4 address as dotted decimal (at most 15 bytes), without the formatting
-/// machinery.
-fn write_ipv4(out: &mut ArrayString<INLINE>, octets: [u8; 4]) {
-    for (i, octet) in octets.into_iter().enumerate() {
-        if i > 0 {
-            out.push('.');
-        }
-        if octet >= 100 {
-            out.push(char::from(b'0' + octet / 100));
-        }
-        if octet >= 10 {
-            out.push(char::from(b'0' + (octet / 10) % 10));
-        }
-        out.push(char::from(b'0' + octet % 10));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn text(s: &str) -> Option<KeyPart<'_>> {
+        Some(KeyPart::Text(s))
+    }
+
     #[test]
     fn prefixes_are_tiers() {
         let k = TenantKey::new(["acme", "eng", "alice", "agent-1"]).unwrap();
-        assert_eq!(k.prefix(0), Some(""));
-        assert_eq!(k.prefix(1), Some("acme"));
-        assert_eq!(k.prefix(3), Some("acme\u{1f}eng\u{1f}alice"));
+        assert_eq!(k.prefix(0), Some(&b""[..]));
+        assert_eq!(k.prefix(1), Some(&b"acme"[..]));
+        assert_eq!(k.prefix(3), Some(&b"acme\x1feng\x1falice"[..]));
         assert_eq!(k.prefix(5), None);
-        assert_eq!(k.parts().collect::<Vec<_>>(), ["acme", "eng", "alice", "agent-1"]);
-        assert_eq!(k.root(), "acme");
+        assert_eq!(k.parts().collect::<Vec<_>>(), ["acme", "eng", "alice", "agent-1"].map(KeyPart::Text));
+        assert_eq!(k.part(0), text("acme"));
+        assert_eq!(k.part(4), None);
+        assert_eq!(TenantKey::global().part(0), None);
     }
 
     #[test]
@@ -313,7 +504,9 @@ mod tests {
     #[test]
     fn bad_keys_are_errors() {
         assert_eq!(TenantKey::new(["a\u{1f}b"]), Err(KeyError::ReservedCharacter(0)));
+        assert_eq!(TenantKey::new(["ok", "a\u{1f}b"]), Err(KeyError::ReservedCharacter(1)));
         assert_eq!(TenantKey::new(["x"; 9]), Err(KeyError::TooManyTiers(9)));
+        assert_eq!(TenantKey::from_parts([KeyPart::Number(1); 9]), Err(KeyError::TooManyTiers(9)));
         assert_eq!(TenantKey::new([&*"x".repeat(70_000)]), Err(KeyError::TooLong));
         assert_eq!(TenantKey::global().depth(), 0);
     }
@@ -323,9 +516,9 @@ mod tests {
         let long = "x".repeat(INLINE + 1);
         for parts in [vec!["acme", "alice"], vec![&long, "bob"], vec!["a"; MAX_TIERS], vec![&long[..INLINE]]] {
             let key = TenantKey::new(&parts).unwrap();
-            assert_eq!(key.parts().collect::<Vec<_>>(), parts);
+            assert_eq!(key.parts().collect::<Vec<_>>(), parts.iter().map(|p| KeyPart::Text(p)).collect::<Vec<_>>());
             assert_eq!(key, key.clone());
-            assert_eq!(key.prefix(1), Some(parts[0]));
+            assert_eq!(key.prefix(1), Some(parts[0].as_bytes()));
             let hashes = [&key, &TenantKey::new(&parts).unwrap()].map(|k| {
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 k.hash(&mut h);
@@ -337,14 +530,60 @@ mod tests {
         assert_ne!(TenantKey::single("").unwrap(), TenantKey::global());
     }
 
+    /// Parts of every kind, including the numbers and addresses whose bytes hold the
+    /// separator or the typed marker.
+    fn assorted() -> Vec<KeyPart<'static>> {
+        let mut parts = vec![KeyPart::Text(""), KeyPart::Text("a"), KeyPart::Text("42"), KeyPart::Text("10.0.0.1")];
+        for n in [0, 1, 0x1f, 0xff, 0x1f1f, u64::MAX, u64::MAX - 1, 42, 0x1f00_0000_0000_00ff] {
+            parts.push(KeyPart::Number(n));
+        }
+        for ip in ["0.0.0.0", "31.31.31.31", "255.255.255.255", "10.0.0.1", "::", "::1", "1f1f::ffff", "::ffff:1.2.3.4"]
+        {
+            parts.push(KeyPart::Ip(ip.parse().unwrap()));
+        }
+        parts
+    }
+
     #[test]
-    fn ip_keys_are_their_text() {
+    fn typed_parts_come_back_as_they_went_in() {
+        let parts = assorted();
+        for a in &parts {
+            for b in &parts {
+                for c in &parts {
+                    let key = TenantKey::from_parts([*a, *b, *c]).unwrap();
+                    assert_eq!(key.parts().collect::<Vec<_>>(), [*a, *b, *c]);
+                    assert_eq!(key.to_string(), format!("{a}/{b}/{c}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn keys_share_a_prefix_only_when_their_parts_are_equal() {
+        let parts = assorted();
+        let mut keys = Vec::new();
+        for a in &parts {
+            keys.push(TenantKey::from_parts([*a]).unwrap());
+            for b in &parts {
+                keys.push(TenantKey::from_parts([*a, *b]).unwrap());
+            }
+        }
+        for x in &keys {
+            for y in &keys {
+                let same = x.parts().eq(y.parts());
+                assert_eq!(x == y, same, "{x:?} {y:?}");
+                assert_eq!(x.prefix(x.depth()) == y.prefix(y.depth()), same, "{x:?} {y:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn ip_and_number_keys_are_their_bytes() {
         for text in [
             "0.0.0.0",
             "9.10.100.255",
             "192.0.2.7",
             "255.255.255.255",
-            "100.99.10.9",
             "::",
             "::1",
             "2001:db8::7",
@@ -354,13 +593,18 @@ mod tests {
             let ip: IpAddr = text.parse().unwrap();
             let key = TenantKey::from_ip(ip);
             assert_eq!(key.to_string(), ip.to_string());
-            assert_eq!(key, TenantKey::single(ip.to_string()).unwrap());
-            assert_eq!(key.root(), ip.to_string());
+            assert_eq!(key.part(0), Some(KeyPart::Ip(ip)));
+            assert_eq!(key, TenantKey::from_parts([KeyPart::Ip(ip)]).unwrap());
+            assert_ne!(key, TenantKey::single(ip.to_string()).unwrap());
+            assert!(matches!(key.path, Path::Inline(_)));
         }
-        // Every octet value, in every position.
-        for n in 0..=255u8 {
-            let ip = IpAddr::from([n, 255 - n, n / 2, n.wrapping_mul(7)]);
-            assert_eq!(TenantKey::from_ip(ip).to_string(), ip.to_string());
+        for n in [0, 7, 1 << 40, u64::MAX] {
+            let key = TenantKey::from_u64(n);
+            assert_eq!(key.part(0), Some(KeyPart::Number(n)));
+            assert_eq!(key, TenantKey::from_parts([KeyPart::Number(n)]).unwrap());
+            assert_eq!(key.prefix(1).map(<[u8]>::len), Some(10));
+            assert_ne!(key, TenantKey::single(n.to_string()).unwrap());
         }
+        assert_ne!(TenantKey::from_u64(0x0a00_0001), TenantKey::from_ip(IpAddr::from([10, 0, 0, 1])));
     }
 }

@@ -50,7 +50,7 @@ pub use backend::{Backend, Observed};
 pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey, Unavailable};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use fleet::{FleetShares, TenantDemand};
-pub use key::{KeyError, MAX_TIERS, TenantKey};
+pub use key::{KeyError, KeyPart, MAX_TIERS, TenantKey};
 pub use limit::{Limit, LimitState, intern};
 pub use policy::{AlgorithmKind, Counts, LimitPolicy, LimitSetPolicy, LoadError, PolicyError, Scope};
 pub use pool::{

@@ -2,10 +2,11 @@
 //! type: a GCRA entry is its key and one integer, nothing more.
 //!
 //! Entries are found by the hash of the key path, computed once per tier by the caller,
-//! and compared by the path itself, so a lookup allocates nothing. A path of up to 15
-//! bytes (any IPv4 address, most single-tier ids) is kept in the entry and compared as two
-//! words: no pointer to follow, no call to compare, no allocation on insertion. Longer
-//! paths are copied to the heap when inserted.
+//! and compared by the path itself, so a lookup allocates nothing. A key that is one
+//! number is kept as the number: a GCRA entry of 16 bytes. A path of up to 15 bytes (any
+//! IPv4 address, most single-tier ids) is kept in the entry and compared as two words: no
+//! pointer to follow, no call to compare, no allocation on insertion, a GCRA entry of 24
+//! bytes. Longer paths are copied to the heap when inserted.
 
 use std::hash::BuildHasher;
 
@@ -15,42 +16,56 @@ use crate::algorithm::{
     Algorithm, FixedWindowState, GcraState, Refusal, SemaphoreState, SlidingWindowCounterState, SlidingWindowLogState,
     Snapshot, TokenBucketState,
 };
+use crate::key::{as_number, number_prefix};
 use crate::limit::{Limit, LimitState};
 use crate::time::Instant;
 
-pub(crate) struct Entry<S> {
-    key: StoredKey,
-    state: S,
+/// The states of one limit in one shard, by key, in three tables by the key's form, so
+/// that every entry is its key and its state and nothing else (no tag saying which form
+/// the key has): a GCRA entry for a short path is 24 bytes, for a number 16.
+pub(crate) struct Tables<S> {
+    /// Paths of up to 15 bytes (any IPv4 address, most ids), as two words: the bytes
+    /// little-endian, zero-padded, with the length in the top byte of the second. Two
+    /// paths are equal when their words are.
+    short: HashTable<([u64; 2], S)>,
+    /// Keys that are one number ([`TenantKey::from_u64`](crate::TenantKey::from_u64)),
+    /// by the number.
+    numbers: HashTable<(u64, S)>,
+    /// Longer paths, copied to the heap once, when first seen.
+    long: HashTable<(Box<[u8]>, S)>,
 }
 
-/// The longest path kept inside an entry; the last of its 16 bytes holds the length.
+/// Where [`Table::check`] found a state, for [`Table::commit_at`]: a table and a bucket.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Place {
+    Short(usize),
+    Number(usize),
+    Long(usize),
+}
+
+/// The longest path kept as words; the last of their 16 bytes holds the length.
 const SHORT: usize = 15;
 
-/// A key path as an entry keeps it.
-enum StoredKey {
-    /// The bytes as two little-endian words, zero-padded, with the length in the top byte
-    /// of the second: two paths are equal when their words are.
-    Short([u64; 2]),
-    Long(Box<str>),
-}
-
-/// A path being looked up, in the form its entry keeps it: made once per lookup, so
-/// that every comparison is the words' or, for a long path, the text's.
+/// A path being looked up, in the form its table keeps it: made once per lookup, so
+/// that every comparison is the number's, the words' or, for a long path, the bytes'.
 #[derive(Clone, Copy)]
 enum Probe<'a> {
+    Number(u64),
     Short([u64; 2]),
-    Long(&'a str),
+    Long(&'a [u8]),
 }
 
 impl<'a> Probe<'a> {
     #[inline(always)]
-    fn new(key: &'a str) -> Self {
-        let bytes = key.as_bytes();
-        if bytes.len() > SHORT {
+    fn new(key: &'a [u8]) -> Self {
+        if let Some(n) = as_number(key) {
+            return Probe::Number(n);
+        }
+        if key.len() > SHORT {
             return Probe::Long(key);
         }
-        let (lo, hi) = bytes.split_at(bytes.len().min(8));
-        Probe::Short([word(lo), word(hi) | (bytes.len() as u64) << 56])
+        let (lo, hi) = key.split_at(key.len().min(8));
+        Probe::Short([word(lo), word(hi) | (key.len() as u64) << 56])
     }
 }
 
@@ -71,47 +86,99 @@ fn word(b: &[u8]) -> u64 {
     }
 }
 
-impl StoredKey {
-    fn new(probe: Probe<'_>) -> Self {
-        match probe {
-            Probe::Short(words) => StoredKey::Short(words),
-            Probe::Long(key) => StoredKey::Long(key.into()),
+/// The hash a short path's entry was placed by, for its table to move it when it grows.
+fn short_hash(hasher: &DefaultHashBuilder, [lo, hi]: [u64; 2]) -> u64 {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&lo.to_le_bytes());
+    bytes[8..].copy_from_slice(&hi.to_le_bytes());
+    let len = usize::from(bytes[SHORT]).min(SHORT);
+    key_hash(hasher, &bytes[..len])
+}
+
+impl<S> Tables<S> {
+    fn new() -> Self {
+        Tables { short: HashTable::new(), numbers: HashTable::new(), long: HashTable::new() }
+    }
+
+    fn len(&self) -> usize {
+        self.short.len() + self.numbers.len() + self.long.len()
+    }
+
+    #[inline(always)]
+    fn find(&self, h: u64, key: &[u8]) -> Option<&S> {
+        self.place(h, key).and_then(|at| self.at(at))
+    }
+
+    #[inline(always)]
+    fn find_mut(&mut self, h: u64, key: &[u8]) -> Option<&mut S> {
+        match Probe::new(key) {
+            Probe::Short(words) => self.short.find_mut(h, |e| e.0 == words).map(|e| &mut e.1),
+            Probe::Number(n) => self.numbers.find_mut(h, |e| e.0 == n).map(|e| &mut e.1),
+            Probe::Long(key) => self.long.find_mut(h, |e| *e.0 == *key).map(|e| &mut e.1),
         }
     }
 
     #[inline(always)]
-    fn matches(&self, probe: &Probe<'_>) -> bool {
-        match (self, probe) {
-            (StoredKey::Short(a), Probe::Short(b)) => a == b,
-            (StoredKey::Long(a), Probe::Long(b)) => **a == **b,
-            _ => false,
+    fn place(&self, h: u64, key: &[u8]) -> Option<Place> {
+        match Probe::new(key) {
+            Probe::Short(words) => self.short.find_bucket_index(h, |e| e.0 == words).map(Place::Short),
+            Probe::Number(n) => self.numbers.find_bucket_index(h, |e| e.0 == n).map(Place::Number),
+            Probe::Long(key) => self.long.find_bucket_index(h, |e| *e.0 == *key).map(Place::Long),
         }
     }
 
-    /// The hash the entry was placed by, for the table to move it when it grows.
-    fn hash(&self, hasher: &DefaultHashBuilder) -> u64 {
-        match self {
-            StoredKey::Short([lo, hi]) => {
-                let mut text = [0u8; 16];
-                text[..8].copy_from_slice(&lo.to_le_bytes());
-                text[8..].copy_from_slice(&hi.to_le_bytes());
-                let len = usize::from(text[SHORT]).min(SHORT);
-                // The bytes were a `&str`'s, cut at its end: they are its text again.
-                key_hash(hasher, std::str::from_utf8(&text[..len]).unwrap_or_default())
-            }
-            StoredKey::Long(key) => key_hash(hasher, key),
+    #[inline(always)]
+    fn at(&self, place: Place) -> Option<&S> {
+        match place {
+            Place::Short(at) => self.short.get_bucket(at).map(|e| &e.1),
+            Place::Number(at) => self.numbers.get_bucket(at).map(|e| &e.1),
+            Place::Long(at) => self.long.get_bucket(at).map(|e| &e.1),
         }
+    }
+
+    #[inline(always)]
+    fn at_mut(&mut self, place: Place) -> Option<&mut S> {
+        match place {
+            Place::Short(at) => self.short.get_bucket_mut(at).map(|e| &mut e.1),
+            Place::Number(at) => self.numbers.get_bucket_mut(at).map(|e| &mut e.1),
+            Place::Long(at) => self.long.get_bucket_mut(at).map(|e| &mut e.1),
+        }
+    }
+
+    fn insert(&mut self, hasher: &DefaultHashBuilder, h: u64, key: &[u8], state: S) {
+        match Probe::new(key) {
+            Probe::Short(words) => {
+                self.short.insert_unique(h, (words, state), |e| short_hash(hasher, e.0));
+            }
+            Probe::Number(n) => {
+                self.numbers.insert_unique(h, (n, state), |e| key_hash(hasher, &number_prefix(e.0)));
+            }
+            Probe::Long(key) => {
+                self.long.insert_unique(h, (key.into(), state), |e| key_hash(hasher, &e.0));
+            }
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&S) -> bool) {
+        self.short.retain(|e| keep(&e.1));
+        self.numbers.retain(|e| keep(&e.1));
+        self.long.retain(|e| keep(&e.1));
+    }
+
+    fn states(&self) -> impl Iterator<Item = &S> {
+        let short = self.short.iter().map(|e| &e.1);
+        short.chain(self.numbers.iter().map(|e| &e.1)).chain(self.long.iter().map(|e| &e.1))
     }
 }
 
 /// The table of one limit in one shard.
 pub(crate) enum Table {
-    Gcra(HashTable<Entry<GcraState>>),
-    TokenBucket(HashTable<Entry<TokenBucketState>>),
-    SlidingWindowLog(HashTable<Entry<SlidingWindowLogState>>),
-    SlidingWindowCounter(HashTable<Entry<SlidingWindowCounterState>>),
-    FixedWindow(HashTable<Entry<FixedWindowState>>),
-    Semaphore(HashTable<Entry<SemaphoreState>>),
+    Gcra(Tables<GcraState>),
+    TokenBucket(Tables<TokenBucketState>),
+    SlidingWindowLog(Tables<SlidingWindowLogState>),
+    SlidingWindowCounter(Tables<SlidingWindowCounterState>),
+    FixedWindow(Tables<FixedWindowState>),
+    Semaphore(Tables<SemaphoreState>),
 }
 
 /// A correction applied to one state after a grant.
@@ -153,25 +220,9 @@ macro_rules! with_table {
     };
 }
 
-#[inline(always)]
-fn find<'t, S>(t: &'t HashTable<Entry<S>>, h: u64, key: &str) -> Option<&'t S> {
-    let probe = Probe::new(key);
-    t.find(h, |e| e.key.matches(&probe)).map(|e| &e.state)
-}
-
-#[inline(always)]
-fn find_mut<'t, S>(t: &'t mut HashTable<Entry<S>>, h: u64, key: &str) -> Option<&'t mut S> {
-    let probe = Probe::new(key);
-    t.find_mut(h, |e| e.key.matches(&probe)).map(|e| &mut e.state)
-}
-
-fn insert<S>(t: &mut HashTable<Entry<S>>, hasher: &DefaultHashBuilder, h: u64, key: &str, state: S) {
-    t.insert_unique(h, Entry { key: StoredKey::new(Probe::new(key)), state }, |e| e.key.hash(hasher));
-}
-
 /// The hash of a key path as every table stores it.
 #[inline]
-pub(crate) fn key_hash(hasher: &DefaultHashBuilder, key: &str) -> u64 {
+pub(crate) fn key_hash(hasher: &DefaultHashBuilder, key: &[u8]) -> u64 {
     hasher.hash_one(key)
 }
 
@@ -192,12 +243,12 @@ pub(crate) fn apply<A: Algorithm>(a: &A, s: &mut A::State, op: Op, now: Instant)
 impl Table {
     pub(crate) fn for_limit(limit: &Limit) -> Table {
         match limit {
-            Limit::Gcra(_) => Table::Gcra(HashTable::new()),
-            Limit::TokenBucket(_) => Table::TokenBucket(HashTable::new()),
-            Limit::SlidingWindowLog(_) => Table::SlidingWindowLog(HashTable::new()),
-            Limit::SlidingWindowCounter(_) => Table::SlidingWindowCounter(HashTable::new()),
-            Limit::FixedWindow(_) => Table::FixedWindow(HashTable::new()),
-            Limit::Semaphore(_) => Table::Semaphore(HashTable::new()),
+            Limit::Gcra(_) => Table::Gcra(Tables::new()),
+            Limit::TokenBucket(_) => Table::TokenBucket(Tables::new()),
+            Limit::SlidingWindowLog(_) => Table::SlidingWindowLog(Tables::new()),
+            Limit::SlidingWindowCounter(_) => Table::SlidingWindowCounter(Tables::new()),
+            Limit::FixedWindow(_) => Table::FixedWindow(Tables::new()),
+            Limit::Semaphore(_) => Table::Semaphore(Tables::new()),
         }
     }
 
@@ -214,14 +265,14 @@ impl Table {
 
     /// Whether `key` has a state here.
     #[inline]
-    pub(crate) fn contains(&self, h: u64, key: &str) -> bool {
+    pub(crate) fn contains(&self, h: u64, key: &[u8]) -> bool {
         match self {
-            Table::Gcra(t) => find(t, h, key).is_some(),
-            Table::TokenBucket(t) => find(t, h, key).is_some(),
-            Table::SlidingWindowLog(t) => find(t, h, key).is_some(),
-            Table::SlidingWindowCounter(t) => find(t, h, key).is_some(),
-            Table::FixedWindow(t) => find(t, h, key).is_some(),
-            Table::Semaphore(t) => find(t, h, key).is_some(),
+            Table::Gcra(t) => t.find(h, key).is_some(),
+            Table::TokenBucket(t) => t.find(h, key).is_some(),
+            Table::SlidingWindowLog(t) => t.find(h, key).is_some(),
+            Table::SlidingWindowCounter(t) => t.find(h, key).is_some(),
+            Table::FixedWindow(t) => t.find(h, key).is_some(),
+            Table::Semaphore(t) => t.find(h, key).is_some(),
         }
     }
 
@@ -233,17 +284,16 @@ impl Table {
         &self,
         limit: &Limit,
         h: u64,
-        key: &str,
+        key: &[u8],
         now: Instant,
         cost: u64,
-    ) -> (Option<usize>, Result<(), Refusal>) {
+    ) -> (Option<Place>, Result<(), Refusal>) {
         with_table!(
             limit,
             self,
             |a, t| {
-                let probe = Probe::new(key);
-                match t.find_bucket_index(h, |e| e.key.matches(&probe)) {
-                    Some(at) => (Some(at), t.get_bucket(at).map_or(Ok(()), |e| a.check(&e.state, now, cost))),
+                match t.place(h, key) {
+                    Some(at) => (Some(at), t.at(at).map_or(Ok(()), |s| a.check(s, now, cost))),
                     None => (None, a.check(&a.fresh(), now, cost)),
                 }
             },
@@ -254,13 +304,13 @@ impl Table {
     /// Records a grant that [`Table::check`] allowed, on the state it found at `at` (no
     /// second lookup); returns `false` if there is none there (the table changed since).
     #[inline]
-    pub(crate) fn commit_at(&mut self, limit: &Limit, at: usize, now: Instant, cost: u64) -> bool {
+    pub(crate) fn commit_at(&mut self, limit: &Limit, at: Place, now: Instant, cost: u64) -> bool {
         with_table!(
             limit,
             self,
-            |a, t| match t.get_bucket_mut(at) {
-                Some(e) => {
-                    a.commit(&mut e.state, now, cost);
+            |a, t| match t.at_mut(at) {
+                Some(s) => {
+                    a.commit(s, now, cost);
                     true
                 }
                 None => false,
@@ -270,11 +320,11 @@ impl Table {
     }
 
     /// Remaining capacity of `key` (a fresh state's when it has none).
-    pub(crate) fn peek(&self, limit: &Limit, h: u64, key: &str, now: Instant) -> Snapshot {
+    pub(crate) fn peek(&self, limit: &Limit, h: u64, key: &[u8], now: Instant) -> Snapshot {
         with_table!(
             limit,
             self,
-            |a, t| match find(t, h, key) {
+            |a, t| match t.find(h, key) {
                 Some(s) => a.peek(s, now),
                 None => a.peek(&a.fresh(), now),
             },
@@ -289,7 +339,7 @@ impl Table {
         limit: &Limit,
         hasher: &DefaultHashBuilder,
         h: u64,
-        key: &str,
+        key: &[u8],
         now: Instant,
         cost: u64,
     ) -> bool {
@@ -297,13 +347,13 @@ impl Table {
             limit,
             self,
             |a, t| {
-                if let Some(s) = find_mut(t, h, key) {
+                if let Some(s) = t.find_mut(h, key) {
                     a.commit(s, now, cost);
                     false
                 } else {
                     let mut s = a.fresh();
                     a.commit(&mut s, now, cost);
-                    insert(t, hasher, h, key, s);
+                    t.insert(hasher, h, key, s);
                     true
                 }
             },
@@ -317,14 +367,14 @@ impl Table {
         &mut self,
         limit: &Limit,
         h: u64,
-        key: &str,
+        key: &[u8],
         now: Instant,
         cost: u64,
     ) -> Option<Result<(), (Refusal, Snapshot)>> {
         with_table!(
             limit,
             self,
-            |a, t| find_mut(t, h, key).map(|s| a.acquire(s, now, cost).map_err(|r| (r, a.peek(s, now)))),
+            |a, t| t.find_mut(h, key).map(|s| a.acquire(s, now, cost).map_err(|r| (r, a.peek(s, now)))),
             Some(Err((Refusal::Never { capacity: 0 }, limit.peek(&limit.fresh(), now))))
         )
     }
@@ -335,7 +385,7 @@ impl Table {
         &mut self,
         limit: &Limit,
         hasher: &DefaultHashBuilder,
-        (h, key): (u64, &str),
+        (h, key): (u64, &[u8]),
         op: Op,
         now: Instant,
         create: bool,
@@ -344,13 +394,13 @@ impl Table {
             limit,
             self,
             |a, t| {
-                if let Some(s) = find_mut(t, h, key) {
+                if let Some(s) = t.find_mut(h, key) {
                     apply(a, s, op, now);
                     false
                 } else if create {
                     let mut s = a.fresh();
                     apply(a, &mut s, op, now);
-                    insert(t, hasher, h, key, s);
+                    t.insert(hasher, h, key, s);
                     true
                 } else {
                     false
@@ -363,14 +413,14 @@ impl Table {
     /// Drops every idle state; returns how many.
     pub(crate) fn sweep(&mut self, limit: &Limit, now: Instant) -> usize {
         let before = self.len();
-        with_table!(limit, &mut *self, |a, t| t.retain(|e| !a.is_idle(&e.state, now)), ());
+        with_table!(limit, &mut *self, |a, t| t.retain(|s| !a.is_idle(s, now)), ());
         before - self.len()
     }
 
     /// Permits held over all keys (semaphores; zero otherwise).
     pub(crate) fn held(&self) -> u64 {
         match self {
-            Table::Semaphore(t) => t.iter().map(|e| e.state.held()).sum(),
+            Table::Semaphore(t) => t.states().map(SemaphoreState::held).sum(),
             _ => 0,
         }
     }
@@ -392,39 +442,66 @@ pub(crate) fn apply_global(limit: &Limit, state: &mut LimitState, op: Op, now: I
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::TenantKey;
 
     /// Paths of every length around the inline bound, some differing only in a trailing
-    /// zero byte or in their length byte's position.
-    fn paths() -> Vec<String> {
-        let mut paths: Vec<String> = (0..40).map(|n| "k".repeat(n)).collect();
+    /// zero byte or in their length byte's position, and the paths of number and address
+    /// keys, some of whose bytes look like the others'.
+    fn paths() -> Vec<Vec<u8>> {
+        let mut paths: Vec<Vec<u8>> = (0..40).map(|n| vec![b'k'; n]).collect();
         paths.extend(
             ["a", "a\0", "\0", "\0\0", "10.0.0.1", "10.0.0.10", "fifteen-bytes-x", "sixteen-bytes-xy"]
-                .map(String::from),
+                .map(|p| p.as_bytes().to_vec()),
         );
-        paths.extend((0..2_000).map(|i| format!("tenant-{i}")));
-        paths.extend((0..500).map(|i| format!("a-much-longer-tenant-path-{i}")));
+        paths.extend((0..2_000).map(|i| format!("tenant-{i}").into_bytes()));
+        paths.extend((0..500).map(|i| format!("a-much-longer-tenant-path-{i}").into_bytes()));
+        let typed = (0..1_000u64)
+            .map(|n| TenantKey::from_u64(n * 0x0101_0101))
+            .chain([1, u64::MAX, 0x0a00_0001].map(TenantKey::from_u64))
+            .chain((0..=255u8).map(|n| TenantKey::from_ip([10, 0, n, 1].into())))
+            .chain([TenantKey::from_ip("2001:db8::1".parse().unwrap())]);
+        paths.extend(typed.map(|key| key.prefix(1).unwrap_or_default().to_vec()));
+        // A number's path with a byte more or less is not a number.
+        let number = number_prefix(7);
+        paths.extend([number[..9].to_vec(), [&number[..], b"x"].concat()]);
         paths
     }
 
     #[test]
     fn every_path_is_found_again_after_the_table_grows() {
         let hasher = DefaultHashBuilder::default();
-        let mut table: HashTable<Entry<u64>> = HashTable::new();
+        let mut table: Tables<u64> = Tables::new();
         let paths = paths();
         for (i, path) in paths.iter().enumerate() {
             let h = key_hash(&hasher, path);
-            assert!(find(&table, h, path).is_none(), "{path:?} before insertion");
-            insert(&mut table, &hasher, h, path, i as u64);
+            assert!(table.find(h, path).is_none(), "{path:?} before insertion");
+            table.insert(&hasher, h, path, i as u64);
         }
-        // The table has grown (and moved every entry by its stored hash) many times.
+        // The tables have grown (and moved every entry by its stored hash) many times.
         assert_eq!(table.len(), paths.len());
+        assert_eq!(table.numbers.len(), 1_003, "every number key, and nothing else, is kept by its number");
         for (i, path) in paths.iter().enumerate() {
             let h = key_hash(&hasher, path);
-            assert_eq!(find(&table, h, path), Some(&(i as u64)), "{path:?}");
+            assert_eq!(table.find(h, path), Some(&(i as u64)), "{path:?}");
+            let place = table.place(h, path).expect("found");
+            assert_eq!(table.at(place), Some(&(i as u64)), "{path:?}");
+            *table.find_mut(h, path).expect("found") += 1;
         }
-        for absent in ["b", "a\0\0", "k".repeat(40).as_str(), "tenant-2000", "sixteen-bytes-xz"] {
-            assert!(find(&table, key_hash(&hasher, absent), absent).is_none(), "{absent:?}");
+        assert_eq!(table.states().sum::<u64>(), (1..=paths.len() as u64).sum::<u64>());
+        let absent = [
+            b"b".to_vec(),
+            b"a\0\0".to_vec(),
+            vec![b'k'; 40],
+            b"tenant-2000".to_vec(),
+            b"sixteen-bytes-xy!".to_vec(),
+            number_prefix(2).to_vec(),
+        ];
+        for path in absent {
+            assert!(table.find(key_hash(&hasher, &path), &path).is_none(), "{path:?}");
         }
+        table.retain(|n| n % 2 == 0);
+        assert_eq!(table.len(), paths.len() / 2);
+        assert!(table.states().all(|n| n % 2 == 0));
     }
 
     #[test]
@@ -438,15 +515,20 @@ mod tests {
     }
 
     #[test]
-    fn a_short_path_and_a_long_one_never_match() {
-        let short = Probe::new("fifteen-bytes-x");
-        let long = Probe::new("sixteen-bytes-xy");
-        assert!(matches!(short, Probe::Short(_)));
-        assert!(matches!(long, Probe::Long(_)));
-        assert!(StoredKey::new(short).matches(&short));
-        assert!(!StoredKey::new(short).matches(&long));
-        assert!(!StoredKey::new(long).matches(&short));
-        assert!(StoredKey::new(long).matches(&long));
-        assert!(!StoredKey::new(Probe::new("a")).matches(&Probe::new("a\0")));
+    fn each_form_of_path_goes_to_its_own_table() {
+        let number = number_prefix(u64::from_le_bytes(*b"fifteen-"));
+        assert!(matches!(Probe::new(b"fifteen-bytes-x"), Probe::Short(_)));
+        assert!(matches!(Probe::new(b"sixteen-bytes-xy"), Probe::Long(_)));
+        assert!(matches!(Probe::new(&number), Probe::Number(_)));
+        assert!(matches!(Probe::new(&number[..9]), Probe::Short(_)));
+        assert!(matches!(Probe::new(&[&number[..], b"x"].concat()), Probe::Short(_)));
+        let hasher = DefaultHashBuilder::default();
+        let mut t: Tables<()> = Tables::new();
+        for path in [&b"fifteen-bytes-x"[..], b"sixteen-bytes-xy", &number, b"a", b"a\0"] {
+            t.insert(&hasher, key_hash(&hasher, path), path, ());
+        }
+        assert_eq!((t.short.len(), t.numbers.len(), t.long.len()), (3, 1, 1));
+        // A short path's length is part of its words: "a" and "a\0" are two entries.
+        assert_eq!(t.short.iter().filter(|e| e.0[0] == u64::from(b'a')).count(), 2);
     }
 }

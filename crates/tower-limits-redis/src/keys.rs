@@ -21,7 +21,14 @@
 //! Tenant ids and limit names are escaped: every byte other than ASCII letters, digits
 //! and `-_.~@+` is written `%XX`, so a tenant id can never close the hash tag early
 //! (`{`, `}`), forge a separator (`:`, `/`), or collide with the global tag `*`; an
-//! empty id is written `%`.
+//! empty id is written `%`. A part that is a number or an IP address
+//! ([`KeyPart`](tower_limits_core::KeyPart)) is written `#` and then its text, escaped
+//! alike: `#42`, `#192.0.2.7`, `#2001%3Adb8%3A%3A1`. An id's own `#` is escaped, so the
+//! number `42` and the text id `"42"` are different tenants here as in memory.
+
+use std::fmt::{self, Write};
+
+use tower_limits_core::KeyPart;
 
 /// How a set's keys are spread over Redis Cluster slots.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -41,8 +48,25 @@ pub enum SlotLayout {
 pub(crate) fn escape_into(out: &mut String, s: &str) {
     if s.is_empty() {
         out.push('%');
-        return;
+    } else {
+        escape_bytes(out, s);
     }
+}
+
+/// Appends one part of a tenant key escaped for use in a key: text as [`escape_into`],
+/// a number or an address as `#` and its text, escaped, written without a heap copy.
+pub(crate) fn escape_part_into(out: &mut String, part: KeyPart<'_>) {
+    match part {
+        KeyPart::Text(text) => escape_into(out, text),
+        typed => {
+            out.push('#');
+            // Writing into a `String` cannot fail.
+            let _ = write!(Escaped(out), "{typed}");
+        }
+    }
+}
+
+fn escape_bytes(out: &mut String, s: &str) {
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'@' | b'+') {
             out.push(char::from(b));
@@ -52,6 +76,16 @@ pub(crate) fn escape_into(out: &mut String, s: &str) {
             out.push(char::from(HEX[usize::from(b >> 4)]));
             out.push(char::from(HEX[usize::from(b & 15)]));
         }
+    }
+}
+
+/// Escapes what is written through it.
+struct Escaped<'a>(&'a mut String);
+
+impl fmt::Write for Escaped<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        escape_bytes(self.0, s);
+        Ok(())
     }
 }
 
@@ -103,6 +137,21 @@ mod tests {
         assert_eq!(esc("100%"), "100%25");
         assert_eq!(esc(""), "%");
         assert_eq!(esc("é"), "%C3%A9");
+    }
+
+    #[test]
+    fn numbers_and_addresses_are_marked_apart_from_text() {
+        let part = |p: KeyPart<'_>| {
+            let mut out = String::new();
+            escape_part_into(&mut out, p);
+            out
+        };
+        assert_eq!(part(KeyPart::Number(42)), "#42");
+        assert_eq!(part(KeyPart::Text("42")), "42");
+        assert_eq!(part(KeyPart::Text("#42")), "%2342");
+        assert_eq!(part(KeyPart::Text("")), "%");
+        assert_eq!(part(KeyPart::Ip("192.0.2.7".parse().unwrap())), "#192.0.2.7");
+        assert_eq!(part(KeyPart::Ip("2001:db8::1".parse().unwrap())), "#2001%3Adb8%3A%3A1");
     }
 
     #[test]

@@ -66,8 +66,8 @@ pub use layers::{
 pub use reject::{Hold, Rejection, ReturnError};
 pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};
 pub use tower_limits_core::{
-    AcquireError, Backend, Chosen, Grant, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, LimitSetStats,
-    LimitSnapshot, PolicyError, Quota, Rate, Selection, Snapshot, TenantKey, UpstreamReport, nz,
+    AcquireError, Backend, Chosen, Grant, Instant, KeyPart, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy,
+    LimitSetStats, LimitSnapshot, PolicyError, Quota, Rate, Selection, Snapshot, TenantKey, UpstreamReport, nz,
 };
 
 /// The sans-IO core, in full.

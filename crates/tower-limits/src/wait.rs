@@ -85,14 +85,14 @@ pub(crate) struct Blocked {
     /// How many parts of the key the limit's state is kept by; `None` when the backend
     /// cannot say (every release of the limit then wakes its waiters).
     depth: Option<usize>,
-    prefix: Box<str>,
+    prefix: Box<[u8]>,
 }
 
 impl Blocked {
     /// The state of `limit` (scoped to a tier `depth` parts deep, `Some(0)` for a global
     /// limit) that `key` was refused by.
     pub(crate) fn new(limit: &'static str, depth: Option<usize>, key: &TenantKey) -> Self {
-        let prefix = depth.and_then(|d| key.prefix(d)).unwrap_or("");
+        let prefix = depth.and_then(|d| key.prefix(d)).unwrap_or_default();
         Blocked { limit, depth, prefix: prefix.into() }
     }
 }
@@ -183,7 +183,7 @@ impl Waiters {
                         }
                     }
                     None => {
-                        let state = Blocked { limit, depth: None, prefix: "".into() };
+                        let state = Blocked { limit, depth: None, prefix: Box::default() };
                         for p in parked.get_mut(&state).into_iter().flatten() {
                             p.woken = true;
                             wake.push(p.waker.take());

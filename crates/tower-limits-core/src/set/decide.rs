@@ -30,7 +30,7 @@ use crate::algorithm::{Refusal, Snapshot};
 use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
 use crate::key::{MAX_TIERS, TenantKey};
 use crate::limit::{Config, MAX_LIMITS};
-use crate::table::key_hash;
+use crate::table::{Place, key_hash};
 use crate::time::Instant;
 
 impl Shared {
@@ -207,7 +207,7 @@ impl Shared {
         for def in &cfg.limits {
             if let Some(t) = def.tier {
                 if !hashed[t] {
-                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or(""));
+                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or_default());
                     hashed[t] = true;
                 }
             }
@@ -219,7 +219,7 @@ impl Shared {
         let mut needs_release = false;
         let mut new_entries = 0usize;
         // Where each keyed limit's state was found, for the commit (no second lookup).
-        let mut found_at = [None::<usize>; MAX_LIMITS];
+        let mut found_at = [None::<Place>; MAX_LIMITS];
         // Shadow limits that would refuse: skipped below, not charged.
         let mut shadowed = 0u16;
         for (i, def) in cfg.limits.iter().enumerate() {
@@ -232,7 +232,7 @@ impl Shared {
             let (found, result) = match def.tier {
                 None => (true, def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost)),
                 Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let prefix = key.prefix(t + 1).unwrap_or_default();
                     match shard.as_deref() {
                         Some(s) => {
                             let (at, result) = s.tables[i].check(&def.limit, hashes[t], prefix, now, cost);
@@ -278,7 +278,7 @@ impl Shared {
             let snapshot = match def.tier {
                 None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
                 Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let prefix = key.prefix(t + 1).unwrap_or_default();
                     match shard.as_deref() {
                         Some(s) => s.tables[i].peek(&def.limit, hashes[t], prefix, now),
                         None => def.limit.peek(&cfg.fresh[i], now),
@@ -302,7 +302,7 @@ impl Shared {
                     .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
                     .filter(|&(i, _)| shadowed & (1 << i) == 0)
                     .filter(|&(i, t)| {
-                        let prefix = key.prefix(t + 1).unwrap_or("");
+                        let prefix = key.prefix(t + 1).unwrap_or_default();
                         !s.tables[i].contains(hashes[t], prefix)
                     })
                     .count();
@@ -331,7 +331,7 @@ impl Shared {
                             continue;
                         }
                     }
-                    let prefix = key.prefix(t + 1).unwrap_or("");
+                    let prefix = key.prefix(t + 1).unwrap_or_default();
                     if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
                         s.len += 1;
                     }
@@ -384,7 +384,7 @@ impl Shared {
                 (result, &mut g.counters)
             }
             (Some(t), Some(s), _) => {
-                let prefix = key.prefix(t + 1).unwrap_or("");
+                let prefix = key.prefix(t + 1).unwrap_or_default();
                 let h = key_hash(&self.hasher, prefix);
                 let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
                     Some(result) => result,

@@ -13,13 +13,12 @@
 //! full of active keys at that moment is such a charge dropped, because the bound on
 //! memory comes first.
 
-use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 
 use super::{Counters, Shared};
 use crate::key::TenantKey;
 use crate::limit::Config;
-use crate::table::Table;
+use crate::table::{Table, key_hash};
 use crate::time::Instant;
 
 /// The most shards a set spreads its keys over.
@@ -61,7 +60,7 @@ pub(super) fn shard_cap(max_keys: usize, shards: usize) -> usize {
 impl Shared {
     #[inline]
     pub(super) fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
-        let h = self.hasher.hash_one(key.root());
+        let h = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
         // The high bits: the table uses the low ones.
         &self.shards[(h >> 40) as usize & self.mask].0
     }

@@ -8,13 +8,13 @@ use std::time::Duration;
 use redis::Value;
 use tokio::runtime::Handle;
 use tower_limits_core::{
-    AcquireError, CostAboveCapacity, Counts, Denial, Instant, LimitSnapshot, MissingKey, Snapshot, TenantKey,
+    AcquireError, CostAboveCapacity, Counts, Denial, Instant, KeyPart, LimitSnapshot, MissingKey, Snapshot, TenantKey,
     Unavailable,
 };
 
 use crate::cache::CachedDenial;
 use crate::failure::FailurePolicy;
-use crate::keys::{SlotLayout, escape_into};
+use crate::keys::{SlotLayout, escape_part_into};
 
 use super::background::{Op, spawn_op};
 use super::builder::tag;
@@ -70,19 +70,19 @@ impl Inner {
         match &self.layout {
             SlotLayout::PerTenant => {
                 k.push('{');
-                escape_into(&mut k, key.root());
+                escape_part_into(&mut k, key.part(0).unwrap_or(KeyPart::Text("")));
                 k.push('}');
             }
             SlotLayout::OneSlot(tag) => {
                 k.push('{');
                 k.push_str(tag);
                 k.push_str("}:");
-                escape_into(&mut k, key.root());
+                escape_part_into(&mut k, key.part(0).unwrap_or(KeyPart::Text("")));
             }
         }
         for part in key.parts().skip(1).take(tier) {
             k.push('/');
-            escape_into(&mut k, part);
+            escape_part_into(&mut k, part);
         }
         k
     }
