@@ -177,7 +177,8 @@ impl<T: AsTenantKey, B> KeyExtractor<http::Request<B>> for FromExtension<T> {
 /// The key from the peer's IP address, found in the request's extensions as a
 /// `std::net::SocketAddr` or `std::net::IpAddr` (insert one from your server's accept
 /// loop), or, with the feature `axum`, as axum's `ConnectInfo<SocketAddr>`. The key is
-/// built without allocating. Behind a proxy every request has the proxy's address: use
+/// the address's bytes ([`TenantKey::from_ip`]): nothing is formatted or allocated per
+/// request. Behind a proxy every request has the proxy's address: use
 /// an authenticated key instead. `X-Forwarded-For` is never trusted by default.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PeerIp;
