@@ -511,23 +511,59 @@ mod tests {
         assert_eq!(TenantKey::global().depth(), 0);
     }
 
+    fn hash_of(key: &TenantKey) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        h.finish()
+    }
+
     #[test]
     fn short_and_long_paths_behave_alike() {
         let long = "x".repeat(INLINE + 1);
-        for parts in [vec!["acme", "alice"], vec![&long, "bob"], vec!["a"; MAX_TIERS], vec![&long[..INLINE]]] {
+        let (thirty, twenty) = ("a".repeat(30), "b".repeat(20));
+        for parts in [
+            vec!["acme", "alice"],
+            vec![&long, "bob"],
+            vec!["a"; MAX_TIERS],
+            vec![&long[..INLINE]],
+            vec![&long[..INLINE - 2], "y"],
+            // Past the inline bound at the second part, then a third.
+            vec![&thirty, &twenty, &twenty],
+        ] {
             let key = TenantKey::new(&parts).unwrap();
+            let joined = parts.iter().map(|p| p.len()).sum::<usize>() + parts.len() - 1;
+            let inline = matches!(key.path, Path::Inline(_));
+            assert_eq!(inline, joined <= INLINE, "{parts:?}: inline exactly when the path fits");
             assert_eq!(key.parts().collect::<Vec<_>>(), parts.iter().map(|p| KeyPart::Text(p)).collect::<Vec<_>>());
             assert_eq!(key, key.clone());
             assert_eq!(key.prefix(1), Some(parts[0].as_bytes()));
-            let hashes = [&key, &TenantKey::new(&parts).unwrap()].map(|k| {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                k.hash(&mut h);
-                h.finish()
-            });
-            assert_eq!(hashes[0], hashes[1]);
+            assert_eq!(hash_of(&key), hash_of(&TenantKey::new(&parts).unwrap()));
         }
         assert_ne!(TenantKey::new(["ab"]).unwrap(), TenantKey::new(["a", "b"]).unwrap());
         assert_ne!(TenantKey::single("").unwrap(), TenantKey::global());
+        assert!(TenantKey::global().is_global());
+        assert!(!TenantKey::single("").unwrap().is_global());
+    }
+
+    #[test]
+    fn different_keys_hash_apart() {
+        let keys = [
+            TenantKey::global(),
+            TenantKey::single("").unwrap(),
+            TenantKey::single("a").unwrap(),
+            TenantKey::new(["a", "b"]).unwrap(),
+            TenantKey::from_u64(7),
+            TenantKey::single("7").unwrap(),
+        ];
+        let hashes: std::collections::HashSet<u64> = keys.iter().map(hash_of).collect();
+        assert_eq!(hashes.len(), keys.len());
+    }
+
+    #[test]
+    fn key_errors_say_what_is_wrong() {
+        assert_eq!(KeyError::TooManyTiers(9).to_string(), "a tenant key has at most 8 tiers, got 9");
+        assert!(KeyError::ReservedCharacter(2).to_string().contains("part 2"));
+        assert!(KeyError::TooLong.to_string().contains("65535 bytes"));
     }
 
     /// Parts of every kind, including the numbers and addresses whose bytes hold the
