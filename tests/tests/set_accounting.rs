@@ -758,3 +758,27 @@ fn a_settle_after_a_reordering_replace_finds_each_limit_by_name() {
     drop(permit);
     assert_eq!(set.peek(&key, now)[2].snapshot.remaining, 4, "the semaphore found by name too");
 }
+
+#[test]
+fn a_refund_for_an_evicted_key_does_not_bring_it_back() {
+    // Five tokens a second, ten at most, per user; alice's grant is settled after her
+    // state went idle and was forgotten.
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["user"])
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(5), 10).per("user").counting_cost()),
+    )
+    .unwrap();
+    let alice = TenantKey::single("alice").unwrap();
+    let mut permit = set.acquire_owned(&alice, 8, Instant::ZERO).unwrap();
+    assert_eq!(set.tracked_keys(), 1);
+    let later = Instant::from_nanos(60_000 * MS);
+    assert_eq!(set.evict_idle(later), 1, "refilled: idle");
+    assert_eq!(set.tracked_keys(), 0);
+    // A refund to an idle state leaves it idle: nothing to keep.
+    permit.settle(2, later);
+    assert_eq!(set.tracked_keys(), 0, "the refund brought an idle state back");
+    // A charge adds to it: the state is brought back to carry it.
+    permit.settle(10, later);
+    assert_eq!(set.tracked_keys(), 1, "the charge was lost with the evicted state");
+}

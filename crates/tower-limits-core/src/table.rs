@@ -410,11 +410,9 @@ impl Table {
         )
     }
 
-    /// Drops every idle state; returns how many.
-    pub(crate) fn sweep(&mut self, limit: &Limit, now: Instant) -> usize {
-        let before = self.len();
+    /// Drops every idle state (the shard counts what is left).
+    pub(crate) fn sweep(&mut self, limit: &Limit, now: Instant) {
         with_table!(limit, &mut *self, |a, t| t.retain(|s| !a.is_idle(s, now)), ());
-        before - self.len()
     }
 
     /// Permits held over all keys (semaphores; zero otherwise).
