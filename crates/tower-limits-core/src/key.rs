@@ -410,8 +410,9 @@ impl Ends {
     }
 
     fn set(&mut self, i: usize, end: u16) {
-        let shift = 16 * (i % 4);
-        self.0[i / 4] = self.0[i / 4] & !(0xFFFF << shift) | u64::from(end) << shift;
+        let mut word = self.0[i / 4].to_le_bytes();
+        word[2 * (i % 4)..][..2].copy_from_slice(&end.to_le_bytes());
+        self.0[i / 4] = u64::from_le_bytes(word);
     }
 }
 
