@@ -152,9 +152,8 @@ fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
 pub struct TenantKey {
     /// The parts joined by the separator.
     path: Path,
-    /// The byte length of the path up to and including each part, sixteen bits each
-    /// ([`Ends`]).
-    ends: Ends,
+    /// `ends[i]` is the byte length of the path up to and including part `i`.
+    ends: [u16; MAX_TIERS],
     depth: u8,
 }
 
@@ -215,7 +214,7 @@ impl TenantKey {
     /// The key with no tier: what global limits use. Costs nothing to build or clone.
     #[must_use]
     pub const fn global() -> Self {
-        TenantKey { path: Path::Global, ends: Ends::NONE, depth: 0 }
+        TenantKey { path: Path::Global, ends: [0; MAX_TIERS], depth: 0 }
     }
 
     /// A key of one tier: an IP address, kept as its bytes, for limits per client
@@ -272,7 +271,11 @@ impl TenantKey {
         let mut path = ArrayVec::new();
         // At most 18 bytes into 39: this cannot fail.
         let _ = path.try_extend_from_slice(bytes);
-        TenantKey { path: Path::Inline(path), ends: Ends::one(bytes.len() as u16), depth: 1 }
+        // Written into the key in place: an array of offsets built aside was assembled on
+        // the stack and read back across overlapping stores, which cannot be forwarded.
+        let mut key = TenantKey { path: Path::Inline(path), ends: [0; MAX_TIERS], depth: 1 };
+        key.ends[0] = bytes.len() as u16;
+        key
     }
 
     /// A key of one tier.
@@ -347,8 +350,8 @@ impl TenantKey {
         if i >= self.depth() {
             return None;
         }
-        let start = if i == 0 { 0 } else { self.ends.get(i - 1) + SEPARATOR.len_utf8() };
-        Some(KeyPart::decode(&path[start..self.ends.get(i)]))
+        let start = if i == 0 { 0 } else { usize::from(self.ends[i - 1]) + SEPARATOR.len_utf8() };
+        Some(KeyPart::decode(&path[start..usize::from(self.ends[i])]))
     }
 
     /// The parts, broadest first.
@@ -374,7 +377,7 @@ impl TenantKey {
     pub fn prefix(&self, tiers: usize) -> Option<&[u8]> {
         match (tiers, self.full()) {
             (0, _) => Some(&[]),
-            (n, Some(path)) if n <= self.depth() => Some(&path[..self.ends.get(n - 1)]),
+            (n, Some(path)) if n <= self.depth() => Some(&path[..usize::from(self.ends[n - 1])]),
             _ => None,
         }
     }
@@ -387,42 +390,13 @@ impl TenantKey {
     }
 }
 
-/// Eight sixteen-bit offsets in two words. Plain words rather than `[u16; 8]`: a key of
-/// one part is then written as two word stores, where the array was assembled on the
-/// stack and read back across two overlapping stores, which cannot be forwarded (a fifth
-/// of `PeerIp`'s extraction stalled there).
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-struct Ends([u64; 2]);
-
-const _: () = assert!(MAX_TIERS <= 8, "`Ends` holds eight offsets");
-
-impl Ends {
-    const NONE: Ends = Ends([0; 2]);
-
-    #[inline]
-    fn one(end: u16) -> Self {
-        Ends([u64::from(end), 0])
-    }
-
-    #[inline]
-    fn get(self, i: usize) -> usize {
-        usize::from((self.0[i / 4] >> (16 * (i % 4))) as u16)
-    }
-
-    fn set(&mut self, i: usize, end: u16) {
-        let mut word = self.0[i / 4].to_le_bytes();
-        word[2 * (i % 4)..][..2].copy_from_slice(&end.to_le_bytes());
-        self.0[i / 4] = u64::from_le_bytes(word);
-    }
-}
-
 /// A key being built part by part: inline while it fits, on the heap from the first part
 /// that does not.
 #[derive(Default)]
 struct Builder {
     inline: ArrayVec<u8, INLINE>,
     long: Option<Vec<u8>>,
-    ends: Ends,
+    ends: [u16; MAX_TIERS],
     depth: usize,
 }
 
@@ -468,7 +442,7 @@ impl Builder {
                 self.inline.len()
             }
         };
-        self.ends.set(self.depth, u16::try_from(len).map_err(|_| KeyError::TooLong)?);
+        self.ends[self.depth] = u16::try_from(len).map_err(|_| KeyError::TooLong)?;
         self.depth += 1;
         Ok(())
     }
