@@ -67,7 +67,8 @@
 //! is the GCRA state of user `alice` of org `acme`. The hash tag `{<root>}` (the key's
 //! broadest tier) puts all of a tenant's keys in one Cluster slot, so the script can take
 //! them together. Tenant ids are escaped (`%XX` for anything but ASCII letters, digits
-//! and `-_.~@+`), so no id can close the tag early or forge a separator. See
+//! and `-_.~@+`), so no id can close the tag early or forge a separator; a number or an
+//! IP address is written `#` and its text (`#42`), apart from any text id. See
 //! [`RedisBackend::keys`] for a tenant's keys and [`key_slot`] for their slot.
 //!
 //! # Cluster slots and global limits
