@@ -209,18 +209,39 @@ fn connect_info<B>(_req: &http::Request<B>) -> Option<std::net::IpAddr> {
 
 /// The key from a request header. **Opt-in and spoofable**: any client can send any
 /// value, so use it only behind something that sets or checks the header.
+///
+/// ```
+/// use http::{HeaderName, Request};
+/// use tower_limits::TenantKey;
+/// use tower_limits::extract::{HeaderKey, KeyExtractor};
+///
+/// let by_account = HeaderKey::new(HeaderName::from_static("x-account-id")).numeric();
+/// let req = Request::builder().header("x-account-id", "4711").body(()).unwrap();
+/// assert_eq!(by_account.extract(&req).unwrap(), TenantKey::from_u64(4711));
+/// let req = Request::builder().header("x-account-id", "acme").body(()).unwrap();
+/// assert!(by_account.extract(&req).is_err());
+/// ```
 #[cfg(feature = "http")]
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
     name: http::HeaderName,
+    numeric: bool,
 }
 
 #[cfg(feature = "http")]
 impl HeaderKey {
-    /// Reads the header `name`.
+    /// Reads the header `name`; its value is the key, as text.
     #[must_use]
     pub fn new(name: http::HeaderName) -> Self {
-        HeaderKey { name }
+        HeaderKey { name, numeric: false }
+    }
+
+    /// Reads the value as a decimal number: the key is that number
+    /// ([`TenantKey::from_u64`]), kept as its eight bytes. A value that is not a number
+    /// is a missing key.
+    #[must_use]
+    pub fn numeric(self) -> Self {
+        HeaderKey { numeric: true, ..self }
     }
 }
 
@@ -229,6 +250,10 @@ impl<B> KeyExtractor<http::Request<B>> for HeaderKey {
     fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
         let value = req.headers().get(&self.name).ok_or(KeyMissing::new("no key header"))?;
         let text = value.to_str().map_err(|_| KeyMissing::new("key header is not text"))?;
+        if self.numeric {
+            let id = text.parse().map_err(|_| KeyMissing::new("key header is not a number"))?;
+            return Ok(TenantKey::from_u64(id));
+        }
         TenantKey::single(text).map_err(|_| KeyMissing::new("unusable key header"))
     }
 }
