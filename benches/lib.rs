@@ -1,7 +1,8 @@
 //! Criterion benchmarks live in `benches/benches/`; run them with `cargo bench -p tower-limits-benches`.
 //!
-//! This library holds what the Tower rows of several benchmarks share: the bare service
-//! every middleware wraps, the requests it gets, and one way to drive them.
+//! This library holds what several benchmarks share: the bare service every middleware
+//! wraps, the requests it gets, one way to drive them, and the keyed limit set the keyed
+//! rows measure.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -11,6 +12,26 @@ use std::task::{Context, Poll, Waker};
 use axum::body::Body;
 use http::{Request, Response};
 use tower::Service;
+use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+
+/// The set of the keyed rows: one GCRA per tenant, a billion a second with a burst of a
+/// million (never refusing in a benchmark), room for 200,000 keys.
+///
+/// ```
+/// use tower_limits_core::{Instant, TenantKey};
+///
+/// let set = tower_limits_benches::open_keyed_set();
+/// assert!(set.acquire(&TenantKey::from_u64(7), 1, Instant::ZERO).is_ok());
+/// ```
+#[must_use]
+pub fn open_keyed_set() -> LimitSet {
+    let policy = LimitSetPolicy::new()
+        .tiers(["tenant"])
+        .max_keys(200_000)
+        .limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000_000), 1_000_000).per("tenant"));
+    // A constant policy that passes its own validation.
+    LimitSet::new(policy).expect("a valid policy")
+}
 
 /// The request of every Tower row.
 pub type Req = Request<()>;

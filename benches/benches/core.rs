@@ -11,6 +11,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
+use tower_limits_benches::open_keyed_set;
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
 const HUGE: u32 = 1_000_000_000;
@@ -54,13 +55,7 @@ fn keyed(c: &mut Criterion) {
     for n in [1usize, 1_000, 100_000] {
         let names: Vec<String> = (0..n).map(|i| format!("tenant-{i:06}")).collect();
         let keys: Vec<TenantKey> = names.iter().map(|s| TenantKey::single(s).expect("key")).collect();
-        let ours = LimitSet::new(
-            LimitSetPolicy::new()
-                .tiers(["tenant"])
-                .max_keys(200_000)
-                .limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).per("tenant")),
-        )
-        .expect("policy");
+        let ours = open_keyed_set();
         let theirs = RateLimiter::keyed(Quota::per_second(nz(HUGE)).allow_burst(nz(1_000_000)));
         for (k, s) in keys.iter().zip(&names) {
             let _ = ours.acquire(k, 1, clock.now());

@@ -26,7 +26,7 @@ use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::extract::PeerIp;
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, Quota, nz};
-use tower_limits_benches::{bare, drive, from_peer};
+use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Backend, Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 use tower_limits_redis::redis;
 use tower_limits_redis::test_support::RedisServer;
@@ -156,13 +156,7 @@ fn keyed_row<K: std::hash::Hash + Eq + Clone>(
     ours: &[TenantKey],
     theirs: &[K],
 ) -> Row {
-    let set = LimitSet::new(
-        LimitSetPolicy::new()
-            .tiers(["tenant"])
-            .max_keys(200_000)
-            .limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).per("tenant")),
-    )
-    .expect("policy");
+    let set = open_keyed_set();
     let gov = RateLimiter::keyed(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000)));
     for (k, t) in ours.iter().zip(theirs) {
         let _ = set.acquire(k, 1, clock.now());
