@@ -120,11 +120,41 @@ pub(crate) fn as_number(prefix: &[u8]) -> Option<u64> {
     }
 }
 
-/// The joined prefix of a key that is the one number `n`.
-pub(crate) fn number_prefix(n: u64) -> [u8; 10] {
-    let mut bytes = [TYPED, NUMBER, 0, 0, 0, 0, 0, 0, 0, 0];
-    bytes[2..].copy_from_slice(&n.to_be_bytes());
-    bytes
+/// A number or an address as a joined path holds it: the marker, its kind, its bytes.
+#[derive(Clone, Copy)]
+pub(crate) struct Typed {
+    bytes: [u8; 18],
+    len: usize,
+}
+
+impl Typed {
+    #[inline]
+    fn new(kind: u8, payload: &[u8]) -> Self {
+        let mut bytes = [0u8; 18];
+        bytes[0] = TYPED;
+        bytes[1] = kind;
+        bytes[2..2 + payload.len()].copy_from_slice(payload);
+        Typed { bytes, len: 2 + payload.len() }
+    }
+
+    /// The number `n`: also the whole prefix of a key that is that one number.
+    #[inline]
+    pub(crate) fn number(n: u64) -> Self {
+        Self::new(NUMBER, &n.to_be_bytes())
+    }
+
+    #[inline]
+    fn ip(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Self::new(IPV4, &v4.octets()),
+            IpAddr::V6(v6) => Self::new(IPV6, &v6.octets()),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
 }
 
 /// The first `N` bytes of `bytes`, zero-padded (a typed part always has them all).
@@ -234,18 +264,10 @@ impl TenantKey {
     #[must_use]
     #[inline]
     pub fn from_ip(ip: IpAddr) -> Self {
+        // One arm per family, so that each copies a length known where it is compiled.
         match ip {
-            IpAddr::V4(v4) => {
-                let [a, b, c, d] = v4.octets();
-                Self::one_typed(&[TYPED, IPV4, a, b, c, d])
-            }
-            IpAddr::V6(v6) => {
-                let mut bytes = [0u8; 18];
-                bytes[0] = TYPED;
-                bytes[1] = IPV6;
-                bytes[2..].copy_from_slice(&v6.octets());
-                Self::one_typed(&bytes)
-            }
+            IpAddr::V4(v4) => Self::one_typed(Typed::new(IPV4, &v4.octets()).as_bytes()),
+            IpAddr::V6(v6) => Self::one_typed(Typed::new(IPV6, &v6.octets()).as_bytes()),
         }
     }
 
@@ -262,7 +284,7 @@ impl TenantKey {
     #[must_use]
     #[inline]
     pub fn from_u64(id: u64) -> Self {
-        Self::one_typed(&number_prefix(id))
+        Self::one_typed(Typed::number(id).as_bytes())
     }
 
     /// A key of one typed part, whose encoding is `bytes` (at most 18 of them).
@@ -405,24 +427,17 @@ impl Builder {
         if self.depth == MAX_TIERS {
             return Err(KeyError::TooManyTiers(self.depth + 1));
         }
-        let mut typed = [0u8; 18];
+        let typed;
         let bytes: &[u8] = match part {
             KeyPart::Text(text) if text.contains(SEPARATOR) => return Err(KeyError::ReservedCharacter(self.depth)),
             KeyPart::Text(text) => text.as_bytes(),
             KeyPart::Number(n) => {
-                typed[..2].copy_from_slice(&[TYPED, NUMBER]);
-                typed[2..10].copy_from_slice(&n.to_be_bytes());
-                &typed[..10]
+                typed = Typed::number(n);
+                typed.as_bytes()
             }
-            KeyPart::Ip(IpAddr::V4(v4)) => {
-                typed[..2].copy_from_slice(&[TYPED, IPV4]);
-                typed[2..6].copy_from_slice(&v4.octets());
-                &typed[..6]
-            }
-            KeyPart::Ip(IpAddr::V6(v6)) => {
-                typed[..2].copy_from_slice(&[TYPED, IPV6]);
-                typed[2..].copy_from_slice(&v6.octets());
-                &typed[..]
+            KeyPart::Ip(ip) => {
+                typed = Typed::ip(ip);
+                typed.as_bytes()
             }
         };
         let sep: &[u8] = if self.depth > 0 { &[SEPARATOR as u8] } else { &[] };

@@ -16,7 +16,7 @@ use crate::algorithm::{
     Algorithm, FixedWindowState, GcraState, Refusal, SemaphoreState, SlidingWindowCounterState, SlidingWindowLogState,
     Snapshot, TokenBucketState,
 };
-use crate::key::{as_number, number_prefix};
+use crate::key::{Typed, as_number};
 use crate::limit::{Limit, LimitState};
 use crate::time::Instant;
 
@@ -151,7 +151,7 @@ impl<S> Tables<S> {
                 self.short.insert_unique(h, (words, state), |e| short_hash(hasher, e.0));
             }
             Probe::Number(n) => {
-                self.numbers.insert_unique(h, (n, state), |e| key_hash(hasher, &number_prefix(e.0)));
+                self.numbers.insert_unique(h, (n, state), |e| key_hash(hasher, Typed::number(e.0).as_bytes()));
             }
             Probe::Long(key) => {
                 self.long.insert_unique(h, (key.into(), state), |e| key_hash(hasher, &e.0));
@@ -460,8 +460,9 @@ mod tests {
             .chain([TenantKey::from_ip("2001:db8::1".parse().unwrap())]);
         paths.extend(typed.map(|key| key.prefix(1).unwrap_or_default().to_vec()));
         // A number's path with a byte more or less is not a number.
-        let number = number_prefix(7);
-        paths.extend([number[..9].to_vec(), [&number[..], b"x"].concat()]);
+        let number = Typed::number(7);
+        let number = number.as_bytes();
+        paths.extend([number[..9].to_vec(), [number, b"x"].concat()]);
         paths
     }
 
@@ -492,7 +493,7 @@ mod tests {
             vec![b'k'; 40],
             b"tenant-2000".to_vec(),
             b"sixteen-bytes-xy!".to_vec(),
-            number_prefix(2).to_vec(),
+            Typed::number(2).as_bytes().to_vec(),
         ];
         for path in absent {
             assert!(table.find(key_hash(&hasher, &path), &path).is_none(), "{path:?}");
@@ -514,15 +515,16 @@ mod tests {
 
     #[test]
     fn each_form_of_path_goes_to_its_own_table() {
-        let number = number_prefix(u64::from_le_bytes(*b"fifteen-"));
+        let number = Typed::number(u64::from_le_bytes(*b"fifteen-"));
+        let number = number.as_bytes();
         assert!(matches!(Probe::new(b"fifteen-bytes-x"), Probe::Short(_)));
         assert!(matches!(Probe::new(b"sixteen-bytes-xy"), Probe::Long(_)));
-        assert!(matches!(Probe::new(&number), Probe::Number(_)));
+        assert!(matches!(Probe::new(number), Probe::Number(_)));
         assert!(matches!(Probe::new(&number[..9]), Probe::Short(_)));
-        assert!(matches!(Probe::new(&[&number[..], b"x"].concat()), Probe::Short(_)));
+        assert!(matches!(Probe::new(&[number, b"x"].concat()), Probe::Short(_)));
         let hasher = DefaultHashBuilder::default();
         let mut t: Tables<()> = Tables::new();
-        for path in [&b"fifteen-bytes-x"[..], b"sixteen-bytes-xy", &number, b"a", b"a\0"] {
+        for path in [&b"fifteen-bytes-x"[..], b"sixteen-bytes-xy", number, b"a", b"a\0"] {
             t.insert(&hasher, key_hash(&hasher, path), path, ());
         }
         assert_eq!((t.short.len(), t.numbers.len(), t.long.len()), (3, 1, 1));
