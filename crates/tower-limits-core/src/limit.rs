@@ -274,6 +274,10 @@ pub(crate) struct Config {
     pub(crate) fresh: Vec<LimitState>,
     /// How many limits are keyed by a tier: the states one key needs.
     pub(crate) keyed_limits: usize,
+    /// The tier of the set's one limit, when that limit is keyed and enforcing: the
+    /// commonest keyed set (one rate per client), decided under the shard's lock alone
+    /// with one hash of the key.
+    pub(crate) one_keyed: Option<usize>,
     /// What grants keep of it.
     pub(crate) shape: &'static Shape,
 }

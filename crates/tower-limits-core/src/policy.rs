@@ -475,6 +475,10 @@ impl Config {
             max_keys: policy.max_keys,
             fresh: limits.iter().map(|l| l.limit.fresh()).collect(),
             keyed_limits: limits.iter().filter(|l| l.tier.is_some()).count(),
+            one_keyed: match limits.as_slice() {
+                [one] if !one.shadow => one.tier,
+                _ => None,
+            },
             limits,
         })
     }

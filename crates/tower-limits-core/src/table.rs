@@ -362,7 +362,8 @@ impl Table {
     }
 
     /// Check and commit on an existing state: `None` when `key` has no state here.
-    #[inline]
+    /// Inlined: its answer would otherwise come back through memory and be read again.
+    #[inline(always)]
     pub(crate) fn acquire_existing(
         &mut self,
         limit: &Limit,

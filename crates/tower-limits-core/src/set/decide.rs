@@ -39,6 +39,27 @@ impl Shared {
         self.acquire_observed(key, costs, now, None)
     }
 
+    /// An acquisition of the same cost on every limit. A set of one keyed limit (one rate
+    /// per client, the commonest keyed set) is decided here, under its shard's lock
+    /// alone, on one hash of the key that picks both the shard and, for a limit keyed by
+    /// the first tier, the entry; any other set takes the general path.
+    #[inline(always)]
+    pub(super) fn acquire_uniform(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Granted, AcquireError> {
+        if self.one_keyed.load(Ordering::Relaxed) {
+            if let Some(root) = key.prefix(1) {
+                let h = key_hash(&self.hasher, root);
+                let mut shard = lock(self.shard_at(h));
+                let Shard { config, keyed } = &mut *shard;
+                // The hint is confirmed under the lock, which a replace holds to swap the
+                // shard's config.
+                if let Some(tier) = config.one_keyed {
+                    return self.decide_keyed_one(config, keyed, key, (tier, root, h), cost, now);
+                }
+            }
+        }
+        self.acquire(key, &Costs::Uniform(cost), now)
+    }
+
     /// The acquisition; with `observe`, every limit's state as the decision left it is
     /// read under the same locks, in the same pass.
     #[inline]
@@ -374,66 +395,117 @@ impl Shared {
             counters.shadow_denied[0] += 1;
             return Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 });
         }
-        let (result, counters) = match (def.tier, shard, global) {
+        match (def.tier, shard, global) {
             (None, _, Some(g)) => {
                 let result =
                     def.limit.acquire(&mut g.states[0], now, cost).map_err(|r| (r, def.limit.peek(&g.states[0], now)));
                 if result.is_ok() {
                     g.latest = now;
                 }
-                (result, &mut g.counters)
+                answer_one(cfg, &mut g.counters, result, cost, now)
             }
             (Some(t), Some(s), _) => {
                 let prefix = key.prefix(t + 1).unwrap_or_default();
-                let h = key_hash(&self.hasher, prefix);
-                let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
-                    Some(result) => result,
-                    None => match def.limit.check(&cfg.fresh[0], now, cost) {
-                        Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
-                        Ok(()) => {
-                            if s.len >= s.cap {
-                                s.sweep(cfg, now);
-                                if s.len >= s.cap {
-                                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
-                                }
-                            }
-                            s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
-                            s.len += 1;
-                            Ok(())
-                        }
-                    },
-                };
-                if result.is_ok() {
-                    s.latest = now;
-                }
-                (result, &mut s.counters)
+                self.decide_keyed(cfg, s, prefix, key_hash(&self.hasher, prefix), cost, now)
             }
             _ => unreachable!("the caller locks what the limit's scope needs"),
+        }
+    }
+
+    /// The decision for a set of one keyed limit, keyed by `tier`, under its shard's lock;
+    /// `root` is the key's first tier and `root_hash` its hash.
+    #[inline(always)]
+    fn decide_keyed_one(
+        &self,
+        cfg: &Config,
+        keyed: &mut Keyed,
+        key: &TenantKey,
+        (tier, root, root_hash): (usize, &[u8], u64),
+        cost: u64,
+        now: Instant,
+    ) -> Result<Granted, AcquireError> {
+        let (prefix, h) = if tier == 0 {
+            (root, root_hash)
+        } else {
+            let Some(prefix) = key.prefix(tier + 1) else {
+                return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+            };
+            (prefix, key_hash(&self.hasher, prefix))
         };
-        match result {
-            Ok(()) => {
-                counters.admitted += 1;
-                Ok(Granted {
-                    granted_at: now,
-                    version: cfg.version,
-                    shape: cfg.has_semaphore.then_some(cfg.shape),
-                    shadowed: 0,
-                })
-            }
-            Err(_) if def.shadow => {
-                // Would have refused: admitted uncharged, and counted.
-                counters.admitted += 1;
-                counters.shadow_denied[0] += 1;
-                Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 })
-            }
-            Err((Refusal::Never { capacity }, _)) => {
-                counters.impossible[0] += 1;
-                Err(cost_above_capacity(cfg, 0, cost, capacity))
-            }
-            Err((Refusal::NotYet { retry_after }, snapshot)) => {
-                counters.denied[0] += 1;
-                Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
-            }
+        let cost = Costs::Uniform(cost).of(0, &cfg.limits[0]);
+        self.decide_keyed(cfg, keyed, prefix, h, cost, now.max(keyed.latest))
+    }
+
+    /// The one limit's decision on the state of `prefix` (its hash `h`): the existing
+    /// state's, or a fresh one's, created on a grant if there is room.
+    #[inline(always)]
+    fn decide_keyed(
+        &self,
+        cfg: &Config,
+        s: &mut Keyed,
+        prefix: &[u8],
+        h: u64,
+        cost: u64,
+        now: Instant,
+    ) -> Result<Granted, AcquireError> {
+        let def = &cfg.limits[0];
+        let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
+            Some(result) => result,
+            None => match def.limit.check(&cfg.fresh[0], now, cost) {
+                Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
+                Ok(()) => {
+                    if s.len >= s.cap {
+                        s.sweep(cfg, now);
+                        if s.len >= s.cap {
+                            return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                        }
+                    }
+                    s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
+                    s.len += 1;
+                    Ok(())
+                }
+            },
+        };
+        if result.is_ok() {
+            s.latest = now;
+        }
+        answer_one(cfg, &mut s.counters, result, cost, now)
+    }
+}
+
+/// The answer of a set of one limit, from its decision: counted, and a refusal turned
+/// into a grant uncharged when the limit is in shadow mode.
+#[inline(always)]
+fn answer_one(
+    cfg: &Config,
+    counters: &mut Counters,
+    result: Result<(), (Refusal, Snapshot)>,
+    cost: u64,
+    now: Instant,
+) -> Result<Granted, AcquireError> {
+    match result {
+        Ok(()) => {
+            counters.admitted += 1;
+            Ok(Granted {
+                granted_at: now,
+                version: cfg.version,
+                shape: cfg.has_semaphore.then_some(cfg.shape),
+                shadowed: 0,
+            })
+        }
+        Err(_) if cfg.limits[0].shadow => {
+            // Would have refused: admitted uncharged, and counted.
+            counters.admitted += 1;
+            counters.shadow_denied[0] += 1;
+            Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 })
+        }
+        Err((Refusal::Never { capacity }, _)) => {
+            counters.impossible[0] += 1;
+            Err(cost_above_capacity(cfg, 0, cost, capacity))
+        }
+        Err((Refusal::NotYet { retry_after }, snapshot)) => {
+            counters.denied[0] += 1;
+            Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
         }
     }
 }

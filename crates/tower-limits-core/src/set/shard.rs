@@ -60,7 +60,12 @@ pub(super) fn shard_cap(max_keys: usize, shards: usize) -> usize {
 impl Shared {
     #[inline]
     pub(super) fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
-        let h = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
+        self.shard_at(key_hash(&self.hasher, key.prefix(1).unwrap_or_default()))
+    }
+
+    /// The shard of the keys whose root hashes to `h`.
+    #[inline]
+    pub(super) fn shard_at(&self, h: u64) -> &Mutex<Shard> {
         // The high bits: the table uses the low ones.
         &self.shards[(h >> 40) as usize & self.mask].0
     }
