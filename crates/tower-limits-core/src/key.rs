@@ -304,8 +304,26 @@ impl TenantKey {
     ///
     /// # Errors
     /// See [`TenantKey::new`].
+    #[inline]
     pub fn single(id: impl AsRef<str>) -> Result<Self, KeyError> {
-        Self::new([id])
+        Self::one_text(id.as_ref())
+    }
+
+    /// A key of one text part, written in place when it fits inline: a key made per
+    /// request (from a header, say) costs a scan and a copy.
+    #[inline]
+    fn one_text(text: &str) -> Result<Self, KeyError> {
+        let bytes = text.as_bytes();
+        if bytes.len() > INLINE || bytes.contains(&(SEPARATOR as u8)) {
+            // On the heap, or refused: the general builder says which.
+            return Self::new([text]);
+        }
+        let mut path = ArrayVec::new();
+        // Checked above: it fits.
+        let _ = path.try_extend_from_slice(bytes);
+        let mut key = TenantKey { path: Path::Inline(path), ends: [0; MAX_TIERS], depth: 1 };
+        key.ends[0] = bytes.len() as u16;
+        Ok(key)
     }
 
     /// A key from its text parts, broadest tier first.
@@ -560,6 +578,24 @@ mod tests {
         assert_ne!(TenantKey::single("").unwrap(), TenantKey::global());
         assert!(TenantKey::global().is_global());
         assert!(!TenantKey::single("").unwrap().is_global());
+    }
+
+    /// `single` writes a one-part key in place; it is the very key `new` builds from
+    /// the one part, inline exactly when it fits, and refuses what `new` refuses.
+    #[test]
+    fn a_single_key_is_the_key_of_its_one_part() {
+        let long = "x".repeat(INLINE + 1);
+        let wide = "\u{e9}".repeat(20); // 40 bytes of two-byte characters
+        for text in ["", "a", "acme", &long[..INLINE - 1], &long[..INLINE], &long, &wide, "a\u{1f}b", "\u{1f}"] {
+            let (one, general) = (TenantKey::single(text), TenantKey::new([text]));
+            assert_eq!(format!("{:?}", one.as_ref().err()), format!("{:?}", general.as_ref().err()), "{text:?}");
+            let (Ok(one), Ok(general)) = (one, general) else { continue };
+            assert_eq!(one, general, "{text:?}");
+            assert_eq!(hash_of(&one), hash_of(&general));
+            assert_eq!(matches!(one.path, Path::Inline(_)), text.len() <= INLINE, "{text:?}: inline when it fits");
+            assert_eq!((one.depth(), one.prefix(1)), (1, Some(text.as_bytes())));
+            assert_eq!(one.part(0), Some(KeyPart::Text(text)));
+        }
     }
 
     #[test]
