@@ -2,7 +2,8 @@
 //! counts that do not depend on the machine's load:
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
-//! `keyed1`, `gov-keyed1`, `layer` and `gov-layer` (our GCRA layer and tower_governor's
+//! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
+//! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call), `layer` and `gov-layer` (our GCRA layer and tower_governor's
 //! over the same bare service, error mode), `headers` and `gov-headers` (the same with
 //! the rate-limit header fields on every success), `peer` and `gov-peer` (both layers
 //! keyed by the peer's IP address, 1,000 peers in turn), `none` (the loop and the clock
@@ -50,6 +51,7 @@ fn main() {
     let gov_open = RateLimiter::direct(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
     let gov_shut = RateLimiter::direct(Quota::per_hour(nz(1)));
     let gov_keyed = RateLimiter::keyed(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
+    let gov_keyed_ids = RateLimiter::keyed(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
     if let Some(s) = &shut {
         let _ = s.acquire(&global, 1, clock.now());
     }
@@ -94,6 +96,11 @@ fn main() {
             "set3" => set3.acquire(&acme, 10, clock.now()).is_ok(),
             "keyed1" => keyed.acquire(&acme, 1, clock.now()).is_ok(),
             "gov-keyed1" => gov_keyed.check_key(&"acme").is_ok(),
+            "keyed-text" => {
+                TenantKey::single(black_box("acme")).is_ok_and(|k| keyed.acquire(&k, 1, clock.now()).is_ok())
+            }
+            "keyed-ids" => keyed.acquire(&TenantKey::from_u64(i % 1_000), 1, clock.now()).is_ok(),
+            "gov-keyed-ids" => gov_keyed_ids.check_key(&(i % 1_000)).is_ok(),
             "layer" => drive(&mut layer, Request::new(())),
             "gov-layer" => drive(&mut gov_layer, Request::new(())),
             "headers" => drive(&mut headers, Request::new(())),

@@ -375,7 +375,15 @@ impl Table {
         with_table!(
             limit,
             self,
-            |a, t| t.find_mut(h, key).map(|s| a.acquire(s, now, cost).map_err(|r| (r, a.peek(s, now)))),
+            // No closure: one the compiler kept out of line returned its answer through
+            // memory, read back at once (a sixth of a numeric key's acquisition).
+            |a, t| match t.find_mut(h, key) {
+                Some(s) => Some(match a.acquire(s, now, cost) {
+                    Ok(()) => Ok(()),
+                    Err(r) => Err((r, a.peek(s, now))),
+                }),
+                None => None,
+            },
             Some(Err((Refusal::Never { capacity: 0 }, limit.peek(&limit.fresh(), now))))
         )
     }
