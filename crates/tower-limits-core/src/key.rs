@@ -290,8 +290,9 @@ impl TenantKey {
     /// A key of one typed part, whose encoding is `bytes` (at most 18 of them).
     #[inline]
     fn one_typed(bytes: &[u8]) -> Self {
-        let mut path = ArrayVec::from(array::<INLINE>(bytes));
-        path.truncate(bytes.len());
+        let mut path = ArrayVec::new();
+        // At most 18 bytes into 39: this cannot fail.
+        let _ = path.try_extend_from_slice(bytes);
         // Written into the key in place: an array of offsets built aside was assembled on
         // the stack and read back across overlapping stores, which cannot be forwarded.
         let mut key = TenantKey { path: Path::Inline(path), ends: [0; MAX_TIERS], depth: 1 };
