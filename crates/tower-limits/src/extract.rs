@@ -185,16 +185,22 @@ pub struct PeerIp;
 
 #[cfg(feature = "http")]
 impl<B> KeyExtractor<http::Request<B>> for PeerIp {
+    /// Inlined, so that the key is written where the layer keeps it: a key returned from
+    /// a call is read back at once from the bytes just written, which stalls the core.
+    #[inline]
     fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
-        let ip = req
-            .extensions()
-            .get::<std::net::SocketAddr>()
-            .map(std::net::SocketAddr::ip)
-            .or_else(|| req.extensions().get::<std::net::IpAddr>().copied())
-            .or_else(|| connect_info(req))
-            .ok_or(KeyMissing::new("no peer address extension"))?;
+        let ip = peer_ip(req).ok_or(KeyMissing::new("no peer address extension"))?;
         Ok(TenantKey::from_ip(ip))
     }
+}
+
+/// The peer's address from the request's extensions.
+fn peer_ip<B>(req: &http::Request<B>) -> Option<std::net::IpAddr> {
+    req.extensions()
+        .get::<std::net::SocketAddr>()
+        .map(std::net::SocketAddr::ip)
+        .or_else(|| req.extensions().get::<std::net::IpAddr>().copied())
+        .or_else(|| connect_info(req))
 }
 
 #[cfg(feature = "axum")]
