@@ -377,12 +377,12 @@ impl Table {
             self,
             // No closure: one the compiler kept out of line returned its answer through
             // memory, read back at once (a sixth of a numeric key's acquisition).
-            |a, t| match t.find_mut(h, key) {
-                Some(s) => Some(match a.acquire(s, now, cost) {
+            |a, t| {
+                let s = t.find_mut(h, key)?;
+                Some(match a.acquire(s, now, cost) {
                     Ok(()) => Ok(()),
                     Err(r) => Err((r, a.peek(s, now))),
-                }),
-                None => None,
+                })
             },
             Some(Err((Refusal::Never { capacity: 0 }, limit.peek(&limit.fresh(), now))))
         )
