@@ -279,8 +279,12 @@ async fn a_tenant_at_its_concurrency_gets_a_429_with_the_suggested_wait() {
 
 #[tokio::test]
 async fn an_unreachable_upstream_is_a_502() {
-    // A port that was just free, and is closed again.
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+    // A port held by a socket that is bound and never listens: a connection to it is
+    // refused, and no other test can take the port meanwhile (a port freed again could be,
+    // by another test's listener, which made this test fail once in a while).
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let closed = socket.local_addr().unwrap();
     let config = parse_config(&config_text("", "org = { rpm = 6000 }", &format!("http://{closed}")));
     let gateway = Gateway::new(&config, http_transport()).unwrap();
     let addr = serve(&gateway, &config).await;
