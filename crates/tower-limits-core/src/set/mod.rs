@@ -23,6 +23,15 @@
 //! many cores from queueing on one cache line, and why neither can over-admit. The
 //! locked operations (settle, peek, replace) work on the atomic while it rules.
 //!
+//! **One keyed limit.** A set whose only limit is keyed by a tier (one rate per client,
+//! the commonest keyed use) is decided under its shard's lock alone, by a short path in
+//! [`decide`]: one hash of the key's first tier picks the shard and, for a limit keyed by
+//! that tier, the entry too; the state is checked and charged in one lookup. A hint read
+//! without a lock says the set is such a set, and the shard's config confirms it under
+//! the lock (a replace swaps that config under the same lock), so a stale hint only sends
+//! the acquisition down the general path. A law holds the two paths to the same answers,
+//! snapshots and counters.
+//!
 //! **Where things live.** This file holds the set: construction, the public operations,
 //! corrections, replace and stats; [`decide`] an acquisition under the locks, all or
 //! nothing, and the time it decides at; [`shard`] the keyed states, their shards and
