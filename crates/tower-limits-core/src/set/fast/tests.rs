@@ -1,0 +1,277 @@
+//! Unit tests of the lock-free one-limit path: its decisions, leases and stripes.
+
+use std::sync::Mutex;
+
+use super::*;
+use crate::policy::{LimitPolicy, LimitSetPolicy};
+use crate::rate::Rate;
+
+fn fast(rate: Rate, burst: u64) -> Fast {
+    let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", rate, burst))).unwrap();
+    Fast::for_config(&config).unwrap()
+}
+
+impl Fast {
+    /// As if this thread had seen a swap fail: its next grants take leases.
+    fn mark_contended(&self) {
+        self.contended.store(true, Ordering::Relaxed);
+        let epoch = self.epoch.load(Ordering::Acquire);
+        LEASES.with(|l| {
+            l[self.slot()].set(Lease {
+                owner: self.id,
+                epoch,
+                taken: 0,
+                next: 0,
+                end: 0,
+                contended: true,
+                cooldown: 0,
+            });
+        });
+    }
+
+    fn tat(&self) -> u64 {
+        self.tat.0.load(Ordering::Acquire)
+    }
+}
+
+/// The first two of `limits` that `fit` each other.
+fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
+    for (i, x) in limits.iter().enumerate() {
+        if let Some(y) = limits[i + 1..].iter().find(|y| fit(x, y)) {
+            return (x, y);
+        }
+    }
+    unreachable!("{} limits over {LEASE_SLOTS} slots hold such a pair", limits.len())
+}
+
+fn granted(d: Option<Decision>) -> Option<u64> {
+    match d.expect("enabled") {
+        Decision::Granted(at, _) => Some(at.as_nanos()),
+        Decision::Denied(..) | Decision::Never(_) => None,
+    }
+}
+
+/// For all `i <= j` of the sorted grants: `(j - i + 1) * interval <= t_j - t_i + tolerance`.
+fn assert_rate_cap(mut grants: Vec<u64>, interval: u64, tolerance: u64) {
+    grants.sort_unstable();
+    let mut worst = i128::MIN;
+    for (j, &t) in grants.iter().enumerate() {
+        let j = j as i128;
+        worst = worst.max(i128::from(t) - j * i128::from(interval));
+        assert!(worst <= i128::from(t) - (j + 1) * i128::from(interval) + i128::from(tolerance), "over-admission");
+    }
+}
+
+#[test]
+fn a_lease_is_taken_used_without_a_shared_write_and_given_back() {
+    // T = 1us, burst 1,000.
+    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let now = Instant::from_nanos(5_000_000);
+    // A lone thread never leases.
+    assert_eq!(granted(f.acquire(1, now)), Some(now.as_nanos()));
+    assert_eq!(f.tat(), now.as_nanos() + 1_000);
+    f.mark_contended();
+    // 998 units of headroom left after this grant: a lease of 64 in all.
+    assert!(granted(f.acquire(1, now)).is_some());
+    let leased_end = f.tat();
+    assert_eq!(leased_end, now.as_nanos() + 65_000);
+    // A request that costs nothing takes nothing from the lease, and keeps it.
+    assert!(granted(f.acquire(0, now)).is_some());
+    assert_eq!(f.tat(), leased_end);
+    for _ in 0..63 {
+        assert!(granted(f.acquire(1, now)).is_some());
+        assert_eq!(f.tat(), leased_end, "leased units touch no shared state");
+    }
+    // The lease is used up: the next grant decides on the TAT and leases again.
+    assert!(granted(f.acquire(1, now)).is_some());
+    assert!(f.tat() > leased_end + 1_000);
+    // Time moves past the lease's slots: they are expired, and given back.
+    let later = Instant::from_nanos(f.tat() + 10_000);
+    assert!(granted(f.acquire(1, later)).is_some());
+    let (admitted, _, _) = f.counts();
+    assert_eq!(admitted, 68, "the zero-cost request counted too");
+}
+
+/// A thread keeps the stripe it was first given, and owns it exactly when it was among
+/// the first `STRIPES` threads to ask.
+#[test]
+fn a_thread_keeps_its_stripe_and_owns_it_only_if_it_came_early() {
+    for _ in 0..3 {
+        std::thread::spawn(|| {
+            let first = stripe();
+            let raw = STRIPE.get();
+            assert_ne!(raw, usize::MAX, "the thread was given its place");
+            assert_eq!(stripe(), first, "the same stripe on every call");
+            assert_eq!(STRIPE.get(), raw);
+            assert_eq!(first, place(raw));
+        })
+        .join()
+        .unwrap();
+    }
+    assert_eq!([place(0), place(15)], [(0, true), (15, true)], "the first threads own theirs");
+    assert_eq!([place(16), place(17)], [(0, false), (1, false)], "later ones share");
+}
+
+/// Two limits leased by one thread keep a lease each: their ids pick different slots.
+#[test]
+fn a_thread_keeps_a_lease_per_limit() {
+    // Ids come from a counter other tests draw from too: pick two in different slots.
+    let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+    let (one, two) = pair(&limits, |x, y| x.slot() != y.slot());
+    let now = Instant::from_nanos(5_000_000);
+    one.mark_contended();
+    two.mark_contended();
+    assert!(granted(one.acquire(1, now)).is_some());
+    assert!(granted(two.acquire(1, now)).is_some());
+    let (tat_one, tat_two) = (one.tat(), two.tat());
+    assert!(granted(one.acquire(1, now)).is_some());
+    assert!(granted(two.acquire(1, now)).is_some());
+    assert_eq!((one.tat(), two.tat()), (tat_one, tat_two), "both granted from their leases");
+}
+
+/// What a thread records when its swap fails: the lease slot becomes this limit's,
+/// marked contended; a lease of this limit keeps its units and its cooldown (and says
+/// whether it may lease now); one of another limit, or of an earlier epoch, is dropped.
+#[test]
+fn a_failed_swap_marks_the_slot_as_this_limits() {
+    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let other = fast(Rate::per_second(1_000_000), 1_000);
+    let epoch = f.epoch.load(Ordering::Acquire);
+    let lease =
+        |owner, epoch, cooldown| Lease { owner, epoch, taken: 7, next: 10, end: 20, contended: false, cooldown };
+    let fresh = Lease { owner: f.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+    let same = |a: Lease, b: Lease| {
+        (a.owner, a.epoch, a.taken, a.next, a.end, a.contended, a.cooldown)
+            == (b.owner, b.epoch, b.taken, b.next, b.end, b.contended, b.cooldown)
+    };
+    for (before, may, after) in [
+        (NO_LEASE, true, fresh),
+        (lease(other.id, epoch, 3), true, fresh),
+        (lease(f.id, epoch + 1, 3), true, fresh),
+        (lease(f.id, epoch, 0), true, Lease { contended: true, ..lease(f.id, epoch, 0) }),
+        (lease(f.id, epoch, 3), false, Lease { contended: true, ..lease(f.id, epoch, 3) }),
+    ] {
+        let cell = Cell::new(before);
+        assert_eq!(f.mark_seen(&cell), may);
+        assert!(
+            same(cell.get(), after),
+            "from owner {} epoch {} cooldown {}",
+            before.owner,
+            before.epoch,
+            before.cooldown
+        );
+    }
+}
+
+/// A lease of another limit that shares the slot is not this limit's to use, even when
+/// their epochs agree.
+#[test]
+fn a_lease_in_the_slot_of_another_limit_is_not_used() {
+    // Ids come from a counter other tests draw from too: pick two that share a slot.
+    let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+    let (a, b) = pair(&limits, |x, y| x.slot() == y.slot());
+    assert_eq!(a.epoch.load(Ordering::Acquire), b.epoch.load(Ordering::Acquire));
+    let now = Instant::from_nanos(5_000_000);
+    a.mark_contended();
+    assert!(granted(a.acquire(1, now)).is_some());
+    // `b` has seen contention too, but the slot holds `a`'s lease.
+    b.contended.store(true, Ordering::Relaxed);
+    let before = b.tat();
+    assert!(granted(b.acquire(1, now)).is_some());
+    assert_ne!(b.tat(), before, "b decided on its own state");
+}
+
+/// A lease whose slots began unused is given back (the TAT returns to its first unused
+/// unit), and the thread then decides on the shared TAT for `COOLDOWN` calls before it
+/// leases again.
+#[test]
+fn an_expired_lease_is_given_back_and_the_thread_cools_down() {
+    // T = 1us, burst 100,000.
+    let f = fast(Rate::per_second(1_000_000), 100_000);
+    let t0 = 5_000_000;
+    f.mark_contended();
+    assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+    let end = f.tat();
+    assert_eq!(end, t0 + 64_000, "a lease of 63 units beside the grant");
+    for _ in 0..2 {
+        assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+    }
+    assert_eq!(f.tat(), end);
+    // 10us on, the lease's next unit (t0 + 3us) has begun: it is given back first, so
+    // this grant lands right after the clock, not after the lease.
+    let t1 = t0 + 10_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+    assert_eq!(f.tat(), t1 + 1_000, "given back, then one unit from the clock");
+    // Cooling down: one unit per call on the shared TAT...
+    for i in 1..COOLDOWN {
+        assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+        assert_eq!(f.tat(), t1 + 1_000 * (1 + u64::from(i)), "call {i} of the cooldown");
+    }
+    // ...and then a lease again.
+    let before = f.tat();
+    assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+    assert_eq!(f.tat(), before + 1_000 + 63 * 1_000, "a lease once the cooldown is over");
+}
+
+/// The path raises `now` to the latest instant it granted at, for grants and for the
+/// reads of the locked side, so a clock read that lags decides as if on time.
+#[test]
+fn an_earlier_now_is_raised_to_the_latest_grant() {
+    let f = fast(Rate::per_second(1), 5);
+    let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+    assert_eq!(granted(f.acquire(1, at(10))), Some(at(10).as_nanos()));
+    assert_eq!(granted(f.acquire(1, at(3))), Some(at(10).as_nanos()), "raised to the latest grant");
+    assert_eq!(f.latest(), at(10));
+}
+
+#[test]
+fn near_the_limit_a_lease_shrinks_to_nothing() {
+    let f = fast(Rate::per_second(1_000_000), 8);
+    f.mark_contended();
+    let now = Instant::from_nanos(1_000_000);
+    for _ in 0..8 {
+        assert!(granted(f.acquire(1, now)).is_some());
+    }
+    // Exactly the burst, as plain GCRA: no unit more, none stranded.
+    assert_eq!(granted(f.acquire(1, now)), None);
+    assert_eq!(f.tat(), now.as_nanos() + 8_000);
+}
+
+#[test]
+fn leasing_threads_never_over_admit() {
+    // T = 1us, burst 1,000. The shared clock alternates between a slow phase (demand
+    // half the rate: the headroom refills and leases are 64 units) and a fast one
+    // (ten times the rate: the limit is reached and leases shrink to nothing).
+    const THREADS: usize = 4;
+    const STEPS: u64 = 20_000;
+    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let clock = AtomicU64::new(0);
+    let grants = Mutex::new(Vec::new());
+    let denied = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            let (f, clock, grants, denied) = (&f, &clock, &grants, &denied);
+            s.spawn(move || {
+                f.mark_contended();
+                let mut mine = Vec::new();
+                for i in 0..STEPS {
+                    let step = if (i / 2_000) % 2 == 0 { 2_000 } else { 100 };
+                    let now = Instant::from_nanos(clock.fetch_add(step, Ordering::Relaxed));
+                    match granted(f.acquire(1, now)) {
+                        Some(at) => mine.push(at),
+                        None => {
+                            denied.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                grants.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let grants = grants.into_inner().unwrap();
+    let (admitted, refused, _) = f.counts();
+    assert_eq!(admitted, grants.len() as u64);
+    assert_eq!(refused, denied.into_inner());
+    assert!(refused > 0, "the fast phases reach the limit");
+    assert_rate_cap(grants, 1_000, 1_000_000);
+}
