@@ -185,8 +185,19 @@ fn main() {
 
     let open = open_set();
     let gov_open = RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000)));
+    // `check` against `check`: the one-line use, nothing kept. Then `acquire`, whose
+    // permit is built and dropped, against the same `check`.
     rows.push(pair(
-        "one limit, allow (ours acquire / governor check)",
+        "one limit, allow (check / check)",
+        &mut || {
+            black_box(open.check(&global, 1, clock.now()).is_ok());
+        },
+        &mut || {
+            black_box(gov_open.check().is_ok());
+        },
+    ));
+    rows.push(pair(
+        "one limit, allow with a permit (ours acquire / governor check)",
         &mut || {
             black_box(open.acquire(&global, 1, clock.now()).is_ok());
         },
@@ -201,7 +212,16 @@ fn main() {
     let gov_shut = RateLimiter::direct(GovQuota::per_hour(nz_u32(1)));
     let _ = gov_shut.check();
     rows.push(pair(
-        "one limit, deny",
+        "one limit, deny (check / check)",
+        &mut || {
+            black_box(shut.check(&global, 1, clock.now()).is_err());
+        },
+        &mut || {
+            black_box(gov_shut.check().is_err());
+        },
+    ));
+    rows.push(pair(
+        "one limit, deny (ours acquire / governor check)",
         &mut || {
             black_box(shut.acquire(&global, 1, clock.now()).is_err());
         },
@@ -209,17 +229,15 @@ fn main() {
             black_box(gov_shut.check().is_err());
         },
     ));
-    let mut deny_vs_allow = pair(
-        "one limit, our deny / our allow",
+    rows.push(pair(
+        "one limit, our deny / our allow (check)",
         &mut || {
-            black_box(shut.acquire(&global, 1, clock.now()).is_err());
+            black_box(shut.check(&global, 1, clock.now()).is_err());
         },
         &mut || {
-            black_box(open.acquire(&global, 1, clock.now()).is_ok());
+            black_box(open.check(&global, 1, clock.now()).is_ok());
         },
-    );
-    deny_vs_allow.name = "one limit, our deny / our allow".into();
-    rows.push(deny_vs_allow);
+    ));
 
     // Threads on one limit: throughput, ours over governor's (above 1.0 is better here).
     let cores = std::thread::available_parallelism().map_or(2, usize::from);

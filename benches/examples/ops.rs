@@ -91,6 +91,8 @@ fn main() {
         let ok = match op.as_str() {
             "allow" => open.acquire(&global, 1, clock.now()).is_ok(),
             "deny" => shut.acquire(&global, 1, clock.now()).is_err(),
+            "check" => open.check(&global, 1, clock.now()).is_ok(),
+            "check-deny" => shut.check(&global, 1, clock.now()).is_err(),
             "gov-allow" => gov_open.check().is_ok(),
             "gov-deny" => gov_shut.check().is_err(),
             "set3" => set3.acquire(&acme, 10, clock.now()).is_ok(),

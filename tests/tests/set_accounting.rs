@@ -684,6 +684,76 @@ fn grants_settle_and_cancel_like_permits() {
     assert!(format!("{owned:?}").contains("OwnedPermit"), "{owned:?}");
 }
 
+/// A permit moves between one cost and costs per limit as it is settled either way:
+/// rate limits are charged the last settle's costs, semaphores give back what was
+/// acquired, and a cancel refunds what is charged now.
+#[test]
+fn settles_of_one_cost_and_of_costs_per_limit_mix() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_hour(100), 100).counting_cost())
+            .limit(LimitPolicy::semaphore("slots", 10).counting_cost()),
+    )
+    .unwrap();
+    let key = TenantKey::global();
+    let now = Instant::ZERO;
+    let remaining = |set: &LimitSet| set.peek(&key, now).iter().map(|s| s.snapshot.remaining).collect::<Vec<_>>();
+
+    let mut one = set.acquire(&key, 4, now).unwrap();
+    assert_eq!(remaining(&set), [96, 6]);
+    one.settle_each(&[7, 9], now);
+    assert_eq!(remaining(&set), [93, 6], "settled per limit: 7 tokens, the slots unchanged");
+    one.settle(2, now);
+    assert_eq!(remaining(&set), [98, 6], "settled back to one cost");
+    one.settle(2, now);
+    assert_eq!(remaining(&set), [98, 6], "settling to the same cost changes nothing");
+    one.cancel(now);
+    assert_eq!(remaining(&set), [100, 10], "cancelled: the 2 charged and the 4 slots held");
+
+    let mut each = set.acquire_each(&key, &[5, 3], now).unwrap();
+    assert_eq!(remaining(&set), [95, 7]);
+    each.settle(1, now);
+    assert_eq!(remaining(&set), [99, 7]);
+    each.settle_each(&[6, 0], now);
+    assert_eq!(remaining(&set), [94, 7]);
+    drop(each);
+    assert_eq!(remaining(&set), [94, 10], "dropped: the 3 slots back, the 6 tokens kept");
+}
+
+/// `check` admits and refuses as `acquire` does, and holds nothing afterwards: rate
+/// limits stay charged, semaphores are tested and given back at once.
+#[test]
+fn a_check_charges_rates_and_holds_no_concurrency() {
+    let key = TenantKey::single("a").unwrap();
+    let now = Instant::ZERO;
+    let one = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_hour(2), 2).counting_cost()))
+        .unwrap();
+    assert!(one.check(&key, 1, now).is_ok());
+    assert!(one.check(&key, 1, now).is_ok());
+    let refused = one.check(&key, 1, now).unwrap_err();
+    assert_eq!(refused.as_denial().map(|d| d.limit()), Some("g"));
+    assert!(matches!(one.check(&key, 3, now), Err(AcquireError::CostAboveCapacity(_))));
+    assert_eq!(one.stats().admitted, 2);
+
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["user"])
+            .limit(LimitPolicy::gcra("rate", Rate::per_hour(3), 3).per("user"))
+            .limit(LimitPolicy::semaphore("slots", 1)),
+    )
+    .unwrap();
+    let remaining = |set: &LimitSet| set.peek(&key, now).iter().map(|s| s.snapshot.remaining).collect::<Vec<_>>();
+    assert!(set.check(&key, 1, now).is_ok());
+    assert_eq!(remaining(&set), [2, 1], "the rate is charged, the slot given back");
+    let held = set.acquire(&key, 1, now).unwrap();
+    let refused = set.check(&key, 1, now).unwrap_err();
+    assert_eq!(refused.as_denial().map(|d| d.limit()), Some("slots"));
+    drop(held);
+    assert!(set.check(&key, 1, now).is_ok());
+    assert_eq!(remaining(&set), [0, 1]);
+    assert!(matches!(set.check(&TenantKey::global(), 1, now), Err(AcquireError::MissingKey(_))));
+}
+
 /// Keys spread over the set's shards: when many tenants come, a table of `max_keys` is
 /// filled to its bound, not refused early because every key went to one shard. (The
 /// shards are chosen by a randomly seeded hash: 500 tenants over at most 16 shards of 4

@@ -160,8 +160,7 @@ macro_rules! return_fast_answer {
             let charged = fast.cost($cost);
             match fast.acquire(charged, $now) {
                 Some(Decision::Granted(granted_at, version)) => {
-                    let $grant =
-                        Grant::new(Costs::Uniform($cost), Granted { granted_at, version, shape: None, shadowed: 0 });
+                    let $grant = Grant::uniform($cost, Granted { granted_at, version, shape: None, shadowed: 0 });
                     return Ok($wrap);
                 }
                 Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
@@ -230,8 +229,41 @@ impl LimitSet {
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
     #[inline(always)]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
-        return_fast_answer!(self, cost, now, |grant| Permit { set: self, key, grant, done: false });
+        return_fast_answer!(self, cost, now, |grant| Permit { set: self, key, grant });
         self.acquire_locked(key, cost, now)
+    }
+
+    /// Acquires like [`LimitSet::acquire`] and gives back at once whatever the grant
+    /// holds: rate limits stay charged, and concurrency limits are tested, not held. What
+    /// a caller that keeps no permit wants (a set of rate limits guarding a call, checked
+    /// once per request): nothing is built to be dropped.
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(10)).burst(nz!(2)));
+    /// let everyone = TenantKey::global();
+    /// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
+    /// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
+    /// let refused = set.check(&everyone, 1, Instant::ZERO).unwrap_err();
+    /// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_millis()), Some(100));
+    /// ```
+    ///
+    /// # Errors
+    /// As [`LimitSet::acquire`].
+    #[inline(always)]
+    pub fn check(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), AcquireError> {
+        // A grant from the one-limit path holds nothing (no shape, no heap): forgetting
+        // it is giving it back.
+        return_fast_answer!(self, cost, now, |grant| drop(grant));
+        self.check_locked(key, cost, now)
+    }
+
+    #[inline(never)]
+    fn check_locked(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), AcquireError> {
+        let grant = self.acquire_grant_locked(key, cost, now)?;
+        self.release_grant(key, grant);
+        Ok(())
     }
 
     /// [`LimitSet::acquire`] under the locks: kept out of line so that the one-limit
@@ -239,7 +271,7 @@ impl LimitSet {
     #[inline(never)]
     fn acquire_locked<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {
         let granted = self.shared.acquire_uniform(key, cost, now)?;
-        Ok(Permit { set: self, key, grant: Grant::new(Costs::Uniform(cost), granted), done: false })
+        Ok(Permit { set: self, key, grant: Grant::uniform(cost, granted) })
     }
 
     /// Like [`LimitSet::acquire`], but with one cost per limit, in the order of the
@@ -256,7 +288,7 @@ impl LimitSet {
     ) -> Result<Permit<'a>, AcquireError> {
         let costs = Costs::Each(costs.into());
         let granted = self.shared.acquire(key, &costs, now)?;
-        Ok(Permit { set: self, key, grant: Grant::new(costs, granted), done: false })
+        Ok(Permit { set: self, key, grant: Grant::new(costs, granted) })
     }
 
     /// Like [`LimitSet::acquire`], with a permit that owns a handle to the set and a copy
@@ -266,8 +298,8 @@ impl LimitSet {
     /// As [`LimitSet::acquire`].
     pub fn acquire_owned(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<OwnedPermit, AcquireError> {
         let granted = self.shared.acquire_uniform(key, cost, now)?;
-        let grant = Grant::new(Costs::Uniform(cost), granted);
-        Ok(OwnedPermit { set: self.clone(), key: key.clone(), grant, done: false })
+        let grant = Grant::uniform(cost, granted);
+        Ok(OwnedPermit { set: self.clone(), key: key.clone(), grant })
     }
 
     /// Like [`LimitSet::acquire`], but the grant is plain data and the key stays with
@@ -284,7 +316,7 @@ impl LimitSet {
     #[inline(never)]
     fn acquire_grant_locked(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Grant, AcquireError> {
         let granted = self.shared.acquire_uniform(key, cost, now)?;
-        Ok(Grant::new(Costs::Uniform(cost), granted))
+        Ok(Grant::uniform(cost, granted))
     }
 
     /// Acquires like [`LimitSet::acquire_grant`] and reads every limit's state as the
@@ -340,8 +372,9 @@ impl LimitSet {
             granted_at: now,
             version: ANY_VERSION,
             shape: None,
-            acquired: Costs::Uniform(0),
-            settled: None,
+            acquired: 0,
+            charged: 0,
+            each: None,
             shadowed: 0,
         };
         self.shared.correct(key, &probe, now, |_, def| {
@@ -547,11 +580,14 @@ impl Shared {
         }
     }
 
+    /// Gives back the concurrency `grant` holds, if any: out of line, so that a permit's
+    /// drop is one test.
+    #[inline(never)]
     fn release(&self, key: &TenantKey, grant: &Grant) {
-        let Some(shape) = grant.shape else { return };
+        let Some(shape) = grant.shape.filter(|s| s.has_semaphore) else { return };
         let op_for = |i: usize, def: &LimitDef| {
             (def.limit.is_semaphore() && !grant.shadowed(i))
-                .then(|| Op::Release(grant.acquired.counting(i, shape.limits[i].counts)))
+                .then(|| Op::Release(grant.acquired_of(i, shape.limits[i].counts)))
         };
         if !key.is_global() {
             // When every semaphore of the current policy is keyed, the release touches the
@@ -575,27 +611,26 @@ impl Shared {
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {
         let granted_at = grant.granted_at;
-        let before = grant.charged().clone();
-        let shadowed = grant.shadowed;
-        self.correct(key, grant, now, |i, def| {
-            if def.limit.is_semaphore() || shadowed & (1 << i) != 0 {
+        let before: &Grant = grant;
+        self.correct(key, before, now, |i, def| {
+            if def.limit.is_semaphore() || before.shadowed(i) {
                 return None;
             }
-            let (was, is) = (before.of(i, def), actual.of(i, def));
+            let (was, is) = (before.charged_of(i, def), actual.of(i, def));
             match is.cmp(&was) {
                 std::cmp::Ordering::Greater => Some(Op::Charge { granted_at, amount: is - was }),
                 std::cmp::Ordering::Less => Some(Op::Refund { granted_at, amount: was - is }),
                 std::cmp::Ordering::Equal => None,
             }
         });
-        grant.settled = Some(actual);
+        grant.set_charged(actual);
     }
 
     fn cancel(&self, key: &TenantKey, grant: &Grant, now: Instant) {
         let granted_at = grant.granted_at;
         self.correct(key, grant, now, |i, def| {
             (!def.limit.is_semaphore() && !grant.shadowed(i))
-                .then(|| Op::Refund { granted_at, amount: grant.charged().of(i, def) })
+                .then(|| Op::Refund { granted_at, amount: grant.charged_of(i, def) })
         });
     }
 

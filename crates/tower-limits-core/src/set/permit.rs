@@ -36,11 +36,17 @@ impl Costs {
     #[inline]
     pub(super) fn counting(&self, i: usize, counts: Counts) -> u64 {
         match self {
-            Costs::Uniform(cost) => match counts {
-                Counts::Requests => 1,
-                Counts::Cost => *cost,
-            },
+            Costs::Uniform(cost) => Costs::uniform_counting(*cost, counts),
             Costs::Each(costs) => costs.get(i).copied().unwrap_or(u64::MAX),
+        }
+    }
+
+    /// What one cost `cost` charges a limit counting `counts`.
+    #[inline]
+    pub(super) fn uniform_counting(cost: u64, counts: Counts) -> u64 {
+        match counts {
+            Counts::Requests => 1,
+            Counts::Cost => cost,
         }
     }
 }
@@ -59,14 +65,26 @@ pub struct Grant {
     /// Kept only when the policy has semaphores (so that a release after a policy change
     /// can still find them by name) or a shadow limit refused it.
     pub(super) shape: Option<&'static Shape>,
-    /// The costs acquired: what semaphores release, whatever was settled since.
-    pub(super) acquired: Costs,
-    /// The costs rate limits were last settled to, if ever.
-    pub(super) settled: Option<Costs>,
+    /// The one cost acquired (what semaphores release) and the one cost rate limits are
+    /// charged now (the last settle's, or the cost acquired), while `each` is `None`.
+    /// Held inline, so that a grant of one cost, settled or not, owns nothing on the heap
+    /// and dropping it is a test of `shape` and of `each`.
+    pub(super) acquired: u64,
+    pub(super) charged: u64,
+    /// The costs when any of them is per limit (`acquire_each`, `settle_each`); then it
+    /// rules, and the two fields above are not read.
+    pub(super) each: Option<Box<EachCosts>>,
     /// The limits in shadow mode that would have refused it, one bit per limit (in the
     /// order of the policy it was granted under): they were not charged, so nothing is
     /// released, settled or refunded on them.
     pub(crate) shadowed: u16,
+}
+
+/// A grant's costs once one of them is per limit.
+#[derive(Debug)]
+pub(super) struct EachCosts {
+    acquired: Costs,
+    charged: Costs,
 }
 
 /// What the engine answers on a grant; the caller adds the key and costs it already has.
@@ -128,21 +146,58 @@ impl Grant {
         self.shadowed & (1 << i) != 0
     }
 
+    /// A grant of one cost, as the engine answered it.
     #[inline]
-    pub(super) fn new(costs: Costs, g: Granted) -> Self {
+    pub(super) fn uniform(cost: u64, g: Granted) -> Self {
         Grant {
             granted_at: g.granted_at,
             version: g.version,
             shape: g.shape,
-            acquired: costs,
-            settled: None,
+            acquired: cost,
+            charged: cost,
+            each: None,
             shadowed: g.shadowed,
         }
     }
 
-    /// What rate limits are charged now.
-    pub(super) fn charged(&self) -> &Costs {
-        self.settled.as_ref().unwrap_or(&self.acquired)
+    /// A grant of `costs`, as the engine answered it.
+    pub(super) fn new(costs: Costs, g: Granted) -> Self {
+        match costs {
+            Costs::Uniform(cost) => Grant::uniform(cost, g),
+            Costs::Each(_) => Grant {
+                each: Some(Box::new(EachCosts { acquired: costs.clone(), charged: costs })),
+                ..Grant::uniform(0, g)
+            },
+        }
+    }
+
+    /// The cost acquired of limit `i`, which counts `counts`: what a semaphore releases.
+    #[inline]
+    pub(super) fn acquired_of(&self, i: usize, counts: Counts) -> u64 {
+        match &self.each {
+            None => Costs::uniform_counting(self.acquired, counts),
+            Some(each) => each.acquired.counting(i, counts),
+        }
+    }
+
+    /// What limit `i` (`def`) is charged now: the cost acquired, or the last settle's.
+    #[inline]
+    pub(super) fn charged_of(&self, i: usize, def: &LimitDef) -> u64 {
+        match &self.each {
+            None => Costs::uniform_counting(self.charged, def.counts),
+            Some(each) => each.charged.of(i, def),
+        }
+    }
+
+    /// Records that rate limits are charged `actual` now.
+    pub(super) fn set_charged(&mut self, actual: Costs) {
+        match (&mut self.each, actual) {
+            (None, Costs::Uniform(cost)) => self.charged = cost,
+            (Some(each), actual) => each.charged = actual,
+            (each @ None, actual) => {
+                *each = Some(Box::new(EachCosts { acquired: Costs::Uniform(self.acquired), charged: actual }));
+            }
+        }
     }
 }
 
@@ -154,7 +209,6 @@ pub struct Permit<'a> {
     pub(super) set: &'a LimitSet,
     pub(super) key: &'a TenantKey,
     pub(super) grant: Grant,
-    pub(super) done: bool,
 }
 
 /// A grant from [`LimitSet::acquire_owned`]: like [`Permit`], but `'static`.
@@ -163,7 +217,6 @@ pub struct OwnedPermit {
     pub(super) set: LimitSet,
     pub(super) key: TenantKey,
     pub(super) grant: Grant,
-    pub(super) done: bool,
 }
 
 macro_rules! permit_methods {
@@ -202,7 +255,8 @@ macro_rules! permit_methods {
         pub fn cancel(mut self, now: Instant) {
             self.set.shared.cancel(&self.key, &self.grant, now);
             self.set.shared.release(&self.key, &self.grant);
-            self.done = true;
+            // Released: the drop that follows finds no shape and gives nothing back twice.
+            self.grant.shape = None;
         }
 
         /// Keeps what was charged and releases the concurrency now; the same as dropping
@@ -222,7 +276,9 @@ impl OwnedPermit {
 impl Drop for Permit<'_> {
     #[inline]
     fn drop(&mut self) {
-        if !self.done && self.grant.holds_concurrency() {
+        // A grant with no shape holds nothing (a set of rate limits only): one test, and
+        // the release stays out of line.
+        if self.grant.shape.is_some() {
             self.set.shared.release(self.key, &self.grant);
         }
     }
@@ -231,7 +287,7 @@ impl Drop for Permit<'_> {
 impl Drop for OwnedPermit {
     #[inline]
     fn drop(&mut self) {
-        if !self.done && self.grant.holds_concurrency() {
+        if self.grant.shape.is_some() {
             self.set.shared.release(&self.key, &self.grant);
         }
     }
