@@ -59,6 +59,28 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// clock; a shared backend may use its own instead (see the contract).
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire;
 
+    /// The acquisition's answer at once, for a backend that decides without waiting (in
+    /// memory); `None` (the default) for one that must wait, whose
+    /// [`acquire`](Backend::acquire) the caller then makes and polls. A caller that gets
+    /// `Some` does not call `acquire` for the same request: the answer is the acquisition.
+    ///
+    /// The answer is returned where the caller matches it: no future is built around it
+    /// and polled out of it, which would copy it twice on the way.
+    ///
+    /// ```
+    /// use tower_limits_core::{Backend, Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(1)));
+    /// let everyone = TenantKey::global();
+    /// assert!(matches!(set.acquire_now(&everyone, 1, Instant::ZERO), Some(Ok(_))));
+    /// assert!(matches!(set.acquire_now(&everyone, 1, Instant::ZERO), Some(Err(_))));
+    /// ```
+    #[inline]
+    fn acquire_now(&self, key: &TenantKey, cost: u64, now: Instant) -> Option<Result<Self::Grant, AcquireError>> {
+        let _ = (key, cost, now);
+        None
+    }
+
     /// Corrects limits that count cost to the real usage.
     fn settle(&self, key: &TenantKey, grant: &mut Self::Grant, actual: u64, now: Instant);
 
@@ -114,6 +136,11 @@ impl Backend for LimitSet {
     #[inline(always)]
     fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
         std::future::ready(self.acquire_grant(key, cost, now))
+    }
+
+    #[inline(always)]
+    fn acquire_now(&self, key: &TenantKey, cost: u64, now: Instant) -> Option<Result<Grant, AcquireError>> {
+        Some(self.acquire_grant(key, cost, now))
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {

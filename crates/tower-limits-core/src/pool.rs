@@ -551,6 +551,14 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
         }
     }
 
+    fn acquire_now(&self, key: &TenantKey, cost: u64, now: Instant) -> Option<Result<PoolGrant<T>, AcquireError>> {
+        // Accounts shared by a fleet are asked over the network; local ones answer now.
+        match self.inner.shared.get() {
+            None => Some(LimitPool::acquire(self, key, cost, now)),
+            Some(_) => None,
+        }
+    }
+
     fn settle(&self, key: &TenantKey, grant: &mut PoolGrant<T>, actual: u64, now: Instant) {
         LimitPool::settle(self, key, grant, actual, now);
     }

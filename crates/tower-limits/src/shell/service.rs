@@ -134,21 +134,19 @@ where
         if self.rejection.wants_snapshots() {
             return self.call_observed(key, cost, req, now);
         }
+        // In memory the answer comes at once, matched where it is returned; a remote
+        // backend's acquisition is polled once, and finished in the response future if it
+        // is under way.
+        if let Some(decided) = shared.backend.acquire_now(key, cost, now) {
+            return match decided {
+                Ok(grant) => self.admitted(key, grant, req, None),
+                Err(e) => self.not_admitted(e, key, cost, req),
+            };
+        }
         let mut acquire = shared.backend.acquire(key, cost, now);
         match Pin::new(&mut acquire).poll(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(grant)) => self.admitted(key, grant, req, None),
-            Poll::Ready(Err(e)) => {
-                let error = LimitError::from(e);
-                if waits && waitable(&error, shared.settings.max_wait.unwrap_or_default()) {
-                    return self.wait(key.clone(), cost, req, None);
-                }
-                if shared.settings.shadow {
-                    return self.pass(error, req, None);
-                }
-                self.refuse(error, None)
-            }
-            // A remote backend: the acquisition is under way; finish it in the response
-            // future rather than start another.
+            Poll::Ready(Err(e)) => self.not_admitted(e, key, cost, req),
             Poll::Pending => self.wait(key.clone(), cost, req, Some(Observed::unobserved(acquire))),
         }
     }
@@ -195,8 +193,36 @@ where
         }
     }
 
+    /// A refused acquisition: wait for capacity when the layer waits and waiting can
+    /// help, pass in shadow mode, refuse otherwise.
+    fn not_admitted<Req>(
+        &mut self,
+        e: tower_limits_core::AcquireError,
+        key: &TenantKey,
+        cost: u64,
+        req: Req,
+    ) -> ResponseFuture<S, Req, U, R, B>
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        S::Future: Send,
+        Req: Send + 'static,
+        U: UsageExtractor<S::Response>,
+        R: Rejection<S::Response, S::Error>,
+        A: Annotate<Req, B::Grant>,
+    {
+        let settings = &self.shared.settings;
+        let error = LimitError::from(e);
+        if settings.max_wait.is_some_and(|w| !settings.shadow && waitable(&error, w)) {
+            return self.wait(key.clone(), cost, req, None);
+        }
+        if settings.shadow {
+            return self.pass(error, req, None);
+        }
+        self.refuse(error, None)
+    }
+
     /// Calls the inner service for an admitted request.
-    #[inline]
+    #[inline(always)]
     fn admitted<Req>(
         &mut self,
         // Borrowed: a request that holds nothing never copies its key (a key is some

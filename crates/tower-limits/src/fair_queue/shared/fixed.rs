@@ -32,6 +32,11 @@ impl Backend for NoRate {
     }
 
     #[inline]
+    fn acquire_now(&self, _key: &TenantKey, _cost: u64, _now: Instant) -> Option<Result<(), AcquireError>> {
+        Some(Ok(()))
+    }
+
+    #[inline]
     fn settle(&self, _key: &TenantKey, _grant: &mut (), _actual: u64, _now: Instant) {}
 
     #[inline]
