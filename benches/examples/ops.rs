@@ -1,7 +1,8 @@
 //! Runs one operation of the `peers` table a fixed number of times, for instruction
 //! counts that do not depend on the machine's load:
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
-//! `callgrind_annotate`). Operations: `allow`, `deny`, `gov-allow`, `gov-deny`, `set3`,
+//! `callgrind_annotate`). Operations: `allow`, `deny` (through `acquire`), `check`,
+//! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`,
 //! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
 //! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call), `layer` and `gov-layer` (our GCRA layer and tower_governor's
 //! over the same bare service, error mode), `headers` and `gov-headers` (the same with

@@ -9,7 +9,8 @@
 //! - [`algorithm`]: GCRA, token bucket, sliding-window log and counter, fixed window and
 //!   a resource semaphore, each a state machine deciding `acquire(state, now, cost)`.
 //! - [`LimitSet`]: named limits, global or keyed by a tier of a [`TenantKey`], acquired
-//!   all or nothing, granting a [`Permit`] that settles and releases.
+//!   all or nothing, granting a [`Permit`] that settles and releases, or just checked
+//!   ([`LimitSet::check`]) when nothing is kept.
 //! - [`policy`]: limits as data, loadable from TOML and JSON, validated with errors that
 //!   name the field.
 //! - [`backend`]: the seam through which a set's state can live elsewhere.
