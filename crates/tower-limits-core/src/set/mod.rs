@@ -341,7 +341,7 @@ impl LimitSet {
         let costs = Costs::Uniform(cost);
         let mut seen = Vec::new();
         let granted = self.shared.acquire_observed(key, &costs, now, Some(&mut seen));
-        (granted.map(|g| Grant::new(costs, g)), seen)
+        (granted.map(|g| Grant::uniform(cost, g)), seen)
     }
 
     /// Settles a [`Grant`] to the real usage; see [`Permit::settle`].
