@@ -94,7 +94,7 @@ where
         self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = &self.shared;
         // Borrowed, never moved: a key is some sixty bytes, written in pieces by whoever
         // builds it, and a copy read back whole right after those writes stalls the core.
@@ -139,7 +139,13 @@ where
         // is under way.
         if let Some(decided) = shared.backend.acquire_now(key, cost, now) {
             return match decided {
-                Ok(grant) => self.admitted(key, grant, req, None),
+                Ok(grant) => {
+                    // The request goes to the inner service from here: handed to a helper
+                    // first, it was copied whole (224 bytes for an `http::Request<()>`).
+                    let guard = self.guard(key, grant, &mut req);
+                    let fut = self.inner.call(req);
+                    ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), None)
+                }
                 Err(e) => self.not_admitted(e, key, cost, req),
             };
         }
@@ -238,8 +244,23 @@ where
         R: Rejection<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
+        let guard = self.guard(key, grant, &mut req);
+        let fut = self.inner.call(req);
+        ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
+    }
+
+    /// What an admitted request keeps until its response is in: nothing, when nothing is
+    /// to be done then (a rate limit in error mode), or a guard of its grant. Annotates
+    /// the request with the grant.
+    #[inline(always)]
+    fn guard<Req>(&self, key: &TenantKey, grant: B::Grant, req: &mut Req) -> Option<Box<PermitGuard<B>>>
+    where
+        S: Service<Req>,
+        U: UsageExtractor<S::Response>,
+        R: Rejection<S::Response, S::Error>,
+        A: Annotate<Req, B::Grant>,
+    {
         let shared = &self.shared;
-        // Nothing to do once the response is in: no guard, no reference to hold.
         let settings = &shared.settings;
         let idle = !U::REPORTS
             && !self.rejection.holds_body()
@@ -248,10 +269,8 @@ where
             && !shared.backend.needs_release(&grant)
             && !Meter::LEASES
             && shared.backend.shadow_refusal(&grant).is_none();
-        self.annotate.annotate(&mut req, &grant);
-        let guard = (!idle).then(|| Box::new(PermitGuard::new(grant, key.clone(), shared.clone())));
-        let fut = self.inner.call(req);
-        ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
+        self.annotate.annotate(req, &grant);
+        (!idle).then(|| Box::new(PermitGuard::new(grant, key.clone(), shared.clone())))
     }
 
     /// Refuses, with the limits' states when the decision read them.
