@@ -92,9 +92,7 @@ fn main() {
     let mut gov_headers = GovernorLayer::<_, _, Body>::new(headers_config).layer(bare());
     let mut peer = GcraLayer::new(open_quota).key(tower_limits::extract::PeerIp).system_clock().layer(bare());
     let mut gov_peer = GovernorLayer::<_, _, Body>::new(peer_config).layer(bare());
-    // The operation is chosen once, as a closure of its own called through a pointer: the
-    // shape `peers` times (each side's call a function of its own, its result read by the
-    // caller), so the counts here are of the code `peers` runs.
+    // Chosen once; called through a pointer, as the module's opening says.
     let mut run: Box<dyn FnMut(u64) -> bool + '_> = match op.as_str() {
         "allow" => Box::new(|_| open.acquire(&global, 1, clock.now()).is_ok()),
         "deny" => Box::new(|_| shut.acquire(&global, 1, clock.now()).is_err()),
