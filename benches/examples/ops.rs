@@ -7,8 +7,9 @@
 //! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call), `layer` and `gov-layer` (our GCRA layer and tower_governor's
 //! over the same bare service, error mode), `headers` and `gov-headers` (the same with
 //! the rate-limit header fields on every success), `peer` and `gov-peer` (both layers
-//! keyed by the peer's IP address, 1,000 peers in turn), `none` (the loop, the call
-//! and the clock alone).
+//! keyed by the peer's IP address, 1,000 peers in turn), `bare` and `bare-peer` (the
+//! bare service alone, with the requests of `layer` and of `peer`: what the tower rows
+//! subtract), `none` (the loop, the call and the clock alone).
 //!
 //! Each operation is a closure of its own, called through a pointer, as `peers` calls
 //! its sides: the compiler sees the same code in both, so the counts here are of what
@@ -92,6 +93,7 @@ fn main() {
     let mut gov_headers = GovernorLayer::<_, _, Body>::new(headers_config).layer(bare());
     let mut peer = GcraLayer::new(open_quota).key(tower_limits::extract::PeerIp).system_clock().layer(bare());
     let mut gov_peer = GovernorLayer::<_, _, Body>::new(peer_config).layer(bare());
+    let mut plain = bare();
     // Chosen once; called through a pointer, as the module's opening says.
     let mut run: Box<dyn FnMut(u64) -> bool + '_> = match op.as_str() {
         "allow" => Box::new(|_| open.acquire(&global, 1, clock.now()).is_ok()),
@@ -114,6 +116,8 @@ fn main() {
         "gov-headers" => Box::new(|_| drive(&mut gov_headers, Request::new(()))),
         "peer" => Box::new(|i| drive(&mut peer, from_peer((i % 1_000) as u32))),
         "gov-peer" => Box::new(|i| drive(&mut gov_peer, from_peer((i % 1_000) as u32))),
+        "bare" => Box::new(|_| drive(&mut plain, Request::new(()))),
+        "bare-peer" => Box::new(|i| drive(&mut plain, from_peer((i % 1_000) as u32))),
         "none" => Box::new(|_| black_box(clock.now()) > tower_limits_core::Instant::ZERO),
         _ => {
             println!("unknown operation {op}");

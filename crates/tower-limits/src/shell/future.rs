@@ -101,8 +101,12 @@ type Admission<B, S, Req> = Pin<Box<dyn Future<Output = Result<Admitted<B, S, Re
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, A> {
+    enum State<F, A, G> {
+        // Called, holding nothing (a rate limit in error mode, the commonest layer): the
+        // answer is the inner one's, and nothing is left to drop after it.
         Called { #[pin] fut: F },
+        // Called, with a grant to finish or the limits' states for the answer.
+        Holding { #[pin] fut: F, guard: Option<Box<G>>, snapshots: Option<Box<[LimitSnapshot]>> },
         Waiting { admission: A },
         Rejected { error: Option<Box<LimitError>> },
         Done,
@@ -121,12 +125,10 @@ pin_project! {
         S: Service<Req>,
         B: Backend,
     {
+        // The guard is boxed: a request that holds nothing (a rate limit, error mode)
+        // moves a small future, and a held body takes the box as it is.
         #[pin]
-        state: State<S::Future, Admission<B, S, Req>>,
-        // Boxed: a request that holds nothing (a rate limit, error mode) moves a small
-        // future, and a held body takes the box as it is.
-        guard: Option<Box<PermitGuard<B>>>,
-        snapshots: Option<Box<[LimitSnapshot]>>,
+        state: State<S::Future, Admission<B, S, Req>, PermitGuard<B>>,
         usage: U,
         rejection: R,
     }
@@ -145,15 +147,20 @@ where
         rejection: R,
         snapshots: Option<Box<[LimitSnapshot]>>,
     ) -> Self {
-        ResponseFuture { state: State::Called { fut }, guard, snapshots, usage, rejection }
+        let state = if guard.is_none() && snapshots.is_none() {
+            State::Called { fut }
+        } else {
+            State::Holding { fut, guard, snapshots }
+        };
+        ResponseFuture { state, usage, rejection }
     }
 
     pub(crate) fn rejected(error: Box<LimitError>, usage: U, rejection: R) -> Self {
-        ResponseFuture { state: State::Rejected { error: Some(error) }, guard: None, snapshots: None, usage, rejection }
+        ResponseFuture { state: State::Rejected { error: Some(error) }, usage, rejection }
     }
 
     pub(crate) fn waiting(admission: Admission<B, S, Req>, usage: U, rejection: R) -> Self {
-        ResponseFuture { state: State::Waiting { admission }, guard: None, snapshots: None, usage, rejection }
+        ResponseFuture { state: State::Waiting { admission }, usage, rejection }
     }
 }
 
@@ -171,12 +178,21 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Called { fut } => {
+                    // Left as it is once answered: polling a finished future again is the
+                    // inner future's affair, and nothing here is held to be given back twice.
+                    return fut.poll(cx).map(|out| match out {
+                        Ok(response) => Ok(this.rejection.respond(response, None)),
+                        Err(e) => Err(this.rejection.fail(e)),
+                    });
+                }
+                StateProj::Holding { fut, guard, snapshots } => {
                     let out = ready!(fut.poll(cx));
+                    let mut guard = guard.take();
+                    let snapshots = snapshots.take();
                     this.state.set(State::Done);
-                    let mut guard = this.guard.take();
                     return Poll::Ready(match out {
                         Ok(response) => {
-                            let snapshots = this.snapshots.as_deref();
+                            let snapshots = snapshots.as_deref();
                             match guard {
                                 Some(g) if this.rejection.holds_body() => {
                                     let hold = Hold::new(g, this.usage.usage(&response));
@@ -201,10 +217,8 @@ where
                     let admitted = ready!(admission.as_mut().poll(cx));
                     match admitted {
                         Ok(Admitted { guard, mut inner, req, snapshots }) => {
-                            *this.guard = guard;
-                            *this.snapshots = snapshots;
                             let fut = inner.call(req);
-                            this.state.set(State::Called { fut });
+                            this.state.set(State::Holding { fut, guard, snapshots });
                         }
                         Err(error) => this.state.set(State::Rejected { error: Some(error) }),
                     }
@@ -227,6 +241,7 @@ where
     B: Backend,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").field("admitted", &self.guard.is_some()).finish_non_exhaustive()
+        let admitted = matches!(&self.state, State::Holding { guard: Some(_), .. });
+        f.debug_struct("ResponseFuture").field("admitted", &admitted).finish_non_exhaustive()
     }
 }
