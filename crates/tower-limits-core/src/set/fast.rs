@@ -48,9 +48,10 @@
 //! One TAT that every grant swaps is one cache line every core writes: past a few cores
 //! the line's travels cost more than the decisions. So a thread that has seen its swap
 //! fail (and only then: a lone thread never leases, and decides exactly as plain GCRA)
-//! takes *leases*: with its grant it advances the shared TAT by `k` more units than it
-//! needs, from `s` to `s + k*T`, and keeps them in a thread-local slot. Later calls of
-//! that thread use the leased units without touching any shared line.
+//! takes *leases*: with its grant (which ends at `g`) it advances the shared TAT further,
+//! to `s + k*T` for `k` more units beginning at some `s >= g`, and keeps them in a
+//! thread-local slot. Later calls of that thread use the leased units without touching any
+//! shared line. The slots between `g` and `s` (the *lead*, below) belong to no one.
 //!
 //! Until some thread sees its swap fail no thread can hold a lease, so a flag on the
 //! read-mostly line (set once, by the first failed swap) keeps the leases out of the lone
@@ -58,7 +59,8 @@
 //! compare-and-swap.
 //!
 //! **Why it cannot over-admit.** Taking a lease is admitting its `k` units at once, at the
-//! instant `t0` the lease was taken, under the unchanged GCRA rule `s + k*T - t0 <= tau`.
+//! instant `t0` the lease was taken, under the unchanged GCRA rule `s + k*T - t0 <= tau`
+//! (the lead counts against the headroom as if it were units).
 //! Unit `j` of the lease owns the slot `[s + j*T, s + (j+1)*T)`, and a thread may use it at
 //! instant `t` only while the slot has not begun (`s + j*T >= t`) and never before the
 //! lease was taken (`t >= t0`; a later call's `now` is raised to `t0`). So every unit
@@ -68,23 +70,35 @@
 //! there are at most `(b - a + tau) / T` of them, the very cap of plain GCRA. Unused units
 //! go back only by a compare-and-swap of the TAT from the lease's end to its next unit,
 //! which succeeds only if nobody advanced the TAT since: then the returned slots were
-//! never used by anyone, and the TAT is exactly where plain GCRA would have it.
+//! never used by anyone, and the TAT is back at the lease's first unused unit (a lead
+//! before the lease stays spent).
 //!
-//! **Sizing.** A lease takes a quarter of the headroom left after the grant, at most
-//! [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write; near
-//! it the quarter rounds to nothing and every decision is the exact, shared one.
+//! **Sizing.** A lease takes a quarter of the headroom left after the grant and its lead,
+//! at most [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write;
+//! near it the quarter rounds to nothing and every decision is the exact, shared one.
 //!
-//! **When leasing does not pay.** A unit must be used before its slot begins, so when
-//! the emission interval is shorter than a thread's own pace between calls (a limit of
-//! hundreds of millions per second), leased slots begin before they are used. A thread
-//! whose lease expired with units unused stops leasing for [`COOLDOWN`] calls and decides
-//! on the shared TAT, exactly; before giving units back it reads the TAT, so a lease that
-//! cannot be returned costs no write.
+//! **Leading the clock.** A unit must be used before its slot begins. Far from the limit
+//! the TAT lags the clock, so a lease taken there begins at the clock, and when the
+//! emission interval is shorter than the thread's own pace between calls (a limit of a
+//! billion per second, a thread asking every 20 ns) its slots begin long before they are
+//! used: the lease would be lost. So each lease, when it ends (used up, or with a slot
+//! begun unused), teaches its thread its pace: `u` nanoseconds of slots used in `e`
+//! nanoseconds of clock (at least one unit's, if it used none). The thread's next lease
+//! begins `lead = 2 * MAX_LEASE * T * (e - u) / u` past the clock (nothing when `e <= u`:
+//! the slots go by slower than the thread uses them), at most a quarter of the headroom:
+//! the slack a whole lease would build up at that pace, twice over. The TAT is pushed
+//! ahead only up to `now + lead`; once it is that far ahead, leases follow one another with
+//! no gap. What a lead costs is burst: while threads lease, the TAT runs at most `lead`
+//! ahead of the clock (a few microseconds at the benchmark's pace), and those slots are
+//! capacity nobody uses. A thread whose lease expired although it led the clock (its pace
+//! is too slow for any lead the headroom allows) stops leasing for [`COOLDOWN`] calls and
+//! decides on the shared TAT, exactly; before giving units back it reads the TAT, so a
+//! lease that cannot be returned costs no write.
 //!
 //! **Worst case.** Units leased and not used are stranded: other threads see them as
 //! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
-//! at that moment; a stranded unit is lost for good only once its slot begins unused (it
+//! at that moment; the leads add at most as much again (each a quarter of what is left); a stranded unit is lost for good only once its slot begins unused (it
 //! then frees nothing and costs nothing more). A thread that leaves, or leases another
 //! limit whose id maps to the same of its [`LEASE_SLOTS`] slots, strands its lease the
 //! same way. While leases
@@ -185,8 +199,13 @@ struct Lease {
     epoch: u64,
     /// The instant it was taken at: a unit is never used at an earlier one.
     taken: u64,
+    /// Its first unit; `start == end` once it has ended and taught its pace.
+    start: u64,
     next: u64,
     end: u64,
+    /// How far past the clock this thread's next lease begins, learned from the pace at
+    /// which it used its last one (0 while it uses units faster than their slots begin).
+    lead: u64,
     /// Whether this thread has seen a compare-and-swap on this limit fail.
     contended: bool,
     /// Calls to wait before leasing again, after a lease whose slots began unused (the
@@ -197,7 +216,8 @@ struct Lease {
 /// The calls a thread waits before leasing again after a lease expired unused.
 const COOLDOWN: u32 = 4_096;
 
-const NO_LEASE: Lease = Lease { owner: 0, epoch: 0, taken: 0, next: 0, end: 0, contended: false, cooldown: 0 };
+const NO_LEASE: Lease =
+    Lease { owner: 0, epoch: 0, taken: 0, start: 0, next: 0, end: 0, lead: 0, contended: false, cooldown: 0 };
 
 thread_local! {
     /// This thread's place in the order threads first acquired in (`usize::MAX`: not yet).
@@ -350,7 +370,7 @@ impl Fast {
         let epoch = self.epoch.load(Ordering::Acquire);
         let mut l = entry.get();
         if l.owner != self.id || l.epoch != epoch {
-            l = Lease { owner: self.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+            l = Lease { contended: true, owner: self.id, epoch, ..NO_LEASE };
         }
         l.contended = true;
         entry.set(l);
@@ -375,15 +395,27 @@ impl Fast {
                     entry.set(lease);
                     return self.granted(stripe, own, latest, now);
                 }
-                if lease.next < lease.end {
-                    // Give back what is left, if nobody moved the TAT past this lease (read
-                    // first: a failing swap would still take the line).
-                    if self.tat.0.load(Ordering::Acquire) == lease.end {
-                        let _ = self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                if lease.start < lease.end {
+                    // The lease has ended. Its units went at this thread's pace: the next
+                    // lease begins far enough past the clock for all of its units to be
+                    // used before their slots begin.
+                    let led = lease.lead > 0;
+                    let used = lease.next - lease.start;
+                    lease.lead = self.lead_for(now - lease.taken, used);
+                    if lease.next < lease.end {
+                        // Give back what is left, if nobody moved the TAT past this lease
+                        // (read first: a failing swap would still take the line).
+                        if self.tat.0.load(Ordering::Acquire) == lease.end {
+                            let _ =
+                                self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                        }
+                        // Slots began unused although the lease led the clock: leasing
+                        // does not pay for this thread now.
+                        if lease.next < now && led {
+                            lease.cooldown = COOLDOWN;
+                        }
                     }
-                    if lease.next < now {
-                        lease.cooldown = COOLDOWN;
-                    }
+                    lease.start = lease.end;
                     lease.next = lease.end;
                 } else if lease.cooldown > 0 {
                     lease.cooldown -= 1;
@@ -415,14 +447,17 @@ impl Fast {
                 Err(answer) => return answer,
             };
             // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
-            // units in all); near the limit that is nothing, and the decision is exact.
-            let extra = if lease_ok {
-                let left = (now + self.tolerance - granted) / interval;
-                (left / 4).min(MAX_LEASE.saturating_sub(cost))
+            // units in all), beginning `lead` past the clock (at most a quarter of the
+            // headroom on); near the limit that is nothing, and the decision is exact.
+            let (first, extra) = if lease_ok {
+                let room = now + self.tolerance - granted;
+                let gap = (now + entry.get().lead).saturating_sub(granted).min(room / 4);
+                let extra = ((room - gap) / interval / 4).min(MAX_LEASE.saturating_sub(cost));
+                (if extra > 0 { granted + gap } else { granted }, extra)
             } else {
-                0
+                (granted, 0)
             };
-            let new = granted + extra * interval;
+            let new = first + extra * interval;
             match self.tat.0.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
                     if extra > 0 {
@@ -430,8 +465,10 @@ impl Fast {
                             owner: self.id,
                             epoch,
                             taken: now,
-                            next: granted,
+                            start: first,
+                            next: first,
                             end: new,
+                            lead: entry.get().lead,
                             contended: true,
                             cooldown: 0,
                         });
@@ -444,6 +481,21 @@ impl Fast {
                 }
             }
         }
+    }
+
+    /// How far past the clock a lease must begin for a thread that used `used`
+    /// nanoseconds of slots in `elapsed` nanoseconds (counted as one unit's when it used
+    /// none: its pace is at least that slow): twice the slack a whole lease of
+    /// [`MAX_LEASE`] units would build up at that pace (none when the slots go by slower
+    /// than the thread uses them), at most the tolerance.
+    fn lead_for(&self, elapsed: u64, used: u64) -> u64 {
+        let used = used.max(self.gcra.interval_nanos());
+        if elapsed <= used {
+            return 0;
+        }
+        let lease = u128::from(MAX_LEASE * self.gcra.interval_nanos().min(u64::MAX / MAX_LEASE));
+        let lead = 2 * lease * u128::from(elapsed - used) / u128::from(used);
+        u64::try_from(lead).unwrap_or(u64::MAX).min(self.tolerance)
     }
 
     #[inline]

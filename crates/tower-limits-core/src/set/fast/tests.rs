@@ -17,15 +17,7 @@ impl Fast {
         self.contended.store(true, Ordering::Relaxed);
         let epoch = self.epoch.load(Ordering::Acquire);
         LEASES.with(|l| {
-            l[self.slot()].set(Lease {
-                owner: self.id,
-                epoch,
-                taken: 0,
-                next: 0,
-                end: 0,
-                contended: true,
-                cooldown: 0,
-            });
+            l[self.slot()].set(Lease { owner: self.id, epoch, contended: true, ..NO_LEASE });
         });
     }
 
@@ -137,12 +129,21 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
     let f = fast(Rate::per_second(1_000_000), 1_000);
     let other = fast(Rate::per_second(1_000_000), 1_000);
     let epoch = f.epoch.load(Ordering::Acquire);
-    let lease =
-        |owner, epoch, cooldown| Lease { owner, epoch, taken: 7, next: 10, end: 20, contended: false, cooldown };
-    let fresh = Lease { owner: f.id, epoch, taken: 0, next: 0, end: 0, contended: true, cooldown: 0 };
+    let lease = |owner, epoch, cooldown| Lease {
+        owner,
+        epoch,
+        taken: 7,
+        start: 10,
+        next: 10,
+        end: 20,
+        lead: 5,
+        contended: false,
+        cooldown,
+    };
+    let fresh = Lease { owner: f.id, epoch, contended: true, ..NO_LEASE };
     let same = |a: Lease, b: Lease| {
-        (a.owner, a.epoch, a.taken, a.next, a.end, a.contended, a.cooldown)
-            == (b.owner, b.epoch, b.taken, b.next, b.end, b.contended, b.cooldown)
+        (a.owner, a.epoch, a.taken, a.start, a.next, a.end, a.lead, a.contended, a.cooldown)
+            == (b.owner, b.epoch, b.taken, b.start, b.next, b.end, b.lead, b.contended, b.cooldown)
     };
     for (before, may, after) in [
         (NO_LEASE, true, fresh),
@@ -182,10 +183,11 @@ fn a_lease_in_the_slot_of_another_limit_is_not_used() {
 }
 
 /// A lease whose slots began unused is given back (the TAT returns to its first unused
-/// unit), and the thread then decides on the shared TAT for `COOLDOWN` calls before it
-/// leases again.
+/// unit), and teaches the thread its pace: its next lease begins that far past the clock.
+/// A lease that led the clock and still expired sends the thread to decide on the shared
+/// TAT for `COOLDOWN` calls before it leases again.
 #[test]
-fn an_expired_lease_is_given_back_and_the_thread_cools_down() {
+fn an_expired_lease_is_given_back_and_the_next_one_leads_the_clock() {
     // T = 1us, burst 100,000.
     let f = fast(Rate::per_second(1_000_000), 100_000);
     let t0 = 5_000_000;
@@ -198,19 +200,37 @@ fn an_expired_lease_is_given_back_and_the_thread_cools_down() {
     }
     assert_eq!(f.tat(), end);
     // 10us on, the lease's next unit (t0 + 3us) has begun: it is given back first, so
-    // this grant lands right after the clock, not after the lease.
+    // this grant lands right after the clock. Two units' slots went by in 10us: at that
+    // pace a lease of 64 would fall 4 x 64us behind its slots, so the next lease begins
+    // twice that, 512us, past the clock.
     let t1 = t0 + 10_000;
     assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
-    assert_eq!(f.tat(), t1 + 1_000, "given back, then one unit from the clock");
-    // Cooling down: one unit per call on the shared TAT...
+    let lead = 2 * 64 * 1_000 * (10_000 - 2_000) / 2_000;
+    assert_eq!(lead, 512_000);
+    assert_eq!(f.tat(), t1 + lead + 63_000, "given back, then a lease that leads the clock");
+    // At the same pace, every unit of it is used before its slot begins.
+    let mut t = t1;
+    for i in 0..63 {
+        t += 5_000;
+        assert!(granted(f.acquire(1, Instant::from_nanos(t))).is_some());
+        assert_eq!(f.tat(), t1 + lead + 63_000, "unit {i} from the lease");
+    }
+    // A thread far slower than its lead: the leading lease expires too, and the thread
+    // cools down, one unit per call on the shared TAT...
+    assert!(granted(f.acquire(1, Instant::from_nanos(t))).is_some());
+    let (start, end) = (f.tat() - 63_000, f.tat());
+    assert!(start > t + 64_000, "the next lease leads the clock");
+    let t3 = end + 1_000_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(t3))).is_some());
+    assert_eq!(f.tat(), t3 + 1_000, "given back, then one unit from the clock");
     for i in 1..COOLDOWN {
-        assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
-        assert_eq!(f.tat(), t1 + 1_000 * (1 + u64::from(i)), "call {i} of the cooldown");
+        assert!(granted(f.acquire(1, Instant::from_nanos(t3))).is_some());
+        assert_eq!(f.tat(), t3 + 1_000 * (1 + u64::from(i)), "call {i} of the cooldown");
     }
     // ...and then a lease again.
     let before = f.tat();
-    assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
-    assert_eq!(f.tat(), before + 1_000 + 63 * 1_000, "a lease once the cooldown is over");
+    assert!(granted(f.acquire(1, Instant::from_nanos(t3))).is_some());
+    assert!(f.tat() >= before + 64_000, "a lease once the cooldown is over");
 }
 
 /// The path raises `now` to the latest instant it granted at, for grants and for the
