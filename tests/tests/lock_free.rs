@@ -91,6 +91,43 @@ fn threads_never_over_admit() {
     assert_cap(admitted, BURST);
 }
 
+/// Threads whose pace is far slower than the limit's interval lease ahead of the clock
+/// (each lease begins past it by what the thread's last lease taught it): in the slow
+/// phases demand is the rate and every thread asks once every 4 units of slots, so a
+/// lease begun at the clock would be stale before its second unit; in the fast ones
+/// demand is ten times the rate. Every window still holds no unit more than the law allows.
+#[test]
+fn leases_that_lead_the_clock_keep_the_cap() {
+    let burst = 2_000;
+    let set = LimitSet::new(policy(burst)).unwrap();
+    let clock = AtomicU64::new(1_000_000);
+    let admitted = Mutex::new(Vec::new());
+    let global = TenantKey::global();
+    thread::scope(|s| {
+        for _ in 0..4u64 {
+            let (set, clock, admitted, global) = (&set, &clock, &admitted, &global);
+            s.spawn(move || {
+                let mut mine = Vec::new();
+                for i in 0..60_000u64 {
+                    let step = if (i / 5_000) % 2 == 0 { 1_000 } else { 100 };
+                    let now = clock.fetch_add(step, Ordering::Relaxed);
+                    match set.check(global, 1, Instant::from_nanos(now)) {
+                        Ok(()) => mine.push((now, 1)),
+                        Err(AcquireError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                admitted.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let admitted = admitted.into_inner().unwrap();
+    let stats = set.stats();
+    assert_eq!(stats.admitted, admitted.len() as u64);
+    assert!(stats.limits[0].denied > 0, "the fast phases reach the limit");
+    assert_cap(admitted, burst);
+}
+
 /// A lone thread decides exactly as the locked engine: the same answers, the same waits,
 /// step by step, against a twin that the lock-free path does not serve (a second limit,
 /// which never binds, makes it a set of two).

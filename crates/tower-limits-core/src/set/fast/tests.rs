@@ -233,6 +233,26 @@ fn an_expired_lease_is_given_back_and_the_next_one_leads_the_clock() {
     assert!(f.tat() >= before + 64_000, "a lease once the cooldown is over");
 }
 
+/// A lead is at most a quarter of the headroom left after the grant, and the lease after
+/// it a quarter of what remains: the whole stays within the tolerance, as plain GCRA's
+/// rule asks of every unit admitted at the instant the lease is taken.
+#[test]
+fn a_lead_is_cut_to_a_quarter_of_the_headroom() {
+    // T = 1us, burst 100: the tolerance is 100us.
+    let f = fast(Rate::per_second(1_000_000), 100);
+    let t0 = 5_000_000;
+    f.mark_contended();
+    assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+    assert_eq!(f.tat(), t0 + 1_000 + 24_000, "a quarter of the 99 units left");
+    // 10us on, the lease went stale unused: it is given back and teaches a lead of
+    // 1,152us (2 x 64 x 9us), cut to the tolerance and then to a quarter of the 99us of
+    // headroom left after this grant: 24.75us, then 18 units, a quarter of what remains.
+    let t1 = t0 + 10_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+    assert_eq!(f.tat(), t1 + 1_000 + 24_750 + 18_000);
+    assert!(f.tat() <= t1 + 100_000, "within the tolerance");
+}
+
 /// The path raises `now` to the latest instant it granted at, for grants and for the
 /// reads of the locked side, so a clock read that lags decides as if on time.
 #[test]
