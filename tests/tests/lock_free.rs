@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SetError, TenantKey};
 
 const INTERVAL: u64 = 1_000; // ns: a million a second
 const BURST: u64 = 50;
@@ -113,7 +113,7 @@ fn leases_that_lead_the_clock_keep_the_cap() {
                     let now = clock.fetch_add(step, Ordering::Relaxed);
                     match set.check(global, 1, Instant::from_nanos(now)) {
                         Ok(()) => mine.push((now, 1)),
-                        Err(AcquireError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
+                        Err(SetError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
                         Err(e) => panic!("{e}"),
                     }
                 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use tower_limits_core::{
-    AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, OwnedPermit, Rate, TenantKey,
+    AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, OwnedPermit, Rate, SetError, TenantKey,
 };
 use tower_limits_tests::{describe, proptest_config};
 
@@ -732,7 +732,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     assert!(one.check(&key, 1, now).is_ok());
     let refused = one.check(&key, 1, now).unwrap_err();
     assert_eq!(refused.as_denial().map(|d| d.limit()), Some("g"));
-    assert!(matches!(one.check(&key, 3, now), Err(AcquireError::CostAboveCapacity(_))));
+    assert!(matches!(one.check(&key, 3, now), Err(SetError::CostAboveCapacity(_))));
     assert_eq!(one.stats().admitted, 2);
 
     let set = LimitSet::new(
@@ -751,7 +751,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     drop(held);
     assert!(set.check(&key, 1, now).is_ok());
     assert_eq!(remaining(&set), [0, 1]);
-    assert!(matches!(set.check(&TenantKey::global(), 1, now), Err(AcquireError::MissingKey(_))));
+    assert!(matches!(set.check(&TenantKey::global(), 1, now), Err(SetError::MissingKey(_))));
 }
 
 /// Keys spread over the set's shards: when many tenants come, a table of `max_keys` is

@@ -47,6 +47,81 @@ impl fmt::Display for AcquireError {
 
 impl std::error::Error for AcquireError {}
 
+impl From<SetError> for AcquireError {
+    #[inline]
+    fn from(e: SetError) -> Self {
+        match e {
+            SetError::Denied(d) => AcquireError::Denied(d),
+            SetError::CostAboveCapacity(c) => AcquireError::CostAboveCapacity(c),
+            SetError::MissingKey(m) => AcquireError::MissingKey(m),
+            SetError::KeyTableFull(k) => AcquireError::KeyTableFull(k),
+        }
+    }
+}
+
+/// Why a [`LimitSet`](crate::LimitSet) in this process refused: every
+/// [`AcquireError`] but [`AcquireError::Unavailable`], which only a remote backend
+/// answers. What [`LimitSet::check`](crate::LimitSet::check) returns.
+///
+/// A plain value (`Copy`, nothing to drop), so a caller that only asks whether it was
+/// refused pays nothing for the refusal's fields. `?` makes it an [`AcquireError`].
+///
+/// ```
+/// use tower_limits_core::{AcquireError, Instant, LimitSet, Quota, SetError, TenantKey, nz};
+///
+/// let set = LimitSet::gcra(Quota::per_second(nz!(1)));
+/// let everyone = TenantKey::global();
+/// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
+/// let refused: SetError = set.check(&everyone, 1, Instant::ZERO).unwrap_err();
+/// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_secs()), Some(1));
+/// assert!(matches!(AcquireError::from(refused), AcquireError::Denied(_)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SetError {
+    /// Not now: a limit is exhausted. Carries which one and when to retry.
+    Denied(Denial),
+    /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
+    CostAboveCapacity(CostAboveCapacity),
+    /// The tenant key lacks a tier that a limit is keyed by.
+    MissingKey(MissingKey),
+    /// The bound on tracked keys is reached and no tracked key is idle.
+    KeyTableFull(KeyTableFull),
+}
+
+impl SetError {
+    /// The denial, if this is one.
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(1)));
+    /// let everyone = TenantKey::global();
+    /// let too_much = set.check(&everyone, 2, Instant::ZERO).unwrap_err();
+    /// assert!(too_much.as_denial().is_none(), "a cost above the burst is never granted");
+    /// ```
+    #[must_use]
+    pub fn as_denial(&self) -> Option<&Denial> {
+        match self {
+            SetError::Denied(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SetError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetError::Denied(e) => e.fmt(f),
+            SetError::CostAboveCapacity(e) => e.fmt(f),
+            SetError::MissingKey(e) => e.fmt(f),
+            SetError::KeyTableFull(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for SetError {}
+
 /// A limit is exhausted for now.
 ///
 /// Names the limit that blocked (when several did, the one that frees last) and carries
@@ -190,7 +265,7 @@ impl fmt::Display for Denial {
 }
 
 /// A cost above what a limit can ever grant at once.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CostAboveCapacity {
     pub(crate) limit: &'static str,
     pub(crate) tier: Option<&'static str>,
@@ -242,7 +317,7 @@ impl fmt::Display for CostAboveCapacity {
 }
 
 /// The tenant key lacks a tier some limit is keyed by.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MissingKey {
     pub(crate) tier: &'static str,
 }
@@ -268,7 +343,7 @@ impl fmt::Display for MissingKey {
 }
 
 /// The bound on tracked keys is reached and none of them is idle.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyTableFull {
     pub(crate) max_keys: usize,
 }

@@ -67,7 +67,8 @@ pub use reject::{Hold, Rejection, ReturnError};
 pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};
 pub use tower_limits_core::{
     AcquireError, Backend, Chosen, Grant, Instant, KeyPart, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy,
-    LimitSetStats, LimitSnapshot, PolicyError, Quota, Rate, Selection, Snapshot, TenantKey, UpstreamReport, nz,
+    LimitSetStats, LimitSnapshot, PolicyError, Quota, Rate, Selection, SetError, Snapshot, TenantKey, UpstreamReport,
+    nz,
 };
 
 /// The sans-IO core, in full.

@@ -5,7 +5,7 @@
 //! and commits only if all of them pass. A denial therefore changes no state: it names
 //! the limit that frees last and the exact wait after which all of them would pass. A
 //! cost above some limit's capacity is refused at once as
-//! [`AcquireError::CostAboveCapacity`]: it can never pass, so it is never waited on.
+//! [`SetError::CostAboveCapacity`]: it can never pass, so it is never waited on.
 //!
 //! **Shadow limits.** A limit in shadow mode is checked like the others, but its refusal
 //! does not block: the acquisition goes on without it, commits every other limit and
@@ -27,7 +27,7 @@ use super::permit::{Costs, Granted};
 use super::shard::{Keyed, Shard};
 use super::{Counters, LimitSnapshot, Shared, lock};
 use crate::algorithm::{Refusal, Snapshot};
-use crate::error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingKey};
+use crate::error::{CostAboveCapacity, Denial, KeyTableFull, MissingKey, SetError};
 use crate::key::{MAX_TIERS, TenantKey};
 use crate::limit::{Config, MAX_LIMITS};
 use crate::table::{Place, key_hash};
@@ -35,7 +35,7 @@ use crate::time::Instant;
 
 impl Shared {
     #[inline]
-    pub(super) fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, AcquireError> {
+    pub(super) fn acquire(&self, key: &TenantKey, costs: &Costs, now: Instant) -> Result<Granted, SetError> {
         self.acquire_observed(key, costs, now, None)
     }
 
@@ -44,7 +44,7 @@ impl Shared {
     /// alone, on one hash of the key that picks both the shard and, for a limit keyed by
     /// the first tier, the entry; any other set takes the general path.
     #[inline(always)]
-    pub(super) fn acquire_uniform(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Granted, AcquireError> {
+    pub(super) fn acquire_uniform(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<Granted, SetError> {
         if self.one_keyed.load(Ordering::Relaxed) {
             if let Some(root) = key.prefix(1) {
                 let h = key_hash(&self.hasher, root);
@@ -69,7 +69,7 @@ impl Shared {
         costs: &Costs,
         now: Instant,
         mut observe: Option<&mut Vec<LimitSnapshot>>,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         if let Some(fast) = &self.fast {
             let cost = match costs {
                 Costs::Uniform(c) => fast.cost(*c),
@@ -83,8 +83,10 @@ impl Shared {
                 Some(Decision::Granted(granted_at, version)) => {
                     return Ok(Granted { granted_at, version, shape: None, shadowed: 0 });
                 }
-                Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, cost)),
-                Some(Decision::Never(capacity)) => return Err(fast_never(fast, cost, capacity)),
+                Some(Decision::Denied(tat, at)) => return Err(SetError::Denied(fast_denied(fast, tat, at, cost))),
+                Some(Decision::Never(capacity)) => {
+                    return Err(SetError::CostAboveCapacity(fast_never(fast, cost, capacity)));
+                }
                 None => {}
             }
         }
@@ -101,7 +103,7 @@ impl Shared {
         costs: &Costs,
         now: Instant,
         observe: Option<&mut Vec<LimitSnapshot>>,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             let mut shard = lock(self.shard_of(key));
             let Shard { config, keyed } = &mut *shard;
@@ -205,10 +207,10 @@ impl Shared {
         key: &TenantKey,
         costs: &Costs,
         now: Instant,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         let cfg: &Config = config;
         if cfg.depth_needed > 0 && key.prefix(cfg.depth_needed).is_none() {
-            return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+            return Err(SetError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
         }
         let mut now = now;
         if let Some(s) = &shard {
@@ -328,7 +330,7 @@ impl Shared {
                     })
                     .count();
                 if s.len + new_entries > s.cap {
-                    return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                    return Err(SetError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
                 }
             }
         }
@@ -384,7 +386,7 @@ impl Shared {
         key: &TenantKey,
         costs: &Costs,
         now: Instant,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         let cfg: &Config = config;
         let def = &cfg.limits[0];
         let cost = costs.of(0, def);
@@ -423,12 +425,12 @@ impl Shared {
         (tier, root, root_hash): (usize, &[u8], u64),
         cost: u64,
         now: Instant,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         let (prefix, h) = if tier == 0 {
             (root, root_hash)
         } else {
             let Some(prefix) = key.prefix(tier + 1) else {
-                return Err(AcquireError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+                return Err(SetError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
             };
             (prefix, key_hash(&self.hasher, prefix))
         };
@@ -447,7 +449,7 @@ impl Shared {
         h: u64,
         cost: u64,
         now: Instant,
-    ) -> Result<Granted, AcquireError> {
+    ) -> Result<Granted, SetError> {
         let def = &cfg.limits[0];
         let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
             Some(result) => result,
@@ -457,7 +459,7 @@ impl Shared {
                     if s.len >= s.cap {
                         s.sweep(cfg, now);
                         if s.len >= s.cap {
-                            return Err(AcquireError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
+                            return Err(SetError::KeyTableFull(KeyTableFull { max_keys: cfg.max_keys }));
                         }
                     }
                     s.tables[0].commit(&def.limit, &self.hasher, h, prefix, now, cost);
@@ -482,7 +484,7 @@ fn answer_one(
     result: Result<(), (Refusal, Snapshot)>,
     cost: u64,
     now: Instant,
-) -> Result<Granted, AcquireError> {
+) -> Result<Granted, SetError> {
     match result {
         Ok(()) => {
             counters.admitted += 1;
@@ -512,34 +514,27 @@ fn answer_one(
 
 #[cold]
 #[inline(never)]
-fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> AcquireError {
+fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> SetError {
     let def = &cfg.limits[limit];
-    AcquireError::Denied(Denial::new(
-        def.name,
-        def.tier.map(|t| cfg.tiers[t]),
-        limit,
-        retry_after,
-        needs_release,
-        snapshot,
-    ))
+    SetError::Denied(Denial::new(def.name, def.tier.map(|t| cfg.tiers[t]), limit, retry_after, needs_release, snapshot))
 }
 
 #[inline]
-pub(super) fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> AcquireError {
-    AcquireError::Denied(fast.denial(tat, now, cost))
+pub(super) fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> Denial {
+    fast.denial(tat, now, cost)
 }
 
 #[cold]
 #[inline(never)]
-pub(super) fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> AcquireError {
-    AcquireError::CostAboveCapacity(CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity })
+pub(super) fn fast_never(fast: &Fast, cost: u64, capacity: u64) -> CostAboveCapacity {
+    CostAboveCapacity { limit: fast.name(), tier: None, cost, capacity }
 }
 
 #[cold]
 #[inline(never)]
-fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> AcquireError {
+fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> SetError {
     let def = &cfg.limits[limit];
-    AcquireError::CostAboveCapacity(CostAboveCapacity {
+    SetError::CostAboveCapacity(CostAboveCapacity {
         limit: def.name,
         tier: def.tier.map(|t| cfg.tiers[t]),
         cost,

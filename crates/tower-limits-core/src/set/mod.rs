@@ -57,7 +57,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use hashbrown::DefaultHashBuilder;
 
 use crate::algorithm::Snapshot;
-use crate::error::AcquireError;
+use crate::error::{AcquireError, SetError};
 use crate::key::TenantKey;
 use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS};
 use crate::policy::LimitSetPolicy;
@@ -156,6 +156,9 @@ impl fmt::Debug for LimitSet {
 /// a denial is some ninety bytes (the copy was a fifth of a refusal's instructions).
 macro_rules! return_fast_answer {
     ($set:expr, $cost:expr, $now:expr, |$grant:ident| $wrap:expr) => {
+        return_fast_answer!($set, $cost, $now, |$grant| $wrap, AcquireError)
+    };
+    ($set:expr, $cost:expr, $now:expr, |$grant:ident| $wrap:expr, $error:ident) => {
         if let Some(fast) = &$set.shared.fast {
             let charged = fast.cost($cost);
             match fast.acquire(charged, $now) {
@@ -163,8 +166,10 @@ macro_rules! return_fast_answer {
                     let $grant = Grant::uniform($cost, Granted { granted_at, version, shape: None, shadowed: 0 });
                     return Ok($wrap);
                 }
-                Some(Decision::Denied(tat, at)) => return Err(fast_denied(fast, tat, at, charged)),
-                Some(Decision::Never(capacity)) => return Err(fast_never(fast, charged, capacity)),
+                Some(Decision::Denied(tat, at)) => return Err($error::Denied(fast_denied(fast, tat, at, charged))),
+                Some(Decision::Never(capacity)) => {
+                    return Err($error::CostAboveCapacity(fast_never(fast, charged, capacity)));
+                }
                 None => {}
             }
         }
@@ -236,7 +241,9 @@ impl LimitSet {
     /// Acquires like [`LimitSet::acquire`] and gives back at once whatever the grant
     /// holds: rate limits stay charged, and concurrency limits are tested, not held. What
     /// a caller that keeps no permit wants (a set of rate limits guarding a call, checked
-    /// once per request): nothing is built to be dropped.
+    /// once per request): nothing is built to be dropped, and the refusal is a
+    /// [`SetError`], a plain value with nothing to drop either (a set in this process is
+    /// never unavailable).
     ///
     /// ```
     /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
@@ -250,19 +257,19 @@ impl LimitSet {
     /// ```
     ///
     /// # Errors
-    /// As [`LimitSet::acquire`].
+    /// As [`LimitSet::acquire`], as a [`SetError`].
     #[inline(always)]
-    pub fn check(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), AcquireError> {
+    pub fn check(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), SetError> {
         // A grant from the one-limit path holds nothing (no shape, no heap): forgetting
         // it is giving it back.
-        return_fast_answer!(self, cost, now, |grant| drop(grant));
+        return_fast_answer!(self, cost, now, |grant| drop(grant), SetError);
         self.check_locked(key, cost, now)
     }
 
     #[inline(never)]
-    fn check_locked(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), AcquireError> {
-        let grant = self.acquire_grant_locked(key, cost, now)?;
-        self.release_grant(key, grant);
+    fn check_locked(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<(), SetError> {
+        let granted = self.shared.acquire_uniform(key, cost, now)?;
+        self.release_grant(key, Grant::uniform(cost, granted));
         Ok(())
     }
 
@@ -341,7 +348,7 @@ impl LimitSet {
         let costs = Costs::Uniform(cost);
         let mut seen = Vec::new();
         let granted = self.shared.acquire_observed(key, &costs, now, Some(&mut seen));
-        (granted.map(|g| Grant::uniform(cost, g)), seen)
+        (granted.map(|g| Grant::uniform(cost, g)).map_err(AcquireError::from), seen)
     }
 
     /// Settles a [`Grant`] to the real usage; see [`Permit::settle`].
