@@ -155,6 +155,12 @@ where
         ResponseFuture { state, usage, rejection }
     }
 
+    /// A call that holds nothing.
+    #[inline(always)]
+    pub(crate) fn plain(fut: S::Future, usage: U, rejection: R) -> Self {
+        ResponseFuture { state: State::Called { fut }, usage, rejection }
+    }
+
     pub(crate) fn rejected(error: Box<LimitError>, usage: U, rejection: R) -> Self {
         ResponseFuture { state: State::Rejected { error: Some(error) }, usage, rejection }
     }

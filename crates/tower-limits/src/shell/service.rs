@@ -143,6 +143,10 @@ where
                     // The request goes to the inner service from here: handed to a helper
                     // first, it was copied whole (224 bytes for an `http::Request<()>`).
                     let guard = self.guard(key, grant, &mut req);
+                    if guard.is_none() {
+                        // Holding nothing: the inner future is made in the answer's place.
+                        return ResponseFuture::plain(self.inner.call(req), self.usage.clone(), self.rejection.clone());
+                    }
                     let fut = self.inner.call(req);
                     ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), None)
                 }
