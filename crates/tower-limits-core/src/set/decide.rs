@@ -77,6 +77,8 @@ impl Shared {
             };
             let decision = fast.acquire(cost, now);
             if let (Some(out), Some(_)) = (observe.as_deref_mut(), &decision) {
+                // Exactly one: the snapshots are boxed as they are, with no reallocation.
+                out.reserve_exact(1);
                 out.push(fast.observe(now));
             }
             match decision {
@@ -177,7 +179,8 @@ impl Shared {
         if let Some(g) = global {
             now = now.max(g.latest);
         }
-        out.reserve(cfg.limits.len());
+        // Exactly the limits: the snapshots are boxed as they are, with no reallocation.
+        out.reserve_exact(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
             let snapshot = match def.tier {
                 None => def.limit.peek(global.map_or(&cfg.fresh[i], |g| &g.states[i]), now),
