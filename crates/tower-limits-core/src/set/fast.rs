@@ -68,10 +68,11 @@
 //! than its grant and ends no later than `t0 + tau <= t + tau`. For the grants whose
 //! instants lie in a window `[a, b]`, those disjoint slots all lie in `[a, b + tau]`:
 //! there are at most `(b - a + tau) / T` of them, the very cap of plain GCRA. Unused units
-//! go back only by a compare-and-swap of the TAT from the lease's end to its next unit,
-//! which succeeds only if nobody advanced the TAT since: then the returned slots were
-//! never used by anyone, and the TAT is back at the lease's first unused unit (a lead
-//! before the lease stays spent).
+//! go back only by a compare-and-swap of the TAT from the lease's end to its next unit
+//! (or, when none of its units was used, to where its lead began), which succeeds only if
+//! nobody advanced the TAT since: then the returned slots were never used by anyone, and
+//! the TAT is back at the lease's first unused slot (the lead before a lease partly used
+//! stays spent).
 //!
 //! **Sizing.** A lease takes a quarter of the headroom left after the grant and its lead,
 //! at most [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write;
@@ -199,6 +200,9 @@ struct Lease {
     epoch: u64,
     /// The instant it was taken at: a unit is never used at an earlier one.
     taken: u64,
+    /// Where its claim on the TAT began: its first unit, or the start of the lead before
+    /// it.
+    floor: u64,
     /// Its first unit; `start == end` once it has ended and taught its pace.
     start: u64,
     next: u64,
@@ -217,7 +221,7 @@ struct Lease {
 const COOLDOWN: u32 = 4_096;
 
 const NO_LEASE: Lease =
-    Lease { owner: 0, epoch: 0, taken: 0, start: 0, next: 0, end: 0, lead: 0, contended: false, cooldown: 0 };
+    Lease { owner: 0, epoch: 0, taken: 0, floor: 0, start: 0, next: 0, end: 0, lead: 0, contended: false, cooldown: 0 };
 
 thread_local! {
     /// This thread's place in the order threads first acquired in (`usize::MAX`: not yet).
@@ -370,7 +374,7 @@ impl Fast {
         let epoch = self.epoch.load(Ordering::Acquire);
         let mut l = entry.get();
         if l.owner != self.id || l.epoch != epoch {
-            l = Lease { contended: true, owner: self.id, epoch, ..NO_LEASE };
+            l = Lease { owner: self.id, epoch, ..NO_LEASE };
         }
         l.contended = true;
         entry.set(l);
@@ -404,10 +408,11 @@ impl Fast {
                     lease.lead = self.lead_for(now - lease.taken, used);
                     if lease.next < lease.end {
                         // Give back what is left, if nobody moved the TAT past this lease
-                        // (read first: a failing swap would still take the line).
+                        // (read first: a failing swap would still take the line); with the
+                        // lead before it, if no unit of it was used.
+                        let back = if used == 0 { lease.floor } else { lease.next };
                         if self.tat.0.load(Ordering::Acquire) == lease.end {
-                            let _ =
-                                self.tat.0.compare_exchange(lease.end, lease.next, Ordering::AcqRel, Ordering::Acquire);
+                            let _ = self.tat.0.compare_exchange(lease.end, back, Ordering::AcqRel, Ordering::Acquire);
                         }
                         // Slots began unused although the lease led the clock: leasing
                         // does not pay for this thread now.
@@ -465,6 +470,7 @@ impl Fast {
                             owner: self.id,
                             epoch,
                             taken: now,
+                            floor: granted,
                             start: first,
                             next: first,
                             end: new,

@@ -128,11 +128,14 @@ fn a_thread_keeps_a_lease_per_limit() {
 fn a_failed_swap_marks_the_slot_as_this_limits() {
     let f = fast(Rate::per_second(1_000_000), 1_000);
     let other = fast(Rate::per_second(1_000_000), 1_000);
+    // As after three replaces: a slot of an earlier epoch is not this one's.
+    f.epoch.store(3, Ordering::Release);
     let epoch = f.epoch.load(Ordering::Acquire);
     let lease = |owner, epoch, cooldown| Lease {
         owner,
         epoch,
         taken: 7,
+        floor: 9,
         start: 10,
         next: 10,
         end: 20,
@@ -142,8 +145,8 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
     };
     let fresh = Lease { owner: f.id, epoch, contended: true, ..NO_LEASE };
     let same = |a: Lease, b: Lease| {
-        (a.owner, a.epoch, a.taken, a.start, a.next, a.end, a.lead, a.contended, a.cooldown)
-            == (b.owner, b.epoch, b.taken, b.start, b.next, b.end, b.lead, b.contended, b.cooldown)
+        (a.owner, a.epoch, a.taken, a.floor, a.start, a.next, a.end, a.lead, a.contended, a.cooldown)
+            == (b.owner, b.epoch, b.taken, b.floor, b.start, b.next, b.end, b.lead, b.contended, b.cooldown)
     };
     for (before, may, after) in [
         (NO_LEASE, true, fresh),
@@ -251,6 +254,54 @@ fn a_lead_is_cut_to_a_quarter_of_the_headroom() {
     assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
     assert_eq!(f.tat(), t1 + 1_000 + 24_750 + 18_000);
     assert!(f.tat() <= t1 + 100_000, "within the tolerance");
+}
+
+/// T = 1us, burst 100,000, and this thread under contention: its first lease, taken at
+/// 5 ms, goes stale unused and, given back 10us on, teaches a lead, so the lease taken
+/// then begins past the clock. The limit, and the instant of that second lease.
+fn leading_lease() -> (Fast, u64) {
+    let f = fast(Rate::per_second(1_000_000), 100_000);
+    let t0 = 5_000_000;
+    f.mark_contended();
+    assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
+    let t1 = t0 + 10_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(t1))).is_some());
+    (f, t1)
+}
+
+/// A grant that leases nothing (its cost takes every unit a lease could hold) begins no
+/// lead either: the TAT moves by the grant alone, exactly as plain GCRA's.
+#[test]
+fn a_grant_without_a_lease_keeps_no_lead() {
+    let (f, t1) = leading_lease();
+    let leased = f.tat();
+    assert!(leased > t1 + 64_000, "the next lease leads the clock");
+    // That lease is still unused when a request of 64 units comes, 50us on: its units
+    // cannot serve it, so they go back with the lead before them (none was used), and the
+    // grant, which leaves no unit to lease, takes no lead either, though the thread's pace
+    // now asks for one: it lands right after the clock.
+    let t2 = t1 + 50_000;
+    assert!(granted(f.acquire(64, Instant::from_nanos(t2))).is_some());
+    assert_eq!(f.tat(), t2 + 64_000, "no lead without a lease");
+}
+
+/// A lease used to its last unit that led the clock is no sign that leasing does not pay,
+/// however long the thread then waits: its next call leases again.
+#[test]
+fn a_lease_used_up_leaves_no_cooldown() {
+    let (f, t1) = leading_lease();
+    let end = f.tat();
+    // Every unit of the leading lease, at the pace that taught its lead.
+    let mut t = t1;
+    for _ in 0..63 {
+        t += 5_000;
+        assert!(granted(f.acquire(1, Instant::from_nanos(t))).is_some());
+    }
+    assert_eq!(f.tat(), end, "all from the lease");
+    // Long after the lease's end, the next call takes a lease again.
+    let later = end + 10_000_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(later))).is_some());
+    assert!(f.tat() >= later + 64_000, "a lease, not a cooldown");
 }
 
 /// The path raises `now` to the latest instant it granted at, for grants and for the
