@@ -85,7 +85,7 @@ impl Shared {
                 Some(Decision::Granted(granted_at, version)) => {
                     return Ok(Granted { granted_at, version, shape: None, shadowed: 0 });
                 }
-                Some(Decision::Denied(tat, at)) => return Err(SetError::Denied(fast_denied(fast, tat, at, cost))),
+                Some(Decision::Denied(tat, at)) => return Err(SetError::Denied(fast.denial(tat, at, cost))),
                 Some(Decision::Never(capacity)) => {
                     return Err(SetError::CostAboveCapacity(fast_never(fast, cost, capacity)));
                 }
@@ -520,11 +520,6 @@ fn answer_one(
 fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> SetError {
     let def = &cfg.limits[limit];
     SetError::Denied(Denial::new(def.name, def.tier.map(|t| cfg.tiers[t]), limit, retry_after, needs_release, snapshot))
-}
-
-#[inline]
-pub(super) fn fast_denied(fast: &Fast, tat: u64, now: Instant, cost: u64) -> Denial {
-    fast.denial(tat, now, cost)
 }
 
 #[cold]

@@ -99,8 +99,9 @@
 //! **Worst case.** Units leased and not used are stranded: other threads see them as
 //! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
-//! at that moment; the leads add at most as much again (each a quarter of what is left); a stranded unit is lost for good only once its slot begins unused (it
-//! then frees nothing and costs nothing more). A thread that leaves, or leases another
+//! at that moment; the leads add at most as much again (each a quarter of what is left).
+//! A stranded unit is lost for good only once its slot begins unused (it then frees
+//! nothing and costs nothing more). A thread that leaves, or leases another
 //! limit whose id maps to the same of its [`LEASE_SLOTS`] slots, strands its lease the
 //! same way. While leases
 //! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it

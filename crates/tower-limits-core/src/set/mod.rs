@@ -64,7 +64,7 @@ use crate::policy::LimitSetPolicy;
 use crate::policy_error::PolicyError;
 use crate::table::{Op, Table, apply_global, key_hash};
 use crate::time::Instant;
-use decide::{fast_denied, fast_never};
+use decide::fast_never;
 use fast::{Decision, Fast};
 use global::{Global, GlobalStates};
 use permit::{Costs, Granted};
@@ -166,7 +166,7 @@ macro_rules! return_fast_answer {
                     let $grant = Grant::uniform($cost, Granted { granted_at, version, shape: None, shadowed: 0 });
                     return Ok($wrap);
                 }
-                Some(Decision::Denied(tat, at)) => return Err($error::Denied(fast_denied(fast, tat, at, charged))),
+                Some(Decision::Denied(tat, at)) => return Err($error::Denied(fast.denial(tat, at, charged))),
                 Some(Decision::Never(capacity)) => {
                     return Err($error::CostAboveCapacity(fast_never(fast, charged, capacity)));
                 }

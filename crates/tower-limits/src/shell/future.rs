@@ -147,12 +147,10 @@ where
         rejection: R,
         snapshots: Option<Box<[LimitSnapshot]>>,
     ) -> Self {
-        let state = if guard.is_none() && snapshots.is_none() {
-            State::Called { fut }
-        } else {
-            State::Holding { fut, guard, snapshots }
-        };
-        ResponseFuture { state, usage, rejection }
+        if guard.is_none() && snapshots.is_none() {
+            return Self::plain(fut, usage, rejection);
+        }
+        ResponseFuture { state: State::Holding { fut, guard, snapshots }, usage, rejection }
     }
 
     /// A call that holds nothing.
