@@ -54,7 +54,7 @@
 //!
 //! | algorithm | Redis type | value |
 //! |---|---|---|
-//! | GCRA, token bucket | string | the theoretical arrival time, integer nanoseconds |
+//! | GCRA, token bucket | string | the theoretical arrival time, whole microseconds (then `.nnn` nanoseconds if any) |
 //! | fixed window | string | `window_start_us:count` |
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member per grant, scored by its time; member `=` carries the sum |

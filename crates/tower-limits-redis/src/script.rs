@@ -51,7 +51,7 @@
 //!
 //! | kind | Redis type | value |
 //! |---|---|---|
-//! | GCRA, token bucket | string | the theoretical arrival time, integer ns since the epoch of the server clock |
+//! | GCRA, token bucket | string | the theoretical arrival time: whole microseconds since the epoch of the server clock, then `.nnn` nanoseconds when they are not zero (never with the server's clock and an interval of whole microseconds) |
 //! | fixed window | string | `window_start_us:count` |
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member `at_us.at_sub:cost:holder` per grant, scored by `at_us`; member `=` scored `-(sum+1)` |
@@ -99,7 +99,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     let slack_ms: u64 = if manual_clock { 3_600_000 } else { 0 };
     let mut s = String::with_capacity(8192);
     s.push_str("-- tower-limits-redis: the limit script of one set (see the crate docs)\n");
-    s.push_str("local call, floor, fmt, match, sub, tonumber = redis.call, math.floor, string.format, string.match, string.sub, tonumber\n");
+    s.push_str("local call, floor, fmt, match, sub, tonumber, byte = redis.call, math.floor, string.format, string.match, string.sub, tonumber, string.byte\n");
     // The release first: it needs neither the clock nor the tables and helpers below,
     // which the server would otherwise build on every call.
     release_branch(&mut s, limits);
@@ -156,9 +156,9 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
   do
     local v = call('GET', k{i})
     -- a theoretical arrival time well in the past is no debt: no need to read it exactly
-    if v and tonumber(v) > NOW_US * 1000 - 1000000 then
-      local n = #v
-      d{i} = ((tonumber(sub(v, 1, n - 3)) or 0) - NOW_US) * 1000 + tonumber(sub(v, n - 2)) - NOW_SUB
+    if v and tonumber(v) > NOW_US - 1000 then
+      if byte(v, -4) == 46 then d{i} = (tonumber(sub(v, 1, -5)) - NOW_US) * 1000 + tonumber(sub(v, -3)) - NOW_SUB
+      else d{i} = (tonumber(v) - NOW_US) * 1000 - NOW_SUB end
       if d{i} < 0 then d{i} = 0 end
     end
   end
@@ -234,7 +234,10 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
                 s,
                 "    do
       local q = floor((NOW_SUB + n{i}) / 1000)
-      call('SET', k{i}, fmt('%.0f%03d', NOW_US + q, NOW_SUB + n{i} - q * 1000), 'PX', {t})
+      local r = NOW_SUB + n{i} - q * 1000
+      -- whole microseconds as a number (written exactly); a string only with nanoseconds
+      if r == 0 then call('SET', k{i}, NOW_US + q, 'PX', {t})
+      else call('SET', k{i}, fmt('%.0f.%03d', NOW_US + q, r), 'PX', {t}) end
       d{i} = n{i}
     end
 ",
@@ -521,16 +524,18 @@ local function num(x) return fmt('%.0f', x) end
 -- nanoseconds from now to the instant (us, sub)
 local function rel(us, sub) return (us - NOW_US) * 1000 + (sub - NOW_SUB) end
 
--- the instant `ns` nanoseconds from now, as an integer of nanoseconds
+-- the instant `ns` nanoseconds from now, as a theoretical arrival time is stored: whole
+-- microseconds as a number, or `us.nnn` when there are nanoseconds
 local function abs_ns(ns)
   local q, r = divmod(NOW_SUB + ns, 1000)
-  return fmt('%.0f%03d', NOW_US + q, r)
+  if r == 0 then return NOW_US + q end
+  return fmt('%.0f.%03d', NOW_US + q, r)
 end
 
+-- a stored theoretical arrival time: (us, sub)
 local function parse_ns(v)
-  local n = #v
-  if n <= 3 then return 0, tonumber(v) end
-  return tonumber(string.sub(v, 1, n - 3)), tonumber(string.sub(v, n - 2))
+  if byte(v, -4) == 46 then return tonumber(sub(v, 1, -5)), tonumber(sub(v, -3)) end
+  return tonumber(v), 0
 end
 
 -- milliseconds to keep a state that is idle `ns` from now
