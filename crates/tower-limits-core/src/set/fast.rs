@@ -110,9 +110,27 @@
 //! does a settle or refund that moves the shared TAT under a lease: the lease can no
 //! longer be given back, and its unused units stay spent until time passes their slots.
 //! All of this wastes capacity for a while; none of it can admit a unit more.
+//!
+//! # How it is checked
+//!
+//! - Deterministic unit tests (`fast/tests.rs`) drive one thread's leases through each
+//!   rule: sizing, the lead and its cap, give-back, cooldown, epochs.
+//! - Real threads (`tests/tests/lock_free.rs` and `leasing_threads_never_over_admit`)
+//!   hammer one limit and check the rate cap over every window of the grants.
+//! - Loom models (`fast/loom_models.rs`, run under `--cfg loom`) go through every
+//!   interleaving of two threads' acquisitions at one instant and over time, and of a
+//!   replace racing them. They check the cap and the invariant above: every unit granted
+//!   owns a slot of its own between the first grant and the TAT.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
+
+// The atomics of the protocol: loom's under `--cfg loom`, whose models (in `loom_models`)
+// check every interleaving of a few threads' acquisitions, leases and replaces.
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicBool, AtomicU64};
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use crate::algorithm::{Algorithm, Gcra, GcraState, Refusal, Snapshot};
@@ -224,6 +242,7 @@ const COOLDOWN: u32 = 4_096;
 const NO_LEASE: Lease =
     Lease { owner: 0, epoch: 0, taken: 0, floor: 0, start: 0, next: 0, end: 0, lead: 0, contended: false, cooldown: 0 };
 
+#[cfg(not(loom))]
 thread_local! {
     /// This thread's place in the order threads first acquired in (`usize::MAX`: not yet).
     static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
@@ -231,12 +250,19 @@ thread_local! {
     static LEASES: [Cell<Lease>; LEASE_SLOTS] = const { [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] };
 }
 
+// Under loom, each modelled thread starts every execution with fresh ones.
+#[cfg(loom)]
+loom::thread_local! {
+    static STRIPE: Cell<usize> = Cell::new(usize::MAX);
+    static LEASES: [Cell<Lease>; LEASE_SLOTS] = [const { Cell::new(NO_LEASE) }; LEASE_SLOTS];
+}
+
 /// The stripe of this thread, and whether it is this thread's alone: threads take
 /// consecutive stripes in the order they first ask, so the first `STRIPES` threads of the
 /// process own theirs and later ones share.
 #[inline]
 fn stripe() -> (usize, bool) {
-    let v = STRIPE.get();
+    let v = STRIPE.with(Cell::get);
     place(if v == usize::MAX { first_stripe() } else { v })
 }
 
@@ -248,9 +274,16 @@ const fn place(v: usize) -> (usize, bool) {
 
 #[cold]
 fn first_stripe() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    #[cfg(not(loom))]
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    // Under loom a process-wide count would differ from one execution of a model to the
+    // next: every modelled thread shares a stripe there (the counters are no part of the
+    // laws the models check).
+    #[cfg(loom)]
+    let v = STRIPES;
+    #[cfg(not(loom))]
     let v = NEXT.fetch_add(1, Ordering::Relaxed);
-    STRIPE.set(v);
+    STRIPE.with(|s| s.set(v));
     v
 }
 
@@ -274,7 +307,7 @@ impl Fast {
     pub(super) fn for_config(config: &Config) -> Option<Fast> {
         let [def] = config.limits.as_slice() else { return None };
         let (None, Limit::Gcra(gcra), false) = (def.tier, &def.limit, def.shadow) else { return None };
-        static IDS: AtomicU64 = AtomicU64::new(1);
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let (quota, window) = Snapshot::rate_quota(gcra.rate(), gcra.burst());
         Some(Fast {
             tat: Line(AtomicU64::new(0)),
@@ -629,4 +662,8 @@ impl Fast {
 }
 
 #[cfg(test)]
+mod laws;
+#[cfg(all(test, loom))]
+mod loom_models;
+#[cfg(all(test, not(loom)))]
 mod tests;

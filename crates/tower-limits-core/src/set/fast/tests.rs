@@ -2,29 +2,9 @@
 
 use std::sync::Mutex;
 
+use super::laws::{assert_rate_cap, fast, granted};
 use super::*;
-use crate::policy::{LimitPolicy, LimitSetPolicy};
 use crate::rate::Rate;
-
-fn fast(rate: Rate, burst: u64) -> Fast {
-    let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", rate, burst))).unwrap();
-    Fast::for_config(&config).unwrap()
-}
-
-impl Fast {
-    /// As if this thread had seen a swap fail: its next grants take leases.
-    fn mark_contended(&self) {
-        self.contended.store(true, Ordering::Relaxed);
-        let epoch = self.epoch.load(Ordering::Acquire);
-        LEASES.with(|l| {
-            l[self.slot()].set(Lease { owner: self.id, epoch, contended: true, ..NO_LEASE });
-        });
-    }
-
-    fn tat(&self) -> u64 {
-        self.tat.0.load(Ordering::Acquire)
-    }
-}
 
 /// The first two of `limits` that `fit` each other.
 fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
@@ -34,24 +14,6 @@ fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
         }
     }
     unreachable!("{} limits over {LEASE_SLOTS} slots hold such a pair", limits.len())
-}
-
-fn granted(d: Option<Decision>) -> Option<u64> {
-    match d.expect("enabled") {
-        Decision::Granted(at, _) => Some(at.as_nanos()),
-        Decision::Denied(..) | Decision::Never(_) => None,
-    }
-}
-
-/// For all `i <= j` of the sorted grants: `(j - i + 1) * interval <= t_j - t_i + tolerance`.
-fn assert_rate_cap(mut grants: Vec<u64>, interval: u64, tolerance: u64) {
-    grants.sort_unstable();
-    let mut worst = i128::MIN;
-    for (j, &t) in grants.iter().enumerate() {
-        let j = j as i128;
-        worst = worst.max(i128::from(t) - j * i128::from(interval));
-        assert!(worst <= i128::from(t) - (j + 1) * i128::from(interval) + i128::from(tolerance), "over-admission");
-    }
 }
 
 #[test]
