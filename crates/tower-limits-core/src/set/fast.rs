@@ -39,9 +39,13 @@
 //!   own `now`, which can only make it wait longer.
 //! - **Counters.** Grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
-//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes. A stripe's owner adds
-//!   with a plain load and store (no locked instruction); stripes are never reset, so
-//!   nobody else ever writes them.
+//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes. The first
+//!   [`OWNED_STRIPES`] stripes each belong to at most one live thread at a time, which
+//!   adds with a plain load and store (no locked instruction): nobody else writes them.
+//!   A thread claims a free one when it first acquires and gives it back when it exits,
+//!   so a process that keeps starting threads (a blocking pool, a benchmark) does not run
+//!   out of them. Threads beyond that many at once count in the other stripes, shared,
+//!   with atomic adds. Stripes are never reset, so a new owner carries the counts on.
 //!
 //! # Leases: no collapse on many cores
 //!
@@ -154,8 +158,17 @@ const OFF: u64 = u64::MAX - 2;
 /// The furthest a TAT is ever stored at, below the markers above.
 const MAX_TAT: u64 = u64::MAX - 3;
 
-/// How many counter stripes a fast set keeps (a power of two).
-const STRIPES: usize = 16;
+/// How many counter stripes a thread can own (at most 32: one bit each in [`CLAIMED`]).
+const OWNED_STRIPES: usize = 16;
+
+/// How many counter stripes a fast set keeps: the owned ones, then as many shared.
+const STRIPES: usize = 2 * OWNED_STRIPES;
+
+const _: () = assert!(OWNED_STRIPES < 32, "the owned stripes fit the claims' word");
+
+/// Which owned stripes live threads hold (bit `i`: stripe `i`).
+#[cfg(not(loom))]
+static CLAIMED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// One stripe of counters, on its own cache lines.
 #[repr(align(128))]
@@ -257,34 +270,77 @@ loom::thread_local! {
     static LEASES: [Cell<Lease>; LEASE_SLOTS] = [const { Cell::new(NO_LEASE) }; LEASE_SLOTS];
 }
 
-/// The stripe of this thread, and whether it is this thread's alone: threads take
-/// consecutive stripes in the order they first ask, so the first `STRIPES` threads of the
-/// process own theirs and later ones share.
+/// The stripe of this thread, and whether it is this thread's alone (an owned stripe).
 #[inline]
 fn stripe() -> (usize, bool) {
     let v = STRIPE.with(Cell::get);
-    place(if v == usize::MAX { first_stripe() } else { v })
+    let v = if v == usize::MAX { first_stripe() } else { v };
+    (v, v < OWNED_STRIPES)
 }
 
-/// The stripe of the `v`-th thread to ask, and whether it is that thread's alone.
-#[inline]
-const fn place(v: usize) -> (usize, bool) {
-    (v & (STRIPES - 1), v < STRIPES)
+/// Gives a thread's owned stripe back when the thread exits.
+#[cfg(not(loom))]
+struct Claim(Cell<Option<usize>>);
+
+#[cfg(not(loom))]
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(i) = self.0.take() {
+            // Anything this thread still counts (another thread-local's destructor) goes
+            // to a shared stripe from now on.
+            STRIPE.with(|s| s.set(OWNED_STRIPES + i));
+            // Release: the next owner's claim sees every count made here.
+            CLAIMED.fetch_and(!(1 << i), Ordering::Release);
+        }
+    }
 }
 
+#[cfg(not(loom))]
+thread_local! {
+    /// Touched once, when the thread claims a stripe, so that its exit gives it back.
+    static CLAIM: Claim = const { Claim(Cell::new(None)) };
+}
+
+/// The stripe of a thread that has none yet: a free owned one, claimed until the thread
+/// exits, or else a shared one.
 #[cold]
 fn first_stripe() -> usize {
     #[cfg(not(loom))]
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    // Under loom a process-wide count would differ from one execution of a model to the
-    // next: every modelled thread shares a stripe there (the counters are no part of the
-    // laws the models check).
-    #[cfg(loom)]
-    let v = STRIPES;
+    static NEXT_SHARED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     #[cfg(not(loom))]
-    let v = NEXT.fetch_add(1, Ordering::Relaxed);
+    let v = claim().unwrap_or_else(|| OWNED_STRIPES + NEXT_SHARED.fetch_add(1, Ordering::Relaxed) % OWNED_STRIPES);
+    // Under loom every modelled thread shares one stripe: which stripes are free, or
+    // whose turn it is, would carry over from one execution of a model to the next (the
+    // counters are no part of the laws the models check).
+    #[cfg(loom)]
+    let v = OWNED_STRIPES;
     STRIPE.with(|s| s.set(v));
     v
+}
+
+/// Claims a free owned stripe for this thread, to be given back when it exits.
+#[cfg(not(loom))]
+fn claim() -> Option<usize> {
+    let mut cur = CLAIMED.load(Ordering::Relaxed);
+    loop {
+        let free = !cur & ((1u32 << OWNED_STRIPES) - 1);
+        if free == 0 {
+            return None;
+        }
+        let i = free.trailing_zeros() as usize;
+        // Acquire: this thread sees every count the stripe's last owner made.
+        match CLAIMED.compare_exchange_weak(cur, cur | 1 << i, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => {
+                if CLAIM.try_with(|c| c.0.set(Some(i))).is_ok() {
+                    return Some(i);
+                }
+                // The thread is exiting: nothing would give the stripe back.
+                CLAIMED.fetch_and(!(1 << i), Ordering::Release);
+                return None;
+            }
+            Err(seen) => cur = seen,
+        }
+    }
 }
 
 /// Adds one to a counter: a plain load and store on a stripe this thread owns, an atomic
