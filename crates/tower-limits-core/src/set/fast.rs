@@ -288,7 +288,7 @@ impl Drop for Claim {
         if let Some(i) = self.0.take() {
             // Anything this thread still counts (another thread-local's destructor) goes
             // to a shared stripe from now on.
-            STRIPE.with(|s| s.set(OWNED_STRIPES + i));
+            STRIPE.with(|s| s.set(OWNED_STRIPES));
             // Release: the next owner's claim sees every count made here.
             CLAIMED.fetch_and(!(1 << i), Ordering::Release);
         }
@@ -308,7 +308,7 @@ fn first_stripe() -> usize {
     #[cfg(not(loom))]
     static NEXT_SHARED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     #[cfg(not(loom))]
-    let v = claim().unwrap_or_else(|| OWNED_STRIPES + NEXT_SHARED.fetch_add(1, Ordering::Relaxed) % OWNED_STRIPES);
+    let v = claim().unwrap_or_else(|| shared_stripe(NEXT_SHARED.fetch_add(1, Ordering::Relaxed)));
     // Under loom every modelled thread shares one stripe: which stripes are free, or
     // whose turn it is, would carry over from one execution of a model to the next (the
     // counters are no part of the laws the models check).
@@ -318,9 +318,19 @@ fn first_stripe() -> usize {
     v
 }
 
+/// The shared stripe of the `n`-th thread to find no owned stripe free.
+#[cfg_attr(loom, allow(dead_code))]
+fn shared_stripe(n: usize) -> usize {
+    OWNED_STRIPES + n % OWNED_STRIPES
+}
+
 /// Claims a free owned stripe for this thread, to be given back when it exits.
 #[cfg(not(loom))]
 fn claim() -> Option<usize> {
+    if CLAIM.try_with(|_| ()).is_err() {
+        // The thread is exiting: nothing would give a stripe back.
+        return None;
+    }
     let mut cur = CLAIMED.load(Ordering::Relaxed);
     loop {
         let free = !cur & ((1u32 << OWNED_STRIPES) - 1);
@@ -331,12 +341,9 @@ fn claim() -> Option<usize> {
         // Acquire: this thread sees every count the stripe's last owner made.
         match CLAIMED.compare_exchange_weak(cur, cur | 1 << i, Ordering::Acquire, Ordering::Relaxed) {
             Ok(_) => {
-                if CLAIM.try_with(|c| c.0.set(Some(i))).is_ok() {
-                    return Some(i);
-                }
-                // The thread is exiting: nothing would give the stripe back.
-                CLAIMED.fetch_and(!(1 << i), Ordering::Release);
-                return None;
+                // Alive: looked at above, in this very call.
+                let _ = CLAIM.try_with(|c| c.0.set(Some(i)));
+                return Some(i);
             }
             Err(seen) => cur = seen,
         }

@@ -91,6 +91,15 @@ fn a_thread_keeps_its_stripe_and_owned_stripes_are_given_back() {
     assert!(places.iter().any(|p| !p.1), "more threads than owned stripes: some share");
 }
 
+/// Threads that find no owned stripe free are spread over the shared ones, in turn.
+#[test]
+fn shared_stripes_are_taken_in_turn() {
+    let picks: Vec<usize> = (0..10 * OWNED_STRIPES).map(shared_stripe).collect();
+    assert!(picks.iter().all(|p| (OWNED_STRIPES..STRIPES).contains(p)), "{picks:?}");
+    assert_eq!(&picks[..OWNED_STRIPES], (OWNED_STRIPES..STRIPES).collect::<Vec<_>>().as_slice());
+    assert_eq!(picks[OWNED_STRIPES..2 * OWNED_STRIPES], picks[..OWNED_STRIPES]);
+}
+
 /// Counts made by many threads at once, more than the owned stripes, are all kept.
 #[test]
 fn counts_from_more_threads_than_stripes_are_exact() {
