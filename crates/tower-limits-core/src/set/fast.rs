@@ -79,8 +79,14 @@
 //! stays spent).
 //!
 //! **Sizing.** A lease takes a quarter of the headroom left after the grant and its lead,
-//! at most [`MAX_LEASE`] units: far from the limit threads take 64 units per shared write;
-//! near it the quarter rounds to nothing and every decision is the exact, shared one.
+//! at most the thread's *lease size*: far from the limit a thread takes that many units
+//! per shared write; near it the quarter rounds to nothing and every decision is the
+//! exact, shared one. A thread's size starts at [`FIRST_LEASE`] units, doubles each time
+//! a lease is used to its last unit, each before its slot began (the thread asks fast
+//! enough to use more),
+//! up to [`MAX_LEASE`], and halves, not below [`FIRST_LEASE`], each time one ends with a
+//! slot begun unused. So on many cores the shared word sees one write per [`MAX_LEASE`]
+//! grants of each fast thread, and a slow thread strands no more than it did.
 //!
 //! **Leading the clock.** A unit must be used before its slot begins. Far from the limit
 //! the TAT lags the clock, so a lease taken there begins at the clock, and when the
@@ -89,7 +95,7 @@
 //! used: the lease would be lost. So each lease, when it ends (used up, or with a slot
 //! begun unused), teaches its thread its pace: `u` nanoseconds of slots used in `e`
 //! nanoseconds of clock (at least one unit's, if it used none). The thread's next lease
-//! begins `lead = 2 * MAX_LEASE * T * (e - u) / u` past the clock (nothing when `e <= u`:
+//! begins `lead = 2 * size * T * (e - u) / u` past the clock (nothing when `e <= u`:
 //! the slots go by slower than the thread uses them), at most a quarter of the headroom:
 //! the slack a whole lease would build up at that pace, twice over. The TAT is pushed
 //! ahead only up to `now + lead`; once it is that far ahead, leases follow one another with
@@ -101,7 +107,8 @@
 //! lease that cannot be returned costs no write.
 //!
 //! **Worst case.** Units leased and not used are stranded: other threads see them as
-//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once, and
+//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once (and
+//! only threads that used up their last leases hold leases that large), and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
 //! at that moment; the leads add at most as much again (each a quarter of what is left).
 //! A stranded unit is lost for good only once its slot begins unused (it then frees
@@ -161,7 +168,8 @@ const MAX_TAT: u64 = u64::MAX - 3;
 /// How many counter stripes a thread can own (at most 32: one bit each in [`CLAIMED`]).
 const OWNED_STRIPES: usize = 16;
 
-/// How many counter stripes a fast set keeps: the owned ones, then as many shared.
+/// How many counter stripes a fast set keeps: the owned ones, then as many shared (a
+/// power of two).
 const STRIPES: usize = 2 * OWNED_STRIPES;
 
 const _: () = assert!(OWNED_STRIPES < 32, "the owned stripes fit the claims' word");
@@ -219,8 +227,12 @@ pub(super) enum Decision {
 /// module's essay).
 const LEASE_SLOTS: usize = 4;
 
-/// The most units one lease holds.
-const MAX_LEASE: u64 = 64;
+/// The most units a thread's first lease of a limit holds, and the least its lease size
+/// shrinks to.
+const FIRST_LEASE: u64 = 64;
+
+/// The most units one lease holds, however fast its thread uses them.
+const MAX_LEASE: u64 = 1_024;
 
 /// Unused slots of the TAT that one thread took ahead of time: units `next`, `next + T`,
 /// ... up to `end`. A unit is used only while its slot has not begun.
@@ -242,6 +254,10 @@ struct Lease {
     /// How far past the clock this thread's next lease begins, learned from the pace at
     /// which it used its last one (0 while it uses units faster than their slots begin).
     lead: u64,
+    /// The most units this thread's next lease takes: doubled after a lease used up
+    /// before its slots began, halved after one whose slots began unused, within
+    /// [`FIRST_LEASE`] ..= [`MAX_LEASE`].
+    size: u64,
     /// Whether this thread has seen a compare-and-swap on this limit fail.
     contended: bool,
     /// Calls to wait before leasing again, after a lease whose slots began unused (the
@@ -252,8 +268,19 @@ struct Lease {
 /// The calls a thread waits before leasing again after a lease expired unused.
 const COOLDOWN: u32 = 4_096;
 
-const NO_LEASE: Lease =
-    Lease { owner: 0, epoch: 0, taken: 0, floor: 0, start: 0, next: 0, end: 0, lead: 0, contended: false, cooldown: 0 };
+const NO_LEASE: Lease = Lease {
+    owner: 0,
+    epoch: 0,
+    taken: 0,
+    floor: 0,
+    start: 0,
+    next: 0,
+    end: 0,
+    lead: 0,
+    size: FIRST_LEASE,
+    contended: false,
+    cooldown: 0,
+};
 
 #[cfg(not(loom))]
 thread_local! {
@@ -275,7 +302,9 @@ loom::thread_local! {
 fn stripe() -> (usize, bool) {
     let v = STRIPE.with(Cell::get);
     let v = if v == usize::MAX { first_stripe() } else { v };
-    (v, v < OWNED_STRIPES)
+    // Every stripe a thread is given is below `STRIPES`: the mask changes nothing but
+    // spares the bounds check of the index.
+    (v & (STRIPES - 1), v < OWNED_STRIPES)
 }
 
 /// Gives a thread's owned stripe back when the thread exits.
@@ -502,7 +531,15 @@ impl Fast {
                     // used before their slots begin.
                     let led = lease.lead > 0;
                     let used = lease.next - lease.start;
-                    lease.lead = self.lead_for(now - lease.taken, used);
+                    // Used up, every unit before its slot began: the next lease may be
+                    // larger. A slot began unused: smaller. (Too few units left for this
+                    // cost: as large.)
+                    if lease.next == lease.end {
+                        lease.size = (lease.size * 2).min(MAX_LEASE);
+                    } else if lease.next < now {
+                        lease.size = (lease.size / 2).max(FIRST_LEASE);
+                    }
+                    lease.lead = self.lead_for(now - lease.taken, used, lease.size);
                     if lease.next < lease.end {
                         // Give back what is left, if nobody moved the TAT past this lease
                         // (read first: a failing swap would still take the line); with the
@@ -548,13 +585,13 @@ impl Fast {
                 Ok(granted) => granted,
                 Err(answer) => return answer,
             };
-            // Under contention, lease a quarter of the headroom left (at most MAX_LEASE
-            // units in all), beginning `lead` past the clock (at most a quarter of the
-            // headroom on); near the limit that is nothing, and the decision is exact.
+            // Under contention, lease a quarter of the headroom left (at most the thread's
+            // lease size in all), beginning `lead` past the clock (at most a quarter of
+            // the headroom on); near the limit that is nothing, and the decision is exact.
             let (first, extra) = if lease_ok {
                 let room = now + self.tolerance - granted;
                 let gap = (now + entry.get().lead).saturating_sub(granted).min(room / 4);
-                let extra = ((room - gap) / interval / 4).min(MAX_LEASE.saturating_sub(cost));
+                let extra = ((room - gap) / interval / 4).min(entry.get().size.saturating_sub(cost));
                 (if extra > 0 { granted + gap } else { granted }, extra)
             } else {
                 (granted, 0)
@@ -572,6 +609,7 @@ impl Fast {
                             next: first,
                             end: new,
                             lead: entry.get().lead,
+                            size: entry.get().size,
                             contended: true,
                             cooldown: 0,
                         });
@@ -588,15 +626,15 @@ impl Fast {
 
     /// How far past the clock a lease must begin for a thread that used `used`
     /// nanoseconds of slots in `elapsed` nanoseconds (counted as one unit's when it used
-    /// none: its pace is at least that slow): twice the slack a whole lease of
-    /// [`MAX_LEASE`] units would build up at that pace (none when the slots go by slower
-    /// than the thread uses them), at most the tolerance.
-    fn lead_for(&self, elapsed: u64, used: u64) -> u64 {
+    /// none: its pace is at least that slow): twice the slack a whole lease of `size`
+    /// units would build up at that pace (none when the slots go by slower than the
+    /// thread uses them), at most the tolerance.
+    fn lead_for(&self, elapsed: u64, used: u64, size: u64) -> u64 {
         let used = used.max(self.gcra.interval_nanos());
         if elapsed <= used {
             return 0;
         }
-        let lease = u128::from(MAX_LEASE * self.gcra.interval_nanos().min(u64::MAX / MAX_LEASE));
+        let lease = u128::from(size.min(MAX_LEASE) * self.gcra.interval_nanos().min(u64::MAX / MAX_LEASE));
         let lead = 2 * lease * u128::from(elapsed - used) / u128::from(used);
         u64::try_from(lead).unwrap_or(u64::MAX).min(self.tolerance)
     }

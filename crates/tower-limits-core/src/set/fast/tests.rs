@@ -153,13 +153,14 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
         next: 10,
         end: 20,
         lead: 5,
+        size: 256,
         contended: false,
         cooldown,
     };
     let fresh = Lease { owner: f.id, epoch, contended: true, ..NO_LEASE };
     let same = |a: Lease, b: Lease| {
-        (a.owner, a.epoch, a.taken, a.floor, a.start, a.next, a.end, a.lead, a.contended, a.cooldown)
-            == (b.owner, b.epoch, b.taken, b.floor, b.start, b.next, b.end, b.lead, b.contended, b.cooldown)
+        (a.owner, a.epoch, a.taken, a.floor, a.start, a.next, a.end, a.lead, a.size, a.contended, a.cooldown)
+            == (b.owner, b.epoch, b.taken, b.floor, b.start, b.next, b.end, b.lead, b.size, b.contended, b.cooldown)
     };
     for (before, may, after) in [
         (NO_LEASE, true, fresh),
@@ -315,6 +316,50 @@ fn a_lease_used_up_leaves_no_cooldown() {
     let later = end + 10_000_000;
     assert!(granted(f.acquire(1, Instant::from_nanos(later))).is_some());
     assert!(f.tat() >= later + 64_000, "a lease, not a cooldown");
+}
+
+/// A lease used to its last unit, each before its slot began, doubles the thread's next
+/// one, up to `MAX_LEASE`; a lease whose slot began unused halves it, not below
+/// `FIRST_LEASE`; a lease with too few units left for a cost keeps it.
+#[test]
+fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() {
+    // T = 1us and a burst of a second: a quarter of the headroom is far above any lease.
+    let f = fast(Rate::per_second(1_000_000), 1_000_000);
+    let size = || LEASES.with(|l| l[f.slot()].get().size);
+    f.mark_contended();
+    let t0 = Instant::from_nanos(5_000_000_000);
+    for expected in [64, 128, 256, 512, 1_024, 1_024] {
+        // At one instant nothing is ever late: the new lease is taken with this grant,
+        // and its units serve the next calls without moving the shared TAT.
+        let before = f.tat().max(t0.as_nanos());
+        assert!(granted(f.acquire(1, t0)).is_some());
+        assert_eq!(f.tat() - before, expected * 1_000, "a lease of {expected} with its grant");
+        let leased = f.tat();
+        for _ in 1..expected {
+            assert!(granted(f.acquire(1, t0)).is_some());
+        }
+        assert_eq!(f.tat(), leased, "all from the lease");
+    }
+    assert_eq!(size(), MAX_LEASE);
+    // One more grant takes a lease of 1,024; a call far later finds its slots begun
+    // unused: the size halves.
+    assert!(granted(f.acquire(1, t0)).is_some());
+    assert_eq!(size(), MAX_LEASE);
+    let t = t0.as_nanos() + 10_000_000_000;
+    assert!(granted(f.acquire(1, Instant::from_nanos(t))).is_some());
+    assert_eq!(size(), MAX_LEASE / 2, "after a stale lease");
+    // A first lease gone stale leaves the first size: no lower.
+    let g = fast(Rate::per_second(1_000_000), 1_000_000);
+    g.mark_contended();
+    assert!(granted(g.acquire(1, t0)).is_some());
+    assert!(granted(g.acquire(1, Instant::from_nanos(t))).is_some());
+    assert_eq!(LEASES.with(|l| l[g.slot()].get().size), FIRST_LEASE);
+    // Too few units left in a lease for a cost: the size stays.
+    let h = fast(Rate::per_second(1_000_000), 1_000_000);
+    h.mark_contended();
+    assert!(granted(h.acquire(1, t0)).is_some());
+    assert!(granted(h.acquire(FIRST_LEASE, t0)).is_some());
+    assert_eq!(LEASES.with(|l| l[h.slot()].get().size), FIRST_LEASE);
 }
 
 /// The path raises `now` to the latest instant it granted at, for grants and for the
