@@ -634,8 +634,10 @@ impl Fast {
         if elapsed <= used {
             return 0;
         }
-        let lease = u128::from(size.min(MAX_LEASE) * self.gcra.interval_nanos().min(u64::MAX / MAX_LEASE));
-        let lead = 2 * lease * u128::from(elapsed - used) / u128::from(used);
+        // At most 2^75 (a size of 2^10 units of at most 2^64 ns each, twice): the product
+        // with the elapsed time saturates, and the lead is cut to the tolerance anyway.
+        let lease = u128::from(size.min(MAX_LEASE)) * u128::from(self.gcra.interval_nanos());
+        let lead = (2 * lease).saturating_mul(u128::from(elapsed - used)) / u128::from(used);
         u64::try_from(lead).unwrap_or(u64::MAX).min(self.tolerance)
     }
 

@@ -354,12 +354,22 @@ fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() 
     assert!(granted(g.acquire(1, t0)).is_some());
     assert!(granted(g.acquire(1, Instant::from_nanos(t))).is_some());
     assert_eq!(LEASES.with(|l| l[g.slot()].get().size), FIRST_LEASE);
-    // Too few units left in a lease for a cost: the size stays.
+    // Too few units left in a lease for a cost: the size stays, also when the lease's next
+    // slot begins at that very instant (it has not begun unused).
     let h = fast(Rate::per_second(1_000_000), 1_000_000);
     h.mark_contended();
+    let h_size = || LEASES.with(|l| l[h.slot()].get().size);
     assert!(granted(h.acquire(1, t0)).is_some());
     assert!(granted(h.acquire(FIRST_LEASE, t0)).is_some());
-    assert_eq!(LEASES.with(|l| l[h.slot()].get().size), FIRST_LEASE);
+    assert_eq!(h_size(), FIRST_LEASE);
+    // A grant with a lease of 63, its 63 units, and a call that finds it used up.
+    for _ in 0..=FIRST_LEASE {
+        assert!(granted(h.acquire(1, t0)).is_some());
+    }
+    assert_eq!(h_size(), 2 * FIRST_LEASE, "a lease used up");
+    let next = LEASES.with(|l| l[h.slot()].get().next);
+    assert!(granted(h.acquire(4 * FIRST_LEASE, Instant::from_nanos(next))).is_some());
+    assert_eq!(h_size(), 2 * FIRST_LEASE, "too few units at the instant of the next slot");
 }
 
 /// The path raises `now` to the latest instant it granted at, for grants and for the
