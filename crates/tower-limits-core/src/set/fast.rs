@@ -129,15 +129,16 @@
 //! - Real threads (`tests/tests/lock_free.rs` and `leasing_threads_never_over_admit`)
 //!   hammer one limit and check the rate cap over every window of the grants.
 //! - Loom models (`fast/loom_models.rs`, run under `--cfg loom`) go through every
-//!   interleaving of two threads' acquisitions at one instant and over time, and of a
-//!   replace racing them. They check the cap and the invariant above: every unit granted
+//!   interleaving, within two preemptions, of two threads' acquisitions at one instant
+//!   and over time, and of a replace racing them. They check the cap and the invariant above: every unit granted
 //!   owns a slot of its own between the first grant and the TAT.
 
 use std::cell::Cell;
 use std::sync::atomic::Ordering;
 
 // The atomics of the protocol: loom's under `--cfg loom`, whose models (in `loom_models`)
-// check every interleaving of a few threads' acquisitions, leases and replaces.
+// check every interleaving (within two preemptions) of a few threads' acquisitions,
+// leases and replaces.
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicBool, AtomicU64};
 #[cfg(not(loom))]

@@ -1,9 +1,9 @@
 //! Loom models of the lock-free path: every interleaving of a few threads' acquisitions
-//! (and of a replace that disables and re-enables the path), under the memory model loom
-//! checks, keeps the rate cap that the module's essay proves.
+//! (and of a replace that disables and re-enables the path) with at most two preemptions,
+//! under the memory model loom checks, keeps the rate cap that the module's essay proves.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p tower-limits-core --lib --release loom`
-//! (`.ci/run` does). The models are small on purpose: two or three threads, two or three
+//! (`.ci/run` does). The models are small on purpose: two or three threads, one to four
 //! calls each, and a bound on preemptions, which is where such protocols break.
 
 use loom::sync::{Arc, Mutex};
