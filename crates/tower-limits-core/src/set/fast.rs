@@ -130,8 +130,10 @@
 //!   hammer one limit and check the rate cap over every window of the grants.
 //! - Loom models (`fast/loom_models.rs`, run under `--cfg loom`) go through every
 //!   interleaving, within two preemptions, of two threads' acquisitions at one instant
-//!   and over time, and of a replace racing them. They check the cap and the invariant above: every unit granted
-//!   owns a slot of its own between the first grant and the TAT.
+//!   and over time, of a give-back racing a grant, and of a replace racing them. They
+//!   check the cap, the invariant that every unit granted owns a slot of its own between
+//!   the first grant and the TAT, and (by taking every unit left at the end) that no
+//!   slot is handed out twice.
 
 use std::cell::Cell;
 use std::sync::atomic::Ordering;
