@@ -505,26 +505,9 @@ fn redis_rows(rows: &mut Vec<Row>) {
     let three = backend(three_policy(), "three");
     let keys: Arc<[TenantKey]> =
         (0..1_000).map(|i| TenantKey::new([format!("org-{}", i / 10), format!("user-{i}")]).expect("key")).collect();
-    const IN_FLIGHT: usize = 64;
-    const CALLS: u64 = 6_400;
     let throughput = |b: &RedisBackend| -> f64 {
-        rt.block_on(async {
-            let start = StdInstant::now();
-            let tasks: Vec<_> = (0..IN_FLIGHT)
-                .map(|t| {
-                    let (b, keys) = (b.clone(), keys.clone());
-                    tokio::spawn(async move {
-                        for i in 0..CALLS / IN_FLIGHT as u64 {
-                            let key = &keys[(t * 7919 + i as usize) % keys.len()];
-                            black_box(b.acquire(key, 1, tower_limits_core::Instant::ZERO).await.is_ok());
-                        }
-                    })
-                })
-                .collect();
-            for t in tasks {
-                t.await.expect("a task");
-            }
-            CALLS as f64 / start.elapsed().as_secs_f64() / 1e3
+        in_flight(&rt, &keys, b, |b, key| async move {
+            black_box(b.acquire(&key, 1, tower_limits_core::Instant::ZERO).await.is_ok());
         })
     };
     let mut row = Row::new(format!("Redis, {IN_FLIGHT} in flight: 3 limits / 1 GCRA kop/s"), "kop/s");
@@ -568,21 +551,8 @@ fn redis_rows(rows: &mut Vec<Row>) {
         reset(&mut raw);
         // The same load as ours: 64 calls in flight on one connection (a server that
         // sleeps between calls pays some 30% more CPU for each).
-        rt.block_on(async {
-            let tasks: Vec<_> = (0..IN_FLIGHT)
-                .map(|t| {
-                    let (mut raw, keys, sha) = (raw.clone(), keys.clone(), sha.clone());
-                    tokio::spawn(async move {
-                        for i in 0..CALLS / IN_FLIGHT as u64 {
-                            let key = &keys[(t * 7919 + i as usize) % keys.len()];
-                            plain_acquire(&mut raw, &sha, key, round).await;
-                        }
-                    })
-                })
-                .collect();
-            for t in tasks {
-                t.await.expect("a task");
-            }
+        in_flight(&rt, &keys, &(raw.clone(), sha.clone()), move |(mut raw, sha), key| async move {
+            plain_acquire(&mut raw, &sha, &key, round).await;
         });
         let plain = usec_per_evalsha(&mut raw);
         row.ours.push(ours);
@@ -635,6 +605,39 @@ fn redis_rows(rows: &mut Vec<Row>) {
     }
     rows.push(row);
     drop(server);
+}
+
+/// Calls in flight at once on one connection in the Redis rows.
+const IN_FLIGHT: usize = 64;
+/// Calls per measurement in the Redis rows.
+const CALLS: u64 = 6_400;
+
+/// `CALLS` calls of `call`, `IN_FLIGHT` at once (each task stepping through `keys` 7,919
+/// places at a time, from its own start), each given its own clone of `state`; returns
+/// thousands of calls per second.
+fn in_flight<S, F, Fut>(rt: &tokio::runtime::Runtime, keys: &Arc<[TenantKey]>, state: &S, call: F) -> f64
+where
+    S: Clone + Send + 'static,
+    F: Fn(S, TenantKey) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    rt.block_on(async {
+        let start = StdInstant::now();
+        let tasks: Vec<_> = (0..IN_FLIGHT)
+            .map(|t| {
+                let (state, keys, call) = (state.clone(), keys.clone(), call.clone());
+                tokio::spawn(async move {
+                    for i in 0..CALLS / IN_FLIGHT as u64 {
+                        call(state.clone(), keys[(t * 7919 + i as usize) % keys.len()].clone()).await;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("a task");
+        }
+        CALLS as f64 / start.elapsed().as_secs_f64() / 1e3
+    })
 }
 
 /// One acquisition through the plain script for `key`; returns the key of its counter.
