@@ -83,9 +83,8 @@
 //! per shared write; near it the quarter rounds to nothing and every decision is the
 //! exact, shared one. A thread's size starts at [`FIRST_LEASE`] units, doubles each time
 //! a lease is used to its last unit, each before its slot began (the thread asks fast
-//! enough to use more),
-//! up to [`MAX_LEASE`], and halves, not below [`FIRST_LEASE`], each time one ends with a
-//! slot begun unused. So on many cores the shared word sees one write per [`MAX_LEASE`]
+//! enough to use more), up to [`MAX_LEASE`], and halves, not below [`FIRST_LEASE`], each
+//! time one ends with a slot begun unused. So on many cores the shared word sees one write per [`MAX_LEASE`]
 //! grants of each fast thread, and a slow thread strands no more than it did.
 //!
 //! **Leading the clock.** A unit must be used before its slot begins. Far from the limit
@@ -287,7 +286,7 @@ const NO_LEASE: Lease = Lease {
 
 #[cfg(not(loom))]
 thread_local! {
-    /// This thread's place in the order threads first acquired in (`usize::MAX`: not yet).
+    /// This thread's counter stripe (`usize::MAX`: none yet).
     static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
     /// This thread's leases, looked at only once a limit has seen contention.
     static LEASES: [Cell<Lease>; LEASE_SLOTS] = const { [const { Cell::new(NO_LEASE) }; LEASE_SLOTS] };
@@ -591,10 +590,11 @@ impl Fast {
             // Under contention, lease a quarter of the headroom left (at most the thread's
             // lease size in all), beginning `lead` past the clock (at most a quarter of
             // the headroom on); near the limit that is nothing, and the decision is exact.
+            let learned = entry.get();
             let (first, extra) = if lease_ok {
                 let room = now + self.tolerance - granted;
-                let gap = (now + entry.get().lead).saturating_sub(granted).min(room / 4);
-                let extra = ((room - gap) / interval / 4).min(entry.get().size.saturating_sub(cost));
+                let gap = (now + learned.lead).saturating_sub(granted).min(room / 4);
+                let extra = ((room - gap) / interval / 4).min(learned.size.saturating_sub(cost));
                 (if extra > 0 { granted + gap } else { granted }, extra)
             } else {
                 (granted, 0)
@@ -611,8 +611,8 @@ impl Fast {
                             start: first,
                             next: first,
                             end: new,
-                            lead: entry.get().lead,
-                            size: entry.get().size,
+                            lead: learned.lead,
+                            size: learned.size,
                             contended: true,
                             cooldown: 0,
                         });
