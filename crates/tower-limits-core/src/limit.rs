@@ -278,6 +278,13 @@ pub(crate) struct Config {
     /// commonest keyed set (one rate per client), decided under the shard's lock alone
     /// with one hash of the key.
     pub(crate) one_keyed: Option<usize>,
+    /// The tiers the limits are keyed by, each once, from the broadest.
+    pub(crate) tiers_used: Vec<usize>,
+    /// The keyed semaphores, as (limit, tier): what a release gives back under the key's
+    /// shard lock alone, when no semaphore is global.
+    pub(crate) keyed_semaphores: Vec<(usize, usize)>,
+    /// Whether some semaphore is global (a release then takes the global lock too).
+    pub(crate) global_semaphore: bool,
     /// What grants keep of it.
     pub(crate) shape: &'static Shape,
 }

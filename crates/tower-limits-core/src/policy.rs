@@ -479,6 +479,14 @@ impl Config {
                 [one] if !one.shadow => one.tier,
                 _ => None,
             },
+            tiers_used: (0..policy.tiers.len()).filter(|&t| limits.iter().any(|l| l.tier == Some(t))).collect(),
+            keyed_semaphores: limits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.limit.is_semaphore())
+                .filter_map(|(i, l)| l.tier.map(|t| (i, t)))
+                .collect(),
+            global_semaphore: limits.iter().any(|l| l.limit.is_semaphore() && l.tier.is_none()),
             limits,
         })
     }

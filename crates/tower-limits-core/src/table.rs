@@ -419,6 +419,17 @@ impl Table {
         )
     }
 
+    /// Gives `amount` back to `key`'s semaphore; nothing for another limit, or for a key
+    /// with no state (a semaphore holding nothing is idle, and may have been evicted).
+    #[inline]
+    pub(crate) fn release(&mut self, limit: &Limit, h: u64, key: &[u8], amount: u64) {
+        if let (Limit::Semaphore(a), Table::Semaphore(t)) = (limit, self) {
+            if let Some(s) = t.find_mut(h, key) {
+                a.release(s, amount);
+            }
+        }
+    }
+
     /// Drops every idle state (the shard counts what is left).
     pub(crate) fn sweep(&mut self, limit: &Limit, now: Instant) {
         with_table!(limit, &mut *self, |a, t| t.retain(|s| !a.is_idle(s, now)), ());

@@ -107,7 +107,9 @@ impl Shared {
         observe: Option<&mut Vec<LimitSnapshot>>,
     ) -> Result<Granted, SetError> {
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
-            let mut shard = lock(self.shard_of(key));
+            // The root's hash picks the shard and finds the states keyed by the first tier.
+            let root = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
+            let mut shard = lock(self.shard_at(root));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
                 let mut global = self.lock_global();
@@ -118,16 +120,16 @@ impl Shared {
                     return self.acquire_observed(key, costs, now, observe);
                 }
                 let Some(out) = observe else {
-                    return self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                    return self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
                 };
-                let result = self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                let result = self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
                 self.observe(config, Some(keyed), Some(&global.states), key, now, out);
                 result
             } else {
                 let Some(out) = observe else {
-                    return self.decide(config, Some(keyed), None, key, costs, now);
+                    return self.decide(config, Some(keyed), None, (key, root), costs, now);
                 };
-                let result = self.decide(config, Some(keyed), None, key, costs, now);
+                let result = self.decide(config, Some(keyed), None, (key, root), costs, now);
                 self.observe(config, Some(keyed), None, key, now, out);
                 result
             }
@@ -141,10 +143,11 @@ impl Shared {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
                 drop(global);
-                let mut shard = lock(self.shard_of(key));
+                let root = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
+                let mut shard = lock(self.shard_at(root));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();
-                let result = self.decide(config, Some(keyed), Some(&mut global.states), key, costs, now);
+                let result = self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
                 if let Some(out) = observe {
                     self.observe(config, Some(keyed), Some(&global.states), key, now, out);
                 }
@@ -152,9 +155,9 @@ impl Shared {
             }
             let Global { config, states } = &mut *global;
             let Some(out) = observe else {
-                return self.decide(config, None, Some(states), key, costs, now);
+                return self.decide(config, None, Some(states), (key, 0), costs, now);
             };
-            let result = self.decide(config, None, Some(states), key, costs, now);
+            let result = self.decide(config, None, Some(states), (key, 0), costs, now);
             self.observe(config, None, Some(states), key, now, out);
             result
         }
@@ -199,7 +202,8 @@ impl Shared {
         }
     }
 
-    /// The decision, under the locks the caller took.
+    /// The decision, under the locks the caller took; `root_hash` is the hash of the
+    /// key's first tier, which picked the shard (unused without one).
     #[allow(clippy::too_many_lines)]
     #[inline]
     fn decide(
@@ -207,7 +211,7 @@ impl Shared {
         config: &Arc<Config>,
         mut shard: Option<&mut Keyed>,
         mut global: Option<&mut GlobalStates>,
-        key: &TenantKey,
+        (key, root_hash): (&TenantKey, u64),
         costs: &Costs,
         now: Instant,
     ) -> Result<Granted, SetError> {
@@ -224,18 +228,18 @@ impl Shared {
         }
 
         if cfg.limits.len() == 1 {
-            return self.decide_one(config, shard, global, key, costs, now);
+            return self.decide_one(config, shard, global, (key, root_hash), costs, now);
         }
 
-        // One hash per tier the policy uses.
-        let mut hashes = [0u64; MAX_TIERS];
-        let mut hashed = [false; MAX_TIERS];
-        for def in &cfg.limits {
-            if let Some(t) = def.tier {
-                if !hashed[t] {
-                    hashes[t] = key_hash(&self.hasher, key.prefix(t + 1).unwrap_or_default());
-                    hashed[t] = true;
-                }
+        // Each tier the policy uses, as the key's path to it and that path's hash, found
+        // once (the first tier's hash picked the shard). A tier the key lacks (only a
+        // shadow limit's can be missing) is left empty and never read.
+        let depth = key.depth();
+        let mut paths: [(&[u8], u64); MAX_TIERS] = [(&[], 0); MAX_TIERS];
+        if shard.is_some() {
+            for &t in &cfg.tiers_used {
+                let Some(prefix) = key.prefix(t + 1) else { break };
+                paths[t] = (prefix, if t == 0 { root_hash } else { key_hash(&self.hasher, prefix) });
             }
         }
 
@@ -250,7 +254,7 @@ impl Shared {
         let mut shadowed = 0u16;
         for (i, def) in cfg.limits.iter().enumerate() {
             let cost = costs.of(i, def);
-            if def.shadow && def.tier.is_some_and(|t| key.prefix(t + 1).is_none()) {
+            if def.shadow && def.tier.is_some_and(|t| t >= depth) {
                 // The key lacks this shadow limit's tier: it would have been refused.
                 shadowed |= 1 << i;
                 continue;
@@ -258,10 +262,10 @@ impl Shared {
             let (found, result) = match def.tier {
                 None => (true, def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost)),
                 Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or_default();
+                    let (prefix, h) = paths[t];
                     match shard.as_deref() {
                         Some(s) => {
-                            let (at, result) = s.tables[i].check(&def.limit, hashes[t], prefix, now, cost);
+                            let (at, result) = s.tables[i].check(&def.limit, h, prefix, now, cost);
                             found_at[i] = at;
                             (at.is_some(), result)
                         }
@@ -304,9 +308,9 @@ impl Shared {
             let snapshot = match def.tier {
                 None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
                 Some(t) => {
-                    let prefix = key.prefix(t + 1).unwrap_or_default();
+                    let (prefix, h) = paths[t];
                     match shard.as_deref() {
-                        Some(s) => s.tables[i].peek(&def.limit, hashes[t], prefix, now),
+                        Some(s) => s.tables[i].peek(&def.limit, h, prefix, now),
                         None => def.limit.peek(&cfg.fresh[i], now),
                     }
                 }
@@ -328,8 +332,8 @@ impl Shared {
                     .filter_map(|(i, def)| def.tier.map(|t| (i, t)))
                     .filter(|&(i, _)| shadowed & (1 << i) == 0)
                     .filter(|&(i, t)| {
-                        let prefix = key.prefix(t + 1).unwrap_or_default();
-                        !s.tables[i].contains(hashes[t], prefix)
+                        let (prefix, h) = paths[t];
+                        !s.tables[i].contains(h, prefix)
                     })
                     .count();
                 if s.len + new_entries > s.cap {
@@ -357,8 +361,8 @@ impl Shared {
                             continue;
                         }
                     }
-                    let prefix = key.prefix(t + 1).unwrap_or_default();
-                    if s.tables[i].commit(&def.limit, &self.hasher, hashes[t], prefix, now, cost) {
+                    let (prefix, h) = paths[t];
+                    if s.tables[i].commit(&def.limit, &self.hasher, h, prefix, now, cost) {
                         s.len += 1;
                     }
                 }
@@ -386,7 +390,7 @@ impl Shared {
         config: &Arc<Config>,
         mut shard: Option<&mut Keyed>,
         mut global: Option<&mut GlobalStates>,
-        key: &TenantKey,
+        (key, root_hash): (&TenantKey, u64),
         costs: &Costs,
         now: Instant,
     ) -> Result<Granted, SetError> {
@@ -411,7 +415,8 @@ impl Shared {
             }
             (Some(t), Some(s), _) => {
                 let prefix = key.prefix(t + 1).unwrap_or_default();
-                self.decide_keyed(cfg, s, prefix, key_hash(&self.hasher, prefix), cost, now)
+                let h = if t == 0 { root_hash } else { key_hash(&self.hasher, prefix) };
+                self.decide_keyed(cfg, s, prefix, h, cost, now)
             }
             _ => unreachable!("the caller locks what the limit's scope needs"),
         }

@@ -599,16 +599,19 @@ impl Shared {
         if !key.is_global() {
             // When every semaphore of the current policy is keyed, the release touches the
             // key's shard alone: its lock suffices (a replace swaps the shard's config
-            // under it too), and a release needs no instant.
-            let mut shard = lock(self.shard_of(key));
+            // under it too), and a release needs no instant. The root's hash picks the
+            // shard and finds the state of a semaphore keyed by the first tier.
+            let root = key.prefix(1).unwrap_or_default();
+            let root_hash = key_hash(&self.hasher, root);
+            let mut shard = lock(self.shard_at(root_hash));
             let Shard { config: current, keyed } = &mut *shard;
-            if !current.limits.iter().any(|d| d.limit.is_semaphore() && d.tier.is_none()) {
-                for (j, def) in current.limits.iter().enumerate() {
-                    let Some(t) = def.tier else { continue };
-                    let Some(op) = granted_as(current, grant, j).and_then(|i| op_for(i, def)) else { continue };
+            if !current.global_semaphore {
+                for &(j, t) in &current.keyed_semaphores {
+                    let Some(i) = granted_as(current, grant, j).filter(|&i| !grant.shadowed(i)) else { continue };
                     let Some(prefix) = key.prefix(t + 1) else { continue };
-                    let h = key_hash(&self.hasher, prefix);
-                    keyed.tables[j].apply(&def.limit, &self.hasher, (h, prefix), op, grant.granted_at, false);
+                    let h = if t == 0 { root_hash } else { key_hash(&self.hasher, prefix) };
+                    let amount = grant.acquired_of(i, shape.limits[i].counts);
+                    keyed.tables[j].release(&current.limits[j].limit, h, prefix, amount);
                 }
                 return;
             }
