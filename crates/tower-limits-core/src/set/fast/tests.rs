@@ -149,8 +149,9 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
         epoch,
         taken: 7,
         floor: 9,
+        // Every field its own value: the slot keeps each in a cell of its own.
         start: 10,
-        next: 10,
+        next: 12,
         end: 20,
         lead: 5,
         size: 256,
@@ -169,7 +170,8 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
         (lease(f.id, epoch, 0), true, Lease { contended: true, ..lease(f.id, epoch, 0) }),
         (lease(f.id, epoch, 3), false, Lease { contended: true, ..lease(f.id, epoch, 3) }),
     ] {
-        let cell = Cell::new(before);
+        let cell = LeaseCell::new();
+        cell.set(before);
         assert_eq!(f.mark_seen(&cell), may);
         assert!(
             same(cell.get(), after),
