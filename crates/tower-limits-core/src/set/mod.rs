@@ -608,8 +608,12 @@ impl Shared {
             if !current.global_semaphore {
                 for &(j, t) in &current.keyed_semaphores {
                     let Some(i) = granted_as(current, grant, j).filter(|&i| !grant.shadowed(i)) else { continue };
-                    let Some(prefix) = key.prefix(t + 1) else { continue };
-                    let h = if t == 0 { root_hash } else { key_hash(&self.hasher, prefix) };
+                    let (prefix, h) = if t == 0 {
+                        (root, root_hash)
+                    } else {
+                        let Some(prefix) = key.prefix(t + 1) else { continue };
+                        (prefix, key_hash(&self.hasher, prefix))
+                    };
                     let amount = grant.acquired_of(i, shape.limits[i].counts);
                     keyed.tables[j].release(&current.limits[j].limit, h, prefix, amount);
                 }

@@ -183,8 +183,8 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
     }
 }
 
-/// A lease of another limit that shares the slot is not this limit's to use, even when
-/// their epochs agree.
+/// A lease of another limit that shares the slot is not this limit's to use, nor to end,
+/// even when their epochs agree.
 #[test]
 fn a_lease_in_the_slot_of_another_limit_is_not_used() {
     // Ids come from a counter other tests draw from too: pick two that share a slot.
@@ -199,6 +199,10 @@ fn a_lease_in_the_slot_of_another_limit_is_not_used() {
     let before = b.tat();
     assert!(granted(b.acquire(1, now)).is_some());
     assert_ne!(b.tat(), before, "b decided on its own state");
+    // ... and left the lease whole: `a` still grants from it.
+    let leased = a.tat();
+    assert!(granted(a.acquire(1, now)).is_some());
+    assert_eq!(a.tat(), leased, "a granted from its lease");
 }
 
 /// A lease whose slots began unused is given back (the TAT returns to its first unused
