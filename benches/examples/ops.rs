@@ -4,7 +4,9 @@
 //! `callgrind_annotate`). Operations: `allow`, `deny` (through `acquire`), `check`,
 //! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`,
 //! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
-//! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call), `layer` and `gov-layer` (our GCRA layer and tower_governor's
+//! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call),
+//! `keyed-ids-100k` and `gov-keyed-ids-100k` (the `peers` row's 100,000 ids in turn),
+//! `layer` and `gov-layer` (our GCRA layer and tower_governor's
 //! over the same bare service, error mode), `headers` and `gov-headers` (the same with
 //! the rate-limit header fields on every success), `peer` and `gov-peer` (both layers
 //! keyed by the peer's IP address, 1,000 peers in turn), `bare` and `bare-peer` (the
@@ -29,8 +31,13 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
-use tower_limits_benches::{bare, drive, from_peer};
+use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+
+/// The `i`-th of the 100,000 numeric ids of the `peers` row, in turn.
+fn spread(i: u64) -> u64 {
+    1_000_000_007 * (i % 100_000)
+}
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -50,10 +57,8 @@ fn main() {
             .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
     )
     .ok();
-    let keyed = LimitSet::new(
-        LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::gcra("r", huge, 1_000_000).per("tenant")),
-    )
-    .ok();
+    // The `peers` rows' keyed set: room for every key of the 100,000-key rows.
+    let keyed = Some(open_keyed_set());
     let acme = TenantKey::single("acme").ok();
     let gov_open = RateLimiter::direct(Quota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
     let gov_shut = RateLimiter::direct(Quota::per_hour(nz(1)));
@@ -110,6 +115,8 @@ fn main() {
         }
         "keyed-ids" => Box::new(|i| keyed.acquire(&TenantKey::from_u64(i % 1_000), 1, clock.now()).is_ok()),
         "gov-keyed-ids" => Box::new(|i| gov_keyed_ids.check_key(&(i % 1_000)).is_ok()),
+        "keyed-ids-100k" => Box::new(|i| keyed.acquire(&TenantKey::from_u64(spread(i)), 1, clock.now()).is_ok()),
+        "gov-keyed-ids-100k" => Box::new(|i| gov_keyed_ids.check_key(&spread(i)).is_ok()),
         "layer" => Box::new(|_| drive(&mut layer, Request::new(()))),
         "gov-layer" => Box::new(|_| drive(&mut gov_layer, Request::new(()))),
         "headers" => Box::new(|_| drive(&mut headers, Request::new(()))),
