@@ -303,9 +303,10 @@ fn invalid_policies_name_the_field() {
 // Bugs and gaps found here (ignored until the core is fixed; run with `--ignored`)
 // ---------------------------------------------------------------------------------------
 
-/// `max_keys` is split over up to 32 shards, so below 64 every shard has room for one
-/// state only, and with 100 keys and four keyed limits, for three: a key that needs more
-/// states than its shard's share is refused as `KeyTableFull` on an empty table.
+/// `max_keys` is split over the shards (up to four per core), and a small table was once
+/// split so thin that a shard had room for one state only (with 10 keys) or three (with
+/// 100 keys and four keyed limits): a key that needs more states than its shard's share
+/// was refused as `KeyTableFull` on an empty table.
 #[test]
 fn a_small_key_table_still_admits_one_key() {
     let cases = [

@@ -756,8 +756,8 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
 
 /// Keys spread over the set's shards: when many tenants come, a table of `max_keys` is
 /// filled to its bound, not refused early because every key went to one shard. (The
-/// shards are chosen by a randomly seeded hash: 500 tenants over at most 16 shards of 4
-/// leave one short with a probability below 1e-9.)
+/// shards are chosen by a randomly seeded hash: 500 tenants over at most 16 shards of 4,
+/// however many cores, leave one short with a probability below 1e-9.)
 #[test]
 fn many_tenants_fill_the_whole_table() {
     let set = LimitSet::new(

@@ -9,7 +9,8 @@
 //! **Sharding and locks.** Keyed states live in shards chosen by the key's *root*, its
 //! broadest tier. All the tiers of one tenant therefore share a shard, so an acquisition
 //! takes at most two locks: the tenant's shard, then the global states, always in that
-//! order (which is why it cannot deadlock). Shards are padded to their own cache lines.
+//! order (which is why it cannot deadlock). Shards are padded to their own cache lines,
+//! four per core (at most 128), fewer when the key table is small.
 //!
 //! **Permits.** A grant is a [`Permit`]. Dropping it releases what the set's semaphores
 //! hold; [`Permit::settle`] corrects cost-counted limits to the real usage (refunding or
