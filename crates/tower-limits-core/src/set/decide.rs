@@ -108,7 +108,7 @@ impl Shared {
     ) -> Result<Granted, SetError> {
         if !key.is_global() && self.tiered.load(Ordering::Acquire) {
             // The root's hash picks the shard and finds the states keyed by the first tier.
-            let root = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
+            let root = self.root_hash(key);
             let mut shard = lock(self.shard_at(root));
             let Shard { config, keyed } = &mut *shard;
             if config.has_global {
@@ -143,7 +143,7 @@ impl Shared {
                 // The policy gained keyed limits since the hint was read: take the locks
                 // in order.
                 drop(global);
-                let root = key_hash(&self.hasher, key.prefix(1).unwrap_or_default());
+                let root = self.root_hash(key);
                 let mut shard = lock(self.shard_at(root));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();

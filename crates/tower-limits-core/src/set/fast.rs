@@ -563,7 +563,7 @@ impl Fast {
         // of line.
         let leased = LEASES.with(|leases| {
             let entry = &leases[self.slot()];
-            if entry.owner.get() != self.id || entry.epoch.get() != self.epoch.load(Ordering::Acquire) {
+            if !self.owns(entry) {
                 return None;
             }
             // A unit may be used only while its slot has not begun: `next >= now`.
@@ -579,6 +579,12 @@ impl Fast {
             return self.granted(stripe, own, latest, now);
         }
         self.decide_leased(cost, now, latest, (stripe, own))
+    }
+
+    /// Whether the lease in `entry` is this limit's, taken since its last replace.
+    #[inline(always)]
+    fn owns(&self, entry: &LeaseCell) -> bool {
+        entry.owner.get() == self.id && entry.epoch.get() == self.epoch.load(Ordering::Acquire)
     }
 
     /// This limit's slot among a thread's leases.
@@ -608,7 +614,7 @@ impl Fast {
     fn decide_leased(&self, cost: u64, now: u64, latest: u64, (stripe, own): (&Stripe, bool)) -> Packed {
         LEASES.with(|leases| {
             let entry = &leases[self.slot()];
-            let mine = entry.owner.get() == self.id && entry.epoch.get() == self.epoch.load(Ordering::Acquire);
+            let mine = self.owns(entry);
             if mine {
                 let now = now.max(entry.taken.get());
                 let mut lease = entry.get();

@@ -608,15 +608,17 @@ impl Shared {
             let Shard { config: current, keyed } = &mut *shard;
             if !current.global_semaphore {
                 for &(j, t) in &current.keyed_semaphores {
-                    let Some(i) = granted_as(current, grant, j).filter(|&i| !grant.shadowed(i)) else { continue };
+                    let def = &current.limits[j];
+                    let Some(Op::Release(amount)) = granted_as(current, grant, j).and_then(|i| op_for(i, def)) else {
+                        continue;
+                    };
                     let (prefix, h) = if t == 0 {
                         (root, root_hash)
                     } else {
                         let Some(prefix) = key.prefix(t + 1) else { continue };
                         (prefix, key_hash(&self.hasher, prefix))
                     };
-                    let amount = grant.acquired_of(i, shape.limits[i].counts);
-                    keyed.tables[j].release(&current.limits[j].limit, h, prefix, amount);
+                    keyed.tables[j].release(&def.limit, h, prefix, amount);
                 }
                 return;
             }

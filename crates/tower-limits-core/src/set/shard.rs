@@ -74,7 +74,14 @@ pub(super) fn shard_cap(max_keys: usize, shards: usize) -> usize {
 impl Shared {
     #[inline]
     pub(super) fn shard_of(&self, key: &TenantKey) -> &Mutex<Shard> {
-        self.shard_at(key_hash(&self.hasher, key.prefix(1).unwrap_or_default()))
+        self.shard_at(self.root_hash(key))
+    }
+
+    /// The hash of the key's first tier: it picks the shard, and finds the states of
+    /// limits keyed by that tier.
+    #[inline]
+    pub(super) fn root_hash(&self, key: &TenantKey) -> u64 {
+        key_hash(&self.hasher, key.prefix(1).unwrap_or_default())
     }
 
     /// The shard of the keys whose root hashes to `h`.
