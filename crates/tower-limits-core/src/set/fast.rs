@@ -39,9 +39,10 @@
 //!   own `now`, which can only make it wait longer.
 //! - **Counters.** Grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
-//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes. The first
-//!   [`OWNED_STRIPES`] stripes each belong to at most one live thread at a time, which
-//!   adds with a plain load and store (no locked instruction): nobody else writes them.
+//!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes (in [`stripes`]). The
+//!   first [`OWNED_STRIPES`](stripes::OWNED_STRIPES) stripes each belong to at most one
+//!   live thread at a time, which adds with a plain load and store (no locked
+//!   instruction): nobody else writes them.
 //!   A thread claims a free one when it first acquires and gives it back when it exits,
 //!   so a process that keeps starting threads (a blocking pool, a benchmark) does not run
 //!   out of them. Threads beyond that many at once count in the other stripes, shared,
@@ -155,6 +156,7 @@ use crate::error::Denial;
 use crate::limit::{Config, Limit, LimitState};
 use crate::policy::Counts;
 use crate::time::Instant;
+use stripes::{STRIPES, Stripe, bump, stripe};
 
 /// The value of the atomic while the locked state rules.
 pub(super) const DISABLED: u64 = u64::MAX;
@@ -170,30 +172,6 @@ const OFF: u64 = u64::MAX - 2;
 
 /// The furthest a TAT is ever stored at, below the markers above.
 const MAX_TAT: u64 = u64::MAX - 3;
-
-/// How many counter stripes a thread can own (at most 32: one bit each in [`CLAIMED`]).
-const OWNED_STRIPES: usize = 16;
-
-/// How many counter stripes a fast set keeps: the owned ones, then as many shared (a
-/// power of two).
-const STRIPES: usize = 2 * OWNED_STRIPES;
-
-const _: () = assert!(OWNED_STRIPES < 32, "the owned stripes fit the claims' word");
-
-/// Which owned stripes live threads hold (bit `i`: stripe `i`).
-#[cfg(not(loom))]
-static CLAIMED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// One stripe of counters, on its own cache lines.
-#[repr(align(128))]
-#[derive(Default)]
-struct Stripe {
-    /// The latest instant a grant counted here was made at.
-    latest: AtomicU64,
-    admitted: AtomicU64,
-    denied: AtomicU64,
-    impossible: AtomicU64,
-}
 
 /// The lock-free state of a one-limit global GCRA set.
 pub(super) struct Fast {
@@ -357,8 +335,6 @@ impl LeaseCell {
 
 #[cfg(not(loom))]
 thread_local! {
-    /// This thread's counter stripe (`usize::MAX`: none yet).
-    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
     /// This thread's leases, looked at only once a limit has seen contention.
     static LEASES: [LeaseCell; LEASE_SLOTS] = const { [const { LeaseCell::new() }; LEASE_SLOTS] };
 }
@@ -366,101 +342,7 @@ thread_local! {
 // Under loom, each modelled thread starts every execution with fresh ones.
 #[cfg(loom)]
 loom::thread_local! {
-    static STRIPE: Cell<usize> = Cell::new(usize::MAX);
     static LEASES: [LeaseCell; LEASE_SLOTS] = [const { LeaseCell::new() }; LEASE_SLOTS];
-}
-
-/// The stripe of this thread, and whether it is this thread's alone (an owned stripe).
-#[inline]
-fn stripe() -> (usize, bool) {
-    let v = STRIPE.with(Cell::get);
-    let v = if v == usize::MAX { first_stripe() } else { v };
-    // Every stripe a thread is given is below `STRIPES`: the mask changes nothing but
-    // spares the bounds check of the index.
-    (v & (STRIPES - 1), v < OWNED_STRIPES)
-}
-
-/// Gives a thread's owned stripe back when the thread exits.
-#[cfg(not(loom))]
-struct Claim(Cell<Option<usize>>);
-
-#[cfg(not(loom))]
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if let Some(i) = self.0.take() {
-            // Anything this thread still counts (another thread-local's destructor) goes
-            // to a shared stripe from now on.
-            STRIPE.with(|s| s.set(OWNED_STRIPES));
-            // Release: the next owner's claim sees every count made here.
-            CLAIMED.fetch_and(!(1 << i), Ordering::Release);
-        }
-    }
-}
-
-#[cfg(not(loom))]
-thread_local! {
-    /// Touched once, when the thread claims a stripe, so that its exit gives it back.
-    static CLAIM: Claim = const { Claim(Cell::new(None)) };
-}
-
-/// The stripe of a thread that has none yet: a free owned one, claimed until the thread
-/// exits, or else a shared one.
-#[cold]
-fn first_stripe() -> usize {
-    #[cfg(not(loom))]
-    static NEXT_SHARED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    #[cfg(not(loom))]
-    let v = claim().unwrap_or_else(|| shared_stripe(NEXT_SHARED.fetch_add(1, Ordering::Relaxed)));
-    // Under loom every modelled thread shares one stripe: which stripes are free, or
-    // whose turn it is, would carry over from one execution of a model to the next (the
-    // counters are no part of the laws the models check).
-    #[cfg(loom)]
-    let v = OWNED_STRIPES;
-    STRIPE.with(|s| s.set(v));
-    v
-}
-
-/// The shared stripe of the `n`-th thread to find no owned stripe free.
-#[cfg_attr(loom, allow(dead_code))]
-fn shared_stripe(n: usize) -> usize {
-    OWNED_STRIPES + n % OWNED_STRIPES
-}
-
-/// Claims a free owned stripe for this thread, to be given back when it exits.
-#[cfg(not(loom))]
-fn claim() -> Option<usize> {
-    if CLAIM.try_with(|_| ()).is_err() {
-        // The thread is exiting: nothing would give a stripe back.
-        return None;
-    }
-    let mut cur = CLAIMED.load(Ordering::Relaxed);
-    loop {
-        let free = !cur & ((1u32 << OWNED_STRIPES) - 1);
-        if free == 0 {
-            return None;
-        }
-        let i = free.trailing_zeros() as usize;
-        // Acquire: this thread sees every count the stripe's last owner made.
-        match CLAIMED.compare_exchange_weak(cur, cur | 1 << i, Ordering::Acquire, Ordering::Relaxed) {
-            Ok(_) => {
-                // Alive: looked at above, in this very call.
-                let _ = CLAIM.try_with(|c| c.0.set(Some(i)));
-                return Some(i);
-            }
-            Err(seen) => cur = seen,
-        }
-    }
-}
-
-/// Adds one to a counter: a plain load and store on a stripe this thread owns, an atomic
-/// add on a shared one.
-#[inline]
-fn bump(counter: &AtomicU64, own: bool) {
-    if own {
-        counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-    } else {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 /// The TAT, alone on its cache lines: the read-mostly fields beside it stay shared.
@@ -857,6 +739,8 @@ impl Fast {
         })
     }
 }
+
+mod stripes;
 
 #[cfg(test)]
 mod laws;
