@@ -43,6 +43,28 @@ pub(crate) enum Place {
     Long(usize),
 }
 
+impl Place {
+    /// The place as its table's number (0 for short paths, 1 for numbers, 2 for long
+    /// paths) and the bucket: what [`Place::from_parts`] takes back.
+    pub(crate) fn parts(self) -> (u8, usize) {
+        match self {
+            Place::Short(at) => (0, at),
+            Place::Number(at) => (1, at),
+            Place::Long(at) => (2, at),
+        }
+    }
+
+    /// The place of [`Place::parts`]; `None` for a table number that is none of them.
+    pub(crate) fn from_parts(table: u8, bucket: usize) -> Option<Place> {
+        match table {
+            0 => Some(Place::Short(bucket)),
+            1 => Some(Place::Number(bucket)),
+            2 => Some(Place::Long(bucket)),
+            _ => None,
+        }
+    }
+}
+
 /// The longest path kept as words; the last of their 16 bytes holds the length.
 const SHORT: usize = 15;
 
@@ -142,6 +164,24 @@ impl<S> Tables<S> {
             Place::Short(at) => self.short.get_bucket_mut(at).map(|e| &mut e.1),
             Place::Number(at) => self.numbers.get_bucket_mut(at).map(|e| &mut e.1),
             Place::Long(at) => self.long.get_bucket_mut(at).map(|e| &mut e.1),
+        }
+    }
+
+    /// The state at `place` if it is `key`'s (the bucket may be empty, or hold another
+    /// key, since the place was found).
+    #[inline(always)]
+    fn at_key_mut(&mut self, place: Place, key: &[u8]) -> Option<&mut S> {
+        match (place, Probe::new(key)) {
+            (Place::Short(at), Probe::Short(words)) => {
+                self.short.get_bucket_mut(at).filter(|e| e.0 == words).map(|e| &mut e.1)
+            }
+            (Place::Number(at), Probe::Number(n)) => {
+                self.numbers.get_bucket_mut(at).filter(|e| e.0 == n).map(|e| &mut e.1)
+            }
+            (Place::Long(at), Probe::Long(key)) => {
+                self.long.get_bucket_mut(at).filter(|e| *e.0 == *key).map(|e| &mut e.1)
+            }
+            _ => None,
         }
     }
 
@@ -428,6 +468,20 @@ impl Table {
                 a.release(s, amount);
             }
         }
+    }
+
+    /// Gives `amount` back to the semaphore state at `place`, if that is still `key`'s
+    /// state (a release that kept the place of its grant: no hash, no probe); returns
+    /// whether it did. `false` sends the caller to [`Table::release`].
+    #[inline]
+    pub(crate) fn release_at(&mut self, limit: &Limit, place: Place, key: &[u8], amount: u64) -> bool {
+        if let (Limit::Semaphore(a), Table::Semaphore(t)) = (limit, self) {
+            if let Some(s) = t.at_key_mut(place, key) {
+                a.release(s, amount);
+                return true;
+            }
+        }
+        false
     }
 
     /// Drops every idle state (the shard counts what is left).

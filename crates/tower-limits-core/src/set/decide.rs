@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use super::fast::{Decision, Fast};
 use super::global::{Global, GlobalStates};
-use super::permit::{Costs, Granted};
+use super::permit::{Costs, Granted, HeldAt};
 use super::shard::{Keyed, Shard};
 use super::{Counters, LimitSnapshot, Shared, lock};
 use crate::algorithm::{Refusal, Snapshot};
@@ -83,7 +83,7 @@ impl Shared {
             }
             match decision {
                 Some(Decision::Granted(granted_at, version)) => {
-                    return Ok(Granted { granted_at, version, shape: None, shadowed: 0 });
+                    return Ok(Granted { granted_at, version, shape: None, shadowed: 0, held: HeldAt::NONE });
                 }
                 Some(Decision::Denied(tat, at)) => return Err(SetError::Denied(fast.denial(tat, at, cost))),
                 Some(Decision::Never(capacity)) => {
@@ -360,6 +360,7 @@ impl Shared {
                         if s.tables[i].commit_at(&def.limit, at, now, cost) {
                             continue;
                         }
+                        found_at[i] = None;
                     }
                     let (prefix, h) = paths[t];
                     if s.tables[i].commit(&def.limit, &self.hasher, h, prefix, now, cost) {
@@ -380,7 +381,14 @@ impl Shared {
             count_shadowed(counters, shadowed);
         }
         let keep = cfg.has_semaphore || shadowed != 0;
-        Ok(Granted { granted_at: now, version: cfg.version, shape: keep.then_some(cfg.shape), shadowed })
+        // The place of the policy's one keyed semaphore's state, for a release with no
+        // lookup (when the commit found it there rather than creating it; the release
+        // confirms the rest).
+        let held = match cfg.keyed_semaphores[..] {
+            [(j, _)] => found_at[j].map_or(HeldAt::NONE, |at| HeldAt::new(self.shard_index(root_hash), at)),
+            _ => HeldAt::NONE,
+        };
+        Ok(Granted { granted_at: now, version: cfg.version, shape: keep.then_some(cfg.shape), shadowed, held })
     }
 
     /// The decision for a set of one limit: one lookup, check and commit together.
@@ -402,7 +410,13 @@ impl Shared {
             let counters = counters(&mut shard, &mut global);
             counters.admitted += 1;
             counters.shadow_denied[0] += 1;
-            return Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 });
+            return Ok(Granted {
+                granted_at: now,
+                version: cfg.version,
+                shape: Some(cfg.shape),
+                shadowed: 1,
+                held: HeldAt::NONE,
+            });
         }
         match (def.tier, shard, global) {
             (None, _, Some(g)) => {
@@ -501,13 +515,20 @@ fn answer_one(
                 version: cfg.version,
                 shape: cfg.has_semaphore.then_some(cfg.shape),
                 shadowed: 0,
+                held: HeldAt::NONE,
             })
         }
         Err(_) if cfg.limits[0].shadow => {
             // Would have refused: admitted uncharged, and counted.
             counters.admitted += 1;
             counters.shadow_denied[0] += 1;
-            Ok(Granted { granted_at: now, version: cfg.version, shape: Some(cfg.shape), shadowed: 1 })
+            Ok(Granted {
+                granted_at: now,
+                version: cfg.version,
+                shape: Some(cfg.shape),
+                shadowed: 1,
+                held: HeldAt::NONE,
+            })
         }
         Err((Refusal::Never { capacity }, _)) => {
             counters.impossible[0] += 1;

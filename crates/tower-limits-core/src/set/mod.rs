@@ -16,7 +16,11 @@
 //! hold; [`Permit::settle`] corrects cost-counted limits to the real usage (refunding or
 //! charging the difference); [`Permit::cancel`] gives back everything, for a request
 //! that did not happen. Rate limits need nothing on drop, so for a set without
-//! semaphores a permit is plain data.
+//! semaphores a permit is plain data. A grant of a policy with one keyed semaphore (the
+//! commonest: concurrency per tenant) keeps where it found that semaphore's state, so
+//! that its release takes the shard's lock and finds the state with no hash and no
+//! probe; the release confirms the place under the lock and looks the key up if the
+//! table has changed.
 //!
 //! **The one-limit path.** A set whose only limit is one global GCRA (the commonest
 //! use: one rate on one service) keeps that limit's state in one atomic instead, and
@@ -60,15 +64,15 @@ use hashbrown::DefaultHashBuilder;
 use crate::algorithm::Snapshot;
 use crate::error::{AcquireError, SetError};
 use crate::key::TenantKey;
-use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS};
+use crate::limit::{Config, Counts, LimitDef, LimitState, MAX_LIMITS, Shape};
 use crate::policy::LimitSetPolicy;
 use crate::policy_error::PolicyError;
-use crate::table::{Op, Table, apply_global, key_hash};
+use crate::table::{Op, Place, Table, apply_global, key_hash};
 use crate::time::Instant;
 use decide::fast_never;
 use fast::{Decision, Fast};
 use global::{Global, GlobalStates};
-use permit::{Costs, Granted};
+use permit::{Costs, Granted, HeldAt};
 pub use permit::{Grant, OwnedPermit, Permit};
 use shard::{Keyed, Padded, Shard, shard_cap, shard_count};
 
@@ -164,7 +168,10 @@ macro_rules! return_fast_answer {
             let charged = fast.cost($cost);
             match fast.acquire(charged, $now) {
                 Some(Decision::Granted(granted_at, version)) => {
-                    let $grant = Grant::uniform($cost, Granted { granted_at, version, shape: None, shadowed: 0 });
+                    let $grant = Grant::uniform(
+                        $cost,
+                        Granted { granted_at, version, shape: None, shadowed: 0, held: HeldAt::NONE },
+                    );
                     return Ok($wrap);
                 }
                 Some(Decision::Denied(tat, at)) => return Err($error::Denied(fast.denial(tat, at, charged))),
@@ -384,6 +391,7 @@ impl LimitSet {
             charged: 0,
             each: None,
             shadowed: 0,
+            held: HeldAt::NONE,
         };
         self.shared.correct(key, &probe, now, |_, def| {
             (def.counts == counts && !def.limit.is_semaphore()).then_some(Op::Align(remaining))
@@ -597,6 +605,11 @@ impl Shared {
             (def.limit.is_semaphore() && !grant.shadowed(i))
                 .then(|| Op::Release(grant.acquired_of(i, shape.limits[i].counts)))
         };
+        if let Some((at_shard, place)) = grant.held.get() {
+            if self.release_at(key, grant, shape, at_shard, place) {
+                return;
+            }
+        }
         if !key.is_global() {
             // When every semaphore of the current policy is keyed, the release touches the
             // key's shard alone: its lock suffices (a replace swaps the shard's config
@@ -624,6 +637,23 @@ impl Shared {
             }
         }
         self.correct(key, grant, grant.granted_at, op_for);
+    }
+
+    /// Gives back the permits of the policy's one keyed semaphore at the place the grant
+    /// kept (see [`HeldAt`]), when the grant's policy is still the current one and the
+    /// state there is still the key's; returns whether it did.
+    #[inline]
+    fn release_at(&self, key: &TenantKey, grant: &Grant, shape: &Shape, at_shard: usize, place: Place) -> bool {
+        let Some(shard) = self.shards.get(at_shard) else { return false };
+        let mut shard = lock(&shard.0);
+        let Shard { config: current, keyed } = &mut *shard;
+        let [(j, t)] = current.keyed_semaphores[..] else { return false };
+        if current.version != grant.version || current.global_semaphore || grant.shadowed(j) {
+            return false;
+        }
+        let Some(prefix) = key.prefix(t + 1) else { return false };
+        let amount = grant.acquired_of(j, shape.limits[j].counts);
+        keyed.tables[j].release_at(&current.limits[j].limit, place, prefix, amount)
     }
 
     fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: Costs, now: Instant) {

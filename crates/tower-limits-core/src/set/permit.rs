@@ -15,6 +15,7 @@ use super::LimitSet;
 use crate::key::TenantKey;
 use crate::limit::{LimitDef, Shape};
 use crate::policy::Counts;
+use crate::table::Place;
 use crate::time::Instant;
 
 /// Per-limit costs of one acquisition.
@@ -78,6 +79,52 @@ pub struct Grant {
     /// order of the policy it was granted under): they were not charged, so nothing is
     /// released, settled or refunded on them.
     pub(crate) shadowed: u16,
+    /// Where the policy's one keyed semaphore holds this grant's permits, for a release
+    /// with no lookup.
+    pub(super) held: HeldAt,
+}
+
+/// Where a grant's permits of the policy's one keyed semaphore are held: the key's shard
+/// and the state's place in its table, packed in 32 bits (zero for none, as for a grant
+/// that created the state, or of a policy with other semaphores), so that a release finds
+/// the state with no hash and no probe. A hint, not a promise: the release confirms
+/// under the shard's lock that the grant's policy is still the current one and that the
+/// state at that place is the key's (the table may have grown since and moved it), and
+/// looks the key up otherwise. Kept in the grant's padding: a grant stays 56 bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct HeldAt(u32);
+
+/// Bits of a [`HeldAt`]: the table (plus one; zero for none), the shard, the bucket.
+const TABLE_BITS: u32 = 2;
+const SHARD_BITS: u32 = 7;
+const BUCKET_SHIFT: u32 = TABLE_BITS + SHARD_BITS;
+const _: () = assert!(super::shard::MAX_SHARDS <= 1 << SHARD_BITS, "every shard's number fits");
+
+impl HeldAt {
+    /// No place kept: the release looks the key up.
+    pub(super) const NONE: HeldAt = HeldAt(0);
+
+    /// The place `place` in shard `shard`; none when either does not fit (a shard's table
+    /// of more than eight million buckets).
+    #[inline]
+    pub(super) fn new(shard: usize, place: Place) -> HeldAt {
+        let (table, bucket) = place.parts();
+        if shard >= 1 << SHARD_BITS || bucket >= 1 << (32 - BUCKET_SHIFT) {
+            return HeldAt::NONE;
+        }
+        // Each part checked to fit above: the casts lose nothing.
+        #[allow(clippy::cast_possible_truncation)]
+        HeldAt((bucket as u32) << BUCKET_SHIFT | (shard as u32) << TABLE_BITS | (u32::from(table) + 1))
+    }
+
+    /// The shard and the place, if kept.
+    #[inline]
+    pub(super) fn get(self) -> Option<(usize, Place)> {
+        let table = self.0 & ((1 << TABLE_BITS) - 1);
+        let shard = (self.0 >> TABLE_BITS) & ((1 << SHARD_BITS) - 1);
+        let place = Place::from_parts(u8::try_from(table.checked_sub(1)?).ok()?, (self.0 >> BUCKET_SHIFT) as usize)?;
+        Some((shard as usize, place))
+    }
 }
 
 /// A grant's costs once one of them is per limit.
@@ -93,6 +140,7 @@ pub(super) struct Granted {
     pub(super) version: u64,
     pub(super) shape: Option<&'static Shape>,
     pub(super) shadowed: u16,
+    pub(super) held: HeldAt,
 }
 
 impl Grant {
@@ -157,6 +205,7 @@ impl Grant {
             charged: cost,
             each: None,
             shadowed: g.shadowed,
+            held: g.held,
         }
     }
 

@@ -22,7 +22,7 @@ use crate::table::{Table, key_hash};
 use crate::time::Instant;
 
 /// The most shards a set spreads its keys over.
-const MAX_SHARDS: usize = 128;
+pub(super) const MAX_SHARDS: usize = 128;
 
 /// Shards per core that could contend for them.
 const SHARDS_PER_CORE: usize = 4;
@@ -87,8 +87,14 @@ impl Shared {
     /// The shard of the keys whose root hashes to `h`.
     #[inline]
     pub(super) fn shard_at(&self, h: u64) -> &Mutex<Shard> {
+        &self.shards[self.shard_index(h)].0
+    }
+
+    /// The number of the shard of the keys whose root hashes to `h`.
+    #[inline]
+    pub(super) fn shard_index(&self, h: u64) -> usize {
         // The high bits: the table uses the low ones.
-        &self.shards[(h >> 40) as usize & self.mask].0
+        (h >> 40) as usize & self.mask
     }
 
     pub(super) fn shared_shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {

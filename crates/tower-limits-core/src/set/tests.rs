@@ -155,3 +155,139 @@ fn a_stale_lock_order_hint_still_reaches_the_keyed_limits() {
     );
     assert_eq!(set.tracked_keys(), 1);
 }
+
+/// A tenant's GCRA and concurrency, and a global bucket: the set of three of `peers`,
+/// with room for many tenants in one shard.
+fn set_of_three(max_keys: usize) -> LimitSet {
+    LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(max_keys)
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000).counting_cost())
+            .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant")),
+    )
+    .unwrap()
+}
+
+fn held(set: &LimitSet) -> u64 {
+    set.stats().limits[2].held
+}
+
+/// A grant keeps the place of its tenant's semaphore state when it found one, and not
+/// when it created it; a grant stays 56 bytes with it.
+#[test]
+fn a_grant_keeps_the_place_of_the_state_it_found() {
+    assert_eq!(std::mem::size_of::<Grant>(), 56);
+    let set = set_of_three(1_000);
+    let acme = TenantKey::single("acme").unwrap();
+    let first = set.acquire(&acme, 1, Instant::ZERO).unwrap();
+    assert_eq!(first.grant.held, HeldAt::NONE, "the state was created");
+    let second = set.acquire(&acme, 1, Instant::ZERO).unwrap();
+    let (shard, _) = second.grant.held.get().expect("the state was found");
+    assert_eq!(shard, set.shared.shard_index(set.shared.root_hash(&acme)));
+    drop((first, second));
+    assert_eq!(held(&set), 0);
+    // A policy with two keyed semaphores keeps no place.
+    let two = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::semaphore("org", 4).per("org"))
+            .limit(LimitPolicy::semaphore("user", 4).per("user")),
+    )
+    .unwrap();
+    let alice = TenantKey::new(["acme", "alice"]).unwrap();
+    let _first = two.acquire(&alice, 1, Instant::ZERO).unwrap();
+    assert_eq!(two.acquire(&alice, 1, Instant::ZERO).unwrap().grant.held, HeldAt::NONE);
+}
+
+/// A release by the kept place gives back exactly its own tenant's permit, after the
+/// table grew and moved every state (so that the place now holds another tenant's, or
+/// nothing), and after a replace.
+#[test]
+fn a_release_by_its_place_gives_back_its_own_tenant_only() {
+    let set = set_of_three(100_000);
+    let key = |i: u32| TenantKey::single(format!("tenant-{i}")).unwrap();
+    let tenants: Vec<TenantKey> = (0..2_000).map(key).collect();
+    // Every tenant's state exists; each then holds one permit whose grant kept its place.
+    for k in &tenants {
+        drop(set.acquire(k, 1, Instant::ZERO).unwrap());
+    }
+    let early: Vec<Grant> = tenants[..50].iter().map(|k| set.acquire_grant(k, 1, Instant::ZERO).unwrap()).collect();
+    assert!(early.iter().all(|g| g.held.get().is_some()));
+    // Thousands more tenants, each holding a permit: the tables grow, every state moves,
+    // and the kept places now hold other tenants' states.
+    let more: Vec<TenantKey> = (2_000..20_000).map(key).collect();
+    let others: Vec<Grant> = more.iter().map(|k| set.acquire_grant(k, 1, Instant::ZERO).unwrap()).collect();
+    assert_eq!(held(&set), 50 + 18_000);
+    for (k, g) in tenants[..50].iter().zip(early) {
+        set.release_grant(k, g);
+        assert_eq!(set.peek(k, Instant::ZERO)[2].snapshot.remaining, 2, "{k:?} gave its permit back");
+    }
+    assert_eq!(held(&set), 18_000, "no other tenant lost one");
+    for (k, g) in more.iter().zip(others) {
+        set.release_grant(k, g);
+    }
+    assert_eq!(held(&set), 0);
+
+    // After a replace the place is not trusted: the release goes by the key, and still
+    // gives the permit back.
+    let acme = TenantKey::single("acme").unwrap();
+    drop(set.acquire(&acme, 1, Instant::ZERO).unwrap());
+    let acme_grant = set.acquire_grant(&acme, 1, Instant::ZERO).unwrap();
+    assert!(acme_grant.held.get().is_some());
+    let policy = LimitSetPolicy::new()
+        .tiers(["tenant"])
+        .max_keys(100_000)
+        .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant"))
+        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"));
+    set.replace_policy(policy).unwrap();
+    assert_eq!(set.stats().limits[0].held, 1, "the permit moved with the limit");
+    set.release_grant(&acme, acme_grant);
+    assert_eq!(set.stats().limits[0].held, 0);
+}
+
+/// The kept place packs and unpacks every table, the largest shard and the largest
+/// bucket it can hold; anything larger is not kept.
+#[test]
+fn a_kept_place_is_what_was_packed() {
+    use crate::table::Place;
+    let max_bucket = (1 << 23) - 1;
+    for place in [Place::Short(0), Place::Number(7), Place::Long(max_bucket), Place::Short(12_345)] {
+        for shard in [0, 1, 77, shard::MAX_SHARDS - 1] {
+            let (got_shard, got) = HeldAt::new(shard, place).get().expect("kept");
+            assert_eq!((got_shard, got.parts()), (shard, place.parts()));
+        }
+    }
+    assert_eq!(HeldAt::new(0, Place::Short(max_bucket + 1)), HeldAt::NONE);
+    assert_eq!(HeldAt::new(shard::MAX_SHARDS, Place::Short(0)), HeldAt::NONE);
+    assert_eq!(HeldAt::NONE.get().map(|(s, p)| (s, p.parts())), None);
+}
+
+/// A grant of an earlier policy never gives back to a semaphore it did not hold, even
+/// when the new semaphore's state sits at the very place the grant kept (one tenant in
+/// a table of the same size, so the same bucket).
+#[test]
+fn a_kept_place_is_not_trusted_across_a_replace() {
+    let policy = |name: &'static str| {
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(8)
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::semaphore(name, 2).per("tenant"))
+    };
+    let set = LimitSet::new(policy("concurrent")).unwrap();
+    let acme = TenantKey::single("acme").unwrap();
+    drop(set.acquire(&acme, 1, Instant::ZERO).unwrap());
+    let old = set.acquire_grant(&acme, 1, Instant::ZERO).unwrap();
+    let (_, kept) = old.held.get().expect("kept");
+    set.replace_policy(policy("connections")).unwrap();
+    drop(set.acquire(&acme, 1, Instant::ZERO).unwrap());
+    let new = set.acquire_grant(&acme, 1, Instant::ZERO).unwrap();
+    let (_, place) = new.held.get().expect("kept");
+    assert_eq!(place.parts(), kept.parts(), "the new state sits where the old one did");
+    set.release_grant(&acme, old);
+    assert_eq!(set.stats().limits[1].held, 1, "the new semaphore still holds its grant");
+    set.release_grant(&acme, new);
+    assert_eq!(set.stats().limits[1].held, 0);
+}
