@@ -26,6 +26,7 @@ use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::extract::PeerIp;
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, Quota, nz};
+use tower_limits_benches::floor::SetOfThreeFloor;
 use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Backend, Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 use tower_limits_redis::redis;
@@ -364,6 +365,19 @@ fn core_rows(rows: &mut Vec<Row>) {
         &mut || {
             let permit = set.acquire(&key, 10, clock.now()).expect("granted");
             drop(black_box(permit));
+        },
+        &mut || {
+            black_box(gov_open.check().is_ok());
+        },
+    ));
+    // The same three limits written by hand for this one policy (see `floor.rs`): how
+    // close a set that decides under locks can come.
+    let floor = SetOfThreeFloor::new();
+    rows.push(pair(
+        "3-limit set by hand (the floor) / one governor check",
+        &mut || {
+            let grant = floor.acquire(b"acme", 10, clock.now().as_nanos()).expect("granted");
+            floor.release(black_box(grant));
         },
         &mut || {
             black_box(gov_open.check().is_ok());

@@ -2,7 +2,8 @@
 //! counts that do not depend on the machine's load:
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny` (through `acquire`), `check`,
-//! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`,
+//! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`, `floor-set3` (the
+//! same three limits by hand, `floor.rs`),
 //! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
 //! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call),
 //! `keyed-ids-100k` and `gov-keyed-ids-100k` (the `peers` row's 100,000 ids in turn),
@@ -31,6 +32,7 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
+use tower_limits_benches::floor::SetOfThreeFloor;
 use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
@@ -57,6 +59,7 @@ fn main() {
             .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
     )
     .ok();
+    let floor = SetOfThreeFloor::new();
     // The `peers` rows' keyed set: room for every key of the 100,000-key rows.
     let keyed = Some(open_keyed_set());
     let acme = TenantKey::single("acme").ok();
@@ -108,6 +111,9 @@ fn main() {
         "gov-allow" => Box::new(|_| gov_open.check().is_ok()),
         "gov-deny" => Box::new(|_| gov_shut.check().is_err()),
         "set3" => Box::new(|_| set3.acquire(&acme, 10, clock.now()).is_ok()),
+        "floor-set3" => {
+            Box::new(|_| floor.acquire(b"acme", 10, clock.now().as_nanos()).map(|grant| floor.release(grant)).is_some())
+        }
         "keyed1" => Box::new(|_| keyed.acquire(&acme, 1, clock.now()).is_ok()),
         "gov-keyed1" => Box::new(|_| gov_keyed.check_key(&"acme").is_ok()),
         "keyed-text" => {

@@ -1,0 +1,144 @@
+//! The floor of the `peers` set of three: the same three limits written by hand for that
+//! one policy, with nothing a general set needs, to show how close any set that decides
+//! under locks can come to the target of three governor checks.
+//!
+//! It keeps what the laws need and drops the rest: one lock per shard, a tenant's GCRA
+//! and semaphore in one row found by one probe, the global bucket in one atomic taken
+//! by compare-and-swap (a GCRA of the bucket's rate: the same admissions), and a grant
+//! that holds its row's place, so that the release takes the lock and no lookup. No
+//! policy, no shadow limits, no costs per limit, no settle, no replace, no bound on
+//! memory, no counters, keys of at most 15 bytes: a measuring stick, not a limiter.
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+/// A tenant's two states: its GCRA's theoretical arrival time and its permits held.
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    tat: u64,
+    held: u64,
+}
+
+/// Keeps each lock on its own cache lines.
+#[derive(Debug)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// Rows by the tenant's bytes as two words (at most 15 bytes, the length in the last).
+type Rows = HashTable<([u64; 2], Row)>;
+
+/// The `peers` set of three, by hand: per tenant a GCRA of one request a nanosecond with
+/// a burst of a million and a semaphore of 64; globally a bucket of a billion tokens a
+/// second, a million deep.
+///
+/// ```
+/// use tower_limits_benches::floor::SetOfThreeFloor;
+///
+/// let set = SetOfThreeFloor::new();
+/// let grant = set.acquire(b"acme", 10, 1_000).expect("granted");
+/// set.release(grant);
+/// assert!(set.acquire(&[b'x'; 16], 10, 1_000).is_none(), "keys of at most 15 bytes");
+/// ```
+#[derive(Debug)]
+pub struct SetOfThreeFloor {
+    shards: Box<[Padded<Mutex<Rows>>]>,
+    bucket: Padded<AtomicU64>,
+    hasher: DefaultHashBuilder,
+}
+
+/// Where a grant's row is: its shard and its bucket.
+#[derive(Debug)]
+#[must_use = "a grant holds a permit until it is released"]
+pub struct FloorGrant {
+    shard: usize,
+    bucket: usize,
+}
+
+const SHARDS: usize = 8;
+const GCRA_INTERVAL: u64 = 1;
+const GCRA_TOLERANCE: u64 = 1_000_000;
+const PERMITS: u64 = 64;
+const TOKEN_INTERVAL: u64 = 1;
+const BUCKET_TOLERANCE: u64 = 1_000_000;
+
+fn words(key: &[u8]) -> Option<[u64; 2]> {
+    let mut bytes = [0u8; 16];
+    bytes.get_mut(..key.len()).filter(|_| key.len() < 16)?.copy_from_slice(key);
+    bytes[15] = u8::try_from(key.len()).ok()?;
+    let (lo, hi) = bytes.split_at(8);
+    Some([u64::from_le_bytes(lo.try_into().ok()?), u64::from_le_bytes(hi.try_into().ok()?)])
+}
+
+impl Default for SetOfThreeFloor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SetOfThreeFloor {
+    /// A set with no tenant yet.
+    #[must_use]
+    pub fn new() -> Self {
+        SetOfThreeFloor {
+            shards: (0..SHARDS).map(|_| Padded(Mutex::new(HashTable::new()))).collect(),
+            bucket: Padded(AtomicU64::new(0)),
+            hasher: DefaultHashBuilder::default(),
+        }
+    }
+
+    /// One request of `cost` tokens for `key` at `now` (nanoseconds): all three limits
+    /// or none. `None` when refused (or the key is longer than 15 bytes).
+    #[inline(never)]
+    pub fn acquire(&self, key: &[u8], cost: u64, now: u64) -> Option<FloorGrant> {
+        let words = words(key)?;
+        let h = self.hasher.hash_one(key);
+        let shard = (h >> 40) as usize % SHARDS;
+        let mut rows = self.shards[shard].0.lock().unwrap_or_else(PoisonError::into_inner);
+        let bucket = match rows.find_bucket_index(h, |e| e.0 == words) {
+            Some(bucket) => bucket,
+            None => {
+                let hasher = &self.hasher;
+                let entry = rows.insert_unique(h, (words, Row { tat: 0, held: 0 }), |e| {
+                    let len = usize::from(e.0[1].to_le_bytes()[7]);
+                    let mut bytes = [0u8; 16];
+                    bytes[..8].copy_from_slice(&e.0[0].to_le_bytes());
+                    bytes[8..].copy_from_slice(&e.0[1].to_le_bytes());
+                    hasher.hash_one(&bytes[..len.min(15)])
+                });
+                entry.bucket_index()
+            }
+        };
+        let row = rows.get_bucket_mut(bucket)?;
+        let tat = row.1.tat.max(now) + GCRA_INTERVAL;
+        if tat - now > GCRA_TOLERANCE || row.1.held >= PERMITS {
+            return None;
+        }
+        // The bucket last, by compare-and-swap: nothing to undo when it refuses.
+        let mut seen = self.bucket.0.load(Ordering::Relaxed);
+        loop {
+            let next = seen.max(now) + TOKEN_INTERVAL * cost;
+            if next - now > BUCKET_TOLERANCE {
+                return None;
+            }
+            match self.bucket.0.compare_exchange_weak(seen, next, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now_seen) => seen = now_seen,
+            }
+        }
+        row.1.tat = tat;
+        row.1.held += 1;
+        Some(FloorGrant { shard, bucket })
+    }
+
+    /// Gives back the permit of `grant`, at the place it kept.
+    #[inline(never)]
+    pub fn release(&self, grant: FloorGrant) {
+        let mut rows = self.shards[grant.shard].0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(row) = rows.get_bucket_mut(grant.bucket) {
+            row.1.held -= 1;
+        }
+    }
+}
