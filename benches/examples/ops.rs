@@ -3,7 +3,8 @@
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny` (through `acquire`), `check`,
 //! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`, `floor-set3` (the
-//! same three limits by hand, `floor.rs`),
+//! same three limits by hand, `floor.rs`), `keyed-sem` (one semaphore per tenant, acquired
+//! and released),
 //! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
 //! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call),
 //! `keyed-ids-100k` and `gov-keyed-ids-100k` (the `peers` row's 100,000 ids in turn),
@@ -60,6 +61,11 @@ fn main() {
     )
     .ok();
     let floor = SetOfThreeFloor::new();
+    // Concurrency per tenant: one keyed semaphore, acquired and released.
+    let keyed_sem = LimitSet::new(
+        LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
+    )
+    .ok();
     // The `peers` rows' keyed set: room for every key of the 100,000-key rows.
     let keyed = Some(open_keyed_set());
     let acme = TenantKey::single("acme").ok();
@@ -71,7 +77,9 @@ fn main() {
         let _ = s.acquire(&global, 1, clock.now());
     }
     let _ = gov_shut.check();
-    let (Some(open), Some(shut), Some(set3), Some(keyed), Some(acme)) = (open, shut, set3, keyed, acme) else {
+    let (Some(open), Some(shut), Some(set3), Some(keyed), Some(keyed_sem), Some(acme)) =
+        (open, shut, set3, keyed, keyed_sem, acme)
+    else {
         println!("bad setup");
         return;
     };
@@ -114,6 +122,7 @@ fn main() {
         "floor-set3" => {
             Box::new(|_| floor.acquire(b"acme", 10, clock.now().as_nanos()).map(|grant| floor.release(grant)).is_some())
         }
+        "keyed-sem" => Box::new(|_| keyed_sem.acquire(&acme, 1, clock.now()).is_ok()),
         "keyed1" => Box::new(|_| keyed.acquire(&acme, 1, clock.now()).is_ok()),
         "gov-keyed1" => Box::new(|_| gov_keyed.check_key(&"acme").is_ok()),
         "keyed-text" => {

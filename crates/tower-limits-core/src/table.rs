@@ -221,6 +221,9 @@ pub(crate) enum Table {
     Semaphore(Tables<SemaphoreState>),
 }
 
+/// A decision on one state: granted, or the refusal with the state's snapshot.
+pub(crate) type Decided = Result<(), (Refusal, Snapshot)>;
+
 /// A correction applied to one state after a grant.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Op {
@@ -411,7 +414,7 @@ impl Table {
         key: &[u8],
         now: Instant,
         cost: u64,
-    ) -> Option<Result<(), (Refusal, Snapshot)>> {
+    ) -> Option<Decided> {
         with_table!(
             limit,
             self,
@@ -426,6 +429,30 @@ impl Table {
             },
             Some(Err((Refusal::Never { capacity: 0 }, limit.peek(&limit.fresh(), now))))
         )
+    }
+
+    /// [`Table::acquire_existing`] for a semaphore, with the place of the state it found
+    /// (for a release with no lookup); `None` when `key` has no state here, or the limit is
+    /// not a semaphore.
+    #[inline(always)]
+    pub(crate) fn acquire_semaphore_at(
+        &mut self,
+        limit: &Limit,
+        h: u64,
+        key: &[u8],
+        now: Instant,
+        cost: u64,
+    ) -> Option<(Place, Decided)> {
+        let (Limit::Semaphore(a), Table::Semaphore(t)) = (limit, self) else { return None };
+        let at = t.place(h, key)?;
+        let s = t.at_mut(at)?;
+        Some((
+            at,
+            match a.acquire(s, now, cost) {
+                Ok(()) => Ok(()),
+                Err(r) => Err((r, a.peek(s, now))),
+            },
+        ))
     }
 
     /// Applies `op` to `key`'s state; a state evicted since (idle) is brought back when
@@ -575,6 +602,49 @@ mod tests {
         table.retain(|n| n % 2 == 0);
         assert_eq!(table.len(), paths.len() / 2);
         assert!(table.states().all(|n| n % 2 == 0));
+    }
+
+    /// A release at a place gives back to the state there only if it is the key's: never
+    /// to another key's, nor through a place of another form, nor to a limit that is not
+    /// a semaphore; an acquisition that found the state names its place.
+    #[test]
+    fn a_release_at_a_place_is_for_the_key_found_there() {
+        use crate::algorithm::Semaphore;
+        let hasher = DefaultHashBuilder::default();
+        let limit = Limit::Semaphore(Semaphore::new(4).unwrap());
+        let mut table = Table::for_limit(&limit);
+        let now = Instant::ZERO;
+        let number = TenantKey::from_u64(7);
+        let number = number.prefix(1).unwrap_or_default();
+        let long = [b'x'; 20];
+        let keys: [&[u8]; 4] = [b"acme", b"globex", number, &long];
+        let held = |t: &Table, key: &[u8]| t.peek(&limit, key_hash(&hasher, key), key, now).remaining;
+        for key in keys {
+            assert!(table.commit(&limit, &hasher, key_hash(&hasher, key), key, now, 2));
+        }
+        for key in keys {
+            let h = key_hash(&hasher, key);
+            let (place, result) = table.acquire_semaphore_at(&limit, h, key, now, 1).expect("found");
+            assert!(result.is_ok());
+            assert_eq!(Some(place.parts()), table.check(&limit, h, key, now, 1).0.map(Place::parts));
+            assert_eq!(held(&table, key), 1);
+            for other in keys.into_iter().filter(|&k| k != key) {
+                assert!(!table.release_at(&limit, place, other, 1), "{other:?} is not at {key:?}'s place");
+            }
+            assert!(table.release_at(&limit, place, key, 1));
+            assert_eq!(held(&table, key), 2);
+            for other in keys.into_iter().filter(|&k| k != key) {
+                assert_eq!(held(&table, other), 2, "{other:?} untouched");
+            }
+        }
+        // No place of a key absent from the table, and nothing for another kind of limit.
+        assert!(table.acquire_semaphore_at(&limit, key_hash(&hasher, b"initech"), b"initech", now, 1).is_none());
+        let gcra = Limit::Gcra(crate::algorithm::Gcra::new(crate::Rate::per_second(1), 1).unwrap());
+        let mut rates = Table::for_limit(&gcra);
+        assert!(rates.commit(&gcra, &hasher, key_hash(&hasher, b"acme"), b"acme", now, 1));
+        let place = rates.check(&gcra, key_hash(&hasher, b"acme"), b"acme", now, 0).0.expect("found");
+        assert!(!rates.release_at(&gcra, place, b"acme", 1));
+        assert!(rates.acquire_semaphore_at(&gcra, key_hash(&hasher, b"acme"), b"acme", now, 1).is_none());
     }
 
     #[test]

@@ -425,12 +425,12 @@ impl Shared {
                 if result.is_ok() {
                     g.latest = now;
                 }
-                answer_one(cfg, &mut g.counters, result, cost, now)
+                answer_one(cfg, &mut g.counters, result, (cost, HeldAt::NONE), now)
             }
             (Some(t), Some(s), _) => {
                 let prefix = key.prefix(t + 1).unwrap_or_default();
                 let h = if t == 0 { root_hash } else { key_hash(&self.hasher, prefix) };
-                self.decide_keyed(cfg, s, prefix, h, cost, now)
+                self.decide_keyed(cfg, s, (prefix, h, root_hash), cost, now)
             }
             _ => unreachable!("the caller locks what the limit's scope needs"),
         }
@@ -457,23 +457,32 @@ impl Shared {
             (prefix, key_hash(&self.hasher, prefix))
         };
         let cost = Costs::Uniform(cost).of(0, &cfg.limits[0]);
-        self.decide_keyed(cfg, keyed, prefix, h, cost, now.max(keyed.latest))
+        self.decide_keyed(cfg, keyed, (prefix, h, root_hash), cost, now.max(keyed.latest))
     }
 
-    /// The one limit's decision on the state of `prefix` (its hash `h`): the existing
-    /// state's, or a fresh one's, created on a grant if there is room.
+    /// The one limit's decision on the state of `prefix` (its hash `h`; `root_hash` picked
+    /// the shard): the existing state's, or a fresh one's, created on a grant if there is
+    /// room. A semaphore's grant keeps the place of the state it found, for its release.
     #[inline(always)]
     fn decide_keyed(
         &self,
         cfg: &Config,
         s: &mut Keyed,
-        prefix: &[u8],
-        h: u64,
+        (prefix, h, root_hash): (&[u8], u64, u64),
         cost: u64,
         now: Instant,
     ) -> Result<Granted, SetError> {
         let def = &cfg.limits[0];
-        let result = match s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost) {
+        let mut held = HeldAt::NONE;
+        let existing = if cfg.has_semaphore {
+            s.tables[0].acquire_semaphore_at(&def.limit, h, prefix, now, cost).map(|(at, result)| {
+                held = HeldAt::new(self.shard_index(root_hash), at);
+                result
+            })
+        } else {
+            s.tables[0].acquire_existing(&def.limit, h, prefix, now, cost)
+        };
+        let result = match existing {
             Some(result) => result,
             None => match def.limit.check(&cfg.fresh[0], now, cost) {
                 Err(r) => Err((r, def.limit.peek(&cfg.fresh[0], now))),
@@ -493,7 +502,7 @@ impl Shared {
         if result.is_ok() {
             s.latest = now;
         }
-        answer_one(cfg, &mut s.counters, result, cost, now)
+        answer_one(cfg, &mut s.counters, result, (cost, held), now)
     }
 }
 
@@ -504,7 +513,7 @@ fn answer_one(
     cfg: &Config,
     counters: &mut Counters,
     result: Result<(), (Refusal, Snapshot)>,
-    cost: u64,
+    (cost, held): (u64, HeldAt),
     now: Instant,
 ) -> Result<Granted, SetError> {
     match result {
@@ -515,7 +524,7 @@ fn answer_one(
                 version: cfg.version,
                 shape: cfg.has_semaphore.then_some(cfg.shape),
                 shadowed: 0,
-                held: HeldAt::NONE,
+                held,
             })
         }
         Err(_) if cfg.limits[0].shadow => {

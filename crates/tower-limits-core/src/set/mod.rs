@@ -601,15 +601,22 @@ impl Shared {
     #[inline(never)]
     fn release(&self, key: &TenantKey, grant: &Grant) {
         let Some(shape) = grant.shape.filter(|s| s.has_semaphore) else { return };
-        let op_for = |i: usize, def: &LimitDef| {
-            (def.limit.is_semaphore() && !grant.shadowed(i))
-                .then(|| Op::Release(grant.acquired_of(i, shape.limits[i].counts)))
-        };
         if let Some((at_shard, place)) = grant.held.get() {
             if self.release_at(key, grant, shape, at_shard, place) {
                 return;
             }
         }
+        self.release_by_key(key, grant, shape);
+    }
+
+    /// The release of a grant that kept no place, or whose place is stale: by the key.
+    /// Out of line, so that none of its work is started before the place is tried.
+    #[inline(never)]
+    fn release_by_key(&self, key: &TenantKey, grant: &Grant, shape: &Shape) {
+        let op_for = |i: usize, def: &LimitDef| {
+            (def.limit.is_semaphore() && !grant.shadowed(i))
+                .then(|| Op::Release(grant.acquired_of(i, shape.limits[i].counts)))
+        };
         if !key.is_global() {
             // When every semaphore of the current policy is keyed, the release touches the
             // key's shard alone: its lock suffices (a replace swaps the shard's config

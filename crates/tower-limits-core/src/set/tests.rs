@@ -188,6 +188,19 @@ fn a_grant_keeps_the_place_of_the_state_it_found() {
     assert_eq!(shard, set.shared.shard_index(set.shared.root_hash(&acme)));
     drop((first, second));
     assert_eq!(held(&set), 0);
+    // A set of one keyed semaphore (its own short path) keeps it too.
+    let one =
+        LimitSet::new(LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("c", 2).per("tenant")))
+            .unwrap();
+    let first = one.acquire(&acme, 1, Instant::ZERO).unwrap();
+    assert_eq!(first.grant.held, HeldAt::NONE, "the state was created");
+    let second = one.acquire(&acme, 1, Instant::ZERO).unwrap();
+    assert!(second.grant.held.get().is_some(), "the state was found");
+    assert!(one.acquire(&acme, 1, Instant::ZERO).is_err(), "both permits held");
+    drop(second);
+    assert_eq!(one.stats().limits[0].held, 1, "the release by place gave one back");
+    drop(first);
+    assert_eq!(one.stats().limits[0].held, 0);
     // A policy with two keyed semaphores keeps no place.
     let two = LimitSet::new(
         LimitSetPolicy::new()
@@ -290,4 +303,70 @@ fn a_kept_place_is_not_trusted_across_a_replace() {
     assert_eq!(set.stats().limits[1].held, 1, "the new semaphore still holds its grant");
     set.release_grant(&acme, new);
     assert_eq!(set.stats().limits[1].held, 0);
+}
+
+/// The release by place is taken when the place holds (and gives back there), and turned
+/// down when the grant's policy is no longer the current one, when the set has a global
+/// semaphore too, or when the grant holds nothing of that semaphore (a shadow refusal).
+#[test]
+fn the_release_by_place_is_taken_only_when_it_holds() {
+    let acme = TenantKey::single("acme").unwrap();
+    let kept = |set: &LimitSet| {
+        drop(set.acquire(&acme, 1, Instant::ZERO).unwrap());
+        let grant = set.acquire_grant(&acme, 1, Instant::ZERO).unwrap();
+        let (shard, place) = grant.held.get().expect("kept");
+        (grant, shard, place)
+    };
+    let set = set_of_three(1_000);
+    let (grant, shard, place) = kept(&set);
+    let shape = grant.shape.expect("a semaphore");
+    assert_eq!(held(&set), 1);
+    assert!(set.shared.release_at(&acme, &grant, shape, shard, place));
+    assert_eq!(held(&set), 0);
+    // After a replace by the same policy (a new version), the place is turned down.
+    let (grant, shard, place) = kept(&set);
+    set.replace_policy(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(1_000)
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000).counting_cost())
+            .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant")),
+    )
+    .unwrap();
+    assert!(!set.shared.release_at(&acme, &grant, shape, shard, place));
+    set.release_grant(&acme, grant);
+    assert_eq!(held(&set), 0);
+
+    // A set with a global semaphore beside its keyed one releases both by the general
+    // correction.
+    let both = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::semaphore("tenant", 4).per("tenant"))
+            .limit(LimitPolicy::semaphore("all", 4)),
+    )
+    .unwrap();
+    let (grant, shard, place) = kept(&both);
+    assert!(!both.shared.release_at(&acme, &grant, grant.shape.expect("a semaphore"), shard, place));
+    both.release_grant(&acme, grant);
+    assert_eq!(both.stats().limits.iter().map(|l| l.held).collect::<Vec<_>>(), [0, 0]);
+
+    // A shadow semaphore that refused holds nothing: its place is turned down.
+    let shadow = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::semaphore("trial", 1).per("tenant").shadow()),
+    )
+    .unwrap();
+    let (first, _, _) = kept(&shadow);
+    let refused = shadow.acquire_grant(&acme, 1, Instant::ZERO).unwrap();
+    assert_eq!(refused.shadow_refusals().count(), 1);
+    let (shard, place) = refused.held.get().expect("the state was found");
+    assert!(!shadow.shared.release_at(&acme, &refused, refused.shape.expect("a semaphore"), shard, place));
+    shadow.release_grant(&acme, refused);
+    assert_eq!(shadow.stats().limits[1].held, 1, "the first grant still holds its permit");
+    shadow.release_grant(&acme, first);
+    assert_eq!(shadow.stats().limits[1].held, 0);
 }
