@@ -269,6 +269,15 @@ pub(crate) fn key_hash(hasher: &DefaultHashBuilder, key: &[u8]) -> u64 {
     hasher.hash_one(key)
 }
 
+/// Check and commit on one state, with the state's snapshot on a refusal.
+#[inline(always)]
+fn acquire_on<A: Algorithm>(a: &A, s: &mut A::State, now: Instant, cost: u64) -> Decided {
+    match a.acquire(s, now, cost) {
+        Ok(()) => Ok(()),
+        Err(r) => Err((r, a.peek(s, now))),
+    }
+}
+
 pub(crate) fn apply<A: Algorithm>(a: &A, s: &mut A::State, op: Op, now: Instant) {
     match op {
         Op::Release(amount) => a.release(s, amount),
@@ -420,13 +429,7 @@ impl Table {
             self,
             // No closure: one the compiler kept out of line returned its answer through
             // memory, read back at once (a sixth of a numeric key's acquisition).
-            |a, t| {
-                let s = t.find_mut(h, key)?;
-                Some(match a.acquire(s, now, cost) {
-                    Ok(()) => Ok(()),
-                    Err(r) => Err((r, a.peek(s, now))),
-                })
-            },
+            |a, t| Some(acquire_on(a, t.find_mut(h, key)?, now, cost)),
             Some(Err((Refusal::Never { capacity: 0 }, limit.peek(&limit.fresh(), now))))
         )
     }
@@ -445,14 +448,7 @@ impl Table {
     ) -> Option<(Place, Decided)> {
         let (Limit::Semaphore(a), Table::Semaphore(t)) = (limit, self) else { return None };
         let at = t.place(h, key)?;
-        let s = t.at_mut(at)?;
-        Some((
-            at,
-            match a.acquire(s, now, cost) {
-                Ok(()) => Ok(()),
-                Err(r) => Err((r, a.peek(s, now))),
-            },
-        ))
+        Some((at, acquire_on(a, t.at_mut(at)?, now, cost)))
     }
 
     /// Applies `op` to `key`'s state; a state evicted since (idle) is brought back when
