@@ -64,12 +64,15 @@ const PERMITS: u64 = 64;
 const TOKEN_INTERVAL: u64 = 1;
 const BUCKET_TOLERANCE: u64 = 1_000_000;
 
+/// The key as two words, built in registers: bytes written into a buffer and read back
+/// as words would wait for every byte's store (a stall of a dozen cycles or more).
 fn words(key: &[u8]) -> Option<[u64; 2]> {
-    let mut bytes = [0u8; 16];
-    bytes.get_mut(..key.len()).filter(|_| key.len() < 16)?.copy_from_slice(key);
-    bytes[15] = u8::try_from(key.len()).ok()?;
-    let (lo, hi) = bytes.split_at(8);
-    Some([u64::from_le_bytes(lo.try_into().ok()?), u64::from_le_bytes(hi.try_into().ok()?)])
+    if key.len() > 15 {
+        return None;
+    }
+    let word = |bytes: &[u8]| bytes.iter().rev().fold(0u64, |w, &b| w << 8 | u64::from(b));
+    let (lo, hi) = key.split_at(key.len().min(8));
+    Some([word(lo), word(hi) | (key.len() as u64) << 56])
 }
 
 impl Default for SetOfThreeFloor {
@@ -102,11 +105,11 @@ impl SetOfThreeFloor {
             None => {
                 let hasher = &self.hasher;
                 let entry = rows.insert_unique(h, (words, Row { tat: 0, held: 0 }), |e| {
-                    let len = usize::from(e.0[1].to_le_bytes()[7]);
+                    // Rehashed from the key's bytes, as it was first hashed.
                     let mut bytes = [0u8; 16];
                     bytes[..8].copy_from_slice(&e.0[0].to_le_bytes());
                     bytes[8..].copy_from_slice(&e.0[1].to_le_bytes());
-                    hasher.hash_one(&bytes[..len.min(15)])
+                    hasher.hash_one(&bytes[..usize::from(bytes[15]).min(15)])
                 });
                 entry.bucket_index()
             }
