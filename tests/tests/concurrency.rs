@@ -167,3 +167,69 @@ fn weighted_semaphores_hold_under_threads() {
         }
     }
 }
+
+/// Per-tenant semaphores alone, whose grants keep the place of their tenant's state for
+/// the release: threads hold and release permits of a few busy tenants while new tenants
+/// keep arriving, so that the tables grow and move the states under permits being held.
+/// No busy tenant ever has more holders than its capacity, and everything comes back.
+#[test]
+fn per_tenant_semaphores_hold_while_their_tables_grow() {
+    const CAPACITY: u64 = 2;
+    const BUSY: usize = 4;
+    // Refusals a thread may see in all before the test calls the permits lost (a
+    // legitimate run sees a few thousand at most): a failure, never a hang.
+    const PATIENCE: u64 = 5_000_000;
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .max_keys(1_000_000)
+            .limit(LimitPolicy::gcra("rate", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
+            .limit(LimitPolicy::semaphore("concurrent", CAPACITY).per("tenant")),
+    )
+    .unwrap();
+    let clock = ManualClock::new();
+    let busy: Vec<TenantKey> = (0..BUSY).map(|i| TenantKey::single(format!("busy-{i}")).unwrap()).collect();
+    let gauges: Vec<Gauge> = (0..BUSY).map(|_| Gauge::default()).collect();
+    thread::scope(|s| {
+        for t in 0..THREADS {
+            let (set, clock, busy, gauges) = (&set, &clock, &busy, &gauges);
+            s.spawn(move || {
+                let (mut granted, mut refused, mut i) = (0u64, 0u64, t as u64);
+                while granted < PER_THREAD {
+                    i += 1;
+                    clock.advance_nanos(1);
+                    if i % 4 == 0 {
+                        // A new tenant: its states grow the tables.
+                        let newcomer = TenantKey::single(format!("new-{t}-{i}")).unwrap();
+                        drop(set.acquire(&newcomer, 1, clock.now()).unwrap());
+                    }
+                    let b = (i % BUSY as u64) as usize;
+                    match set.acquire(&busy[b], 1, clock.now()) {
+                        Ok(permit) => {
+                            let holders = gauges[b].enter(1);
+                            assert!(holders <= CAPACITY, "{holders} holders of {CAPACITY} slots");
+                            hold_briefly(i);
+                            gauges[b].leave(1);
+                            drop(permit);
+                            granted += 1;
+                        }
+                        Err(AcquireError::Denied(d)) => {
+                            assert!(d.needs_release(), "{d}");
+                            refused += 1;
+                            assert!(refused < PATIENCE, "busy-{b}'s permits never came back");
+                            thread::yield_now();
+                        }
+                        Err(e) => panic!("unexpected: {e}"),
+                    }
+                }
+            });
+        }
+    });
+    assert!(gauges.iter().all(|g| g.max.load(Ordering::SeqCst) <= CAPACITY));
+    let stats = set.stats();
+    assert_eq!(stats.limits[1].held, 0);
+    assert!(stats.limits[1].tracked_keys > BUSY + 10_000, "the tables grew: {}", stats.limits[1].tracked_keys);
+    for key in &busy {
+        assert_eq!(set.peek(key, clock.now())[1].snapshot.remaining, CAPACITY, "{key:?}");
+    }
+}
