@@ -187,6 +187,9 @@ fn main() {
     if wants("core") {
         core_rows(&mut rows);
     }
+    if wants("core") || wants("sets") {
+        set_thread_rows(&mut rows);
+    }
     if wants("tower") {
         tower_rows(&mut rows);
     }
@@ -383,6 +386,60 @@ fn core_rows(rows: &mut Vec<Row>) {
             black_box(gov_open.check().is_ok());
         },
     ));
+}
+
+/// The set of three on threads, each on tenants of its own (16 a thread, in turn): the
+/// tenants' limits live in shards of their own, so what the threads share is the set's
+/// global limit. Throughput of 2 threads (and of every core, when there are more than
+/// two) over one thread's.
+fn set_thread_rows(rows: &mut Vec<Row>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static TURN: std::cell::Cell<usize> = std::cell::Cell::new(NEXT.fetch_add(16, Ordering::Relaxed));
+    }
+    let clock = SystemClock::new();
+    let set = Arc::new(
+        LimitSet::new(
+            LimitSetPolicy::new()
+                .tiers(["tenant"])
+                .limit(LimitPolicy::gcra("requests", Rate::per_second(u64::from(HUGE)), 1_000_000).per("tenant"))
+                .limit(
+                    LimitPolicy::token_bucket("tokens", Rate::per_second(u64::from(HUGE)), 1_000_000).counting_cost(),
+                )
+                .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
+        )
+        .expect("policy"),
+    );
+    let keys: Arc<[TenantKey]> = (0..4_096).map(TenantKey::from_u64).collect();
+    let op: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+        let i = TURN.with(|t| {
+            let i = t.get();
+            // The next of this thread's 16 tenants.
+            t.set((i & !15) | ((i + 1) & 15));
+            i
+        });
+        let permit = set.acquire(&keys[i % keys.len()], 10, clock.now()).expect("granted");
+        drop(black_box(permit));
+    });
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let mut counts = vec![2];
+    if cores > 2 {
+        counts.push(cores);
+    }
+    for threads in counts {
+        let mut row = Row::new(format!("3-limit set: {threads} threads / 1 thread ops/s"), "Mop/s");
+        for round in 0..ROUNDS {
+            if round % 2 == 0 {
+                row.ours.push(throughput(threads, op.clone()) / 1e6);
+                row.theirs.push(throughput(1, op.clone()) / 1e6);
+            } else {
+                row.theirs.push(throughput(1, op.clone()) / 1e6);
+                row.ours.push(throughput(threads, op.clone()) / 1e6);
+            }
+        }
+        rows.push(row);
+    }
 }
 
 /// The overhead of two middlewares over the same bare service and request: each round

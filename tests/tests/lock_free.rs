@@ -1,8 +1,8 @@
-//! The lock-free path of a set of one global GCRA limit, under real threads: every
-//! admission, by whichever thread and path, respects the rate cap over every window, to
-//! the unit; a lone thread decides exactly as the locked engine does; and the locked
-//! operations that borrow the state (peek, settle, stats, policy changes) interleave with
-//! it without losing or inventing capacity.
+//! The lock-free path of a set's one global rate limit, alone or beside keyed limits,
+//! under real threads: every admission, by whichever thread and path, respects the rate
+//! cap over every window, to the unit; a lone thread decides exactly as the locked engine
+//! does; and the locked operations that borrow the state (peek, settle, stats, policy
+//! changes) interleave with it without losing or inventing capacity.
 //!
 //! Time is explicit: each thread takes its instants from a shared counter that it
 //! advances itself, so reads race as a real clock's would. No sleeps, no wall-clock
@@ -258,4 +258,82 @@ fn a_charge_to_the_end_of_time_refuses_for_as_long_as_time_counts() {
     set.settle_grant(&key, &mut grant, u64::MAX, Instant::ZERO);
     let end = wait(&set);
     assert!(end > Duration::from_secs(580 * YEAR), "{end:?}");
+}
+
+/// The global token bucket of a set, beside per-tenant limits, in its atomic: threads on
+/// tenants of their own (each tenant's limits far looser than the global one) admit no
+/// unit more than the global bucket allows over any window, though no lock serializes
+/// them; every grant and refusal is counted once; the tenants' semaphores all come back;
+/// and replaces of the same policy, peeks and settles that refund interleave with them.
+#[test]
+fn beside_keyed_limits_threads_never_over_admit() {
+    let policy = || {
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000_000_000), 1_000_000).per("tenant"))
+            .limit(LimitPolicy::token_bucket("everyone", Rate::per_second(1_000_000), BURST).counting_cost())
+            .limit(LimitPolicy::semaphore("concurrent", 1_000).per("tenant"))
+    };
+    let set = LimitSet::new(policy()).unwrap();
+    let clock = AtomicU64::new(1_000_000);
+    let admitted = Mutex::new(Vec::new());
+    let refused = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    thread::scope(|s| {
+        for t in 0..4u64 {
+            let (set, clock, admitted, refused) = (&set, &clock, &admitted, &refused);
+            s.spawn(move || {
+                let mut mine = Vec::new();
+                for i in 0..40_000u64 {
+                    let key = TenantKey::from_u64(t * 16 + i % 16);
+                    // Time runs at about a third of the rate: most requests are refused.
+                    let now = clock.fetch_add(if (i + t) % 3 == 0 { 1_000 } else { 0 }, Ordering::Relaxed);
+                    let cost = 1 + (i * 7 + t) % 3;
+                    match set.acquire_grant(&key, cost, Instant::from_nanos(now)) {
+                        Ok(mut grant) => {
+                            if i % 50 == 0 {
+                                // A settle to less refunds the difference: it is not charged.
+                                set.settle_grant(&key, &mut grant, cost - 1, Instant::from_nanos(now));
+                                mine.push((now, cost - 1));
+                            } else {
+                                mine.push((now, cost));
+                            }
+                            set.release_grant(&key, grant);
+                        }
+                        Err(AcquireError::Denied(d)) => {
+                            assert_eq!(d.limit(), "everyone");
+                            assert!(d.retry_after() > Duration::ZERO);
+                            refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                admitted.lock().unwrap().extend(mine);
+            });
+        }
+        // Meanwhile the locked path borrows the state over and over.
+        let (set, stop, clock) = (&set, &stop, &clock);
+        s.spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) && n < 20_000 {
+                let now = Instant::from_nanos(clock.load(Ordering::Relaxed));
+                let snapshot = &set.peek(&TenantKey::from_u64(0), now)[1].snapshot;
+                assert!(snapshot.remaining <= BURST);
+                if n % 100 == 0 {
+                    // The same policy again: a new generation, the state carried over.
+                    set.replace_policy(policy()).unwrap();
+                }
+                n += 1;
+            }
+        });
+    });
+    stop.store(true, Ordering::Relaxed);
+    let admitted = admitted.into_inner().unwrap();
+    let stats = set.stats();
+    assert_eq!(stats.admitted, admitted.len() as u64, "every admission is counted once");
+    assert_eq!(stats.limits[1].denied, refused.load(Ordering::Relaxed), "every refusal is counted once");
+    assert!(stats.limits[1].denied > 0, "the global bucket binds");
+    assert_eq!(stats.limits[2].held, 0, "every semaphore came back");
+    // A refunded grant charged one unit less: the units, not the grants, are capped.
+    assert_cap(admitted, BURST);
 }

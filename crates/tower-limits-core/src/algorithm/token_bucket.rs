@@ -66,6 +66,24 @@ impl TokenBucket {
         self.burst
     }
 
+    /// The state that makes GCRA's decisions on theoretical arrival time `tat`: the
+    /// bucket is full from `tat` on, and short of `tat - now` nanoseconds of credit
+    /// before. (The two algorithms make the same decisions; this is the bijection of
+    /// their states that a lock-free GCRA serving a bucket works through.)
+    pub(crate) fn state_full_at(&self, tat: Instant) -> TokenBucketState {
+        // Credit counted from the epoch: the level at `now` is `capacity - (tat - now)`,
+        // capped at the capacity, exactly as long as `now` is below 2^62 ns.
+        let level = i128::from(self.capacity) - i128::from(tat.as_nanos());
+        TokenBucketState { level: i64::try_from(level).unwrap_or(i64::MIN), last: Instant::ZERO }
+    }
+
+    /// The instant from which `state` is full: GCRA's theoretical arrival time of the same
+    /// debt (the inverse of [`TokenBucket::state_full_at`]).
+    pub(crate) fn full_at(&self, state: &TokenBucketState) -> Instant {
+        let tat = i128::from(state.last.as_nanos()) + i128::from(self.capacity) - i128::from(state.level);
+        Instant::from_nanos(u64::try_from(tat.max(0)).unwrap_or(u64::MAX))
+    }
+
     /// The level at `now` in nanoseconds of credit, refilled and capped.
     #[inline]
     fn level_at(&self, state: &TokenBucketState, now: Instant) -> i64 {

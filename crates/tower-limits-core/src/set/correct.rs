@@ -47,7 +47,9 @@ impl Shared {
         let global = &mut *guard;
         let current = &*global.config;
         let mut now = now.max(global.states.latest);
-        if let Some(fast) = self.fast_live() {
+        // The lock-free path that rules a global limit, if one does.
+        let atomic = self.fast_live().or(self.fast_global_live());
+        if let Some(fast) = atomic {
             now = now.max(fast.latest());
         }
         if let Some(s) = &shard {
@@ -56,8 +58,8 @@ impl Shared {
         for (j, def) in current.limits.iter().enumerate() {
             let Some(op) = granted_as(current, grant, j).and_then(|i| op_for(i, def)) else { continue };
             match def.tier {
-                None => match self.fast_live() {
-                    Some(fast) if j == 0 => fast.update(|state| apply_global(&def.limit, state, op, now)),
+                None => match atomic {
+                    Some(fast) if j == fast.index() => fast.update(|state| apply_global(&def.limit, state, op, now)),
                     _ => apply_global(&def.limit, &mut global.states.states[j], op, now),
                 },
                 Some(t) => {

@@ -111,7 +111,9 @@ impl Shared {
             let root = self.root_hash(key);
             let mut shard = lock(self.shard_at(root));
             let Shard { config, keyed } = &mut *shard;
-            if config.has_global {
+            // The set's one global limit may live in its atomic: then the tenant's shard is
+            // the only lock this acquisition takes.
+            if config.has_global && self.fast_global_live().is_none() {
                 let mut global = self.lock_global();
                 if self.fast_live().is_some() {
                     // A replace enabled the fast path while this call waited for a lock.
@@ -186,7 +188,10 @@ impl Shared {
         out.reserve_exact(cfg.limits.len());
         for (i, def) in cfg.limits.iter().enumerate() {
             let snapshot = match def.tier {
-                None => def.limit.peek(global.map_or(&cfg.fresh[i], |g| &g.states[i]), now),
+                None => match self.fast_global_live() {
+                    Some(fast) if fast.index() == i => fast.observe(now).snapshot,
+                    _ => def.limit.peek(global.map_or(&cfg.fresh[i], |g| &g.states[i]), now),
+                },
                 Some(t) => {
                     let (Some(s), Some(prefix)) = (shard, key.prefix(t + 1)) else { continue };
                     s.tables[i].peek(&def.limit, key_hash(&self.hasher, prefix), prefix, now)
@@ -243,6 +248,11 @@ impl Shared {
             }
         }
 
+        // The set's one global limit, when its atomic rules (stable under any of the set's
+        // locks): decided after every other limit passed, before any is committed.
+        let atomic = self.fast_global_live();
+        let atomic_at = atomic.map_or(usize::MAX, Fast::index);
+
         // Phase 1: check everything, write nothing.
         let mut blocked: Option<(usize, Option<Duration>)> = None;
         let mut retry = Duration::ZERO;
@@ -260,6 +270,8 @@ impl Shared {
                 continue;
             }
             let (found, result) = match def.tier {
+                // Only a cost it can never take is refused here (at once, whatever else).
+                None if i == atomic_at => (true, never_above(def.limit.capacity(), cost)),
                 None => (true, def.limit.check(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now, cost)),
                 Some(t) => {
                     let (prefix, h) = paths[t];
@@ -302,10 +314,27 @@ impl Shared {
             }
         }
 
+        if let (Some(by), Some(fast)) = (blocked, atomic) {
+            // The wait must cover the atomic's too; of equal waits the later limit names
+            // the refusal, as in the pass above.
+            if let Some(wait) = fast.wait(costs.of(atomic_at, &cfg.limits[atomic_at]), now) {
+                let longer = match by {
+                    (i, Some(_)) => wait > retry || (wait == retry && atomic_at > i),
+                    (_, None) => true,
+                };
+                if longer {
+                    retry = wait;
+                    blocked = Some((atomic_at, Some(wait)));
+                }
+            }
+        }
         if let Some((i, _)) = blocked {
             counters(&mut shard, &mut global).denied[i] += 1;
             let def = &cfg.limits[i];
             let snapshot = match def.tier {
+                None if i == atomic_at => {
+                    atomic.map_or_else(|| def.limit.peek(&cfg.fresh[i], now), |f| f.observe(now).snapshot)
+                }
                 None => def.limit.peek(global.as_deref().map_or(&cfg.fresh[i], |g| &g.states[i]), now),
                 Some(t) => {
                     let (prefix, h) = paths[t];
@@ -342,6 +371,19 @@ impl Shared {
             }
         }
 
+        // The atomic last: its grant is the one step that can still refuse, and then
+        // nothing else has been written.
+        if let Some(fast) = atomic {
+            if let Err(refused) = take_atomic(cfg, fast, costs.of(atomic_at, &cfg.limits[atomic_at]), now) {
+                let counters = counters(&mut shard, &mut global);
+                match refused {
+                    SetError::CostAboveCapacity(_) => counters.impossible[atomic_at] += 1,
+                    _ => counters.denied[atomic_at] += 1,
+                }
+                return Err(refused);
+            }
+        }
+
         // Phase 2: everything passed; commit everything.
         for (i, def) in cfg.limits.iter().enumerate() {
             if shadowed & (1 << i) != 0 {
@@ -349,6 +391,7 @@ impl Shared {
             }
             let cost = costs.of(i, def);
             match def.tier {
+                None if i == atomic_at => {}
                 None => {
                     if let Some(g) = global.as_deref_mut() {
                         def.limit.commit(&mut g.states[i], now, cost);
@@ -548,6 +591,32 @@ fn answer_one(
             Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
         }
     }
+}
+
+/// The grant of the set's global limit in its atomic, or its refusal: out of line, so
+/// that the lock-free protocol's code stays out of the general decision's.
+#[inline(never)]
+fn take_atomic(cfg: &Config, fast: &Fast, cost: u64, now: Instant) -> Result<(), SetError> {
+    let mut decision = fast.acquire(cost, now);
+    if let Some(Decision::Denied(_, at)) = decision {
+        // A clock read that lagged decides again at the latest instant (see
+        // `Fast::latest_if_contended`), as it would under the global lock.
+        if let Some(latest) = fast.latest_if_contended().filter(|&latest| latest > at) {
+            decision = fast.acquire(cost, latest);
+        }
+    }
+    match decision {
+        Some(Decision::Granted(..)) => Ok(()),
+        Some(Decision::Denied(tat, at)) => Err(SetError::Denied(fast.denial(tat, at, cost))),
+        Some(Decision::Never(capacity)) => Err(cost_above_capacity(cfg, fast.index(), cost, capacity)),
+        None => unreachable!("the atomic stays enabled under any of the set's locks"),
+    }
+}
+
+/// A refusal of a cost above `capacity`, which no wait would pass.
+#[inline]
+fn never_above(capacity: u64, cost: u64) -> Result<(), Refusal> {
+    if cost > capacity { Err(Refusal::Never { capacity }) } else { Ok(()) }
 }
 
 #[cold]

@@ -186,7 +186,14 @@ pub(super) struct Fast {
     window_nanos: u64,
     /// The config version grants are stamped with.
     version: AtomicU64,
+    /// The decisions, as GCRA's (a token bucket's are the same).
     gcra: Gcra,
+    /// The limit as the policy gives it, and its index there.
+    limit: Limit,
+    index: usize,
+    /// Whether the limit is the set's only one (the path taken before any lock), or the
+    /// one global limit beside keyed ones (decided under the tenant's shard lock).
+    alone: bool,
     name: &'static str,
     counts: Counts,
     /// Set for good the first time any thread sees its swap fail: until then no thread
@@ -350,10 +357,25 @@ loom::thread_local! {
 struct Line(AtomicU64);
 
 impl Fast {
-    /// The fast state for `config`, if its only limit is one global GCRA.
+    /// The limit of `config` a fast state can serve: its one global limit, when that is
+    /// an enforcing GCRA or token bucket and every other limit is keyed.
+    fn candidate(config: &Config) -> Option<usize> {
+        let mut globals = config.limits.iter().enumerate().filter(|(_, def)| def.tier.is_none());
+        let (index, def) = globals.next()?;
+        let rate = matches!(def.limit, Limit::Gcra(_) | Limit::TokenBucket(_));
+        (globals.next().is_none() && rate && !def.shadow).then_some(index)
+    }
+
+    /// The fast state for `config`, if it has a limit one can serve (see the module's
+    /// opening).
     pub(super) fn for_config(config: &Config) -> Option<Fast> {
-        let [def] = config.limits.as_slice() else { return None };
-        let (None, Limit::Gcra(gcra), false) = (def.tier, &def.limit, def.shadow) else { return None };
+        let index = Fast::candidate(config)?;
+        let def = &config.limits[index];
+        let gcra = match &def.limit {
+            Limit::Gcra(gcra) => *gcra,
+            Limit::TokenBucket(bucket) => Gcra::new(bucket.rate(), bucket.burst()).ok()?,
+            _ => return None,
+        };
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let (quota, window) = Snapshot::rate_quota(gcra.rate(), gcra.burst());
         Some(Fast {
@@ -364,7 +386,10 @@ impl Fast {
             quota,
             window_nanos: crate::error::nanos(window),
             version: AtomicU64::new(config.version),
-            gcra: *gcra,
+            gcra,
+            limit: def.limit.clone(),
+            index,
+            alone: config.limits.len() == 1,
             name: def.name,
             counts: def.counts,
             contended: AtomicBool::new(false),
@@ -372,13 +397,56 @@ impl Fast {
         })
     }
 
-    /// Whether `config` is the very limit this fast state was built for.
+    /// Whether `config` has the very limit this fast state was built for, at the same
+    /// index and in the same role.
     pub(super) fn fits(&self, config: &Config) -> bool {
-        matches!(config.limits.as_slice(), [def] if def.tier.is_none()
-            && !def.shadow
-            && def.name == self.name
-            && def.counts == self.counts
-            && matches!(&def.limit, Limit::Gcra(g) if *g == self.gcra))
+        Fast::candidate(config) == Some(self.index)
+            && (config.limits.len() == 1) == self.alone
+            && config
+                .limits
+                .get(self.index)
+                .is_some_and(|def| def.name == self.name && def.counts == self.counts && def.limit == self.limit)
+    }
+
+    /// Whether this is the path of a set whose only limit this is.
+    pub(super) fn alone(&self) -> bool {
+        self.alone
+    }
+
+    /// The limit's index in the policy.
+    pub(super) fn index(&self) -> usize {
+        self.index
+    }
+
+    /// How long `cost` would wait now, read off the shared TAT (writing nothing), or
+    /// `None` if it would pass. For a refusal by another limit of the set, whose wait
+    /// must cover this one's too.
+    pub(super) fn wait(&self, cost: u64, now: Instant) -> Option<Duration> {
+        let tat = self.tat.0.load(Ordering::Acquire).min(MAX_TAT);
+        match self.gcra.check(&GcraState::at(Instant::from_nanos(tat)), now, cost) {
+            Err(Refusal::NotYet { retry_after }) => retry_after,
+            _ => None,
+        }
+    }
+
+    /// The limit's state with theoretical arrival time `tat`, as the policy's algorithm
+    /// keeps it.
+    fn state_at(&self, tat: u64) -> LimitState {
+        match &self.limit {
+            Limit::TokenBucket(bucket) => LimitState::TokenBucket(bucket.state_full_at(Instant::from_nanos(tat))),
+            _ => LimitState::Gcra(GcraState::at(Instant::from_nanos(tat))),
+        }
+    }
+
+    /// The theoretical arrival time of `state` (the inverse of [`Fast::state_at`]).
+    fn tat_of(&self, state: &LimitState) -> Option<u64> {
+        let tat = match (&self.limit, state) {
+            (Limit::TokenBucket(bucket), LimitState::TokenBucket(s)) => bucket.full_at(s),
+            (Limit::Gcra(_), LimitState::Gcra(s)) => s.theoretical_arrival(),
+            _ => return None,
+        };
+        // A charge saturates at the end of time, short of the markers.
+        Some(tat.as_nanos().min(MAX_TAT))
     }
 
     /// The cost charged for an acquisition of `uniform` cost, or of the first of `each`.
@@ -628,13 +696,19 @@ impl Fast {
 
     #[inline]
     fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Packed {
+        // Beside keyed limits, the set counts the refusals it answers with (a refusal
+        // here may be decided again at a later instant, see `latest_if_contended`).
         match refusal {
             Refusal::NotYet { .. } => {
-                bump(&stripe.0.denied, stripe.1);
+                if self.alone {
+                    bump(&stripe.0.denied, stripe.1);
+                }
                 Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
             }
             Refusal::Never { capacity } => {
-                bump(&stripe.0.impossible, stripe.1);
+                if self.alone {
+                    bump(&stripe.0.impossible, stripe.1);
+                }
                 Packed(capacity, NEVER)
             }
         }
@@ -650,14 +724,14 @@ impl Fast {
         let retry_nanos = ahead.saturating_sub(self.tolerance);
         if cost != 1 {
             let snapshot = self.gcra.peek(&GcraState::at(Instant::from_nanos(tat)), now);
-            return Denial::new(self.name, None, 0, Duration::from_nanos(retry_nanos), false, snapshot);
+            return Denial::new(self.name, None, self.index, Duration::from_nanos(retry_nanos), false, snapshot);
         }
         // Refused one unit: nothing remains, and the quota is the one worked out when the
         // set was built.
         Denial {
             name: self.name,
             tier: None,
-            limit: 0,
+            limit: self.index,
             retry_nanos,
             needs_release: false,
             quota: self.quota,
@@ -695,11 +769,9 @@ impl Fast {
         let mut cur = self.tat.0.load(Ordering::Acquire);
         loop {
             debug_assert_ne!(cur, DISABLED, "corrections run under the lock that guards disabling");
-            let mut state = LimitState::Gcra(GcraState::at(Instant::from_nanos(cur)));
+            let mut state = self.state_at(cur);
             f(&mut state);
-            let LimitState::Gcra(s) = state else { unreachable!("a GCRA stays a GCRA") };
-            // A charge saturates at the end of time, short of the markers.
-            let new = s.theoretical_arrival().as_nanos().min(MAX_TAT);
+            let new = self.tat_of(&state).unwrap_or(cur);
             match self.tat.0.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return,
                 Err(seen) => cur = seen,
@@ -711,15 +783,28 @@ impl Fast {
     pub(super) fn disable(&self) -> Option<LimitState> {
         self.epoch.fetch_add(1, Ordering::AcqRel);
         let last = self.tat.0.swap(DISABLED, Ordering::AcqRel);
-        (last != DISABLED).then(|| LimitState::Gcra(GcraState::at(Instant::from_nanos(last))))
+        (last != DISABLED).then(|| self.state_at(last))
     }
 
     /// Enables the path with `state`, for a config that [`Fast::fits`]. Under all the
     /// locks.
     pub(super) fn enable(&self, state: &LimitState, version: u64) {
-        let LimitState::Gcra(s) = state else { return };
+        let Some(tat) = self.tat_of(state) else { return };
         self.version.store(version, Ordering::Relaxed);
-        self.tat.0.store(s.theoretical_arrival().as_nanos().min(MAX_TAT), Ordering::Release);
+        self.tat.0.store(tat, Ordering::Release);
+    }
+
+    /// The latest instant any grant was made at, once threads have contended for the
+    /// limit (until then each thread's own decisions already raise its clock to it).
+    ///
+    /// A thread can read the clock and then lose its core for a scheduler's time slice
+    /// before it decides: the TAT others moved meanwhile then lies further past its `now`
+    /// than the tolerance, and it is refused although the limit is far from exhausted.
+    /// Under the global lock every decision is raised to the latest instant the set has
+    /// seen, and so never refused for that; beside keyed limits, a refusal on a
+    /// contended limit is decided again at this instant, which gives the same answer.
+    pub(super) fn latest_if_contended(&self) -> Option<Instant> {
+        self.contended.load(Ordering::Relaxed).then(|| self.latest())
     }
 
     /// The latest instant any grant of this path was made at (a grant racing this call

@@ -23,7 +23,8 @@ pub(super) struct GlobalStates {
     pub(super) states: Vec<LimitState>,
     pub(super) latest: Instant,
     pub(super) counters: Counters,
-    /// The fast path's denial counts already moved into `counters` (they never reset).
+    /// The one-limit path's denial counts already moved into `counters` (they never
+    /// reset).
     pub(super) fast_base: (u64, u64),
 }
 
@@ -36,5 +37,12 @@ impl Shared {
     #[inline]
     pub(super) fn fast_live(&self) -> Option<&Fast> {
         self.fast.as_ref().filter(|f| f.enabled())
+    }
+
+    /// The lock-free state of the global limit beside keyed ones, while it rules: stable
+    /// under any one of the set's locks (a replace takes them all to change it).
+    #[inline]
+    pub(super) fn fast_global_live(&self) -> Option<&Fast> {
+        self.fast_global.as_ref().filter(|f| f.enabled())
     }
 }

@@ -102,8 +102,13 @@ struct Shared {
     /// without a lock, confirmed under the shard's.
     one_keyed: AtomicBool,
     replacing: Mutex<()>,
-    /// The lock-free state, when the set is one global GCRA (see [`fast`]).
+    /// The lock-free state, when the set is one global GCRA or token bucket (see
+    /// [`fast`]).
     fast: Option<Fast>,
+    /// The lock-free state of the set's one global GCRA or token bucket, beside keyed
+    /// limits: decided under the tenant's shard lock alone, with no global lock (see
+    /// [`fast`]).
+    fast_global: Option<Fast>,
 }
 
 /// Named limits acquired together, all or nothing, in memory.
@@ -226,7 +231,8 @@ impl LimitSet {
                 tiered: AtomicBool::new(config.has_tiered),
                 one_keyed: AtomicBool::new(config.one_keyed.is_some()),
                 replacing: Mutex::new(()),
-                fast: Fast::for_config(&config),
+                fast: Fast::for_config(&config).filter(Fast::alone),
+                fast_global: Fast::for_config(&config).filter(|f| !f.alone()),
             }),
         })
     }
@@ -506,16 +512,16 @@ impl LimitSet {
         }
         let g = &mut global.states;
         if let Some(fast) = &self.shared.fast {
-            // The atomic hands the state back to the lock, with what it counted.
-            if let Some(last) = fast.disable() {
-                g.states[0] = last;
-            }
-            g.latest = g.latest.max(fast.latest());
+            hand_back(fast, g);
             // Its denials so far move with the limit; grants stay a set-wide total.
-            let (_, d, i) = fast.counts();
-            g.counters.denied[0] += d - g.fast_base.0;
-            g.counters.impossible[0] += i - g.fast_base.1;
-            g.fast_base = (d, i);
+            let (_, denied, impossible) = fast.counts();
+            g.counters.denied[0] += denied - g.fast_base.0;
+            g.counters.impossible[0] += impossible - g.fast_base.1;
+            g.fast_base = (denied, impossible);
+        }
+        if let Some(fast) = &self.shared.fast_global {
+            // Its answers are counted with the tenants' shards.
+            hand_back(fast, g);
         }
         let mut states = new.fresh.clone();
         let mut counters = Counters { admitted: g.counters.admitted, ..Counters::default() };
@@ -529,14 +535,24 @@ impl LimitSet {
         }
         g.states = states;
         g.counters = counters;
-        if let Some(fast) = self.shared.fast.as_ref().filter(|f| f.fits(&new)) {
-            fast.enable(&g.states[0], new.version);
+        for fast in [&self.shared.fast, &self.shared.fast_global].into_iter().flatten() {
+            if fast.fits(&new) {
+                fast.enable(&g.states[fast.index()], new.version);
+            }
         }
         global.config = new.clone();
         self.shared.tiered.store(new.has_tiered, Ordering::Release);
         self.shared.one_keyed.store(new.one_keyed.is_some(), Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// Hands a lock-free path's state back to the lock (under all the locks, for a replace).
+fn hand_back(fast: &Fast, g: &mut GlobalStates) {
+    if let Some(last) = fast.disable() {
+        g.states[fast.index()] = last;
+    }
+    g.latest = g.latest.max(fast.latest());
 }
 
 impl Shared {
@@ -581,6 +597,7 @@ impl Shared {
                 first.cost_above_capacity += i - global.states.fast_base.1;
             }
         }
+
         drop(global);
         for shard in self.shared_shards() {
             let s = lock(shard);

@@ -370,3 +370,161 @@ fn the_release_by_place_is_taken_only_when_it_holds() {
     shadow.release_grant(&acme, first);
     assert_eq!(shadow.stats().limits[1].held, 0);
 }
+
+/// A set whose one global rate limit sits beside keyed ones, for the law below: the
+/// global limit (a GCRA counting requests, or a token bucket counting cost) at place
+/// `at` among a per-user GCRA and a per-org semaphore, in its atomic (`on`) or handed
+/// to the lock before the first call, so that every acquisition takes the global lock.
+/// One shard (`max_keys` below 8), so that both sets evict alike.
+fn global_beside_set(global: usize, at: usize, on: bool) -> LimitSet {
+    let mut limits = vec![
+        LimitPolicy::gcra("per-user", Rate::per_second(20), 4).per("user"),
+        LimitPolicy::semaphore("per-org", 3).per("org"),
+    ];
+    let everyone = match global {
+        0 => LimitPolicy::gcra("everyone", Rate::per_second(10), 5),
+        _ => LimitPolicy::token_bucket("everyone", Rate::per_second(30), 12).counting_cost(),
+    };
+    limits.insert(at, everyone);
+    let policy = limits.into_iter().fold(LimitSetPolicy::new().tiers(["org", "user"]).max_keys(6), |p, l| p.limit(l));
+    let set = LimitSet::new(policy).unwrap();
+    assert!(set.shared.fast.is_none(), "not the one-limit path");
+    let fast = set.shared.fast_global.as_ref().expect("the global limit beside keyed ones is lock-free");
+    assert_eq!(fast.index(), at);
+    if !on {
+        // Fresh, the locked state is the atomic's: nothing to hand back.
+        assert!(fast.disable().is_some());
+    }
+    set
+}
+
+proptest::proptest! {
+    /// A set's global rate limit decides in its atomic, beside keyed limits, exactly as
+    /// under the global lock: the same answers (each refusal to the field, its wait
+    /// covering every limit), the same snapshots and the same counters, with grants held,
+    /// released, settled and cancelled, costs per limit, keys too shallow for a limit,
+    /// the global key, and a key table small enough to fill and evict.
+    #[test]
+    fn the_global_atomic_decides_as_the_global_lock(
+        global in 0..2usize,
+        at in 0..3usize,
+        steps in proptest::collection::vec((0..6u8, 0..5usize, 0..8u64, 0..200_000_000u64), 1..80),
+    ) {
+        let keys = [
+            TenantKey::new(["acme", "alice"]).unwrap(),
+            TenantKey::new(["acme", "bob"]).unwrap(),
+            TenantKey::new(["globex", "carol"]).unwrap(),
+            TenantKey::single("acme").unwrap(),
+            TenantKey::global(),
+        ];
+        let (fast, locked) = (global_beside_set(global, at, true), global_beside_set(global, at, false));
+        let mut held: Vec<(usize, Grant, Grant)> = Vec::new();
+        let mut now = Instant::ZERO;
+        for (op, k, cost, dt) in steps {
+            now = Instant::from_nanos(now.as_nanos() + dt);
+            let key = &keys[k];
+            match op {
+                0 | 1 => {
+                    let (a, b) = (fast.acquire_grant(key, cost, now), locked.acquire_grant(key, cost, now));
+                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
+                    if let (Ok(a), Ok(b)) = (a, b) {
+                        held.push((k, a, b));
+                    }
+                }
+                2 => {
+                    let each = [cost, cost / 2, cost + 1];
+                    let (a, b) = (fast.acquire_each(key, &each, now), locked.acquire_each(key, &each, now));
+                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
+                }
+                3 if !held.is_empty() => {
+                    let (k, a, b) = held.remove(0);
+                    fast.release_grant(&keys[k], a);
+                    locked.release_grant(&keys[k], b);
+                }
+                4 if !held.is_empty() => {
+                    let (k, a, b) = held.remove(0);
+                    fast.cancel_grant(&keys[k], a, now);
+                    locked.cancel_grant(&keys[k], b, now);
+                }
+                _ => {
+                    if let Some((k, a, b)) = held.first_mut() {
+                        fast.settle_grant(&keys[*k], a, cost, now);
+                        locked.settle_grant(&keys[*k], b, cost, now);
+                    }
+                }
+            }
+            for key in &keys {
+                proptest::prop_assert_eq!(fast.peek(key, now), locked.peek(key, now));
+            }
+            proptest::prop_assert_eq!(fast.stats(), locked.stats());
+        }
+    }
+}
+
+/// A replace keeps the global limit's atomic when the new policy has the very same limit
+/// at the same place beside keyed ones, its state carried over; any other turns it off,
+/// the state handed to the lock, and a later replace back turns it on with that state.
+#[test]
+fn the_same_global_limit_beside_keyed_ones_keeps_its_atomic() {
+    let with = |burst: u64| {
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::token_bucket("everyone", Rate::per_second(10), burst).counting_cost())
+    };
+    let set = LimitSet::new(with(8)).unwrap();
+    let alice = TenantKey::single("alice").unwrap();
+    let remaining = |set: &LimitSet| set.peek(&alice, Instant::ZERO)[1].snapshot.remaining;
+    assert!(set.shared.fast_global_live().is_some());
+    drop(set.acquire(&alice, 3, Instant::ZERO).unwrap());
+    assert_eq!(remaining(&set), 5);
+    set.replace_policy(with(8)).unwrap();
+    assert!(set.shared.fast_global_live().is_some(), "the very same limit");
+    assert_eq!(remaining(&set), 5, "its state carried over");
+    set.replace_policy(with(9)).unwrap();
+    assert!(set.shared.fast_global_live().is_none(), "another burst");
+    assert_eq!(remaining(&set), 5, "the state under the lock: the bucket's credit, in a bigger bucket");
+    drop(set.acquire(&alice, 1, Instant::ZERO).unwrap());
+    set.replace_policy(with(8)).unwrap();
+    assert!(set.shared.fast_global_live().is_some(), "back to the first limit: on again");
+    assert_eq!(remaining(&set), 4, "with the state it had");
+    // A refusal by the atomic names the limit at its place, and its wait.
+    match set.acquire(&alice, 5, Instant::ZERO) {
+        Err(AcquireError::Denied(d)) => {
+            assert_eq!((d.limit(), d.limit_index(), d.tier()), ("everyone", 1, None));
+            assert_eq!(d.retry_after(), std::time::Duration::from_millis(100));
+        }
+        other => panic!("{other:?}"),
+    }
+    let stats = set.stats();
+    assert_eq!((stats.admitted, stats.limits[1].denied), (2, 1));
+}
+
+/// Of equal waits the later limit names a refusal, whether or not the global limit is in
+/// its atomic (decided after the others) or under the lock (in the policy's order).
+#[test]
+fn of_equal_waits_the_later_limit_names_the_refusal_either_way() {
+    for at in 0..2 {
+        let mut named = Vec::new();
+        for on in [true, false] {
+            let mut limits = vec![LimitPolicy::gcra("each", Rate::per_second(10), 1).per("tenant")];
+            limits.insert(at, LimitPolicy::gcra("everyone", Rate::per_second(10), 1));
+            let set =
+                LimitSet::new(limits.into_iter().fold(LimitSetPolicy::new().tiers(["tenant"]), |p, l| p.limit(l)))
+                    .unwrap();
+            if !on {
+                assert!(set.shared.fast_global.as_ref().and_then(Fast::disable).is_some());
+            }
+            let alice = TenantKey::single("alice").unwrap();
+            drop(set.acquire(&alice, 1, Instant::ZERO).unwrap());
+            match set.acquire(&alice, 1, Instant::ZERO) {
+                Err(AcquireError::Denied(d)) => {
+                    assert_eq!(d.retry_after(), std::time::Duration::from_millis(100));
+                    named.push(d.limit_index());
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(named, [1, 1], "the global limit at {at}");
+    }
+}
