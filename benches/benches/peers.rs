@@ -180,7 +180,7 @@ fn keyed_row<K: std::hash::Hash + Eq + Clone>(
 
 fn main() {
     // `cargo bench` passes `--bench`; rows are chosen by group, not by a filter argument:
-    // `PEERS_ONLY=redis` (or `core`, `tower`, comma-separated) runs those groups alone.
+    // `PEERS_ONLY=redis` (or `core`, `sets`, `tower`, comma-separated) runs those groups alone.
     let only = std::env::var("PEERS_ONLY").unwrap_or_default();
     let wants = |group: &str| only.is_empty() || only.split(',').any(|g| g.trim() == group);
     let mut rows = Vec::new();

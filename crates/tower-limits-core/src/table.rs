@@ -331,7 +331,7 @@ impl Table {
     /// Checks `cost` for `key` without writing: (where the key's state is, if it has one;
     /// the answer). The place stays valid for [`Table::commit_at`] until this table
     /// changes.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check(
         &self,
         limit: &Limit,
@@ -355,7 +355,7 @@ impl Table {
 
     /// Records a grant that [`Table::check`] allowed, on the state it found at `at` (no
     /// second lookup); returns `false` if there is none there (the table changed since).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn commit_at(&mut self, limit: &Limit, at: Place, now: Instant, cost: u64) -> bool {
         with_table!(
             limit,

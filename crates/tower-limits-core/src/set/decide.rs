@@ -113,7 +113,8 @@ impl Shared {
             let Shard { config, keyed } = &mut *shard;
             // The set's one global limit may live in its atomic: then the tenant's shard is
             // the only lock this acquisition takes.
-            if config.has_global && self.fast_global_live().is_none() {
+            let atomic = if config.has_global { self.fast_global_live() } else { None };
+            if config.has_global && atomic.is_none() {
                 let mut global = self.lock_global();
                 if self.fast_live().is_some() {
                     // A replace enabled the fast path while this call waited for a lock.
@@ -122,16 +123,30 @@ impl Shared {
                     return self.acquire_observed(key, costs, now, observe);
                 }
                 let Some(out) = observe else {
-                    return self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
+                    return self.decide::<false>(
+                        config,
+                        Some(keyed),
+                        Some(&mut global.states),
+                        (key, root),
+                        costs,
+                        now,
+                    );
                 };
-                let result = self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
+                let result =
+                    self.decide::<false>(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
                 self.observe(config, Some(keyed), Some(&global.states), key, now, out);
                 result
             } else {
+                // Each its own decision: a set with no global limit decides with no trace of
+                // the atomic's code.
                 let Some(out) = observe else {
-                    return self.decide(config, Some(keyed), None, (key, root), costs, now);
+                    return if atomic.is_some() {
+                        self.decide::<true>(config, Some(keyed), None, (key, root), costs, now)
+                    } else {
+                        self.decide::<false>(config, Some(keyed), None, (key, root), costs, now)
+                    };
                 };
-                let result = self.decide(config, Some(keyed), None, (key, root), costs, now);
+                let result = self.decide::<true>(config, Some(keyed), None, (key, root), costs, now);
                 self.observe(config, Some(keyed), None, key, now, out);
                 result
             }
@@ -149,7 +164,8 @@ impl Shared {
                 let mut shard = lock(self.shard_at(root));
                 let Shard { config, keyed } = &mut *shard;
                 let mut global = self.lock_global();
-                let result = self.decide(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
+                let result =
+                    self.decide::<true>(config, Some(keyed), Some(&mut global.states), (key, root), costs, now);
                 if let Some(out) = observe {
                     self.observe(config, Some(keyed), Some(&global.states), key, now, out);
                 }
@@ -157,9 +173,9 @@ impl Shared {
             }
             let Global { config, states } = &mut *global;
             let Some(out) = observe else {
-                return self.decide(config, None, Some(states), (key, 0), costs, now);
+                return self.decide::<true>(config, None, Some(states), (key, 0), costs, now);
             };
-            let result = self.decide(config, None, Some(states), (key, 0), costs, now);
+            let result = self.decide::<true>(config, None, Some(states), (key, 0), costs, now);
             self.observe(config, None, Some(states), key, now, out);
             result
         }
@@ -208,10 +224,12 @@ impl Shared {
     }
 
     /// The decision, under the locks the caller took; `root_hash` is the hash of the
-    /// key's first tier, which picked the shard (unused without one).
+    /// key's first tier, which picked the shard (unused without one). With `ATOMIC`, the
+    /// set's one global limit is decided in its atomic while that rules; without, the
+    /// caller knows that it does not.
     #[allow(clippy::too_many_lines)]
     #[inline]
-    fn decide(
+    fn decide<const ATOMIC: bool>(
         &self,
         config: &Arc<Config>,
         mut shard: Option<&mut Keyed>,
@@ -250,7 +268,7 @@ impl Shared {
 
         // The set's one global limit, when its atomic rules (stable under any of the set's
         // locks): decided after every other limit passed, before any is committed.
-        let atomic = self.fast_global_live();
+        let atomic = if ATOMIC { self.fast_global_live() } else { None };
         let atomic_at = atomic.map_or(usize::MAX, Fast::index);
 
         // Phase 1: check everything, write nothing.
@@ -593,9 +611,8 @@ fn answer_one(
     }
 }
 
-/// The grant of the set's global limit in its atomic, or its refusal: out of line, so
-/// that the lock-free protocol's code stays out of the general decision's.
-#[inline(never)]
+/// The grant of the set's global limit in its atomic, or its refusal.
+#[inline(always)]
 fn take_atomic(cfg: &Config, fast: &Fast, cost: u64, now: Instant) -> Result<(), SetError> {
     let mut decision = fast.acquire(cost, now);
     if let Some(Decision::Denied(_, at)) = decision {

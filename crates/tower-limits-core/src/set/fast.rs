@@ -1,4 +1,4 @@
-//! The lock-free path of a set whose only limit is one global GCRA.
+//! The lock-free state of a set's one global rate limit: alone, or beside keyed limits.
 //!
 //! # What it owns
 //!
@@ -9,6 +9,42 @@
 //! admitted in between, and the decision is made again on the value it wrote. A denial
 //! only loads: it computes the exact `retry_after` from the value it read and writes
 //! nothing shared, so a denial costs no more than a grant.
+//!
+//! A token bucket makes exactly GCRA's decisions with the same rate and burst (the two
+//! are one algorithm seen from opposite ends), so a bucket is served here too, as its
+//! GCRA: its state is moved in and out of the atomic through the bijection of the two
+//! states (the bucket is full from the TAT on, and short of `TAT - now` of credit before),
+//! and a correction applies the bucket's own refund or charge to the state it maps to.
+//!
+//! # Beside keyed limits
+//!
+//! The next commonest set is per-tenant limits under one global cap (requests per tenant
+//! and tokens per minute for everyone). Under the global lock every acquisition of every
+//! tenant writes that lock's line, so threads on different tenants queue on it (on a
+//! 2-core host two threads together did 0.55 times one thread's work). So when a set's
+//! only global limit is a GCRA or a token bucket that enforces, its state lives here too,
+//! and the acquisition takes the tenant's shard lock alone:
+//!
+//! - **Last, then nothing to undo.** The tenant's limits are checked under the shard lock
+//!   first (a cost above this limit's burst is refused in its turn, as under the lock),
+//!   room is made for new keys, and only then is this limit acquired, in one step. If it
+//!   refuses, nothing has been written; if it grants, the tenant's limits are committed
+//!   under the same lock, which cannot fail. All or nothing holds as before.
+//! - **The wait covers everything.** A refusal by a tenant's limit also reads this
+//!   limit's TAT (a load), so that the wait it names is the one after which every limit
+//!   would pass, and of equal waits the later limit in the policy names the refusal.
+//! - **No race with a replace.** Every acquisition of such a set holds a shard lock (or
+//!   the global lock, for the global key), and a replace takes them all, so the path is
+//!   never enabled or disabled under an acquisition.
+//! - **Time.** The global lock raised every decision to the latest instant the set had
+//!   seen. Here a thread raises its `now` to its own stripe's latest instant, so a thread
+//!   that read the clock and then lost its core for a time slice would find the TAT moved
+//!   past its `now` by more than the tolerance, and be refused with the limit far from
+//!   exhausted. So a refusal on a limit that threads contend for is decided again at the
+//!   latest instant of all stripes (only then: a lone thread's own instants are the
+//!   latest), which is the answer the lock gave.
+//! - **Counted by the set.** Grants are the set's, and the set counts the refusals it
+//!   answers with in its shards' counters, so only the final decision is counted.
 //!
 //! # The invariants
 //!
@@ -23,8 +59,9 @@
 //!   the TAT before the swap fails its compare-and-swap and takes the locked path, which
 //!   waits for the replace to finish.
 //! - **The parameters never change.** They are fixed when the set is built. A replace
-//!   keeps the path enabled only when the new policy is the same one global GCRA (same
-//!   name, rate and burst), carrying the TAT over untouched, so an acquisition racing it
+//!   keeps the path enabled only when the new policy has the very same limit in the same
+//!   role (same name, algorithm, rate, burst and place, alone or beside keyed limits),
+//!   carrying the TAT over untouched, so an acquisition racing it
 //!   decides the same under either policy. Any other replace disables the path for good;
 //!   a later replace back to the original limit re-enables it with the locked TAT (an
 //!   acquisition that read a value from before can only succeed on that very value, with
@@ -37,7 +74,7 @@
 //!   Across threads the raise is partial, which is safe for GCRA: the TAT never moves
 //!   back, and a caller whose clock read lags decides against `max(tat, now)` with its
 //!   own `now`, which can only make it wait longer.
-//! - **Counters.** Grants and denials are counted in striped, padded counters picked by
+//! - **Counters.** Alone, grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
 //!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes (in [`stripes`]). The
 //!   first [`OWNED_STRIPES`](stripes::OWNED_STRIPES) stripes each belong to at most one

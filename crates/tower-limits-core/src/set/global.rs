@@ -1,9 +1,11 @@
 //! The global states: one state per global limit, behind one lock.
 //!
-//! An acquisition takes this lock after the tenant's shard, never before. While the
-//! one-limit path rules (see [`fast`](super::fast)), the limit's state lives in its atomic
-//! instead, and the locked operations work on the atomic; the fast path's denial counts
-//! are moved into `counters` when a replace hands the state back to the lock.
+//! An acquisition takes this lock after the tenant's shard, never before. While a
+//! lock-free path rules a global limit (see [`fast`](super::fast)), the limit's state
+//! lives in its atomic instead, and the locked operations work on the atomic; the
+//! one-limit path's denial counts are moved into `counters` when a replace hands the state
+//! back to the lock. A set whose one global limit lives in its atomic beside keyed limits
+//! takes this lock only for those operations and for the global key.
 
 use std::sync::{Arc, MutexGuard};
 

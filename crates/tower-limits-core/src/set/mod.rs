@@ -9,7 +9,8 @@
 //! **Sharding and locks.** Keyed states live in shards chosen by the key's *root*, its
 //! broadest tier. All the tiers of one tenant therefore share a shard, so an acquisition
 //! takes at most two locks: the tenant's shard, then the global states, always in that
-//! order (which is why it cannot deadlock). Shards are padded to their own cache lines,
+//! order (which is why it cannot deadlock); no global lock when the set's one global
+//! limit lives in its atomic (below). Shards are padded to their own cache lines,
 //! four per core (at most 128), fewer when the key table is small.
 //!
 //! **Permits.** A grant is a [`Permit`]. Dropping it releases what the set's semaphores
@@ -22,11 +23,15 @@
 //! probe; the release confirms the place under the lock and looks the key up if the
 //! table has changed.
 //!
-//! **The one-limit path.** A set whose only limit is one global GCRA (the commonest
-//! use: one rate on one service) keeps that limit's state in one atomic instead, and
-//! decides without any lock: see [`fast`] for the scheme, the per-thread leases that keep
-//! many cores from queueing on one cache line, and why neither can over-admit. The
-//! locked operations (settle, peek, replace) work on the atomic while it rules.
+//! **The one-limit path.** A set whose only limit is one global GCRA or token bucket
+//! (the commonest use: one rate on one service) keeps that limit's state in one atomic
+//! instead, and decides without any lock: see [`fast`] for the scheme, the per-thread
+//! leases that keep many cores from queueing on one cache line, and why neither can
+//! over-admit. The locked operations (settle, peek, replace) work on the atomic while it
+//! rules. A set whose one global limit is such a rate beside keyed limits (per-tenant
+//! limits under one global cap) keeps it in an atomic too: the acquisition takes the
+//! tenant's shard lock alone and acquires the global limit last, after every other limit
+//! passed and before any is committed, so that tenants on different cores share no lock.
 //!
 //! **One keyed limit.** A set whose only limit is keyed by a tier (one rate per client,
 //! the commonest keyed use) is decided under its shard's lock alone, by a short path in

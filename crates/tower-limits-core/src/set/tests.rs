@@ -528,3 +528,51 @@ fn of_equal_waits_the_later_limit_names_the_refusal_either_way() {
         assert_eq!(named, [1, 1], "the global limit at {at}");
     }
 }
+
+proptest::proptest! {
+    /// A set of one global token bucket takes the one-limit path, as its GCRA, and decides
+    /// exactly as the bucket under the lock: the same answers, snapshots and counters,
+    /// through grants settled (refunds and charges) and cancelled.
+    #[test]
+    fn a_lone_token_bucket_decides_in_its_atomic_as_under_the_lock(
+        counting_cost in proptest::bool::ANY,
+        steps in proptest::collection::vec((0..4u8, 0..12u64, 0..300_000_000u64), 1..80),
+    ) {
+        let bucket = || {
+            let limit = LimitPolicy::token_bucket("tokens", Rate::per_second(40), 10);
+            let limit = if counting_cost { limit.counting_cost() } else { limit };
+            LimitSet::new(LimitSetPolicy::new().limit(limit)).unwrap()
+        };
+        let (fast, locked) = (bucket(), bucket());
+        proptest::prop_assert!(fast.shared.fast_live().is_some(), "a lone bucket is lock-free");
+        proptest::prop_assert!(locked.shared.fast.as_ref().and_then(Fast::disable).is_some());
+        let key = TenantKey::global();
+        let mut held: Vec<(Grant, Grant)> = Vec::new();
+        let mut now = Instant::ZERO;
+        for (op, cost, dt) in steps {
+            now = Instant::from_nanos(now.as_nanos() + dt);
+            match op {
+                0 | 1 => {
+                    let (a, b) = (fast.acquire_grant(&key, cost, now), locked.acquire_grant(&key, cost, now));
+                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
+                    if let (Ok(a), Ok(b)) = (a, b) {
+                        held.push((a, b));
+                    }
+                }
+                2 if !held.is_empty() => {
+                    let (a, b) = held.remove(0);
+                    fast.cancel_grant(&key, a, now);
+                    locked.cancel_grant(&key, b, now);
+                }
+                _ => {
+                    if let Some((a, b)) = held.first_mut() {
+                        fast.settle_grant(&key, a, cost, now);
+                        locked.settle_grant(&key, b, cost, now);
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(fast.peek(&key, now), locked.peek(&key, now));
+            proptest::prop_assert_eq!(fast.stats(), locked.stats());
+        }
+    }
+}
