@@ -1,6 +1,7 @@
 //! What the unit tests and the loom models of the lock-free path share: a fast state
 //! for a rate and burst, and the rate cap every run of grants must keep.
 
+use super::lease::*;
 use super::*;
 use crate::policy::{LimitPolicy, LimitSetPolicy};
 use crate::rate::Rate;

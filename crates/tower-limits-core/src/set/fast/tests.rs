@@ -3,6 +3,7 @@
 use std::sync::Mutex;
 
 use super::laws::{assert_rate_cap, fast, granted};
+use super::lease::*;
 use super::stripes::{OWNED_STRIPES, STRIPE, shared_stripe};
 use super::*;
 use crate::rate::Rate;
