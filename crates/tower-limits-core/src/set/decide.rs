@@ -393,11 +393,8 @@ impl Shared {
         // nothing else has been written.
         if let Some(fast) = atomic {
             if let Err(refused) = take_atomic(cfg, fast, costs.of(atomic_at, &cfg.limits[atomic_at]), now) {
-                let counters = counters(&mut shard, &mut global);
-                match refused {
-                    SetError::CostAboveCapacity(_) => counters.impossible[atomic_at] += 1,
-                    _ => counters.denied[atomic_at] += 1,
-                }
+                // Not yet: a cost above its capacity was refused in its turn, above.
+                counters(&mut shard, &mut global).denied[atomic_at] += 1;
                 return Err(refused);
             }
         }

@@ -576,3 +576,56 @@ proptest::proptest! {
         }
     }
 }
+
+/// The global key of a set whose keyed limits are all in shadow mode decides under the
+/// global lock, and there too the global limit's atomic rules, not the state the lock
+/// last held for it: here that state is a grant behind, and the grant was cancelled since.
+#[test]
+fn the_global_key_decides_on_the_atomic_not_on_the_locked_state() {
+    let with = |burst: u64| {
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("each", Rate::per_second(1), 1).per("tenant").shadow())
+            .limit(LimitPolicy::gcra("everyone", Rate::per_second(1), burst).counting_cost())
+    };
+    let set = LimitSet::new(with(2)).unwrap();
+    let everyone = TenantKey::global();
+    let grant = set.acquire_grant(&everyone, 2, Instant::ZERO).unwrap();
+    // Off and on again: the locked state keeps the two units spent.
+    set.replace_policy(with(3)).unwrap();
+    set.replace_policy(with(2)).unwrap();
+    assert!(set.shared.fast_global_live().is_some());
+    set.cancel_grant(&everyone, grant, Instant::ZERO);
+    assert!(set.acquire_grant(&everyone, 2, Instant::ZERO).is_ok(), "the cancelled units came back");
+}
+
+/// A refusal of a contended global atomic at a clock read that lagged behind another
+/// thread's grants is decided again at the latest grant's instant, as under the global
+/// lock; a lone thread's refusals never are (its own instants are the latest).
+#[test]
+fn a_lagging_read_of_a_contended_atomic_decides_at_the_latest_instant() {
+    let set = LimitSet::new(
+        LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::gcra("everyone", Rate::per_second(1), 2)),
+    )
+    .unwrap();
+    let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
+    let (a, b) = (TenantKey::single("a").unwrap(), TenantKey::single("b").unwrap());
+    // This thread takes a stripe of its own; another thread grants at 10 s.
+    assert!(set.acquire_grant(&b, 1, at(0)).is_ok());
+    std::thread::scope(|s| {
+        s.spawn(|| assert!(set.acquire_grant(&a, 1, at(10)).is_ok()));
+    });
+    // At 5 s the TAT (11 s) lies 6 s ahead, past the tolerance of 2 s: refused, alone.
+    match set.acquire_grant(&b, 1, at(5)) {
+        Err(AcquireError::Denied(d)) => assert_eq!(d.retry_after(), std::time::Duration::from_secs(5)),
+        other => panic!("{other:?}"),
+    }
+    // Contended, the same read is decided at 10 s, the latest grant: it passes there.
+    let fast = set.shared.fast_global_live().expect("the atomic rules");
+    fast.mark_contended();
+    assert!(set.acquire_grant(&b, 1, at(5)).is_ok());
+    assert_eq!(set.stats().limits[1].denied, 1, "the refusal decided again is not counted");
+}

@@ -13,7 +13,7 @@ pub(super) fn fast(rate: Rate, burst: u64) -> Fast {
 
 impl Fast {
     /// As if this thread had seen a swap fail: its next grants take leases.
-    pub(super) fn mark_contended(&self) {
+    pub(in crate::set) fn mark_contended(&self) {
         self.contended.store(true, Ordering::Relaxed);
         let epoch = self.epoch.load(Ordering::Acquire);
         LEASES.with(|l| {
