@@ -671,7 +671,8 @@ pub struct LimitStats {
 /// Sets of one limit, from a quota that is valid by construction.
 impl LimitSet {
     /// One global GCRA limit of `quota`, named `gcra`, counting each acquisition's cost:
-    /// governor's `RateLimiter::direct`, with a permit, settling and exact waits.
+    /// governor's `RateLimiter::direct`, with a permit, settling and exact waits, decided
+    /// without a lock.
     ///
     /// ```
     /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
@@ -687,7 +688,19 @@ impl LimitSet {
     }
 
     /// One global token bucket of `quota` (its burst is the bucket's size), named
-    /// `token_bucket`, counting each acquisition's cost.
+    /// `token_bucket`, counting each acquisition's cost. It makes exactly the decisions of
+    /// [`LimitSet::gcra`] of the same quota, and takes the same lock-free path.
+    ///
+    /// ```
+    /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let bucket = LimitSet::token_bucket(Quota::per_second(nz!(10)).burst(nz!(5)));
+    /// let global = TenantKey::global();
+    /// assert!(bucket.acquire(&global, 5, Instant::ZERO).is_ok());
+    /// let refused = bucket.acquire(&global, 1, Instant::ZERO).unwrap_err();
+    /// // One token comes back every 100 ms.
+    /// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_millis()), Some(100));
+    /// ```
     #[must_use]
     pub fn token_bucket(quota: crate::Quota) -> LimitSet {
         Self::of_quota(crate::LimitPolicy::token_bucket("token_bucket", quota.rate(), quota.max_burst()))
