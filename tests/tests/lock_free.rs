@@ -8,7 +8,7 @@
 //! advances itself, so reads race as a real clock's would. No sleeps, no wall-clock
 //! thresholds.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -42,12 +42,30 @@ fn assert_cap(mut admitted: Vec<(u64, u64)>, burst: u64) {
     }
 }
 
+/// What the locked path does meanwhile, over and over: 20,000 peeks at `key`'s limit
+/// `limit` at the threads' latest instant, each within the burst, and every 100th a
+/// replace by the same policy (a new generation, the state carried over).
+fn borrow_over_and_over(
+    set: &LimitSet,
+    clock: &AtomicU64,
+    key: &TenantKey,
+    limit: usize,
+    policy: impl Fn() -> LimitSetPolicy,
+) {
+    for n in 0..20_000u64 {
+        let now = Instant::from_nanos(clock.load(Ordering::Relaxed));
+        assert!(set.peek(key, now)[limit].snapshot.remaining <= BURST);
+        if n % 100 == 0 {
+            set.replace_policy(policy()).unwrap();
+        }
+    }
+}
+
 #[test]
 fn threads_never_over_admit() {
     let set = LimitSet::new(policy(BURST)).unwrap();
     let clock = Arc::new(AtomicU64::new(1_000_000));
     let admitted = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(AtomicBool::new(false));
     let global = TenantKey::global();
     thread::scope(|s| {
         for t in 0..4u64 {
@@ -68,22 +86,8 @@ fn threads_never_over_admit() {
             });
         }
         // Meanwhile the locked path borrows the state over and over.
-        let (set, stop, clock) = (&set, &stop, &clock);
-        s.spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) && n < 20_000 {
-                let now = Instant::from_nanos(clock.load(Ordering::Relaxed));
-                let snapshot = &set.peek(&TenantKey::global(), now)[0].snapshot;
-                assert!(snapshot.remaining <= BURST);
-                if n % 100 == 0 {
-                    // The same policy again: a new generation, the state carried over.
-                    set.replace_policy(policy(BURST)).unwrap();
-                }
-                n += 1;
-            }
-        });
+        s.spawn(|| borrow_over_and_over(&set, &clock, &global, 0, || policy(BURST)));
     });
-    stop.store(true, Ordering::Relaxed);
     let admitted = Arc::try_unwrap(admitted).unwrap().into_inner().unwrap();
     let stats = set.stats();
     assert_eq!(stats.admitted, admitted.len() as u64, "every admission is counted once");
@@ -278,7 +282,6 @@ fn beside_keyed_limits_threads_never_over_admit() {
     let clock = AtomicU64::new(1_000_000);
     let admitted = Mutex::new(Vec::new());
     let refused = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
     thread::scope(|s| {
         for t in 0..4u64 {
             let (set, clock, admitted, refused) = (&set, &clock, &admitted, &refused);
@@ -312,22 +315,8 @@ fn beside_keyed_limits_threads_never_over_admit() {
             });
         }
         // Meanwhile the locked path borrows the state over and over.
-        let (set, stop, clock) = (&set, &stop, &clock);
-        s.spawn(move || {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) && n < 20_000 {
-                let now = Instant::from_nanos(clock.load(Ordering::Relaxed));
-                let snapshot = &set.peek(&TenantKey::from_u64(0), now)[1].snapshot;
-                assert!(snapshot.remaining <= BURST);
-                if n % 100 == 0 {
-                    // The same policy again: a new generation, the state carried over.
-                    set.replace_policy(policy()).unwrap();
-                }
-                n += 1;
-            }
-        });
+        s.spawn(|| borrow_over_and_over(&set, &clock, &TenantKey::from_u64(0), 1, policy));
     });
-    stop.store(true, Ordering::Relaxed);
     let admitted = admitted.into_inner().unwrap();
     let stats = set.stats();
     assert_eq!(stats.admitted, admitted.len() as u64, "every admission is counted once");

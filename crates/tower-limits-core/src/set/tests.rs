@@ -51,17 +51,70 @@ fn one_keyed_set(limit: usize, tier: usize, on: bool) -> LimitSet {
     set
 }
 
+/// Grants two twin sets hold, each with the index of its key.
+type Held = Vec<(usize, Grant, Grant)>;
+
+/// One step of the same operation on two twin sets, which must give the same answers and
+/// then show the same snapshots of every key and the same counters: `op` 0 and 1 acquire
+/// `keys[k]` at `cost`, 2 acquires it at a cost per limit, 3 releases and 4 cancels the
+/// oldest grant held, and 5 settles it to `cost`.
+fn step_twins(
+    (a, b): (&LimitSet, &LimitSet),
+    keys: &[TenantKey],
+    held: &mut Held,
+    (op, k, cost): (u8, usize, u64),
+    now: Instant,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let key = &keys[k];
+    match op {
+        0 | 1 => {
+            let (x, y) = (a.acquire_grant(key, cost, now), b.acquire_grant(key, cost, now));
+            proptest::prop_assert_eq!(format!("{:?}", x.as_ref().err()), format!("{:?}", y.as_ref().err()));
+            if let (Ok(x), Ok(y)) = (x, y) {
+                held.push((k, x, y));
+            }
+        }
+        2 => {
+            let each = [cost, cost / 2, cost + 1];
+            let each = &each[..a.limit_names().len().min(each.len())];
+            let (x, y) = (a.acquire_each(key, each, now), b.acquire_each(key, each, now));
+            proptest::prop_assert_eq!(format!("{:?}", x.as_ref().err()), format!("{:?}", y.as_ref().err()));
+        }
+        3 | 4 if !held.is_empty() => {
+            let (k, x, y) = held.remove(0);
+            if op == 3 {
+                a.release_grant(&keys[k], x);
+                b.release_grant(&keys[k], y);
+            } else {
+                a.cancel_grant(&keys[k], x, now);
+                b.cancel_grant(&keys[k], y, now);
+            }
+        }
+        _ => {
+            if let Some((k, x, y)) = held.first_mut() {
+                a.settle_grant(&keys[*k], x, cost, now);
+                b.settle_grant(&keys[*k], y, cost, now);
+            }
+        }
+    }
+    for key in keys {
+        proptest::prop_assert_eq!(a.peek(key, now), b.peek(key, now));
+    }
+    proptest::prop_assert_eq!(a.stats(), b.stats());
+    Ok(())
+}
+
 proptest::proptest! {
     /// A set of one keyed limit decides on its own path exactly as on the general one:
     /// the same answers (each refusal to the field), the same snapshots and the same
     /// counters, over keys of every form (numbers, addresses, text, two tiers, and
-    /// keys too shallow for the limit), with grants held, released and settled, and
-    /// a key table small enough to fill and evict.
+    /// keys too shallow for the limit), with grants held, released, settled and
+    /// cancelled, costs per limit, and a key table small enough to fill and evict.
     #[test]
     fn the_one_keyed_path_decides_as_the_general_path(
         limit in 0..4usize,
         tier in 0..2usize,
-        steps in proptest::collection::vec((0..4u8, 0..7usize, 0..6u64, 0..400_000_000u64), 1..80),
+        steps in proptest::collection::vec((0..6u8, 0..7usize, 0..6u64, 0..400_000_000u64), 1..80),
     ) {
         use std::net::{IpAddr, Ipv4Addr};
         use crate::key::KeyPart;
@@ -75,35 +128,11 @@ proptest::proptest! {
             TenantKey::global(),
         ];
         let (fast, general) = (one_keyed_set(limit, tier, true), one_keyed_set(limit, tier, false));
-        let mut held: Vec<(usize, Grant, Grant)> = Vec::new();
+        let mut held = Held::new();
         let mut now = Instant::ZERO;
         for (op, k, cost, dt) in steps {
             now = Instant::from_nanos(now.as_nanos() + dt);
-            let key = &keys[k];
-            match op {
-                0 | 1 => {
-                    let (a, b) = (fast.acquire_grant(key, cost, now), general.acquire_grant(key, cost, now));
-                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
-                    if let (Ok(a), Ok(b)) = (a, b) {
-                        held.push((k, a, b));
-                    }
-                }
-                2 if !held.is_empty() => {
-                    let (k, a, b) = held.remove(0);
-                    fast.release_grant(&keys[k], a);
-                    general.release_grant(&keys[k], b);
-                }
-                _ => {
-                    if let Some((k, a, b)) = held.first_mut() {
-                        fast.settle_grant(&keys[*k], a, cost, now);
-                        general.settle_grant(&keys[*k], b, cost, now);
-                    }
-                }
-            }
-            for key in &keys {
-                proptest::prop_assert_eq!(fast.peek(key, now), general.peek(key, now));
-            }
-            proptest::prop_assert_eq!(fast.stats(), general.stats());
+            step_twins((&fast, &general), &keys, &mut held, (op, k, cost), now)?;
         }
     }
 }
@@ -418,45 +447,11 @@ proptest::proptest! {
             TenantKey::global(),
         ];
         let (fast, locked) = (global_beside_set(global, at, true), global_beside_set(global, at, false));
-        let mut held: Vec<(usize, Grant, Grant)> = Vec::new();
+        let mut held = Held::new();
         let mut now = Instant::ZERO;
         for (op, k, cost, dt) in steps {
             now = Instant::from_nanos(now.as_nanos() + dt);
-            let key = &keys[k];
-            match op {
-                0 | 1 => {
-                    let (a, b) = (fast.acquire_grant(key, cost, now), locked.acquire_grant(key, cost, now));
-                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
-                    if let (Ok(a), Ok(b)) = (a, b) {
-                        held.push((k, a, b));
-                    }
-                }
-                2 => {
-                    let each = [cost, cost / 2, cost + 1];
-                    let (a, b) = (fast.acquire_each(key, &each, now), locked.acquire_each(key, &each, now));
-                    proptest::prop_assert_eq!(format!("{:?}", a.as_ref().err()), format!("{:?}", b.as_ref().err()));
-                }
-                3 if !held.is_empty() => {
-                    let (k, a, b) = held.remove(0);
-                    fast.release_grant(&keys[k], a);
-                    locked.release_grant(&keys[k], b);
-                }
-                4 if !held.is_empty() => {
-                    let (k, a, b) = held.remove(0);
-                    fast.cancel_grant(&keys[k], a, now);
-                    locked.cancel_grant(&keys[k], b, now);
-                }
-                _ => {
-                    if let Some((k, a, b)) = held.first_mut() {
-                        fast.settle_grant(&keys[*k], a, cost, now);
-                        locked.settle_grant(&keys[*k], b, cost, now);
-                    }
-                }
-            }
-            for key in &keys {
-                proptest::prop_assert_eq!(fast.peek(key, now), locked.peek(key, now));
-            }
-            proptest::prop_assert_eq!(fast.stats(), locked.stats());
+            step_twins((&fast, &locked), &keys, &mut held, (op, k, cost), now)?;
         }
     }
 }
