@@ -219,6 +219,12 @@ impl LimitSet {
                 counters: Counters::default(),
             },
         };
+        // The lock-free state of its one global rate limit, if it has one: the set's only
+        // limit, or one beside keyed limits.
+        let (fast, fast_global) = match Fast::for_config(&config) {
+            Some(fast) if fast.alone() => (Some(fast), None),
+            beside => (None, beside),
+        };
         Ok(LimitSet {
             shared: Arc::new(Shared {
                 shards: (0..shards).map(|_| Padded(Mutex::new(shard(&config)))).collect(),
@@ -236,8 +242,8 @@ impl LimitSet {
                 tiered: AtomicBool::new(config.has_tiered),
                 one_keyed: AtomicBool::new(config.one_keyed.is_some()),
                 replacing: Mutex::new(()),
-                fast: Fast::for_config(&config).filter(Fast::alone),
-                fast_global: Fast::for_config(&config).filter(|f| !f.alone()),
+                fast,
+                fast_global,
             }),
         })
     }
