@@ -1,0 +1,392 @@
+//! The stages of the gateway's pipeline that are its own (see the parent module's
+//! diagram): [`Prepare`] reads and costs a request, [`PlanLimits`] sends it through its
+//! tenant's plan, [`UpstreamCall`] calls the chosen account; and [`AccessInfo`], what they
+//! report for the access line.
+
+use super::*;
+
+/// Reads the body (within `body_timeout`, `408` after it), checks it, counts its tokens
+/// and puts the [`Cost`] in the request's extensions.
+#[derive(Debug, Clone)]
+pub struct PrepareLayer {
+    pub(super) max_body_bytes: usize,
+    pub(super) max_tokens: u64,
+    pub(super) body_timeout: Duration,
+    pub(super) models: Arc<[String]>,
+}
+
+impl<S> Layer<S> for PrepareLayer {
+    type Service = Prepare<S>;
+
+    fn layer(&self, inner: S) -> Prepare<S> {
+        Prepare { inner, settings: self.clone() }
+    }
+}
+
+/// The service of [`PrepareLayer`].
+#[derive(Debug, Clone)]
+pub struct Prepare<S> {
+    inner: S,
+    settings: PrepareLayer,
+}
+
+impl<S> Service<Request<Body>> for Prepare<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        // The service polled ready goes with the request.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let settings = self.settings.clone();
+        Box::pin(async move {
+            let (mut parts, body) = req.into_parts();
+            let read =
+                tokio::time::timeout(settings.body_timeout, Limited::new(body, settings.max_body_bytes).collect());
+            let body = match read.await {
+                Ok(Ok(b)) => b.to_bytes(),
+                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                    return Ok(api::error_response(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "invalid_request_error",
+                        "body_too_large",
+                        &format!("the body is larger than {} bytes", settings.max_body_bytes),
+                    ));
+                }
+                Ok(Err(_)) => {
+                    let mut r = api::error_response(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "body_incomplete",
+                        "the connection failed before the whole body arrived",
+                    );
+                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return Ok(r);
+                }
+                Err(_) => {
+                    let mut r = api::error_response(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "body_timeout",
+                        &format!(
+                            "the body did not arrive within {} (gateway.body_timeout)",
+                            tower_limits::core::policy::format_duration(settings.body_timeout)
+                        ),
+                    );
+                    // The rest of the body may still come: the connection cannot be reused.
+                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return Ok(r);
+                }
+            };
+            let is_chat = parts.uri.path() == CHAT_PATH;
+            let (model, tokens, inputs, stream, param) = if is_chat {
+                match api::ChatRequest::parse(&body) {
+                    Ok(r) => (r.model.clone(), r.estimate(settings.max_tokens), r.messages.len(), r.stream, "messages"),
+                    Err(e) => return Ok(e.response()),
+                }
+            } else {
+                match EmbeddingRequest::parse(&body) {
+                    Ok(r) => (r.model.clone(), r.tokens(), r.inputs.len(), false, "input"),
+                    Err(e) => return Ok(e.response()),
+                }
+            };
+            if !settings.models.contains(&model) {
+                return Ok(api::error_with_param(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    "model_not_found",
+                    Some("model"),
+                    &format!(
+                        "the model {model:?} does not exist here; this gateway serves {}",
+                        settings.models.join(", ")
+                    ),
+                ));
+            }
+            if tokens > settings.max_tokens {
+                let mut r = api::error_with_param(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "too_many_tokens",
+                    Some(param),
+                    &format!("{tokens} tokens; a request may carry at most {}", settings.max_tokens),
+                );
+                r.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
+                return Ok(r);
+            }
+            parts.extensions.insert(Cost(tokens));
+            let path = if is_chat { CHAT_PATH } else { EMBEDDINGS_PATH };
+            parts.extensions.insert(Prepared { body, tokens, inputs, path, stream });
+            let mut response = inner.call(Request::from_parts(parts, Body::empty())).await?;
+            // The upstream's count when it gave one, the estimate otherwise.
+            response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens.get_or_insert(tokens);
+            Ok(response)
+        })
+    }
+}
+
+/// What the access log line of a request reports beyond its status: filled in on the
+/// way out by the layers that know it.
+#[derive(Debug, Clone, Default)]
+pub struct AccessInfo {
+    /// The tenant, once authenticated.
+    pub tenant: Option<Arc<str>>,
+    /// The request's tokens: the upstream's count when it answered, the estimate otherwise.
+    pub tokens: Option<u64>,
+    /// From arrival to the upstream call.
+    pub queued: Option<Duration>,
+    /// The upstream call.
+    pub upstream: Option<Duration>,
+    /// The upstream account.
+    pub account: Option<Arc<str>>,
+}
+
+/// Sends each request through the limits of its tenant's plan.
+#[derive(Clone)]
+pub struct PlanLimits {
+    pub(super) plans: PlanSlot,
+}
+
+impl fmt::Debug for PlanLimits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlanLimits").finish_non_exhaustive()
+    }
+}
+
+impl Service<Request<Body>> for PlanLimits {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Each call readies its own plan's service (`oneshot`).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        let plan = req.extensions().get::<Identity>().map_or(0, |id| id.plan);
+        let svc = {
+            let plans = self.plans.read().unwrap_or_else(PoisonError::into_inner);
+            plans[plan.min(plans.len() - 1)].clone()
+        };
+        Box::pin(svc.oneshot(req))
+    }
+}
+
+/// The innermost service: sends the request to the account the pool chose, learns from
+/// the answer, and reports the real usage.
+#[derive(Clone)]
+pub struct UpstreamCall {
+    pub(super) transport: Transport,
+    pub(super) timeout: Duration,
+    pub(super) on_timeout: TimeoutCharge,
+    pub(super) pool: LimitPool<Account>,
+    pub(super) now: Arc<dyn Fn() -> Instant + Send + Sync>,
+    pub(super) stats: Arc<GatewayStats>,
+}
+
+impl fmt::Debug for UpstreamCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamCall").field("pool", &self.pool).finish_non_exhaustive()
+    }
+}
+
+impl Service<Request<Body>> for UpstreamCall {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Body>) -> BoxFuture {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+/// An upstream answer: read whole, or a stream passed on as it comes.
+enum Answer {
+    Whole(Bytes),
+    Stream(Body),
+}
+
+/// The wait suggested when nobody knows how long: the limits' store is down, an upstream
+/// account is benched without saying for how long (the layers suggest the same).
+pub const BACKEND_DOWN_WAIT: Duration = Duration::from_secs(1);
+
+/// The queueing time of an answer, in microseconds: from arrival at the gateway to the
+/// call to the upstream.
+pub const QUEUE_TIME_HEADER: &str = "x-gateway-queue-us";
+/// The upstream account that served an answer.
+pub const ACCOUNT_HEADER: &str = "x-gateway-account";
+
+impl UpstreamCall {
+    async fn forward(self, req: Request<Body>) -> Response<Body> {
+        let internal =
+            |what: &str| api::error_response(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", what);
+        let Some(chosen) = req.extensions().get::<Chosen<Account>>().cloned() else {
+            return internal("no upstream account was chosen");
+        };
+        let Some(prepared) = req.extensions().get::<Prepared>().cloned() else {
+            return internal("the request was not prepared");
+        };
+        let tenant = req.extensions().get::<Identity>().map(|i| i.tenant.clone());
+        let queued = req.extensions().get::<Arrived>().map(|a| a.0.elapsed());
+        let account = &chosen.config;
+        let upstream = Request::post(format!("{}{}", account.base_url, prepared.path))
+            .header(header::AUTHORIZATION, format!("Bearer {}", account.api_key))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(prepared.body));
+        let Ok(upstream) = upstream else { return internal("the upstream URL is not valid") };
+        let started = tokio::time::Instant::now();
+        let call = async {
+            let response = self.transport.clone().oneshot(upstream).await?;
+            let (parts, body) = response.into_parts();
+            if prepared.stream && parts.status.is_success() {
+                // The stream goes on to the client as it comes: the layers above hold
+                // their permits in it and settle them from its final usage chunk.
+                return Ok::<_, BoxError>((parts, Answer::Stream(body)));
+            }
+            let bytes = body.collect().await?.to_bytes();
+            Ok((parts, Answer::Whole(bytes)))
+        };
+        let result = tokio::time::timeout(self.timeout, call).await;
+        let took = started.elapsed();
+        let info = AccessInfo {
+            tenant,
+            tokens: Some(prepared.tokens),
+            queued,
+            upstream: Some(took),
+            account: Some(Arc::from(&*chosen.name)),
+        };
+        let mut out = match result {
+            Err(_) => {
+                // The upstream hung: not the account's fault as far as anyone knows (no
+                // answer, no bench), and not the tenant's either.
+                let n = self.stats.upstream_timeouts.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(suppressed) = self.stats.timeout_log.ready() {
+                    tracing::warn!(
+                        account = %chosen.name,
+                        timeout_ms = self.timeout.as_millis() as u64,
+                        total = n,
+                        suppressed,
+                        "upstream call timed out: answered 504"
+                    );
+                }
+                let mut r = api::error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream_error",
+                    "upstream_timeout",
+                    &format!(
+                        "the upstream did not answer within {} (gateway.upstream_timeout); try again",
+                        tower_limits::core::policy::format_duration(self.timeout)
+                    ),
+                );
+                if self.on_timeout == TimeoutCharge::Refund {
+                    r.extensions_mut().insert(Usage(0));
+                }
+                r
+            }
+            Ok(Err(e)) => {
+                let n = self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(suppressed) = self.stats.error_log.ready() {
+                    tracing::warn!(account = %chosen.name, error = %e, total = n, suppressed, "upstream call failed: answered 502");
+                }
+                api::error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_unreachable",
+                    &format!("the upstream account {} could not be reached: {e}", chosen.name),
+                )
+            }
+            Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes),
+            Ok(Ok((parts, Answer::Stream(body)))) => {
+                let report = upstream_report(parts.status, &parts.headers);
+                self.pool.observe(chosen.index, &report, (self.now)());
+                let mut r = Response::new(body);
+                *r.status_mut() = parts.status;
+                for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+                    if let Some(v) = parts.headers.get(&name) {
+                        r.headers_mut().insert(name, v.clone());
+                    }
+                }
+                r
+            }
+        };
+        let h = out.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&chosen.name) {
+            h.insert(ACCOUNT_HEADER, v);
+        }
+        if let Some(q) = queued {
+            h.insert(QUEUE_TIME_HEADER, HeaderValue::from(q.as_micros() as u64));
+        }
+        let usage = out.extensions().get::<Usage>().map(|u| u.0);
+        out.extensions_mut().insert(AccessInfo { tokens: usage.or(info.tokens), ..info });
+        out
+    }
+
+    /// The answer to the client for an upstream answer.
+    fn answer(&self, chosen: &Chosen<Account>, parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+        // What the upstream says about the account corrects its mirror (and benches it
+        // after a 429).
+        let report = upstream_report(parts.status, &parts.headers);
+        self.pool.observe(chosen.index, &report, (self.now)());
+        if parts.status == StatusCode::TOO_MANY_REQUESTS {
+            // Not the tenant's fault: shared overload, retry when the account is back.
+            let n = self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(suppressed) = self.stats.refusal_log.ready() {
+                tracing::warn!(account = %chosen.name, total = n, suppressed, "upstream answered 429: account benched, answered 503");
+            }
+            let wait = report.retry_after.filter(|w| !w.is_zero()).unwrap_or(BACKEND_DOWN_WAIT);
+            let mut r = api::error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "upstream_rate_limited",
+                &format!(
+                    "The upstream account {} is rate limited. Please try again in {:.3}s.",
+                    chosen.name,
+                    wait.as_secs_f64()
+                ),
+            );
+            write_retry_after(r.headers_mut(), wait);
+            return r;
+        }
+        if parts.status.is_server_error() {
+            let n = self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(suppressed) = self.stats.error_log.ready() {
+                tracing::warn!(account = %chosen.name, status = parts.status.as_u16(), total = n, suppressed, "upstream answered an error");
+            }
+        }
+        if !parts.status.is_success() && !api::is_openai_error(&bytes) {
+            // Whatever the upstream said, the client gets OpenAI's shape.
+            return api::error_response(
+                parts.status,
+                if parts.status.is_server_error() { "server_error" } else { "invalid_request_error" },
+                "upstream_error",
+                &format!("The upstream account {} answered {}.", chosen.name, parts.status),
+            );
+        }
+        let mut r = Response::new(Body::from(bytes.clone()));
+        *r.status_mut() = parts.status;
+        if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+            r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+        }
+        if parts.status.is_success() {
+            if let Ok(u) = serde_json::from_slice::<UsageOnly>(&bytes) {
+                // Settles the tenant's TPM and the account's mirror to the real count.
+                r.extensions_mut().insert(Usage(u.usage.total_tokens));
+            }
+        }
+        r
+    }
+}
