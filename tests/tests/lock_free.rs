@@ -22,20 +22,57 @@ fn policy(burst: u64) -> LimitSetPolicy {
     LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000), burst).counting_cost())
 }
 
-/// Every window `[a, b]` of admission instants holds at most `(b - a) / T + burst` units.
-fn assert_cap(mut admitted: Vec<(u64, u64)>, burst: u64) {
-    admitted.sort_unstable();
-    let total: u64 = admitted.iter().map(|a| a.1).sum();
+/// One admission (`units > 0`) or refund (`units < 0`). Its decision was made at some
+/// instant in `[from, to]`: the caller's clock read, raised at most to an instant another
+/// thread read first (a stripe's latest, or the latest grant's when a contended refusal
+/// is decided again), so never past the clock read just after the call.
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    from: u64,
+    to: u64,
+    units: i64,
+}
+
+impl Event {
+    /// An event decided by a call that took `from` off `clock` and has returned.
+    fn ended(from: u64, clock: &AtomicU64, units: i64) -> Self {
+        Event { from, to: clock.load(Ordering::SeqCst), units }
+    }
+}
+
+/// Every window `[a, b]` holds at most `(b - a) / T + burst` units admitted less units
+/// refunded (a refund's credit counts at the instant it is made, whenever the grant it
+/// belongs to was: it can give back a unit that time had already given back, so the cap
+/// on grants alone would not hold).
+///
+/// The instants are known to intervals only, so the count is a lower bound of the true
+/// one: an admission counts when its interval lies in the window, a refund subtracts
+/// when its interval meets the window.
+fn assert_cap(events: Vec<Event>, burst: u64) {
+    let (mut grants, mut refunds): (Vec<Event>, Vec<Event>) = events.into_iter().partition(|e| e.units > 0);
+    grants.sort_unstable_by_key(|e| e.from);
+    refunds.sort_unstable_by_key(|e| e.from);
+    let total: i64 = grants.iter().map(|e| e.units).sum();
     assert!(total > 1_000, "the run must admit plenty ({total})");
-    for start in 0..admitted.len() {
-        // Every window starting at this admission, ending at each later one.
-        let a = admitted[start].0;
-        let mut in_window = 0u64;
-        for &(t, c) in &admitted[start..] {
-            in_window += c;
-            let allowed = (t - a) / INTERVAL + burst;
-            assert!(in_window <= allowed, "{in_window} admitted in [{a}, {t}], at most {allowed}");
-            if t - a > 4 * burst * INTERVAL {
+    let longest_refund = refunds.iter().map(|e| e.to - e.from).max().unwrap_or(0);
+    for start in 0..grants.len() {
+        // Windows from this admission's earliest instant, each to a later one's latest.
+        let a = grants[start].from;
+        let (mut b, mut in_window) = (a, 0i64);
+        // Refunds that may meet the window, in order of their earliest instants.
+        let mut next_refund = refunds.partition_point(|r| r.from + longest_refund < a);
+        for g in &grants[start..] {
+            b = b.max(g.to);
+            in_window += g.units;
+            while let Some(r) = refunds.get(next_refund).filter(|r| r.from <= b) {
+                if r.to >= a {
+                    in_window += r.units;
+                }
+                next_refund += 1;
+            }
+            let allowed = ((b - a) / INTERVAL + burst) as i64;
+            assert!(in_window <= allowed, "{in_window} admitted less refunded in [{a}, {b}], at most {allowed}");
+            if b - a > 4 * burst * INTERVAL {
                 break; // far beyond the burst the bound only loosens
             }
         }
@@ -77,7 +114,7 @@ fn threads_never_over_admit() {
                     let now = clock.fetch_add(if (i + t) % 3 == 0 { 1_000 } else { 0 }, Ordering::Relaxed);
                     let cost = 1 + (i * 7 + t) % 3;
                     match set.acquire(global, cost, Instant::from_nanos(now)) {
-                        Ok(_permit) => mine.push((now, cost)),
+                        Ok(_permit) => mine.push(Event::ended(now, clock, cost as i64)),
                         Err(AcquireError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
                         Err(e) => panic!("{e}"),
                     }
@@ -116,7 +153,7 @@ fn leases_that_lead_the_clock_keep_the_cap() {
                     let step = if (i / 5_000) % 2 == 0 { 1_000 } else { 100 };
                     let now = clock.fetch_add(step, Ordering::Relaxed);
                     match set.check(global, 1, Instant::from_nanos(now)) {
-                        Ok(()) => mine.push((now, 1)),
+                        Ok(()) => mine.push(Event::ended(now, clock, 1)),
                         Err(SetError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
                         Err(e) => panic!("{e}"),
                     }
@@ -294,12 +331,12 @@ fn beside_keyed_limits_threads_never_over_admit() {
                     let cost = 1 + (i * 7 + t) % 3;
                     match set.acquire_grant(&key, cost, Instant::from_nanos(now)) {
                         Ok(mut grant) => {
+                            mine.push(Event::ended(now, clock, cost as i64));
                             if i % 50 == 0 {
-                                // A settle to less refunds the difference: it is not charged.
+                                // A settle to less refunds the difference, at the latest
+                                // instant the set has seen.
                                 set.settle_grant(&key, &mut grant, cost - 1, Instant::from_nanos(now));
-                                mine.push((now, cost - 1));
-                            } else {
-                                mine.push((now, cost));
+                                mine.push(Event::ended(now, clock, -1));
                             }
                             set.release_grant(&key, grant);
                         }
@@ -319,10 +356,13 @@ fn beside_keyed_limits_threads_never_over_admit() {
     });
     let admitted = admitted.into_inner().unwrap();
     let stats = set.stats();
-    assert_eq!(stats.admitted, admitted.len() as u64, "every admission is counted once");
+    assert_eq!(
+        stats.admitted,
+        admitted.iter().filter(|e| e.units > 0).count() as u64,
+        "every admission is counted once"
+    );
     assert_eq!(stats.limits[1].denied, refused.load(Ordering::Relaxed), "every refusal is counted once");
     assert!(stats.limits[1].denied > 0, "the global bucket binds");
     assert_eq!(stats.limits[2].held, 0, "every semaphore came back");
-    // A refunded grant charged one unit less: the units, not the grants, are capped.
     assert_cap(admitted, BURST);
 }

@@ -288,6 +288,12 @@ macro_rules! permit_methods {
         /// usage is higher (recorded, never refused: the work is done; later requests
         /// wait for it). Limits counting requests and semaphores are unchanged; the
         /// concurrency is still held until the permit is dropped.
+        ///
+        /// A refund's credit comes back at `now` (raised to the latest instant the set
+        /// has seen), never above a limit's burst. A rate limit that came back to full
+        /// credit between the grant and the settle may then hold more credit than if the
+        /// real usage had been known at the grant (see the guide's *Costs, permits and
+        /// settling*).
         pub fn settle(&mut self, actual: u64, now: Instant) {
             self.set.shared.settle(&self.key, &mut self.grant, Costs::Uniform(actual), now);
         }
