@@ -50,10 +50,17 @@ use std::time::Duration;
 
 use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
-use tower_limits_core::{Counts, LimitSnapshot, Snapshot};
+use tower_limits_core::{Counts, LimitSnapshot};
 
 use crate::error::{ErrorKind, LimitError};
 use crate::reject::Rejection;
+
+mod fields;
+mod upstream;
+
+pub use fields::{go_duration, write_openai_fields, write_ratelimit_fields};
+use fields::{policy_value, scratch_value, write_state_member};
+pub use upstream::{parse_go_duration, upstream_report};
 
 /// `RateLimit-Policy`.
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -271,260 +278,6 @@ pub fn whole_millis(d: Duration) -> u128 {
 #[must_use]
 pub fn whole_seconds(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
-}
-
-/// A structured-field string: printable ASCII, with `"` and `\` escaped.
-#[cfg(test)]
-fn sf_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    write_sf_string(&mut out, text);
-    out
-}
-
-/// Appends `n` in decimal, without the formatting machinery.
-fn push_u64(out: &mut String, n: u64) {
-    out.push_str(itoa::Buffer::new().format(n));
-}
-
-fn write_sf_string(out: &mut String, text: &str) {
-    out.push('"');
-    if text.bytes().all(|b| matches!(b, b' '..=b'~') && b != b'"' && b != b'\\') {
-        // The common name: printable ASCII with nothing to escape, copied at once.
-        out.push_str(text);
-        out.push('"');
-        return;
-    }
-    for c in text.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            ' '..='~' => out.push(c),
-            _ => out.push('_'),
-        }
-    }
-    out.push('"');
-}
-
-fn write_policy_member(out: &mut String, name: &str, s: &Snapshot, is_semaphore: bool) {
-    write_sf_string(out, name);
-    if is_semaphore || s.window.is_zero() {
-        let _ = write!(out, ";q={}", s.quota);
-        if is_semaphore {
-            out.push_str(";qu=\"concurrent-requests\"");
-        }
-    } else {
-        let (quota, seconds) = quota_per_whole_seconds(s.quota, s.window);
-        let _ = write!(out, ";q={quota};w={seconds}");
-    }
-}
-
-/// `quota` per `window` as the same rate over a whole number of seconds, as the `w`
-/// parameter must be: `90` per `1.1s` is `900` per `11s`. A window that has no such form
-/// within a year is rounded up, which can only understate the rate.
-fn quota_per_whole_seconds(quota: u64, window: Duration) -> (u64, u64) {
-    if window.subsec_nanos() == 0 {
-        return (quota, window.as_secs());
-    }
-    let (num, den) = (u128::from(quota) * 1_000_000_000, window.as_nanos());
-    let (mut a, mut b) = (num, den);
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    match (u64::try_from(num / a), u64::try_from(den / a)) {
-        (Ok(q), Ok(w)) if w <= 366 * 86_400 => (q, w),
-        _ => (quota, whole_seconds(window)),
-    }
-}
-
-fn write_state_member(out: &mut String, name: &str, s: &Snapshot) {
-    write_sf_string(out, name);
-    out.push_str(";r=");
-    push_u64(out, s.remaining);
-    out.push_str(";t=");
-    push_u64(out, whole_seconds(s.reset));
-}
-
-/// What the `RateLimit-Policy` field of a list of limits depends on: constant for a
-/// limit (its name, quota and window), so the field's value is built once per policy.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct PolicyMember {
-    name: (usize, usize),
-    quota: u64,
-    window: Duration,
-    is_semaphore: bool,
-}
-
-impl PolicyMember {
-    fn of(name: &'static str, s: &Snapshot, is_semaphore: bool) -> Self {
-        PolicyMember { name: (name.as_ptr() as usize, name.len()), quota: s.quota, window: s.window, is_semaphore }
-    }
-}
-
-/// The most limits whose policy field is cached (a set holds at most 16).
-const CACHED_MEMBERS: usize = 16;
-
-/// The `RateLimit-Policy` value of `members`, built once per distinct policy in the
-/// process and shared from then on: no allocation and no shared write per answer. The
-/// values live as long as the process, like limit names: their number is bounded by the
-/// policies a process ever uses (each [`LimitSet::replace_policy`] with new quotas adds
-/// one).
-///
-/// [`LimitSet::replace_policy`]: tower_limits_core::LimitSet::replace_policy
-fn policy_value<'a>(members: impl Iterator<Item = (&'static str, &'a Snapshot, bool)> + Clone) -> Option<HeaderValue> {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-    use std::sync::{Mutex, PoisonError};
-
-    type Key = ([Option<PolicyMember>; CACHED_MEMBERS], usize);
-    static INTERNED: Mutex<Option<HashMap<Key, &'static str>>> = Mutex::new(None);
-    thread_local! {
-        static RECENT: RefCell<Vec<(Key, Option<HeaderValue>)>> = const { RefCell::new(Vec::new()) };
-    }
-
-    let mut key: Key = ([None; CACHED_MEMBERS], 0);
-    for (i, (name, s, sem)) in members.clone().enumerate() {
-        if i == CACHED_MEMBERS {
-            return None;
-        }
-        key.0[i] = Some(PolicyMember::of(name, s, sem));
-        key.1 = i + 1;
-    }
-    RECENT.with_borrow_mut(|recent| {
-        // A value over static bytes: cloning it copies a pointer, validating it is done once.
-        // Compared on the members in use only: a key is sixteen slots, mostly empty.
-        let used = &key.0[..key.1];
-        if let Some((_, value)) = recent.iter().find(|(k, _)| k.1 == key.1 && k.0[..k.1] == *used) {
-            return value.clone();
-        }
-        let text = {
-            let mut interned = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
-            *interned.get_or_insert_with(HashMap::new).entry(key).or_insert_with(|| {
-                let mut out = String::new();
-                for (i, (name, s, sem)) in members.enumerate() {
-                    if i > 0 {
-                        out.push_str(", ");
-                    }
-                    write_policy_member(&mut out, name, s, sem);
-                }
-                Box::leak(out.into_boxed_str())
-            })
-        };
-        let value = HeaderValue::from_str(text).ok().map(|_| HeaderValue::from_static(text));
-        if recent.len() == 8 {
-            recent.remove(0);
-        }
-        recent.push((key, value.clone()));
-        value
-    })
-}
-
-/// Builds a header value in a buffer kept per thread: one allocation, the value's own.
-fn scratch_value(build: impl FnOnce(&mut String)) -> Option<HeaderValue> {
-    use std::cell::RefCell;
-    thread_local! {
-        static SCRATCH: RefCell<String> = const { RefCell::new(String::new()) };
-    }
-    SCRATCH.with_borrow_mut(|buf| {
-        buf.clear();
-        build(buf);
-        HeaderValue::from_str(buf).ok()
-    })
-}
-
-/// Writes the `RateLimit-Policy` and `RateLimit` fields for every limit in `snapshots`.
-pub fn write_ratelimit_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
-    if snapshots.is_empty() || snapshots.iter().any(|l| l.snapshot.quota == 0) {
-        // Nothing read, or a state that could not be read: no field claims one.
-        return;
-    }
-    let members = snapshots.iter().map(|l| (l.name, &l.snapshot, l.is_semaphore));
-    let policy = policy_value(members).or_else(|| {
-        scratch_value(|out| {
-            for (i, l) in snapshots.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_policy_member(out, l.name, &l.snapshot, l.is_semaphore);
-            }
-        })
-    });
-    if let Some(policy) = policy {
-        headers.insert(RATELIMIT_POLICY, policy);
-    }
-    let state = scratch_value(|out| {
-        for (i, l) in snapshots.iter().enumerate() {
-            if i > 0 {
-                out.push_str(", ");
-            }
-            write_state_member(out, l.name, &l.snapshot);
-        }
-    });
-    if let Some(state) = state {
-        headers.insert(RATELIMIT, state);
-    }
-}
-
-/// Writes the `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` fields that OpenAI
-/// clients read, from the tightest rate limit counting requests and the tightest
-/// counting cost: the one with the least left, which is what a client may send now.
-pub fn write_openai_fields(headers: &mut HeaderMap, snapshots: &[LimitSnapshot]) {
-    const NAMES: [[HeaderName; 3]; 2] = [
-        [
-            HeaderName::from_static("x-ratelimit-limit-requests"),
-            HeaderName::from_static("x-ratelimit-remaining-requests"),
-            HeaderName::from_static("x-ratelimit-reset-requests"),
-        ],
-        [
-            HeaderName::from_static("x-ratelimit-limit-tokens"),
-            HeaderName::from_static("x-ratelimit-remaining-tokens"),
-            HeaderName::from_static("x-ratelimit-reset-tokens"),
-        ],
-    ];
-    for (counts, [limit, remaining, reset]) in [Counts::Requests, Counts::Cost].into_iter().zip(NAMES) {
-        let tightest = snapshots
-            .iter()
-            .filter(|l| l.counts == counts && !l.is_semaphore && l.snapshot.quota > 0)
-            // What a client may send now is the least that any of them has left.
-            .min_by_key(|l| (l.snapshot.remaining, l.snapshot.quota));
-        if let Some(l) = tightest {
-            headers.insert(limit, HeaderValue::from(l.snapshot.quota));
-            headers.insert(remaining, HeaderValue::from(l.snapshot.remaining));
-            if let Some(v) = scratch_value(|out| write_go_duration(out, l.snapshot.reset)) {
-                headers.insert(reset, v);
-            }
-        }
-    }
-}
-
-/// A duration as `6m0s`, `1s` or `250ms`, the way OpenAI's fields write it.
-#[must_use]
-pub fn go_duration(d: Duration) -> String {
-    let mut out = String::new();
-    write_go_duration(&mut out, d);
-    out
-}
-
-fn write_go_duration(out: &mut String, d: Duration) {
-    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    if ms < 1000 {
-        push_u64(out, ms);
-        out.push_str("ms");
-        return;
-    }
-    let (h, m) = (ms / 3_600_000, (ms / 60_000) % 60);
-    if h > 0 {
-        push_u64(out, h);
-        out.push('h');
-    }
-    if h > 0 || m > 0 {
-        push_u64(out, m);
-        out.push('m');
-    }
-    // Seconds with their fraction, as Go writes them: "1s", "1.5s", "0.25s".
-    let s = (ms % 60_000) as f64 / 1000.0;
-    let _ = write!(out, "{s}s");
 }
 
 fn json_string(text: &str) -> String {
@@ -799,6 +552,8 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
 
 #[cfg(test)]
 mod tests {
+    use tower_limits_core::Snapshot;
+
     use super::*;
 
     #[test]
@@ -810,31 +565,6 @@ mod tests {
         assert_eq!(whole_millis(Duration::from_nanos(1)), 1);
         assert_eq!(whole_millis(Duration::from_micros(2_000)), 2);
         assert_eq!(whole_millis(Duration::from_micros(2_001)), 3);
-    }
-
-    #[test]
-    fn policy_values_are_built_once_per_process() {
-        let s = Snapshot { quota: 5, remaining: 3, reset: Duration::from_secs(1), window: Duration::from_secs(2) };
-        let name: &'static str = "policy-cache-test";
-        let a = policy_value(std::iter::once((name, &s, false))).unwrap();
-        assert_eq!(a, "\"policy-cache-test\";q=5;w=2");
-        let b = std::thread::spawn(move || policy_value(std::iter::once((name, &s, false))).unwrap()).join().unwrap();
-        assert_eq!(a.as_bytes().as_ptr(), b.as_bytes().as_ptr(), "one value for every thread");
-        let other = Snapshot { quota: 6, ..s };
-        assert_eq!(policy_value(std::iter::once((name, &other, false))).unwrap(), "\"policy-cache-test\";q=6;w=2");
-        let sem = Snapshot { window: Duration::ZERO, ..s };
-        let both = policy_value([(name, &s, false), (name, &sem, true)].into_iter()).unwrap();
-        assert_eq!(both, "\"policy-cache-test\";q=5;w=2, \"policy-cache-test\";q=5;qu=\"concurrent-requests\"");
-    }
-
-    #[test]
-    fn windows_become_whole_seconds_without_changing_the_rate() {
-        assert_eq!(quota_per_whole_seconds(6_000, Duration::from_secs(60)), (6_000, 60));
-        // A mirror's 90 per 1.1 s: 900 per 11 s (rounding 1.1 s up to 2 s read as 45 per s).
-        assert_eq!(quota_per_whole_seconds(90, Duration::from_millis(1_100)), (900, 11));
-        assert_eq!(quota_per_whole_seconds(2, Duration::from_millis(500)), (4, 1));
-        // No whole form within a year: rounded up, which only understates the rate.
-        assert_eq!(quota_per_whole_seconds(1, Duration::from_nanos(1_000_000_007)), (1, 2));
     }
 
     #[test]
@@ -884,95 +614,7 @@ mod tests {
     }
 
     #[test]
-    fn go_durations() {
-        assert_eq!(go_duration(Duration::from_millis(250)), "250ms");
-        assert_eq!(go_duration(Duration::from_secs(1)), "1s");
-        assert_eq!(go_duration(Duration::from_secs(360)), "6m0s");
-        assert_eq!(go_duration(Duration::from_millis(1500)), "1.5s");
-    }
-
-    #[test]
     fn structured_strings_are_escaped() {
-        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c_\"");
         assert_eq!(json_string("a\"\n"), "\"a\\\"\\n\"");
-    }
-}
-
-/// What an upstream's answer says about its limits: `Retry-After` (seconds) or
-/// `retry-after-ms`, the `x-ratelimit-remaining-{requests,tokens}` counts, and for a
-/// `429` without `Retry-After`, the longer of the `x-ratelimit-reset-*` durations. Feed it
-/// to [`LimitPool::observe`](tower_limits_core::LimitPool::observe).
-#[must_use]
-pub fn upstream_report(status: StatusCode, headers: &HeaderMap) -> tower_limits_core::UpstreamReport {
-    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
-    let number = |name: &str| text(name).and_then(|t| t.parse::<u64>().ok());
-    let mut retry_after =
-        number("retry-after-ms").map(Duration::from_millis).or_else(|| number("retry-after").map(Duration::from_secs));
-    if retry_after.is_none() && status == StatusCode::TOO_MANY_REQUESTS {
-        let resets = ["x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"];
-        let longest = resets.iter().filter_map(|n| text(n).and_then(parse_go_duration)).max();
-        // A refusal with no hint at all still benches the account for a moment.
-        retry_after = Some(longest.unwrap_or(Duration::from_secs(1)));
-    }
-    tower_limits_core::UpstreamReport {
-        retry_after,
-        remaining_requests: number("x-ratelimit-remaining-requests"),
-        remaining_tokens: number("x-ratelimit-remaining-tokens"),
-    }
-}
-
-/// Parses a duration written as `6m0s`, `1.5s`, `250ms` or `1h2m3s`.
-#[must_use]
-pub fn parse_go_duration(text: &str) -> Option<Duration> {
-    let mut total = 0f64;
-    let mut rest = text.trim();
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
-        let value: f64 = rest[..end].parse().ok()?;
-        rest = &rest[end..];
-        let unit_end = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
-        let scale = match &rest[..unit_end] {
-            "h" => 3600.0,
-            "m" => 60.0,
-            "s" => 1.0,
-            "ms" => 1e-3,
-            "us" | "µs" => 1e-6,
-            "ns" => 1e-9,
-            _ => return None,
-        };
-        total += value * scale;
-        rest = &rest[unit_end..];
-    }
-    Duration::try_from_secs_f64(total).ok()
-}
-
-#[cfg(test)]
-mod upstream_tests {
-    use super::*;
-
-    #[test]
-    fn reports_read_openai_fields() {
-        let mut h = HeaderMap::new();
-        h.insert("x-ratelimit-remaining-requests", HeaderValue::from_static("59"));
-        h.insert("x-ratelimit-remaining-tokens", HeaderValue::from_static("1200"));
-        h.insert("x-ratelimit-reset-tokens", HeaderValue::from_static("6m0s"));
-        let ok = upstream_report(StatusCode::OK, &h);
-        assert_eq!((ok.remaining_requests, ok.remaining_tokens, ok.retry_after), (Some(59), Some(1200), None));
-        let refused = upstream_report(StatusCode::TOO_MANY_REQUESTS, &h);
-        assert_eq!(refused.retry_after, Some(Duration::from_secs(360)));
-        h.insert(RETRY_AFTER, HeaderValue::from_static("2"));
-        assert_eq!(upstream_report(StatusCode::TOO_MANY_REQUESTS, &h).retry_after, Some(Duration::from_secs(2)));
-    }
-
-    #[test]
-    fn go_durations_parse() {
-        assert_eq!(parse_go_duration("1.5s"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_go_duration("1h2m3s"), Some(Duration::from_secs(3723)));
-        assert_eq!(parse_go_duration("250ms"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_go_duration("soon"), None);
-        assert_eq!(parse_go_duration(&go_duration(Duration::from_secs(360))), Some(Duration::from_secs(360)));
     }
 }
