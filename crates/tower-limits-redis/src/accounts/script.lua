@@ -1,0 +1,223 @@
+-- tower-limits-redis: the upstream accounts' script, after the members' table that
+-- accounts.rs writes in front of it (see the module's docs). `a` acquires, `b` applies
+-- a batch.
+local call, floor, fmt, ceil = redis.call, math.floor, string.format, math.ceil
+-- how long past its wait a turn is kept for a replica that does not come back, us
+local GRACE = 50000
+-- a limit's debt above now, ns (0 when it has none)
+local function debt(k)
+  local v = call('GET', k)
+  if not v then return 0 end
+  local d = (tonumber(v) - NOW) * 1000
+  if d < 0 then return 0 end
+  return d
+end
+-- writes a limit's debt back (or deletes it when none is left)
+local function put(k, n)
+  if n <= 0 then call('DEL', k) return end
+  local us = ceil(n / 1000)
+  call('SET', k, fmt('%.0f', NOW + us), 'PX', fmt('%.0f', ceil(us / 1000) + 2 + SLACK))
+end
+local function bench_ns(m)
+  local b = call('GET', KEYS[M[m].b])
+  if not b then return 0 end
+  local w = (tonumber(b) - NOW) * 1000
+  if w < 0 then return 0 end
+  return w
+end
+-- every member evaluated for `cost`: the member to charge (0: none), its headroom, its
+-- limits' debts, and the wait until one would grant; the benches go to reply[3 + m]
+local function choose(cost, reply)
+  local best, bestf, wait, ds = 0, -1, -1, nil
+  for m = 1, #M do
+    local bw = bench_ns(m)
+    reply[3 + m] = bw
+    if bw > 0 then
+      if wait < 0 or bw < wait then wait = bw end
+    else
+      local f, mw, fits, d = 2, 0, true, {}
+      for i, l in ipairs(M[m].l) do
+        local need = 1
+        if l.c == 1 then need = cost end
+        if need * l.iv > l.tol then fits = false end
+        d[i] = debt(KEYS[l.k])
+        local n = d[i] + need * l.iv
+        if n > l.tol then
+          if n - l.tol > mw then mw = n - l.tol end
+        else
+          local x = (l.tol - n) / l.tol
+          if x < f then f = x end
+        end
+      end
+      if fits then
+        if mw > 0 then
+          if wait < 0 or mw < wait then wait = mw end
+        elseif f > bestf then best, bestf, ds = m, f, d end
+      end
+    end
+  end
+  return best, bestf, ds, wait
+end
+local function charge(best, ds, cost)
+  for i, l in ipairs(M[best].l) do
+    local need = 1
+    if l.c == 1 then need = cost end
+    put(KEYS[l.k], ds[i] + need * l.iv)
+  end
+end
+if ARGV[1] == 'a' then
+  local cost, rid = tonumber(ARGV[2]), ARGV[3]
+  -- the turn: the first replica refused holds it until it is served (or it expires)
+  local hold = call('GET', HOLD)
+  if hold then
+    local holder, until_us = string.match(hold, '^(.-):(%d+)$')
+    if holder ~= rid and tonumber(until_us) > NOW then
+      local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
+      if reply[3] < 1000000 then reply[3] = 1000000 end
+      for m = 1, #M do reply[3 + m] = bench_ns(m) end
+      return reply
+    end
+  end
+  local reply = {0, NOW, 0}
+  local best, bestf, ds, wait = choose(cost, reply)
+  if best == 0 then
+    reply[3] = wait
+    if wait > 0 then
+      local w = ceil(wait / 1000) + GRACE
+      call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1 + SLACK))
+    end
+    return reply
+  end
+  if hold then call('DEL', HOLD) end
+  charge(best, ds, cost)
+  reply[1] = best
+  reply[3] = floor(bestf * 1000000)
+  return reply
+end
+-- 'f': an acquisition of the fleet's fair share. ARGV: cost, replica id, the request's
+-- tenant, n, then n quadruples (tenant, weight, requests waiting on this replica,
+-- requests waiting or in flight on it). The hash FLEET
+-- holds V (the fleet's virtual time, cost per weight), and per replica id: 'f:' its
+-- finish tag and when it was last served, 'w:' the start tag it waits with and until
+-- when the wait holds, 'd:' when it last reported and its demand per tenant (JSON).
+if ARGV[1] == 'f' then
+  local cost, rid, tenant, n = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
+  local names, weights, waiting, mine = {}, {}, {}, {}
+  for k = 1, n do
+    local j = 5 + 4 * (k - 1)
+    names[k], weights[k], waiting[k] = ARGV[j + 1], tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    mine[names[k]] = tonumber(ARGV[j + 4])
+  end
+  local V, myF, others, total = 0, nil, {}, {}
+  local all = call('HGETALL', FLEET)
+  for j = 1, #all, 2 do
+    local f, v = all[j], all[j + 1]
+    if f == 'V' then
+      V = tonumber(v)
+    else
+      local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
+      local a, b = string.match(v, '^(%S+) (.*)$')
+      if kind == 'f' then
+        if tonumber(b) + IDLE < NOW then call('HDEL', FLEET, f)
+        elseif id == rid then myF = tonumber(a) end
+      elseif kind == 'w' then
+        if tonumber(b) <= NOW then call('HDEL', FLEET, f)
+        elseif id ~= rid then others[#others + 1] = {tonumber(a), id} end
+      elseif kind == 'd' and id ~= rid then
+        if tonumber(a) + LIVE < NOW then call('HDEL', FLEET, f)
+        else
+          for name, d in pairs(cjson.decode(b)) do total[name] = (total[name] or 0) + d end
+        end
+      end
+    end
+  end
+  -- this replica's share of each tenant's fleet demand, and its weight among replicas
+  -- (over the tenants it has waiting)
+  local W, shares = 0, {}
+  for k = 1, n do
+    local d = mine[names[k]]
+    local sum = (total[names[k]] or 0) + d
+    local sh = 1
+    if sum > 0 then sh = d / sum end
+    shares[k] = sh
+    if waiting[k] > 0 then W = W + weights[k] * sh end
+  end
+  if W <= 0 then W = 1 end
+  local S = V
+  if myF and myF > S then S = myF end
+  -- start-time fair queuing among the replicas: the lowest start tag waiting goes first
+  local blocked = false
+  for _, o in ipairs(others) do
+    local t = o[1]
+    if t < V then t = V end
+    if t < S or (t == S and o[2] < rid) then blocked = true break end
+  end
+  local reply = {0, NOW, 0}
+  local best, bestf, ds, wait = choose(cost, reply)
+  local granted = best ~= 0 and not blocked
+  if granted then
+    charge(best, ds, cost)
+    if S > V then call('HSET', FLEET, 'V', fmt('%.17g', S)) end
+    call('HSET', FLEET, 'f:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW))
+    -- still backlogged: it keeps its place (its next start tag) while its next request
+    -- comes, for GRACE at most, so that the replica served most is not skipped between
+    -- its calls
+    local more = -1
+    for k = 1, n do more = more + waiting[k] end
+    if more > 0 then
+      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE))
+    else
+      call('HDEL', FLEET, 'w:' .. rid)
+    end
+    reply[1] = best
+    reply[3] = floor(bestf * 1000000)
+  else
+    -- room, but another replica's turn: look again shortly
+    if best ~= 0 or wait < BLOCKED then wait = BLOCKED end
+    reply[3] = wait
+    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE))
+  end
+  local report = {}
+  for k = 1, n do
+    if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
+    reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5)
+  end
+  call('HSET', FLEET, 'd:' .. rid, fmt('%.0f', NOW) .. ' ' .. cjson.encode(report))
+  call('PEXPIRE', FLEET, 60000 + SLACK)
+  return reply
+end
+-- 'b': a batch of operations, 5 arguments each: kind, member, then
+--   kind 1 (adjust): requests delta, cost delta, unused
+--   kind 2 (report): retry-after us (-1 none), remaining requests (-1), remaining tokens (-1)
+local i = 2
+while i + 4 <= #ARGV do
+  local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  if M[m] then
+    if kind == 1 then
+      for _, l in ipairs(M[m].l) do
+        local delta = x
+        if l.c == 1 then delta = y end
+        if delta ~= 0 then put(KEYS[l.k], debt(KEYS[l.k]) + delta * l.iv) end
+      end
+    else
+      if x >= 0 then
+        local until_us = NOW + x
+        local cur = call('GET', KEYS[M[m].b])
+        if not cur or tonumber(cur) < until_us then
+          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1 + SLACK))
+        end
+      end
+      for _, l in ipairs(M[m].l) do
+        local rem = y
+        if l.c == 1 then rem = z end
+        if rem >= 0 then
+          local d = debt(KEYS[l.k])
+          local left = floor((l.tol - d) / l.iv)
+          if rem < left then put(KEYS[l.k], l.tol - rem * l.iv) end
+        end
+      end
+    end
+  end
+  i = i + 5
+end
+return 1
