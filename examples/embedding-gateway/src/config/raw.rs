@@ -1,0 +1,115 @@
+//! The configuration file's raw form, as written: every leaf a [`Spanned`] value, so
+//! that validation still knows where each was written.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+pub(super) type S<T> = Spanned<T>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Raw {
+    pub(super) tiers: Option<S<Vec<S<String>>>>,
+    #[serde(default)]
+    pub(super) gateway: RawGateway,
+    #[serde(default)]
+    pub(super) mirror: RawMirror,
+    #[serde(default)]
+    pub(super) upstream: RawUpstream,
+    #[serde(default)]
+    pub(super) plan: BTreeMap<String, BTreeMap<String, S<RawTierLimits>>>,
+    #[serde(default)]
+    pub(super) tenant: Vec<RawTenant>,
+    #[serde(default)]
+    pub(super) account: Vec<RawAccount>,
+    #[serde(default)]
+    pub(super) demo: RawDemo,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawGateway {
+    pub(super) listen: Option<S<String>>,
+    pub(super) max_wait: Option<S<String>>,
+    pub(super) max_request_tokens: Option<S<u64>>,
+    pub(super) max_body_bytes: Option<S<u64>>,
+    pub(super) fair_tier: Option<S<String>>,
+    pub(super) tenant_queue: Option<S<u64>>,
+    pub(super) queue: Option<S<u64>>,
+    pub(super) selection: Option<S<String>>,
+    pub(super) models: Option<S<Vec<S<String>>>>,
+    pub(super) header_timeout: Option<S<String>>,
+    pub(super) idle_timeout: Option<S<String>>,
+    pub(super) body_timeout: Option<S<String>>,
+    pub(super) max_connections: Option<S<u64>>,
+    pub(super) shutdown_grace: Option<S<String>>,
+    pub(super) upstream_timeout: Option<S<String>>,
+    pub(super) on_upstream_timeout: Option<S<String>>,
+    pub(super) backend_failure: Option<S<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMirror {
+    pub(super) jitter: Option<S<String>>,
+    pub(super) burst_percent: Option<S<u64>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    pub(super) listen: Option<S<String>>,
+    pub(super) dimensions: Option<S<u64>>,
+    pub(super) latency: Option<S<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTierLimits {
+    pub(super) rpm: Option<S<u64>>,
+    pub(super) tpm: Option<S<u64>>,
+    pub(super) concurrency: Option<S<u64>>,
+    pub(super) rpm_burst: Option<S<u64>>,
+    pub(super) tpm_burst: Option<S<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenant {
+    pub(super) name: S<String>,
+    pub(super) plan: S<String>,
+    pub(super) weight: Option<S<u64>>,
+    #[serde(default)]
+    pub(super) key: Vec<BTreeMap<String, S<String>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAccount {
+    pub(super) name: S<String>,
+    pub(super) base_url: S<String>,
+    pub(super) api_key: S<String>,
+    pub(super) rpm: S<u64>,
+    pub(super) tpm: S<u64>,
+    pub(super) window: Option<S<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDemo {
+    pub(super) seconds: Option<S<u64>>,
+    pub(super) tolerance: Option<S<f64>>,
+    #[serde(default)]
+    pub(super) client: Vec<RawClient>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClient {
+    pub(super) key: S<String>,
+    pub(super) batch: S<u64>,
+    pub(super) words: S<u64>,
+    pub(super) concurrency: S<u64>,
+}
