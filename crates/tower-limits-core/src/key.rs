@@ -111,6 +111,9 @@ impl<'a> KeyPart<'a> {
     }
 }
 
+/// The length of the path of a key that is one number: marker, kind, eight bytes.
+pub(crate) const NUMBER_PATH: usize = 10;
+
 /// The number a tier's joined prefix holds when it is that one number alone.
 #[inline(always)]
 pub(crate) fn as_number(prefix: &[u8]) -> Option<u64> {
