@@ -111,6 +111,15 @@ impl<'a> KeyPart<'a> {
     }
 }
 
+/// The address a tier's joined prefix holds when it is that one IPv4 address alone.
+#[inline(always)]
+pub(crate) fn as_ipv4(prefix: &[u8]) -> Option<u32> {
+    match *prefix {
+        [TYPED, IPV4, a, b, c, d] => Some(u32::from_be_bytes([a, b, c, d])),
+        _ => None,
+    }
+}
+
 /// The length of the path of a key that is one number: marker, kind, eight bytes.
 pub(crate) const NUMBER_PATH: usize = 10;
 
