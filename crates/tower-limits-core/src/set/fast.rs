@@ -121,13 +121,17 @@
 //! stays spent).
 //!
 //! **Sizing.** A lease takes a quarter of the headroom left after the grant and its lead,
-//! at most the thread's *lease size*: far from the limit a thread takes that many units
-//! per shared write; near it the quarter rounds to nothing and every decision is the
-//! exact, shared one. A thread's size starts at [`FIRST_LEASE`] units, doubles each time
-//! a lease is used to its last unit, each before its slot began (the thread asks fast
-//! enough to use more), up to [`MAX_LEASE`], and halves, not below [`FIRST_LEASE`], each
-//! time one ends with a slot begun unused. So on many cores the shared word sees one write per [`MAX_LEASE`]
-//! grants of each fast thread, and a slow thread strands no more than it did.
+//! at most the thread's *lease size*, in grants of the cost of the call that takes it,
+//! and always a whole number of them: far from the limit a thread takes that many grants
+//! per shared write; near it the quarter rounds down to no grant and every decision is
+//! the exact, shared one. A thread's size starts at [`FIRST_LEASE`] grants, doubles each
+//! time a lease is used to its last unit, each before its slot began (the thread asks
+//! fast enough to use more), up to [`MAX_LEASE`], and halves, not below [`FIRST_LEASE`],
+//! each time one ends with a slot begun unused. A lease with too few units left for the
+//! cost of a call ends there, and leaves the size as it was. So on many cores the shared
+//! word sees one write per [`MAX_LEASE`] grants of each fast thread, whatever the grants
+//! cost (a token limit's calls cost hundreds of units each), and a slow thread strands no
+//! more than it did.
 //!
 //! **Leading the clock.** A unit must be used before its slot begins. Far from the limit
 //! the TAT lags the clock, so a lease taken there begins at the clock, and when the
@@ -148,8 +152,8 @@
 //! lease that cannot be returned costs no write.
 //!
 //! **Worst case.** Units leased and not used are stranded: other threads see them as
-//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` units are out at once (and
-//! only threads that used up their last leases hold leases that large), and
+//! spent. With `n` threads, at most `n * (MAX_LEASE - 1)` grants' worth of units are out
+//! at once (and only threads that used up their last leases hold leases that large), and
 //! since each lease takes a quarter of what is left, at most `1 - (3/4)^n` of the headroom
 //! at that moment; the leads add at most as much again (each a quarter of what is left).
 //! A stranded unit is lost for good only once its slot begins unused (it then frees

@@ -13,11 +13,11 @@ use super::{Fast, Packed};
 /// module's essay).
 pub(super) const LEASE_SLOTS: usize = 4;
 
-/// The most units a thread's first lease of a limit holds, and the least its lease size
-/// shrinks to.
+/// The most grants a thread's first lease of a limit holds (units: grants of the cost of
+/// the call that takes it), and the least its lease size shrinks to.
 pub(super) const FIRST_LEASE: u64 = 64;
 
-/// The most units one lease holds, however fast its thread uses them.
+/// The most grants one lease holds, however fast its thread uses them.
 pub(super) const MAX_LEASE: u64 = 1_024;
 
 /// Unused slots of the TAT that one thread took ahead of time: units `next`, `next + T`,
@@ -40,9 +40,9 @@ pub(super) struct Lease {
     /// How far past the clock this thread's next lease begins, learned from the pace at
     /// which it used its last one (0 while it uses units faster than their slots begin).
     pub(super) lead: u64,
-    /// The most units this thread's next lease takes: doubled after a lease used up
-    /// before its slots began, halved after one whose slots began unused, within
-    /// [`FIRST_LEASE`] ..= [`MAX_LEASE`].
+    /// The most grants this thread's next lease takes, each of the cost of the call that
+    /// takes it: doubled after a lease used up before its slots began, halved after one
+    /// whose slots began unused, within [`FIRST_LEASE`] ..= [`MAX_LEASE`].
     pub(super) size: u64,
     /// Whether this thread has seen a compare-and-swap on this limit fail.
     pub(super) contended: bool,
@@ -199,7 +199,7 @@ impl Fast {
                     } else if lease.next < now {
                         lease.size = (lease.size / 2).max(FIRST_LEASE);
                     }
-                    lease.lead = self.lead_for(now - lease.taken, used, lease.size);
+                    lease.lead = self.lead_for(now - lease.taken, used, lease.size.saturating_mul(cost));
                     if lease.next < lease.end {
                         // Give back what is left, if nobody moved the TAT past this lease
                         // (read first: a failing swap would still take the line); with the
@@ -246,13 +246,20 @@ impl Fast {
                 Err(answer) => return answer,
             };
             // Under contention, lease a quarter of the headroom left (at most the thread's
-            // lease size in all), beginning `lead` past the clock (at most a quarter of
-            // the headroom on); near the limit that is nothing, and the decision is exact.
+            // lease size in all, in grants of this call's cost), beginning `lead` past the
+            // clock (at most a quarter of the headroom on); near the limit that is
+            // nothing, and the decision is exact. The lease is a whole number of grants of
+            // this cost, so that a thread whose calls all cost the same uses it to its
+            // last unit (and its next one grows): a lease of 64 units taken by calls of 10
+            // served six of them, then went back with 4 units unused, and its thread
+            // never leased more, so two threads made one shared write every six grants.
             let learned = entry.get();
             let (first, extra) = if lease_ok {
                 let room = now + self.tolerance - granted;
                 let gap = (now + learned.lead).saturating_sub(granted).min(room / 4);
-                let extra = ((room - gap) / interval / 4).min(learned.size.saturating_sub(cost));
+                let most = learned.size.saturating_sub(1).saturating_mul(cost);
+                let extra = ((room - gap) / interval / 4).min(most);
+                let extra = extra - extra.checked_rem(cost).unwrap_or(0);
                 (if extra > 0 { granted + gap } else { granted }, extra)
             } else {
                 (granted, 0)
@@ -287,18 +294,17 @@ impl Fast {
 
     /// How far past the clock a lease must begin for a thread that used `used`
     /// nanoseconds of slots in `elapsed` nanoseconds (counted as one unit's when it used
-    /// none: its pace is at least that slow): twice the slack a whole lease of `size`
-    /// units would build up at that pace (none when the slots go by slower than the
-    /// thread uses them), at most the tolerance.
-    pub(super) fn lead_for(&self, elapsed: u64, used: u64, size: u64) -> u64 {
+    /// none: its pace is at least that slow): twice the slack a whole lease of `units`
+    /// would build up at that pace (none when the slots go by slower than the thread uses
+    /// them), at most the tolerance.
+    pub(super) fn lead_for(&self, elapsed: u64, used: u64, units: u64) -> u64 {
         let used = used.max(self.gcra.interval_nanos());
         if elapsed <= used {
             return 0;
         }
-        // At most 2^75 (a size of 2^10 units of at most 2^64 ns each, twice): the product
-        // with the elapsed time saturates, and the lead is cut to the tolerance anyway.
-        let lease = u128::from(size.min(MAX_LEASE)) * u128::from(self.gcra.interval_nanos());
-        let lead = (2 * lease).saturating_mul(u128::from(elapsed - used)) / u128::from(used);
+        // The products saturate, and the lead is cut to the tolerance anyway.
+        let lease = u128::from(units).saturating_mul(u128::from(self.gcra.interval_nanos()));
+        let lead = lease.saturating_mul(2).saturating_mul(u128::from(elapsed - used)) / u128::from(used);
         u64::try_from(lead).unwrap_or(u64::MAX).min(self.tolerance)
     }
 }

@@ -291,20 +291,60 @@ fn leading_lease() -> (Fast, u64) {
     (f, t1)
 }
 
-/// A grant that leases nothing (its cost takes every unit a lease could hold) begins no
-/// lead either: the TAT moves by the grant alone, exactly as plain GCRA's.
+/// A grant that leases nothing (a quarter of the headroom it leaves is less than one more
+/// grant of its cost) begins no lead either: the TAT moves by the grant alone, exactly as
+/// plain GCRA's.
 #[test]
 fn a_grant_without_a_lease_keeps_no_lead() {
     let (f, t1) = leading_lease();
     let leased = f.tat();
     assert!(leased > t1 + 64_000, "the next lease leads the clock");
-    // That lease is still unused when a request of 64 units comes, 50us on: its units
+    // That lease is still unused when a request of 30,000 units comes, 50us on: its units
     // cannot serve it, so they go back with the lead before them (none was used), and the
-    // grant, which leaves no unit to lease, takes no lead either, though the thread's pace
-    // now asks for one: it lands right after the clock.
+    // grant, which leaves 70,000 units of headroom (a quarter of it is less than another
+    // 30,000), takes no lead either, though the thread's pace now asks for one: it lands
+    // right after the clock.
     let t2 = t1 + 50_000;
-    assert!(granted(f.acquire(64, Instant::from_nanos(t2))).is_some());
-    assert_eq!(f.tat(), t2 + 64_000, "no lead without a lease");
+    assert!(granted(f.acquire(30_000, Instant::from_nanos(t2))).is_some());
+    assert_eq!(f.tat(), t2 + 30_000_000, "no lead without a lease");
+}
+
+/// A lease is a whole number of grants of the cost of the call that takes it, so a thread
+/// whose calls all cost the same uses it to its last unit and its next lease doubles, in
+/// grants: one shared write per lease however much each grant costs, as for a cost of one.
+/// (Counted in units and cut at 64, a lease taken by calls of 10 served six of them and
+/// went back with four units: one shared write every six grants, for good.)
+#[test]
+fn a_lease_holds_whole_grants_of_its_cost_and_grows_by_grants() {
+    // T = 1us and a burst of a second: a quarter of the headroom is far above any lease.
+    let f = fast(Rate::per_second(1_000_000), 1_000_000);
+    let size = || LEASES.with(|l| l[f.slot()].get().size);
+    f.mark_contended();
+    let t0 = Instant::from_nanos(5_000_000_000);
+    for expected in [64, 128, 256, 512, 1_024, 1_024] {
+        let before = f.tat().max(t0.as_nanos());
+        assert!(granted(f.acquire(10, t0)).is_some());
+        assert_eq!(f.tat() - before, expected * 10 * 1_000, "a lease of {expected} grants of 10 with its grant");
+        let leased = f.tat();
+        for _ in 1..expected {
+            assert!(granted(f.acquire(10, t0)).is_some());
+        }
+        assert_eq!(f.tat(), leased, "all from the lease");
+    }
+    assert_eq!(size(), MAX_LEASE);
+    // A cost that does not divide the quarter of the headroom: the lease is cut down to
+    // whole grants. T = 1us, burst 1,000: after a grant of 7 at an idle limit, 993 units
+    // are left, a quarter is 248, and 35 grants of 7 (245 units) are leased.
+    let g = fast(Rate::per_second(1_000_000), 1_000);
+    g.mark_contended();
+    let now = Instant::from_nanos(5_000_000);
+    assert!(granted(g.acquire(7, now)).is_some());
+    assert_eq!(g.tat(), now.as_nanos() + (7 + 245) * 1_000);
+    // Near the limit a quarter of the headroom is less than one more grant: none.
+    let h = fast(Rate::per_second(1_000_000), 100);
+    h.mark_contended();
+    assert!(granted(h.acquire(30, now)).is_some());
+    assert_eq!(h.tat(), now.as_nanos() + 30_000, "70 left, a quarter is 17: no grant of 30 leased");
 }
 
 /// A lease used to its last unit that led the clock is no sign that leasing does not pay,
@@ -367,16 +407,19 @@ fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() 
     let h = fast(Rate::per_second(1_000_000), 1_000_000);
     h.mark_contended();
     let h_size = || LEASES.with(|l| l[h.slot()].get().size);
+    // A lease of 63 grants of 1; a call of 64 finds too few units in it.
     assert!(granted(h.acquire(1, t0)).is_some());
     assert!(granted(h.acquire(FIRST_LEASE, t0)).is_some());
     assert_eq!(h_size(), FIRST_LEASE);
-    // A grant with a lease of 63, its 63 units, and a call that finds it used up.
-    for _ in 0..=FIRST_LEASE {
-        assert!(granted(h.acquire(1, t0)).is_some());
+    // That call took a lease of 63 grants of 64: those, and a call that finds it used up.
+    for _ in 0..FIRST_LEASE {
+        assert!(granted(h.acquire(FIRST_LEASE, t0)).is_some());
     }
     assert_eq!(h_size(), 2 * FIRST_LEASE, "a lease used up");
     let next = LEASES.with(|l| l[h.slot()].get().next);
-    assert!(granted(h.acquire(4 * FIRST_LEASE, Instant::from_nanos(next))).is_some());
+    let end = LEASES.with(|l| l[h.slot()].get().end);
+    let above = (end - next) / 1_000 + 1;
+    assert!(granted(h.acquire(above, Instant::from_nanos(next))).is_some());
     assert_eq!(h_size(), 2 * FIRST_LEASE, "too few units at the instant of the next slot");
 }
 
@@ -407,25 +450,28 @@ fn near_the_limit_a_lease_shrinks_to_nothing() {
 #[test]
 fn leasing_threads_never_over_admit() {
     // T = 1us, burst 1,000. The shared clock alternates between a slow phase (demand
-    // half the rate: the headroom refills and leases are 64 units) and a fast one
-    // (ten times the rate: the limit is reached and leases shrink to nothing).
-    const THREADS: usize = 4;
+    // seven tenths of the rate: the headroom refills and leases are up to a quarter of it)
+    // and a fast one (fourteen times the rate: the limit is reached and leases shrink to
+    // nothing). Each thread asks a cost of its own, 1, 2, 3 or 5 units, so its leases are
+    // whole grants of that cost; every unit is checked against the cap.
+    const THREADS: u64 = 4;
     const STEPS: u64 = 20_000;
     let f = fast(Rate::per_second(1_000_000), 1_000);
     let clock = AtomicU64::new(0);
     let grants = Mutex::new(Vec::new());
     let denied = AtomicU64::new(0);
     std::thread::scope(|s| {
-        for _ in 0..THREADS {
+        for t in 0..THREADS {
             let (f, clock, grants, denied) = (&f, &clock, &grants, &denied);
+            let cost = [1, 2, 3, 5][t as usize];
             s.spawn(move || {
                 f.mark_contended();
                 let mut mine = Vec::new();
                 for i in 0..STEPS {
                     let step = if (i / 2_000) % 2 == 0 { 2_000 } else { 100 };
                     let now = Instant::from_nanos(clock.fetch_add(step, Ordering::Relaxed));
-                    match granted(f.acquire(1, now)) {
-                        Some(at) => mine.push(at),
+                    match granted(f.acquire(cost, now)) {
+                        Some(at) => mine.extend((0..cost).map(|_| at)),
                         None => {
                             denied.fetch_add(1, Ordering::Relaxed);
                         }
@@ -435,10 +481,10 @@ fn leasing_threads_never_over_admit() {
             });
         }
     });
-    let grants = grants.into_inner().unwrap();
+    let units = grants.into_inner().unwrap();
     let (admitted, refused, _) = f.counts();
-    assert_eq!(admitted, grants.len() as u64);
+    assert_eq!(admitted + refused, THREADS * STEPS);
     assert_eq!(refused, denied.into_inner());
     assert!(refused > 0, "the fast phases reach the limit");
-    assert_rate_cap(grants, 1_000, 1_000_000);
+    assert_rate_cap(units, 1_000, 1_000_000);
 }
