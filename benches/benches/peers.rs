@@ -276,47 +276,11 @@ fn core_rows(rows: &mut Vec<Row>) {
         },
     ));
 
-    // Threads on one limit: throughput, ours over governor's (above 1.0 is better here).
-    let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    let mut thread_counts = vec![1, 2];
-    if cores > 2 {
-        thread_counts.push(cores);
-    }
-    let mut ours_one = Vec::new();
-    for &threads in &thread_counts {
-        let mut row = Row::new(format!("one limit, {threads} threads: ops/s (ours / governor)"), "Mop/s");
-        let ours = open_set();
-        let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000))));
-        let ours_op: Arc<dyn Fn() + Send + Sync> = {
-            let (clock, key) = (clock.clone(), global.clone());
-            Arc::new(move || {
-                black_box(ours.check(&key, 1, clock.now()).is_ok());
-            })
-        };
-        let theirs_op: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
-            black_box(theirs.check().is_ok());
-        });
-        for round in 0..ROUNDS {
-            if round % 2 == 0 {
-                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
-                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
-            } else {
-                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
-                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
-            }
-        }
-        if threads == 1 {
-            ours_one = row.ours.clone();
-        } else {
-            rows.push(Row {
-                name: format!("one limit, ours: {threads} threads / 1 thread ops/s"),
-                ours: row.ours.clone(),
-                theirs: ours_one.clone(),
-                unit: "Mop/s",
-            });
-        }
-        rows.push(row);
-    }
+    // Threads on one limit: throughput, ours over governor's (above 1.0 is better here);
+    // then the same at a cost of 10 a call, as a limit of tokens charges (governor's
+    // `check_n`).
+    thread_rows(rows, 1);
+    thread_rows(rows, 10);
 
     // Keyed by text ids, two ways. Keys made ahead: each side's key is ready in a slice
     // (ours a `TenantKey`, governor's a `String`). Keys made per call: both sides start
@@ -386,6 +350,65 @@ fn core_rows(rows: &mut Vec<Row>) {
             black_box(gov_open.check().is_ok());
         },
     ));
+}
+
+/// One limit on 1, 2 (and every core's) threads, each call of `cost`: throughput, ours
+/// over governor's, and ours on more threads over ours on one.
+fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
+    let clock = SystemClock::new();
+    let global = TenantKey::global();
+    let what = if cost == 1 { String::from("one limit") } else { format!("one limit, cost {cost} a call") };
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let mut thread_counts = vec![1, 2];
+    if cores > 2 {
+        thread_counts.push(cores);
+    }
+    let mut ours_one = Vec::new();
+    for &threads in &thread_counts {
+        let mut row = Row::new(format!("{what}, {threads} threads: ops/s (ours / governor)"), "Mop/s");
+        // Charged its cost: a limit counts requests unless told to count costs.
+        let ours = LimitSet::new(LimitSetPolicy::new().limit(
+            LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).counting_cost(),
+        ))
+        .expect("policy");
+        let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000))));
+        let ours_op: Arc<dyn Fn() + Send + Sync> = {
+            let (clock, key) = (clock.clone(), global.clone());
+            Arc::new(move || {
+                black_box(ours.check(&key, u64::from(cost), clock.now()).is_ok());
+            })
+        };
+        let theirs_op: Arc<dyn Fn() + Send + Sync> = if cost == 1 {
+            Arc::new(move || {
+                black_box(theirs.check().is_ok());
+            })
+        } else {
+            let n = nz_u32(cost);
+            Arc::new(move || {
+                black_box(theirs.check_n(n).is_ok_and(|r| r.is_ok()));
+            })
+        };
+        for round in 0..ROUNDS {
+            if round % 2 == 0 {
+                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
+                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
+            } else {
+                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
+                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
+            }
+        }
+        if threads == 1 {
+            ours_one = row.ours.clone();
+        } else {
+            rows.push(Row {
+                name: format!("{what}, ours: {threads} threads / 1 thread ops/s"),
+                ours: row.ours.clone(),
+                theirs: ours_one.clone(),
+                unit: "Mop/s",
+            });
+        }
+        rows.push(row);
+    }
 }
 
 /// The set of three on threads, each on tenants of its own (16 a thread, in turn): the
