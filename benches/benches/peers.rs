@@ -367,9 +367,10 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
     for &threads in &thread_counts {
         let mut row = Row::new(format!("{what}, {threads} threads: ops/s (ours / governor)"), "Mop/s");
         // Charged its cost: a limit counts requests unless told to count costs.
-        let ours = LimitSet::new(LimitSetPolicy::new().limit(
-            LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).counting_cost(),
-        ))
+        let ours = LimitSet::new(
+            LimitSetPolicy::new()
+                .limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000).counting_cost()),
+        )
         .expect("policy");
         let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(1_000_000))));
         let ours_op: Arc<dyn Fn() + Send + Sync> = {

@@ -73,7 +73,13 @@
 //!   and the locked operations (peek, settle) raise theirs to the latest of all stripes.
 //!   Across threads the raise is partial, which is safe for GCRA: the TAT never moves
 //!   back, and a caller whose clock read lags decides against `max(tat, now)` with its
-//!   own `now`, which can only make it wait longer.
+//!   own `now`, which can only make it wait longer. When it lags so far behind another
+//!   thread's grant that the TAT lies more than the tolerance past its `now` (no grant
+//!   leaves the TAT that far past its own instant), its refusal is not counted but
+//!   decided again at the latest instant of all stripes, as the lock would have decided
+//!   it: a thread that lost its core between its clock read and its decision is not
+//!   refused with the limit far from exhausted. A refusal that is not that far is
+//!   answered at once, and costs no read of the stripes.
 //! - **Counters.** Alone, grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
 //!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes (in [`stripes`]). The
@@ -370,8 +376,54 @@ impl Fast {
             GRANTED => Some(Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed))),
             NEVER => Some(Decision::Never(a)),
             OFF => None,
+            tat if self.lagged(tat, a) => Some(self.decide_at_latest(cost, tat, Instant::from_nanos(a))),
             tat => Some(Decision::Denied(tat, Instant::from_nanos(a))),
         }
+    }
+
+    /// Whether a refusal on the TAT `tat` at `now` (nanoseconds) can only come from a
+    /// clock read that lagged: every grant leaves the TAT at most the tolerance past its
+    /// own instant, so a TAT further than that past `now` was written by a grant decided
+    /// at a later instant than this call's (or by a charge that settled more than a grant
+    /// took). Such a refusal is not counted where it is made ([`Fast::refused`]).
+    #[inline(always)]
+    fn lagged(&self, tat: u64, now: u64) -> bool {
+        tat > now.saturating_add(self.tolerance)
+    }
+
+    /// The answer to a call whose clock read lagged: decided again at the latest instant
+    /// of any grant, as the global lock's latest instant decided it. Another thread read
+    /// the clock, then lost its core for a while, and meanwhile the others' grants (and,
+    /// under contention, their leases and leads) moved the TAT more than the tolerance
+    /// past its instant: refused there, though the limit was far from exhausted (seen in
+    /// `peers`, two threads on a set with a global token bucket of a millisecond's burst,
+    /// on a busy 2-core VM). Counted once, as what it finally is.
+    #[cold]
+    #[inline(never)]
+    fn decide_at_latest(&self, cost: u64, mut tat: u64, mut at: Instant) -> Decision {
+        // Each round decides at a later instant than the last; a few are plenty (the
+        // others would have to keep granting later and later in between).
+        for _ in 0..4 {
+            let latest = self.latest();
+            if latest <= at {
+                break;
+            }
+            let Packed(a, b) = self.decide_packed(cost, latest);
+            match b {
+                GRANTED => return Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed)),
+                NEVER => return Decision::Never(a),
+                // A replace disabled the path meanwhile: refused, as at the first read.
+                OFF => break,
+                again if self.lagged(again, a) => (tat, at) = (again, Instant::from_nanos(a)),
+                // Refused at the latest instant, and counted there.
+                again => return Decision::Denied(again, Instant::from_nanos(a)),
+            }
+        }
+        if self.alone {
+            let (index, own) = stripe();
+            bump(&self.stripes[index].denied, own);
+        }
+        Decision::Denied(tat, at)
     }
 
     /// The plain GCRA decision on the shared TAT `cur` at `now`: the TAT a grant stores,
@@ -448,10 +500,12 @@ impl Fast {
         // here may be decided again at a later instant, see `latest_if_contended`).
         match refusal {
             Refusal::NotYet { .. } => {
-                if self.alone {
+                let tat = state.theoretical_arrival().as_nanos();
+                // A refusal of a clock read that lagged is decided again, and counted then.
+                if self.alone && !self.lagged(tat, now.as_nanos()) {
                     bump(&stripe.0.denied, stripe.1);
                 }
-                Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
+                Packed(now.as_nanos(), tat)
             }
             Refusal::Never { capacity } => {
                 if self.alone {

@@ -488,3 +488,34 @@ fn leasing_threads_never_over_admit() {
     assert!(refused > 0, "the fast phases reach the limit");
     assert_rate_cap(units, 1_000, 1_000_000);
 }
+
+/// A call whose clock read lagged behind other threads' grants by more than the tolerance
+/// finds the TAT past its instant by more than any grant leaves it: it is decided again
+/// at the latest instant of any grant, as under the global lock, and counted once, as
+/// what it finally is. (Decided at its own instant it was refused with the limit far
+/// from exhausted.)
+#[test]
+fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
+    // T = 1us, burst 1,000: a tolerance of 1 ms.
+    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
+    // This thread's grants at 10 ms: 500 units of the 1,000.
+    assert_eq!(granted(f.acquire(500, ms(10))), Some(ms(10).as_nanos()));
+    // Another thread, whose clock read says 1 ms: granted at 10 ms.
+    std::thread::scope(|s| {
+        s.spawn(|| assert_eq!(granted(f.acquire(1, ms(1))), Some(ms(10).as_nanos()), "decided at the latest grant"));
+    });
+    assert_eq!(f.counts(), (2, 0, 0), "two grants, no refusal counted");
+    // At the latest instant the limit refuses too: refused there, counted once, with the
+    // wait from that instant.
+    std::thread::scope(|s| {
+        s.spawn(|| match f.acquire(600, ms(1)) {
+            Some(Decision::Denied(tat, at)) => {
+                assert_eq!(at, ms(10), "decided at the latest grant");
+                assert_eq!(f.denial(tat, at, 600).retry_after(), Duration::from_micros(101));
+            }
+            _ => panic!("600 units do not fit at 10 ms"),
+        });
+    });
+    assert_eq!(f.counts(), (2, 1, 0));
+}
