@@ -518,4 +518,21 @@ fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
         });
     });
     assert_eq!(f.counts(), (2, 1, 0));
+
+    // A lag that leaves the TAT no further than the tolerance past the call's instant is
+    // answered there, though the latest instant would grant: a grant at 10 ms of 500
+    // units (the TAT at 10.5 ms), a call of 1 at 9.5 ms (the TAT exactly the tolerance
+    // past it), and one of 300 at 9.7 ms (granted at 10 ms, refused at 9.7).
+    for (cost, at) in [(1, 9_500_000), (300, 9_700_000)] {
+        // A limit of its own: stripes that no other thread wrote.
+        let g = fast(Rate::per_second(1_000_000), 1_000);
+        assert!(granted(g.acquire(500, ms(10))).is_some());
+        std::thread::scope(|s| {
+            s.spawn(|| match g.acquire(cost, Instant::from_nanos(at)) {
+                Some(Decision::Denied(_, when)) => assert_eq!(when.as_nanos(), at, "answered at its own instant"),
+                _ => panic!("{cost} at {at} is refused"),
+            });
+        });
+        assert_eq!(g.counts(), (1, 1, 0));
+    }
 }
