@@ -412,10 +412,10 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
     }
 }
 
-/// The set of three on threads, each on tenants of its own (16 a thread, in turn): the
-/// tenants' limits live in shards of their own, so what the threads share is the set's
-/// global limit. Throughput of 2 threads (and of every core, when there are more than
-/// two) over one thread's.
+/// The set of three on threads, each on tenants of its own (16 a thread, in turn): what
+/// the threads share is the set's global limit, and the shards their tenants hash to
+/// (each thread's 16 fall in most of the 4 a core). Throughput of 2 threads (and of every
+/// core, when there are more than two) over one thread's.
 fn set_thread_rows(rows: &mut Vec<Row>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);

@@ -203,7 +203,7 @@ use crate::limit::{Config, Limit, LimitState};
 use crate::policy::Counts;
 use crate::time::Instant;
 use lease::LEASES;
-use stripes::{STRIPES, Stripe, bump, stripe};
+use stripes::{STRIPES, Stripe, bump, stripe, unbump};
 
 /// The value of the atomic while the locked state rules.
 pub(super) const DISABLED: u64 = u64::MAX;
@@ -376,7 +376,7 @@ impl Fast {
             GRANTED => Some(Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed))),
             NEVER => Some(Decision::Never(a)),
             OFF => None,
-            tat if self.lagged(tat, a) => Some(self.decide_at_latest(cost, tat, Instant::from_nanos(a))),
+            tat if self.lagged(tat, a) => self.decide_at_latest(cost, tat, Instant::from_nanos(a)),
             tat => Some(Decision::Denied(tat, Instant::from_nanos(a))),
         }
     }
@@ -385,10 +385,12 @@ impl Fast {
     /// clock read that lagged: every grant leaves the TAT at most the tolerance past its
     /// own instant, so a TAT further than that past `now` was written by a grant decided
     /// at a later instant than this call's (or by a charge that settled more than a grant
-    /// took). Such a refusal is not counted where it is made ([`Fast::refused`]).
+    /// took). A refusal's TAT is always past its instant (the cost is within the burst, so
+    /// only a TAT ahead can refuse it): the difference cannot wrap, and if it did, the call
+    /// would only be decided again at the latest instant, as the lock decided every call.
     #[inline(always)]
     fn lagged(&self, tat: u64, now: u64) -> bool {
-        tat > now.saturating_add(self.tolerance)
+        tat.wrapping_sub(now) > self.tolerance
     }
 
     /// The answer to a call whose clock read lagged: decided again at the latest instant
@@ -397,10 +399,11 @@ impl Fast {
     /// under contention, their leases and leads) moved the TAT more than the tolerance
     /// past its instant: refused there, though the limit was far from exhausted (seen in
     /// `peers`, two threads on a set with a global token bucket of a millisecond's burst,
-    /// on a busy 2-core VM). Counted once, as what it finally is.
+    /// on a busy 2-core VM). Counted once, as what it finally is: the refusal counted
+    /// where it was made is taken back when the call is decided again.
     #[cold]
     #[inline(never)]
-    fn decide_at_latest(&self, cost: u64, mut tat: u64, mut at: Instant) -> Decision {
+    fn decide_at_latest(&self, cost: u64, mut tat: u64, mut at: Instant) -> Option<Decision> {
         // Each round decides at a later instant than the last; a few are plenty (the
         // others would have to keep granting later and later in between).
         for _ in 0..4 {
@@ -408,22 +411,25 @@ impl Fast {
             if latest <= at {
                 break;
             }
+            if self.alone {
+                // This thread's stripe, where the refusal was counted a moment ago.
+                let (index, own) = stripe();
+                unbump(&self.stripes[index].denied, own);
+            }
             let Packed(a, b) = self.decide_packed(cost, latest);
             match b {
-                GRANTED => return Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed)),
-                NEVER => return Decision::Never(a),
-                // A replace disabled the path meanwhile: refused, as at the first read.
-                OFF => break,
-                again if self.lagged(again, a) => (tat, at) = (again, Instant::from_nanos(a)),
-                // Refused at the latest instant, and counted there.
-                again => return Decision::Denied(again, Instant::from_nanos(a)),
+                GRANTED => {
+                    return Some(Decision::Granted(Instant::from_nanos(a), self.version.load(Ordering::Relaxed)));
+                }
+                NEVER => return Some(Decision::Never(a)),
+                // A replace disabled the path meanwhile (the path alone takes no lock):
+                // the locked path decides, and counts.
+                OFF => return None,
+                // Refused again: at a still later instant, if some grant was made there.
+                again => (tat, at) = (again, Instant::from_nanos(a)),
             }
         }
-        if self.alone {
-            let (index, own) = stripe();
-            bump(&self.stripes[index].denied, own);
-        }
-        Decision::Denied(tat, at)
+        Some(Decision::Denied(tat, at))
     }
 
     /// The plain GCRA decision on the shared TAT `cur` at `now`: the TAT a grant stores,
@@ -500,12 +506,10 @@ impl Fast {
         // here may be decided again at a later instant, see `latest_if_contended`).
         match refusal {
             Refusal::NotYet { .. } => {
-                let tat = state.theoretical_arrival().as_nanos();
-                // A refusal of a clock read that lagged is decided again, and counted then.
-                if self.alone && !self.lagged(tat, now.as_nanos()) {
+                if self.alone {
                     bump(&stripe.0.denied, stripe.1);
                 }
-                Packed(now.as_nanos(), tat)
+                Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
             }
             Refusal::Never { capacity } => {
                 if self.alone {

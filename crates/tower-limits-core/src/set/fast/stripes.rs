@@ -141,3 +141,13 @@ pub(super) fn bump(counter: &AtomicU64, own: bool) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 }
+
+/// Takes back one that [`bump`] added on this thread, on the same stripe.
+#[cold]
+pub(super) fn unbump(counter: &AtomicU64, own: bool) {
+    if own {
+        counter.store(counter.load(Ordering::Relaxed).saturating_sub(1), Ordering::Relaxed);
+    } else {
+        counter.fetch_sub(1, Ordering::Relaxed);
+    }
+}
