@@ -309,6 +309,29 @@ fn a_grant_without_a_lease_keeps_no_lead() {
     assert_eq!(f.tat(), t2 + 30_000_000, "no lead without a lease");
 }
 
+/// Drives `f` (T = 1us and a burst of a second: a quarter of the headroom is far above any
+/// lease) with calls of `cost` at one instant, contended: each lease, of 64 grants of
+/// `cost` first, is used to its last unit and the next one doubles, up to `MAX_LEASE`.
+/// Returns that instant.
+fn assert_leases_double(f: &Fast, cost: u64) -> Instant {
+    f.mark_contended();
+    let t0 = Instant::from_nanos(5_000_000_000);
+    for expected in [64, 128, 256, 512, 1_024, 1_024] {
+        // At one instant nothing is ever late: the new lease is taken with this grant,
+        // and its units serve the next calls without moving the shared TAT.
+        let before = f.tat().max(t0.as_nanos());
+        assert!(granted(f.acquire(cost, t0)).is_some());
+        assert_eq!(f.tat() - before, expected * cost * 1_000, "a lease of {expected} grants of {cost} with its grant");
+        let leased = f.tat();
+        for _ in 1..expected {
+            assert!(granted(f.acquire(cost, t0)).is_some());
+        }
+        assert_eq!(f.tat(), leased, "all from the lease");
+    }
+    assert_eq!(LEASES.with(|l| l[f.slot()].get().size), MAX_LEASE);
+    t0
+}
+
 /// A lease is a whole number of grants of the cost of the call that takes it, so a thread
 /// whose calls all cost the same uses it to its last unit and its next lease doubles, in
 /// grants: one shared write per lease however much each grant costs, as for a cost of one.
@@ -316,22 +339,8 @@ fn a_grant_without_a_lease_keeps_no_lead() {
 /// went back with four units: one shared write every six grants, for good.)
 #[test]
 fn a_lease_holds_whole_grants_of_its_cost_and_grows_by_grants() {
-    // T = 1us and a burst of a second: a quarter of the headroom is far above any lease.
     let f = fast(Rate::per_second(1_000_000), 1_000_000);
-    let size = || LEASES.with(|l| l[f.slot()].get().size);
-    f.mark_contended();
-    let t0 = Instant::from_nanos(5_000_000_000);
-    for expected in [64, 128, 256, 512, 1_024, 1_024] {
-        let before = f.tat().max(t0.as_nanos());
-        assert!(granted(f.acquire(10, t0)).is_some());
-        assert_eq!(f.tat() - before, expected * 10 * 1_000, "a lease of {expected} grants of 10 with its grant");
-        let leased = f.tat();
-        for _ in 1..expected {
-            assert!(granted(f.acquire(10, t0)).is_some());
-        }
-        assert_eq!(f.tat(), leased, "all from the lease");
-    }
-    assert_eq!(size(), MAX_LEASE);
+    assert_leases_double(&f, 10);
     // A cost that does not divide the quarter of the headroom: the lease is cut down to
     // whole grants. T = 1us, burst 1,000: after a grant of 7 at an idle limit, 993 units
     // are left, a quarter is 248, and 35 grants of 7 (245 units) are leased.
@@ -371,24 +380,9 @@ fn a_lease_used_up_leaves_no_cooldown() {
 /// `FIRST_LEASE`; a lease with too few units left for a cost keeps it.
 #[test]
 fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() {
-    // T = 1us and a burst of a second: a quarter of the headroom is far above any lease.
     let f = fast(Rate::per_second(1_000_000), 1_000_000);
     let size = || LEASES.with(|l| l[f.slot()].get().size);
-    f.mark_contended();
-    let t0 = Instant::from_nanos(5_000_000_000);
-    for expected in [64, 128, 256, 512, 1_024, 1_024] {
-        // At one instant nothing is ever late: the new lease is taken with this grant,
-        // and its units serve the next calls without moving the shared TAT.
-        let before = f.tat().max(t0.as_nanos());
-        assert!(granted(f.acquire(1, t0)).is_some());
-        assert_eq!(f.tat() - before, expected * 1_000, "a lease of {expected} with its grant");
-        let leased = f.tat();
-        for _ in 1..expected {
-            assert!(granted(f.acquire(1, t0)).is_some());
-        }
-        assert_eq!(f.tat(), leased, "all from the lease");
-    }
-    assert_eq!(size(), MAX_LEASE);
+    let t0 = assert_leases_double(&f, 1);
     // One more grant takes a lease of 1,024; a call far later finds its slots begun
     // unused: the size halves.
     assert!(granted(f.acquire(1, t0)).is_some());
