@@ -75,11 +75,12 @@
 //!   back, and a caller whose clock read lags decides against `max(tat, now)` with its
 //!   own `now`, which can only make it wait longer. When it lags so far behind another
 //!   thread's grant that the TAT lies more than the tolerance past its `now` (no grant
-//!   leaves the TAT that far past its own instant), its refusal is not counted but
-//!   decided again at the latest instant of all stripes, as the lock would have decided
-//!   it: a thread that lost its core between its clock read and its decision is not
-//!   refused with the limit far from exhausted. A refusal that is not that far is
-//!   answered at once, and costs no read of the stripes.
+//!   leaves the TAT that far past its own instant), its refusal is decided again at the
+//!   latest instant of all stripes, as the lock would have decided it (and the count the
+//!   refusal made is taken back, so the call is counted once): a thread that lost its
+//!   core between its clock read and its decision is not refused with the limit far from
+//!   exhausted. A refusal that is not that far is answered at once, and costs no read of
+//!   the stripes.
 //! - **Counters.** Alone, grants and denials are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
 //!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes (in [`stripes`]). The
