@@ -612,12 +612,10 @@ fn answer_one(
 #[inline(always)]
 fn take_atomic(cfg: &Config, fast: &Fast, cost: u64, now: Instant) -> Result<(), SetError> {
     let mut decision = fast.acquire(cost, now);
-    if let Some(Decision::Denied(_, at)) = decision {
-        // A clock read that lagged decides again at the latest instant (see
-        // `Fast::latest_if_contended`), as it would under the global lock.
-        if let Some(latest) = fast.latest_if_contended().filter(|&latest| latest > at) {
-            decision = fast.acquire(cost, latest);
-        }
+    if let Some(Decision::Denied(tat, at)) = decision {
+        // A clock read that lagged decides again at the latest instant, as it would under
+        // the global lock.
+        decision = fast.decide_again_if_contended(cost, tat, at);
     }
     match decision {
         Some(Decision::Granted(..)) => Ok(()),

@@ -504,7 +504,7 @@ impl Fast {
     #[inline]
     fn refused(&self, refusal: Refusal, state: &GcraState, now: Instant, stripe: (&Stripe, bool)) -> Packed {
         // Beside keyed limits, the set counts the refusals it answers with (a refusal
-        // here may be decided again at a later instant, see `latest_if_contended`).
+        // here may be decided again at a later instant, see `decide_again_if_contended`).
         match refusal {
             Refusal::NotYet { .. } => {
                 if self.alone {
@@ -601,17 +601,18 @@ impl Fast {
         self.tat.0.store(tat, Ordering::Release);
     }
 
-    /// The latest instant any grant was made at, once threads have contended for the
-    /// limit (until then each thread's own decisions already raise its clock to it).
-    ///
-    /// A thread can read the clock and then lose its core for a scheduler's time slice
-    /// before it decides: the TAT others moved meanwhile then lies further past its `now`
-    /// than the tolerance, and it is refused although the limit is far from exhausted.
-    /// Under the global lock every decision is raised to the latest instant the set has
-    /// seen, and so never refused for that; beside keyed limits, a refusal on a
-    /// contended limit is decided again at this instant, which gives the same answer.
-    pub(super) fn latest_if_contended(&self) -> Option<Instant> {
-        self.contended.load(Ordering::Relaxed).then(|| self.latest())
+    /// A refusal of the limit beside keyed limits, `Denied(tat, at)`, decided again
+    /// ([`Fast::decide_at_latest`]) once the limit has seen a failed compare-and-swap:
+    /// then a refusal may come from a clock read that lagged behind another thread's
+    /// grant, even within the tolerance, and under the global lock every decision was
+    /// raised to the latest instant the set had seen. A lone thread's own instants are
+    /// already the latest (its stripe raises them), so until then the refusal stands.
+    pub(super) fn decide_again_if_contended(&self, cost: u64, tat: u64, at: Instant) -> Option<Decision> {
+        if self.contended.load(Ordering::Relaxed) {
+            self.decide_at_latest(cost, tat, at)
+        } else {
+            Some(Decision::Denied(tat, at))
+        }
     }
 
     /// The latest instant any grant of this path was made at (a grant racing this call
