@@ -14,17 +14,23 @@ use super::{Counters, Shared, lock};
 use crate::limit::{Config, LimitState};
 use crate::time::Instant;
 
-/// The states of the global limits.
+/// The states of the global limits. In declared order (`repr(C)`), the states first: see
+/// [`GlobalStates`].
+#[repr(C)]
 pub(super) struct Global {
-    pub(super) config: Arc<Config>,
     pub(super) states: GlobalStates,
+    pub(super) config: Arc<Config>,
 }
 
+/// In declared order (`repr(C)`): what every grant writes besides the limits' states (the
+/// latest instant, the count of grants) lies right after the lock's word, on its cache
+/// line, as in a shard ([`Keyed`](super::shard::Keyed)).
+#[repr(C)]
 pub(super) struct GlobalStates {
-    /// One state per limit of the config (unused for keyed limits).
-    pub(super) states: Vec<LimitState>,
     pub(super) latest: Instant,
     pub(super) counters: Counters,
+    /// One state per limit of the config (unused for keyed limits).
+    pub(super) states: Vec<LimitState>,
     /// The one-limit path's denial counts already moved into `counters` (they never
     /// reset).
     pub(super) fast_base: (u64, u64),

@@ -86,7 +86,10 @@ use shard::{Keyed, Padded, Shard, shard_cap, shard_count};
 /// tied to a grant).
 const ANY_VERSION: u64 = u64::MAX;
 
+/// In declared order (`repr(C)`): the count every grant writes comes first, so that in a
+/// shard it shares the cache line of the shard's lock (see [`shard::Keyed`]).
 #[derive(Clone, Copy, Default)]
+#[repr(C)]
 struct Counters {
     admitted: u64,
     denied: [u64; MAX_LIMITS],

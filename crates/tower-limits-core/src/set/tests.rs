@@ -623,3 +623,26 @@ fn a_lagging_read_of_a_contended_atomic_decides_at_the_latest_instant() {
     assert!(set.acquire_grant(&b, 1, at(5)).is_ok(), "decided at the latest instant");
     assert_eq!(set.stats().limits[1].denied, 0, "the refusal decided again is not counted");
 }
+
+/// The bytes from the start of `lock` (its word first, as in std's futex mutex) to `field`.
+fn bytes_from<T, F>(lock: &std::sync::Mutex<T>, field: &F) -> usize {
+    std::ptr::from_ref(field) as usize - std::ptr::from_ref(lock) as usize
+}
+
+#[test]
+fn a_grant_writes_one_cache_line_of_its_lock() {
+    // A shard, and the global states: the latest instant and the count of grants, written
+    // by every grant, lie on the cache line of the lock's word (shards and the global
+    // lock are aligned to 128 bytes).
+    let set = set_of_three(64);
+    let shard = &set.shared.shards[0].0;
+    let guard = shard.lock().expect("not poisoned");
+    assert!(bytes_from(shard, &guard.keyed.latest) + 8 <= 64);
+    assert!(bytes_from(shard, &guard.keyed.counters.admitted) + 8 <= 64);
+    drop(guard);
+    let global = &set.shared.global.0;
+    let guard = global.lock().expect("not poisoned");
+    assert!(bytes_from(global, &guard.states.latest) + 8 <= 64);
+    assert!(bytes_from(global, &guard.states.counters.admitted) + 8 <= 64);
+    assert_eq!(std::ptr::from_ref(global) as usize % 128, 0, "the lock starts its line");
+}
