@@ -205,6 +205,69 @@ fn leases_expire_and_renewals_keep_them() {
     });
 }
 
+/// How many times the server ran `command` since its statistics were last reset (calls
+/// from inside scripts included).
+async fn calls_of(admin: &mut redis::aio::MultiplexedConnection, command: &str) -> u64 {
+    let info: String = cmd(admin, &["INFO", "commandstats"]).await;
+    let head = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|line| line.strip_prefix(&head))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a count"))
+}
+
+#[test]
+fn the_release_of_a_lone_semaphore_counting_requests_is_one_zrem() {
+    let Some(server) = redis_for("the_release_of_a_lone_semaphore_counting_requests_is_one_zrem") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let mut admin = admin(&server.url()).await;
+        // The set of three: its one semaphore counts requests, four at once per org; each
+        // request from a user of its own (their GCRAs allow two a burst).
+        let backend = manual(three_limits(), "zrem").build(&conn).unwrap();
+        let user = |i: usize| TenantKey::new(["acme".to_owned(), format!("user-{i}")]).unwrap();
+        let mut held = Vec::new();
+        for i in 0..4 {
+            held.push((user(i), backend.acquire(&user(i), 1, at(S)).await.unwrap()));
+        }
+        assert!(backend.acquire(&user(4), 1, at(S)).await.unwrap_err().as_denial().unwrap().needs_release());
+        let () = cmd(&mut admin, &["CONFIG", "RESETSTAT"]).await;
+        let trips = backend.stats().round_trips;
+        for (key, grant) in held.drain(..2) {
+            backend.release(&key, grant);
+        }
+        backend.flush().await;
+        assert_eq!(calls_of(&mut admin, "zrem").await, 2, "one ZREM a release");
+        assert_eq!(calls_of(&mut admin, "evalsha").await, 0, "no script");
+        assert_eq!(backend.stats().round_trips, trips + 2, "one round trip a release");
+        // The two permits came back, and no more.
+        for i in 5..7 {
+            held.push((user(i), backend.acquire(&user(i), 1, at(2 * S)).await.unwrap()));
+        }
+        assert!(backend.acquire(&user(7), 1, at(2 * S)).await.is_err(), "four held again");
+        // One more released: its own permit comes back, and no other.
+        let (key, grant) = held.pop().unwrap();
+        backend.release(&key, grant);
+        backend.flush().await;
+        assert!(backend.acquire(&user(8), 1, at(3 * S)).await.is_ok());
+        assert!(backend.acquire(&user(9), 1, at(3 * S)).await.is_err(), "one permit came back, not two");
+
+        // A semaphore counting cost keeps its sum in the set: its release is the script's.
+        let weighted = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::semaphore("tokens in flight", 100).per("org").counting_cost());
+        let backend = manual(weighted, "zrem-cost").build(&conn).unwrap();
+        let acme = TenantKey::single("acme").unwrap();
+        let grant = backend.acquire(&acme, 60, at(S)).await.unwrap();
+        assert!(backend.acquire(&acme, 60, at(S)).await.is_err());
+        let () = cmd(&mut admin, &["CONFIG", "RESETSTAT"]).await;
+        backend.release(&acme, grant);
+        backend.flush().await;
+        assert_eq!(calls_of(&mut admin, "evalsha").await, 1, "the script releases");
+        assert!(backend.acquire(&acme, 60, at(S)).await.is_ok());
+    });
+}
+
 #[test]
 fn peek_answers_from_the_last_reply() {
     let Some(server) = redis_for("peek_answers_from_the_last_reply") else { return };

@@ -31,7 +31,10 @@
 //! - `r`, release (then the holder id and the cost acquired): what `s` does with a
 //!   release and no correction, written out first in the script so that it runs before
 //!   the clock is read and the settle's tables and helpers are built (a release costs the
-//!   server about a third of what it did through `s`).
+//!   server about a third of what it did through `s`). A set whose one semaphore counts
+//!   requests never sends it: its release is a plain `ZREM` of the grant's member
+//!   `holder:1`, all this operation would do, without the cost of calling a script (some
+//!   1.5 us of the server's CPU against 0.1 us for the command).
 //!
 //! # Time and exact integers
 //!

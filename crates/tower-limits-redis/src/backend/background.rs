@@ -92,8 +92,12 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
             let n = |v: u64| v.min(EXACT).to_string();
             let acq = n(op.acquired);
             let sent = if op.release && !op.adjusts() {
-                // A release alone: the script's short operation.
-                inner.call(&keys, &["r", &op.id, &acq]).await
+                match inner.lone_request_semaphore.and_then(|i| keys.get(i)) {
+                    // A release alone of the one semaphore, counting requests: its member.
+                    Some(held) => inner.command(redis::cmd("ZREM").arg(held).arg(format!("{}:1", op.id))).await,
+                    // A release alone: the script's short operation.
+                    None => inner.call(&keys, &["r", &op.id, &acq]).await,
+                }
             } else {
                 let (now_us, now_sub) = inner.now_args(op.now);
                 let (us, sub) = (n(op.us), n(op.sub));

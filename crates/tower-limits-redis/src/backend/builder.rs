@@ -220,6 +220,15 @@ impl RedisBackendBuilder {
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
         let instance = RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
         let has_semaphore = limits.iter().any(|l| l.is_semaphore);
+        let lone_request_semaphore = match script_limits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(l, ScriptLimit::Semaphore { .. }))
+            .collect::<Vec<_>>()[..]
+        {
+            [(i, ScriptLimit::Semaphore { cost: false, .. })] => Some(i),
+            _ => None,
+        };
         let settles = limits.iter().any(|l| !l.is_semaphore && l.counts == Counts::Cost);
         let records_holders =
             script_limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. }));
@@ -233,6 +242,7 @@ impl RedisBackendBuilder {
                 tiers,
                 depth_needed,
                 has_semaphore,
+                lone_request_semaphore,
                 records_holders,
                 settles,
                 namespace: self.namespace.into(),

@@ -133,9 +133,19 @@ impl Inner {
         }
     }
 
-    /// One call under the timeout, feeding the breaker.
+    /// One call of the script under the timeout, feeding the breaker.
     pub(super) async fn call(&self, keys: &[String], args: &[&str]) -> Result<Value, CallError> {
-        match tokio::time::timeout(self.settings.timeout, self.eval(keys, args)).await {
+        self.guarded(self.eval(keys, args)).await
+    }
+
+    /// One plain command under the timeout, feeding the breaker.
+    pub(super) async fn command(&self, cmd: &redis::Cmd) -> Result<Value, CallError> {
+        bump(&self.stats.round_trips);
+        self.guarded(self.conn.query(cmd)).await
+    }
+
+    async fn guarded(&self, call: impl Future<Output = redis::RedisResult<Value>>) -> Result<Value, CallError> {
+        match tokio::time::timeout(self.settings.timeout, call).await {
             Ok(Ok(value)) => {
                 self.breaker.success();
                 Ok(value)

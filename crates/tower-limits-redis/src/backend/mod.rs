@@ -137,6 +137,10 @@ pub(crate) struct Inner {
     tiers: Box<[&'static str]>,
     depth_needed: usize,
     has_semaphore: bool,
+    /// The set's one semaphore, when it is its only one and counts requests: a release
+    /// is then one `ZREM` of the grant's member, sent as a plain command, not the script
+    /// (which would do just that, at some fifteen times the server's CPU).
+    lone_request_semaphore: Option<usize>,
     /// Some semaphore or log records the holder id of its grants.
     records_holders: bool,
     /// Some non-semaphore limit counts cost: settling can change something.
