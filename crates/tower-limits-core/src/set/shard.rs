@@ -39,18 +39,19 @@ pub(super) struct Shard {
     pub(super) config: Arc<Config>,
 }
 
-/// In declared order (`repr(C)`): what every grant writes (the latest instant, then the
-/// count of grants, first of the counters) lies right after the lock's word, on its cache
-/// line. A grant then moves one line of the shard's between cores, not three: laid out
-/// by the compiler, the count sat 430 bytes from the lock.
+/// In declared order (`repr(C)`): what every grant writes (the latest instant, the count
+/// of grants, first of the counters) and what a new key's state writes (the count of
+/// states) lie right after the lock's word, on its cache line. A grant then moves one line
+/// of the shard's between cores, not three: laid out by the compiler, the count of grants
+/// sat 430 bytes from the lock. The tables, which a grant only reads, come last.
 #[repr(C)]
 pub(super) struct Keyed {
     pub(super) latest: Instant,
+    pub(super) len: usize,
+    pub(super) cap: usize,
     pub(super) counters: Counters,
     /// One table per limit of the config (empty for global limits).
     pub(super) tables: Vec<Table>,
-    pub(super) len: usize,
-    pub(super) cap: usize,
 }
 
 /// The shards of a set on this machine: see [`shard_count_for`].

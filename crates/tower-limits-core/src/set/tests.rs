@@ -636,9 +636,11 @@ fn a_grant_writes_one_cache_line_of_its_lock() {
     // lock are aligned to 128 bytes).
     let set = set_of_three(64);
     let shard = &set.shared.shards[0].0;
+    assert_eq!(std::ptr::from_ref(shard) as usize % 128, 0, "the lock starts its line");
     let guard = shard.lock().expect("not poisoned");
     assert!(bytes_from(shard, &guard.keyed.latest) + 8 <= 64);
     assert!(bytes_from(shard, &guard.keyed.counters.admitted) + 8 <= 64);
+    assert!(bytes_from(shard, &guard.keyed.len) + 8 <= 64, "and a new key's count");
     drop(guard);
     let global = &set.shared.global.0;
     let guard = global.lock().expect("not poisoned");
