@@ -70,7 +70,7 @@ fn per_call(op: &mut dyn FnMut()) -> f64 {
 }
 
 /// Total operations per second of `threads` threads running `op` for about `SLICE`.
-fn throughput(threads: usize, op: Arc<dyn Fn() + Send + Sync>) -> f64 {
+fn throughput(threads: usize, op: Op) -> f64 {
     let per_thread = {
         // One thread's pace sizes the batch.
         let op = op.clone();
@@ -95,6 +95,29 @@ fn throughput(threads: usize, op: Arc<dyn Fn() + Send + Sync>) -> f64 {
         h.join().expect("bench thread");
     }
     (per_thread * threads as u64) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// An operation each thread of [`throughput`] runs.
+type Op = Arc<dyn Fn() + Send + Sync>;
+
+/// The thread counts of the threaded rows: 2, and every core's when there are more.
+fn thread_counts() -> Vec<usize> {
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    if cores > 2 { vec![2, cores] } else { vec![2] }
+}
+
+/// Fills `row` with [`ROUNDS`] rounds of two throughputs in Mop/s, ours on `ours.0`
+/// threads and theirs on `theirs.0`, each side first in every other round.
+fn throughput_rounds(row: &mut Row, ours: (usize, &Op), theirs: (usize, &Op)) {
+    for round in 0..ROUNDS {
+        if round % 2 == 0 {
+            row.ours.push(throughput(ours.0, ours.1.clone()) / 1e6);
+            row.theirs.push(throughput(theirs.0, theirs.1.clone()) / 1e6);
+        } else {
+            row.theirs.push(throughput(theirs.0, theirs.1.clone()) / 1e6);
+            row.ours.push(throughput(ours.0, ours.1.clone()) / 1e6);
+        }
+    }
 }
 
 struct Row {
@@ -361,13 +384,8 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
     let clock = SystemClock::new();
     let global = TenantKey::global();
     let what = if cost == 1 { String::from("one limit") } else { format!("one limit, cost {cost} a call") };
-    let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    let mut thread_counts = vec![1, 2];
-    if cores > 2 {
-        thread_counts.push(cores);
-    }
     let mut ours_one = Vec::new();
-    for &threads in &thread_counts {
+    for threads in std::iter::once(1).chain(thread_counts()) {
         let mut row = Row::new(format!("{what}, {threads} threads: ops/s (ours / governor)"), "Mop/s");
         // Charged its cost: a limit counts requests unless told to count costs. A rate of
         // one unit a nanosecond (the finest either side takes) and a burst of a second of
@@ -382,13 +400,13 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
         )
         .expect("policy");
         let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(HUGE))));
-        let ours_op: Arc<dyn Fn() + Send + Sync> = {
+        let ours_op: Op = {
             let (clock, key) = (clock.clone(), global.clone());
             Arc::new(move || {
                 black_box(ours.check(&key, u64::from(cost), clock.now()).is_ok());
             })
         };
-        let theirs_op: Arc<dyn Fn() + Send + Sync> = if cost == 1 {
+        let theirs_op: Op = if cost == 1 {
             Arc::new(move || {
                 black_box(theirs.check().is_ok());
             })
@@ -398,15 +416,7 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
                 black_box(theirs.check_n(n).is_ok_and(|r| r.is_ok()));
             })
         };
-        for round in 0..ROUNDS {
-            if round % 2 == 0 {
-                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
-                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
-            } else {
-                row.theirs.push(throughput(threads, theirs_op.clone()) / 1e6);
-                row.ours.push(throughput(threads, ours_op.clone()) / 1e6);
-            }
-        }
+        throughput_rounds(&mut row, (threads, &ours_op), (threads, &theirs_op));
         if threads == 1 {
             ours_one = row.ours.clone();
         } else {
@@ -447,29 +457,16 @@ fn keyed_thread_rows(rows: &mut Vec<Row>) {
         let _ = set.acquire(&TenantKey::from_u64(1_000_000_007 * i), 1, clock.now());
         let _ = gov.check_key(&(1_000_000_007 * i));
     }
-    let ours: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+    let ours: Op = Arc::new(move || {
         black_box(set.acquire(&TenantKey::from_u64(next()), 1, clock.now()).is_ok());
     });
-    let theirs: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+    let theirs: Op = Arc::new(move || {
         black_box(gov.check_key(&next()).is_ok());
     });
-    let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    let mut counts = vec![1, 2];
-    if cores > 2 {
-        counts.push(cores);
-    }
     let (mut ours_one, mut theirs_one) = (Vec::new(), Vec::new());
-    for threads in counts {
+    for threads in std::iter::once(1).chain(thread_counts()) {
         let mut row = Row::new(format!("keyed, {IDS} ids, {threads} threads: ops/s (ours / governor)"), "Mop/s");
-        for round in 0..ROUNDS {
-            if round % 2 == 0 {
-                row.ours.push(throughput(threads, ours.clone()) / 1e6);
-                row.theirs.push(throughput(threads, theirs.clone()) / 1e6);
-            } else {
-                row.theirs.push(throughput(threads, theirs.clone()) / 1e6);
-                row.ours.push(throughput(threads, ours.clone()) / 1e6);
-            }
-        }
+        throughput_rounds(&mut row, (threads, &ours), (threads, &theirs));
         if threads == 1 {
             ours_one = row.ours.clone();
             theirs_one = row.theirs.clone();
@@ -515,7 +512,7 @@ fn set_thread_rows(rows: &mut Vec<Row>) {
         .expect("policy"),
     );
     let keys: Arc<[TenantKey]> = (0..4_096).map(TenantKey::from_u64).collect();
-    let op: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+    let op: Op = Arc::new(move || {
         let i = TURN.with(|t| {
             let i = t.get();
             // The next of this thread's 16 tenants.
@@ -525,22 +522,9 @@ fn set_thread_rows(rows: &mut Vec<Row>) {
         let permit = set.acquire(&keys[i % keys.len()], 10, clock.now()).expect("granted");
         drop(black_box(permit));
     });
-    let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    let mut counts = vec![2];
-    if cores > 2 {
-        counts.push(cores);
-    }
-    for threads in counts {
+    for threads in thread_counts() {
         let mut row = Row::new(format!("3-limit set: {threads} threads / 1 thread ops/s"), "Mop/s");
-        for round in 0..ROUNDS {
-            if round % 2 == 0 {
-                row.ours.push(throughput(threads, op.clone()) / 1e6);
-                row.theirs.push(throughput(1, op.clone()) / 1e6);
-            } else {
-                row.theirs.push(throughput(1, op.clone()) / 1e6);
-                row.ours.push(throughput(threads, op.clone()) / 1e6);
-            }
-        }
+        throughput_rounds(&mut row, (threads, &op), (1, &op));
         rows.push(row);
     }
 }
