@@ -139,6 +139,12 @@ impl Row {
         Row { name: name.into(), ours: Vec::new(), theirs: Vec::new(), unit }
     }
 
+    /// A side's throughput on more threads (`more`, Mop/s) over its own on one, round by
+    /// round.
+    fn scaling(name: String, more: &[f64], one: &[f64]) -> Row {
+        Row { name, ours: more.to_vec(), theirs: one.to_vec(), unit: "Mop/s" }
+    }
+
     fn print(&self) {
         let ratios: Vec<f64> = self.ours.iter().zip(&self.theirs).map(|(o, t)| o / t).collect();
         let mut sorted = ratios.clone();
@@ -420,12 +426,7 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
         if threads == 1 {
             ours_one = row.ours.clone();
         } else {
-            rows.push(Row {
-                name: format!("{what}, ours: {threads} threads / 1 thread ops/s"),
-                ours: row.ours.clone(),
-                theirs: ours_one.clone(),
-                unit: "Mop/s",
-            });
+            rows.push(Row::scaling(format!("{what}, ours: {threads} threads / 1 thread ops/s"), &row.ours, &ours_one));
         }
         rows.push(row);
     }
@@ -471,18 +472,12 @@ fn keyed_thread_rows(rows: &mut Vec<Row>) {
             ours_one = row.ours.clone();
             theirs_one = row.theirs.clone();
         } else {
-            rows.push(Row {
-                name: format!("keyed, ours: {threads} threads / 1 thread ops/s"),
-                ours: row.ours.clone(),
-                theirs: ours_one.clone(),
-                unit: "Mop/s",
-            });
-            rows.push(Row {
-                name: format!("keyed, governor: {threads} threads / 1 thread ops/s"),
-                ours: row.theirs.clone(),
-                theirs: theirs_one.clone(),
-                unit: "Mop/s",
-            });
+            rows.push(Row::scaling(format!("keyed, ours: {threads} threads / 1 thread ops/s"), &row.ours, &ours_one));
+            rows.push(Row::scaling(
+                format!("keyed, governor: {threads} threads / 1 thread ops/s"),
+                &row.theirs,
+                &theirs_one,
+            ));
         }
         rows.push(row);
     }
