@@ -440,8 +440,10 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
 fn keyed_thread_rows(rows: &mut Vec<Row>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);
+    // Each new thread starts 389 ids on from the last one's start (389 is prime to 1,000,
+    // so the starts of up to 1,000 threads are all different).
     thread_local! {
-        static AT: std::cell::Cell<usize> = std::cell::Cell::new(NEXT.fetch_add(500, Ordering::Relaxed));
+        static AT: std::cell::Cell<usize> = std::cell::Cell::new(NEXT.fetch_add(389, Ordering::Relaxed));
     }
     const IDS: usize = 1_000;
     let next = || {
