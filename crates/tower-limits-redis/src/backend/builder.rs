@@ -220,13 +220,10 @@ impl RedisBackendBuilder {
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
         let instance = RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
         let has_semaphore = limits.iter().any(|l| l.is_semaphore);
-        let lone_request_semaphore = match script_limits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| matches!(l, ScriptLimit::Semaphore { .. }))
-            .collect::<Vec<_>>()[..]
-        {
-            [(i, ScriptLimit::Semaphore { cost: false, .. })] => Some(i),
+        let mut semaphores =
+            script_limits.iter().enumerate().filter(|(_, l)| matches!(l, ScriptLimit::Semaphore { .. }));
+        let lone_request_semaphore = match (semaphores.next(), semaphores.next()) {
+            (Some((i, ScriptLimit::Semaphore { cost: false, .. })), None) => Some(i),
             _ => None,
         };
         let settles = limits.iter().any(|l| !l.is_semaphore && l.counts == Counts::Cost);

@@ -138,8 +138,9 @@ pub(crate) struct Inner {
     depth_needed: usize,
     has_semaphore: bool,
     /// The set's one semaphore, when it is its only one and counts requests: a release
-    /// is then one `ZREM` of the grant's member, sent as a plain command, not the script
-    /// (which would do just that, at some fifteen times the server's CPU).
+    /// is then one `ZREM` of the grant's member, sent as a plain command, not the script,
+    /// which would do just that after a script's call (about 1.5 us of the server's CPU,
+    /// against 0.1 to 0.3 us for the command).
     lone_request_semaphore: Option<usize>,
     /// Some semaphore or log records the holder id of its grants.
     records_holders: bool,
