@@ -680,14 +680,6 @@ fn redis_rows(rows: &mut Vec<Row>) {
     // Server CPU per call: ours (three limits) against a plain script over three keys.
     let sha: String =
         rt.block_on(redis::cmd("SCRIPT").arg("LOAD").arg(PLAIN_THREE_KEYS).query_async(&mut raw)).expect("SCRIPT LOAD");
-    let usec_per_evalsha = |raw: &mut redis::aio::MultiplexedConnection| -> f64 {
-        let info: String = rt.block_on(redis::cmd("INFO").arg("commandstats").query_async(raw)).expect("INFO");
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
-            .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("usec_per_call=")))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(f64::NAN)
-    };
     // The server's CPU per call over the top-level commands named (none of which the
     // scripts call inside).
     let usec_per_call = |raw: &mut redis::aio::MultiplexedConnection, commands: &[&str]| -> f64 {
@@ -714,17 +706,17 @@ fn redis_rows(rows: &mut Vec<Row>) {
     for round in 0..ROUNDS {
         reset(&mut raw);
         throughput(&three);
-        let ours = usec_per_evalsha(&mut raw);
+        let ours = usec_per_call(&mut raw, &["evalsha"]);
         reset(&mut raw);
         throughput(&single);
-        let one = usec_per_evalsha(&mut raw);
+        let one = usec_per_call(&mut raw, &["evalsha"]);
         reset(&mut raw);
         // The same load as ours: 64 calls in flight on one connection (a server that
         // sleeps between calls pays some 30% more CPU for each).
         in_flight(&rt, &keys, &(raw.clone(), sha.clone()), move |(mut raw, sha), key| async move {
             plain_acquire(&mut raw, &sha, &key, round).await;
         });
-        let plain = usec_per_evalsha(&mut raw);
+        let plain = usec_per_call(&mut raw, &["evalsha"]);
         row.ours.push(ours);
         row.theirs.push(plain);
         bound.ours.push(one);
