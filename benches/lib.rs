@@ -2,8 +2,8 @@
 //!
 //! This library holds what several benchmarks share: the bare service every middleware
 //! wraps, the requests it gets, one way to drive them, and the keyed limit set the keyed
-//! rows measure; [`floor`] the hand-written set of three the set-of-three row is read
-//! against.
+//! rows measure; [`floor`] the hand-written sets of three (under locks, and with none) the
+//! set-of-three row is read against.
 
 pub mod floor;
 

@@ -26,7 +26,7 @@ use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::extract::PeerIp;
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, Quota, nz};
-use tower_limits_benches::floor::SetOfThreeFloor;
+use tower_limits_benches::floor::{SetOfThreeFloor, SetOfThreeLockFree};
 use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Backend, Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 use tower_limits_redis::redis;
@@ -377,6 +377,18 @@ fn core_rows(rows: &mut Vec<Row>) {
         &mut || {
             let grant = floor.acquire(b"acme", 10, clock.now().as_nanos()).expect("granted");
             floor.release(black_box(grant));
+        },
+        &mut || {
+            black_box(gov_open.check().is_ok());
+        },
+    ));
+    // And with no lock at all (see `floor.rs`): the floor of any design on this host.
+    let lock_free = SetOfThreeLockFree::new(&[b"acme"]);
+    rows.push(pair(
+        "3-limit set by hand, no lock (any design's floor) / one governor check",
+        &mut || {
+            let grant = lock_free.acquire(b"acme", 10, clock.now().as_nanos()).expect("granted");
+            lock_free.release(black_box(grant));
         },
         &mut || {
             black_box(gov_open.check().is_ok());

@@ -3,7 +3,8 @@
 //! `valgrind --tool=callgrind target/release/examples/ops set3 100000` (then
 //! `callgrind_annotate`). Operations: `allow`, `deny` (through `acquire`), `check`,
 //! `check-deny` (through `check`), `gov-allow`, `gov-deny`, `set3`, `floor-set3` (the
-//! same three limits by hand, `floor.rs`), `keyed-sem` (one semaphore per tenant, acquired
+//! same three limits by hand, `floor.rs`), `lock-free-set3` (by hand with no lock, the
+//! floor of any design), `keyed-sem` (one semaphore per tenant, acquired
 //! and released),
 //! `keyed1`, `gov-keyed1`, `keyed-text` (`keyed1` with the key made per call),
 //! `keyed-ids` and `gov-keyed-ids` (1,000 numeric ids in turn, ours made per call),
@@ -33,7 +34,7 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
-use tower_limits_benches::floor::SetOfThreeFloor;
+use tower_limits_benches::floor::{SetOfThreeFloor, SetOfThreeLockFree};
 use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
 use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
 
@@ -61,6 +62,7 @@ fn main() {
     )
     .ok();
     let floor = SetOfThreeFloor::new();
+    let lock_free = SetOfThreeLockFree::new(&[b"acme"]);
     // Concurrency per tenant: one keyed semaphore, acquired and released.
     let keyed_sem = LimitSet::new(
         LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
@@ -122,6 +124,9 @@ fn main() {
         "floor-set3" => {
             Box::new(|_| floor.acquire(b"acme", 10, clock.now().as_nanos()).map(|grant| floor.release(grant)).is_some())
         }
+        "lock-free-set3" => Box::new(|_| {
+            lock_free.acquire(b"acme", 10, clock.now().as_nanos()).map(|grant| lock_free.release(grant)).is_some()
+        }),
         "keyed-sem" => Box::new(|_| keyed_sem.acquire(&acme, 1, clock.now()).is_ok()),
         "keyed1" => Box::new(|_| keyed.acquire(&acme, 1, clock.now()).is_ok()),
         "gov-keyed1" => Box::new(|_| gov_keyed.check_key(&"acme").is_ok()),
