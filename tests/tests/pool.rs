@@ -311,6 +311,15 @@ fn when_every_member_refuses_the_pool_reports_the_first_to_free() {
         assert_eq!((d.retry_after(), d.needs_release()), (Duration::from_secs(30), false));
         grants.into_iter().for_each(|g| pool.release(&key, g));
     }
+    // Equal waits: the refusal of the member tried first, which turns with the selection.
+    let named = |name: &'static str| {
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra(name, Rate::per_minute(1), 1))).unwrap()
+    };
+    let pool = members(Selection::RoundRobin, vec![named("a-rpm"), named("b-rpm")]);
+    let grants = [pool.acquire(&key, 1, now).unwrap(), pool.acquire(&key, 1, now).unwrap()];
+    let names: Vec<&str> = (0..2).map(|_| denial(pool.acquire(&key, 1, now)).limit()).collect();
+    assert_eq!(names, ["a-rpm", "b-rpm"]);
+    grants.into_iter().for_each(|g| pool.release(&key, g));
     // Above every member's capacity: never, whatever the wait.
     let pool = members(Selection::RoundRobin, vec![units(60, 5), units(60, 6)]);
     assert!(matches!(pool.acquire(&key, 7, now), Err(AcquireError::CostAboveCapacity(_))));
@@ -336,12 +345,16 @@ fn a_benched_member_is_skipped_until_its_upstream_said_and_its_end_can_be_the_wa
     assert_eq!(pool.acquire(&key, 1, ten).expect("a serves again").chosen().index, 0);
     pool.release(&key, b);
 
-    // A bench longer than another member's wait leaves that wait.
-    let pool = members(Selection::RoundRobin, vec![roomy(), rate(2, 1)]);
-    bench(&pool, 0, 60, now);
-    let b = pool.acquire(&key, 1, now).unwrap();
-    assert_eq!(denial(pool.acquire(&key, 1, now)).retry_after(), Duration::from_secs(30));
-    pool.release(&key, b);
+    // A bench longer than another member's wait leaves that wait; a shorter one is a
+    // wait counted from the call's own instant.
+    let later = Instant::from_nanos(100 * SECOND);
+    for (secs, wait) in [(60, 30), (12, 12)] {
+        let pool = members(Selection::RoundRobin, vec![roomy(), rate(2, 1)]);
+        bench(&pool, 0, secs, later);
+        let b = pool.acquire(&key, 1, later).unwrap();
+        assert_eq!(denial(pool.acquire(&key, 1, later)).retry_after(), Duration::from_secs(wait), "benched {secs} s");
+        pool.release(&key, b);
+    }
 
     // A bench's end is a wait where the other member can only wait for a release.
     let pool = members(Selection::RoundRobin, vec![roomy(), one_at_a_time()]);
@@ -450,7 +463,9 @@ async fn a_shared_pool_acquires_settles_cancels_and_learns_through_its_store() {
     let pool = shared_pool(Arc::new(Shared(store.clone())));
     assert!(pool.is_shared());
     assert!(Backend::acquire_now(&pool, &key, 5, now).is_none(), "the store is asked over the network");
-    let mut grant = Backend::acquire(&pool, &key, 5, now).await.expect("the store grants");
+    let asking = Backend::acquire(&pool, &key, 5, now);
+    assert!(format!("{asking:?}").contains("waiting for the shared store"), "{asking:?}");
+    let mut grant = asking.await.expect("the store grants");
     assert_eq!((grant.chosen().index, &*grant.chosen().name), (1, "b"));
     assert!(!Backend::needs_release(&pool, &grant), "a store's grant holds no concurrency");
     assert_eq!(Backend::shadow_refusal(&pool, &grant), None);
@@ -533,7 +548,9 @@ async fn a_local_pool_moves_to_a_store_once() {
 #[test]
 fn a_pool_acquisition_polled_after_its_answer_says_so() {
     let pool = members(Selection::RoundRobin, vec![roomy()]);
-    let mut fut = pin!(Backend::acquire(&pool, &TenantKey::global(), 1, Instant::ZERO));
+    let fut = Backend::acquire(&pool, &TenantKey::global(), 1, Instant::ZERO);
+    assert!(format!("{fut:?}").contains("ready"), "{fut:?}");
+    let mut fut = pin!(fut);
     let mut cx = Context::from_waker(Waker::noop());
     assert!(matches!(fut.as_mut().poll(&mut cx), Poll::Ready(Ok(_))));
     assert!(matches!(fut.as_mut().poll(&mut cx), Poll::Ready(Err(AcquireError::Unavailable(_)))));
