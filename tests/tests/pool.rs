@@ -420,29 +420,29 @@ impl SharedAccounts for Shared {
 /// The same store, which lets the pool's local sets decide while it is away, and shows
 /// the members' limits.
 #[derive(Debug)]
-struct WithFallback(Arc<Store>);
+struct WithFallback(Shared);
 
 impl SharedAccounts for WithFallback {
     fn acquire(&self, cost: u64, now: Instant) -> SharedAcquire {
-        Shared(self.0.clone()).acquire(cost, now)
+        self.0.acquire(cost, now)
     }
     fn settle(&self, grant: &mut SharedGrant, actual: u64, now: Instant) {
-        Shared(self.0.clone()).settle(grant, actual, now);
+        self.0.settle(grant, actual, now);
     }
     fn cancel(&self, grant: SharedGrant, now: Instant) {
-        Shared(self.0.clone()).cancel(grant, now);
+        self.0.cancel(grant, now);
     }
     fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
-        Shared(self.0.clone()).observe(index, report, now);
+        self.0.observe(index, report, now);
     }
     fn benched_until(&self, index: usize, now: Instant) -> Option<Instant> {
-        Shared(self.0.clone()).benched_until(index, now)
+        self.0.benched_until(index, now)
     }
     fn local_fallback(&self) -> bool {
-        self.0.fallback
+        self.0.0.fallback
     }
     fn peek(&self, index: usize, _now: Instant) -> Vec<LimitSnapshot> {
-        self.0.views.as_ref().and_then(|v| v.get(index).cloned()).unwrap_or_default()
+        self.0.0.views.as_ref().and_then(|v| v.get(index).cloned()).unwrap_or_default()
     }
 }
 
@@ -510,7 +510,7 @@ async fn a_shared_pool_falls_back_to_its_local_sets_only_when_its_store_says_so(
     };
     let views = vec![vec![snapshot(1)], vec![snapshot(2), snapshot(3)]];
     let store = Arc::new(Store { fallback: true, views: Some(views), ..Store::default() });
-    let pool = shared_pool(Arc::new(WithFallback(store.clone())));
+    let pool = shared_pool(Arc::new(WithFallback(Shared(store))));
     let grant = Backend::acquire(&pool, &key, 1, now).await.expect("a local set decides while the store is away");
     assert_eq!(grant.chosen().index, 0);
     let grant2 = Backend::acquire(&pool, &key, 1, now).await.expect("and the next member next");
@@ -523,7 +523,7 @@ async fn a_shared_pool_falls_back_to_its_local_sets_only_when_its_store_says_so(
     assert_eq!(seen, [2, 3]);
 
     let no_fallback = Arc::new(Store { fallback: false, ..Store::default() });
-    let pool = shared_pool(Arc::new(WithFallback(no_fallback)));
+    let pool = shared_pool(Arc::new(WithFallback(Shared(no_fallback))));
     assert!(matches!(Backend::acquire(&pool, &key, 1, now).await, Err(AcquireError::Unavailable(_))));
 }
 
