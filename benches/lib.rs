@@ -57,7 +57,7 @@ pub fn bare() -> impl Service<Req, Response = Response<Body>, Error = Infallible
 /// let mut svc = tower_limits_benches::bare();
 /// assert!(tower_limits_benches::drive(&mut svc, tower_limits_benches::from_peer(7)));
 /// ```
-pub fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> bool {
+pub fn drive<S: Service<Req>>(svc: &mut S, req: Req) -> bool {
     let mut cx = Context::from_waker(Waker::noop());
     if !matches!(svc.poll_ready(&mut cx), Poll::Ready(Ok(()))) {
         return false;

@@ -140,3 +140,8 @@ pub mod params {
             .prop_map(|(limit, window)| WindowParams { limit, window })
     }
 }
+
+/// The workspace README, whose Rust snippets are compiled (and, but for servers, run)
+/// as doctests of this crate: a snippet that would not compile for a user fails CI.
+#[doc = include_str!("../README.md")]
+mod readme {}

@@ -26,12 +26,12 @@ use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota,
 use tower_limits_benches::{Req, bare, from_peer};
 
 /// One request through `svc`, polled to completion with a no-op waker: the status.
-fn drive<S: Service<Req, Response = Response<Body>>>(svc: &mut S) -> u16 {
+fn drive<S: Service<Req, Response = Response<RB>>, RB>(svc: &mut S) -> u16 {
     drive_with(svc, Request::new(()))
 }
 
 /// `req` through `svc`: the status.
-fn drive_with<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req) -> u16 {
+fn drive_with<S: Service<Req, Response = Response<RB>>, RB>(svc: &mut S, req: Req) -> u16 {
     let mut cx = Context::from_waker(Waker::noop());
     match svc.poll_ready(&mut cx) {
         Poll::Ready(Ok(())) => {}
@@ -44,9 +44,9 @@ fn drive_with<S: Service<Req, Response = Response<Body>>>(svc: &mut S, req: Req)
     }
 }
 
-fn bench_service<S>(c: &mut Criterion, name: &str, mut svc: S, expect: StatusCode)
+fn bench_service<S, RB>(c: &mut Criterion, name: &str, mut svc: S, expect: StatusCode)
 where
-    S: Service<Req, Response = Response<Body>>,
+    S: Service<Req, Response = Response<RB>>,
 {
     assert_eq!(drive(&mut svc), expect.as_u16(), "{name}");
     c.bench_function(name, |b| b.iter(|| black_box(drive(&mut svc))));

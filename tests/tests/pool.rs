@@ -42,7 +42,7 @@ async fn the_chosen_account_reaches_the_inner_service() {
     let svc = ServiceBuilder::new().layer(layer).service(upstream());
     let a = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
     let b = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
-    let mut bodies = vec![a.into_body(), b.into_body()];
+    let mut bodies = vec![a.into_body().into_inner(), b.into_body().into_inner()];
     bodies.sort();
     assert_eq!(bodies, ["sk-primary", "sk-secondary"]);
     let refused = svc.oneshot(Request::new(String::new())).await.unwrap();
@@ -66,10 +66,10 @@ async fn waiting_requests_take_the_first_account_to_free() {
         svc.clone().oneshot(Request::new(String::new())).await.unwrap();
     }
     let third = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
-    assert_eq!(third.into_body(), "sk-primary");
+    assert_eq!(third.into_body().into_inner(), "sk-primary");
     assert_eq!(start.elapsed(), Duration::from_secs(1));
     let fourth = svc.oneshot(Request::new(String::new())).await.unwrap();
-    assert_eq!(fourth.into_body(), "sk-secondary", "the secondary frees at 2s, before the primary again");
+    assert_eq!(fourth.into_body().into_inner(), "sk-secondary", "the secondary frees at 2s, before the primary again");
     assert_eq!(start.elapsed(), Duration::from_secs(2));
 }
 
@@ -85,7 +85,7 @@ async fn an_upstream_refusal_benches_the_account() {
     let report = upstream_report(StatusCode::TOO_MANY_REQUESTS, &headers);
     pool.observe(pool.index_of("primary").unwrap(), &report, now);
     let first = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
-    assert_eq!(first.into_body(), "sk-secondary");
+    assert_eq!(first.into_body().into_inner(), "sk-secondary");
     let refused = svc.oneshot(Request::new(String::new())).await.unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.headers()["retry-after"], "2", "the secondary frees before the primary's bench ends");

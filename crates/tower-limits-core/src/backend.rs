@@ -127,6 +127,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
         let _ = grant;
         None
     }
+
+    /// Learns from what the upstream that served `grant` answered: a
+    /// [`LimitPool`](crate::LimitPool) benches the member it chose, or lowers its mirror
+    /// (see [`LimitPool::observe`](crate::LimitPool::observe)). Nothing by default: a
+    /// backend that mirrors no upstream has nothing to learn.
+    fn observe_upstream(&self, grant: &Self::Grant, report: &crate::UpstreamReport, now: Instant) {
+        let _ = (grant, report, now);
+    }
 }
 
 impl Backend for LimitSet {

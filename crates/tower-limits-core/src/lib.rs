@@ -29,6 +29,10 @@
 //! assert_eq!(granted, 5);
 //! ```
 
+// docs.rs (`--cfg docsrs`): rustdoc's `doc_cfg` labels every item behind a feature with
+// that feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod algorithm;
 pub mod backend;
 mod error;

@@ -582,6 +582,10 @@ impl<T: Send + Sync + 'static> Backend for LimitPool<T> {
         }
     }
 
+    fn observe_upstream(&self, grant: &PoolGrant<T>, report: &UpstreamReport, now: Instant) {
+        self.observe(grant.chosen().index, report, now);
+    }
+
     fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
         // The best member's view: what the next request would most likely get.
         if let Some(store) = self.inner.shared.get() {

@@ -144,6 +144,10 @@
 //!
 //! The [guide](guide::operations) has a longer version of these notes.
 
+// docs.rs (`--cfg docsrs`): rustdoc's `doc_cfg` labels every item behind a feature with
+// that feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod accounts;
 mod backend;
 mod cache;

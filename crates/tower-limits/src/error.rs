@@ -27,6 +27,11 @@ pub enum ErrorKind {
     CostAboveCapacity,
     /// The request carries no tenant key for the limits.
     MissingKey,
+    /// The key's source is not wired into the server, so no request carries it (for
+    /// example [`PeerIp`](crate::extract::PeerIp) on a server that never records the
+    /// peer's address): the server's setup error, with the fix in
+    /// [`LimitError::detail`]. HTTP `500`.
+    KeySourceMissing,
     /// The key table is full of active keys.
     KeyTableFull,
     /// The backend holding the limits could not answer.
@@ -92,7 +97,9 @@ impl LimitError {
         match self.kind {
             ErrorKind::RateLimited => false,
             ErrorKind::ConcurrencyLimited | ErrorKind::WaitTimedOut => self.limit.is_some() && self.tier.is_none(),
-            ErrorKind::QueueFull | ErrorKind::KeyTableFull | ErrorKind::Unavailable => true,
+            ErrorKind::QueueFull | ErrorKind::KeyTableFull | ErrorKind::Unavailable | ErrorKind::KeySourceMissing => {
+                true
+            }
             ErrorKind::TenantQueueFull | ErrorKind::CostAboveCapacity | ErrorKind::MissingKey => false,
         }
     }
@@ -167,6 +174,7 @@ impl fmt::Display for LimitError {
             ErrorKind::WaitTimedOut => "waited too long for capacity",
             ErrorKind::CostAboveCapacity => "request cost above the limit's capacity",
             ErrorKind::MissingKey => "no tenant key",
+            ErrorKind::KeySourceMissing => "the server provides no tenant key",
             ErrorKind::KeyTableFull => "too many active keys",
             ErrorKind::Unavailable => "limits unavailable",
         };

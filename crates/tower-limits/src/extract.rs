@@ -13,16 +13,45 @@ use std::sync::Arc;
 use tower_limits_core::TenantKey;
 
 /// The request carries no key for the limits (and no default key was configured).
+///
+/// Two cases answer differently. A key the client did not give (no credentials, no
+/// header) is the client's: `401`. A key whose source is not wired into the server (the
+/// peer address that the server never recorded) is missing from every request alike: it
+/// is made with [`KeyMissing::unwired`], names the fix, is logged once as a warning and
+/// answers `500`, so that an operator sees the cause instead of every client seeing `401`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyMissing {
     what: &'static str,
+    fix: Option<&'static str>,
 }
 
 impl KeyMissing {
     /// A missing key, saying what was looked for.
+    ///
+    /// ```
+    /// use tower_limits::extract::KeyMissing;
+    ///
+    /// let missing = KeyMissing::new("no x-api-key header");
+    /// assert_eq!(missing.what(), "no x-api-key header");
+    /// assert_eq!(missing.fix(), None);
+    /// ```
     #[must_use]
     pub const fn new(what: &'static str) -> Self {
-        KeyMissing { what }
+        KeyMissing { what, fix: None }
+    }
+
+    /// A key whose source the server never provides, with the setup that provides it:
+    /// the refusal is the server's fault, not the client's.
+    ///
+    /// ```
+    /// use tower_limits::extract::KeyMissing;
+    ///
+    /// let missing = KeyMissing::unwired("no peer address", "record it when accepting connections");
+    /// assert_eq!(missing.fix(), Some("record it when accepting connections"));
+    /// ```
+    #[must_use]
+    pub const fn unwired(what: &'static str, fix: &'static str) -> Self {
+        KeyMissing { what, fix: Some(fix) }
     }
 
     /// What was looked for: an extension type, a header, the peer address.
@@ -30,15 +59,69 @@ impl KeyMissing {
     pub fn what(&self) -> &'static str {
         self.what
     }
+
+    /// For a key whose source is not wired into the server, how to wire it.
+    #[must_use]
+    pub fn fix(&self) -> Option<&'static str> {
+        self.fix
+    }
 }
 
 impl fmt::Display for KeyMissing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the request has no tenant key ({})", self.what)
+        write!(f, "the request has no tenant key ({})", self.what)?;
+        if let Some(fix) = self.fix {
+            write!(f, "; the server does not provide it: {fix}")?;
+        }
+        Ok(())
     }
 }
 
 impl std::error::Error for KeyMissing {}
+
+/// Watches a layer's key extractor, to make a key that never comes loud: a source that
+/// is not wired is logged once as a warning with its fix and refused as the server's
+/// error; a key that no request has carried yet is logged once too, since an extension
+/// that a middleware inserts after this layer (or never) looks just like that.
+#[derive(Debug, Default)]
+pub(crate) struct KeyWatch {
+    seen: std::sync::atomic::AtomicBool,
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl KeyWatch {
+    /// A request carried its key. One read once a key was seen: no shared write per call.
+    #[inline]
+    pub(crate) fn found(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.seen.load(Relaxed) {
+            self.seen.store(true, Relaxed);
+        }
+    }
+
+    /// The refusal for a request without a key.
+    pub(crate) fn missing(&self, missing: &KeyMissing) -> crate::LimitError {
+        use crate::error::{ErrorKind, LimitError};
+        use std::sync::atomic::Ordering::Relaxed;
+        let first = !self.warned.load(Relaxed) && !self.warned.swap(true, Relaxed);
+        if let Some(fix) = missing.fix() {
+            if first {
+                tracing::warn!(target: "tower_limits", what = missing.what(), fix, "a limit layer cannot find its key in any request: {fix}");
+            }
+            return LimitError::new(ErrorKind::KeySourceMissing).with_detail(missing.to_string());
+        }
+        if first && !self.seen.load(Relaxed) {
+            tracing::warn!(
+                target: "tower_limits",
+                what = missing.what(),
+                "the first request without a tenant key came before any request with one: if every request is refused \
+                 as unauthenticated, the middleware that provides the key runs after the limit layer (in a \
+                 ServiceBuilder or a Router, layers listed first run first) or not at all"
+            );
+        }
+        LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string())
+    }
+}
 
 /// Finds the tenant key of a request.
 pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
@@ -170,16 +253,35 @@ impl<T> fmt::Debug for FromExtension<T> {
 impl<T: AsTenantKey, B> KeyExtractor<http::Request<B>> for FromExtension<T> {
     #[inline]
     fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
-        req.extensions().get::<T>().map(AsTenantKey::tenant_key).ok_or(KeyMissing::new("no tenant extension"))
+        req.extensions().get::<T>().map(AsTenantKey::tenant_key).ok_or(KeyMissing::new(std::any::type_name::<T>()))
     }
 }
 
-/// The key from the peer's IP address, found in the request's extensions as a
-/// `std::net::SocketAddr` or `std::net::IpAddr` (insert one from your server's accept
-/// loop), or, with the feature `axum`, as axum's `ConnectInfo<SocketAddr>`. The key is
-/// the address's bytes ([`TenantKey::from_ip`]): nothing is formatted or allocated per
-/// request. Behind a proxy every request has the proxy's address: use
-/// an authenticated key instead. `X-Forwarded-For` is never trusted by default.
+/// The key from the peer's IP address, found in the request's extensions as axum's
+/// `ConnectInfo<SocketAddr>` (feature `axum`, on by default: serve the router with
+/// `into_make_service_with_connect_info::<SocketAddr>()`), a `std::net::SocketAddr` or a
+/// `std::net::IpAddr` (insert one from your server's accept loop, as hyper and tonic
+/// servers do). The key is the address's bytes ([`TenantKey::from_ip`]): nothing is
+/// formatted or allocated per request.
+///
+/// A server that never records the peer's address has it in no request: that is a setup
+/// error, not a client's, so it is refused as
+/// [`ErrorKind::KeySourceMissing`](crate::ErrorKind::KeySourceMissing) (`500` in HTTP
+/// answers) and logged once with the fix, never answered `401` as an unauthenticated
+/// client would be.
+///
+/// Behind a proxy every request has the proxy's address: use an authenticated key
+/// instead. `X-Forwarded-For` is never trusted by default.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use tower_limits::extract::{KeyExtractor, PeerIp};
+///
+/// let mut req = http::Request::new(());
+/// assert!(PeerIp.extract(&req).unwrap_err().fix().is_some()); // the server's setup
+/// req.extensions_mut().insert(SocketAddr::from(([192, 0, 2, 7], 443)));
+/// assert_eq!(PeerIp.extract(&req).unwrap().to_string(), "192.0.2.7");
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PeerIp;
 
@@ -189,12 +291,21 @@ impl<B> KeyExtractor<http::Request<B>> for PeerIp {
     /// a call is read back at once from the bytes just written, which stalls the core.
     #[inline]
     fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
-        let ip = peer_ip(req).ok_or(KeyMissing::new("no peer address extension"))?;
+        let ip = peer_ip(req).ok_or(NO_PEER_ADDRESS)?;
         Ok(TenantKey::from_ip(ip))
     }
 }
 
+#[cfg(feature = "http")]
+const NO_PEER_ADDRESS: KeyMissing = KeyMissing::unwired(
+    "no peer address in the request's extensions",
+    "with axum, serve the router with `into_make_service_with_connect_info::<std::net::SocketAddr>()` \
+     (and keep tower-limits' `axum` feature on); with hyper or tonic, insert the connection's \
+     `SocketAddr` into each request's extensions",
+);
+
 /// The peer's address from the request's extensions.
+#[cfg(feature = "http")]
 fn peer_ip<B>(req: &http::Request<B>) -> Option<std::net::IpAddr> {
     req.extensions()
         .get::<std::net::SocketAddr>()
@@ -349,6 +460,142 @@ pub trait UsageExtractor<Resp>: Clone + Send + Sync + 'static {
 
     /// The real usage, if the response reports one.
     fn usage(&self, resp: &Resp) -> Option<u64>;
+
+    /// What the response says of the upstream's limits, for a backend that mirrors them
+    /// (a [`LimitPool`](tower_limits_core::LimitPool) learns from it: see
+    /// [`UpstreamReports`]). `None` by default.
+    fn upstream(&self, resp: &Resp) -> Option<tower_limits_core::UpstreamReport> {
+        let _ = resp;
+        None
+    }
+}
+
+/// Feeds each response's word on the upstream's limits back to the layer's
+/// [`LimitPool`](tower_limits_core::LimitPool): a `429` or `503` with `Retry-After`
+/// benches the account that served it for every queued request, and the
+/// `x-ratelimit-remaining-*` counts lower its mirror; and settles with the usage that `U`
+/// reads (none by default). By default it reads `http::Response`s with
+/// [`upstream_report`](crate::http::upstream_report); [`UpstreamReports::with`] reads any
+/// other response (a `reqwest::Response`, say) with a function. Set it as the layer's
+/// usage extractor ([`usage`](crate::LimitLayer::usage)): no glue after each call.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower::{ServiceBuilder, ServiceExt};
+/// use tower_limits::extract::UpstreamReports;
+/// use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// let account = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(600), 10))).unwrap();
+/// let pool = LimitPool::builder(Selection::RoundRobin).member("provider", account, ()).build().unwrap();
+/// let client = ServiceBuilder::new()
+///     .layer(LimitSetLayer::with_backend(pool).usage(UpstreamReports::new()).wait(Duration::from_secs(60)))
+///     .service_fn(|_req: http::Request<()>| async {
+///         // The provider refuses once, for 20 seconds.
+///         let refused = http::Response::builder().status(429).header("retry-after", "20").body(()).unwrap();
+///         Ok::<_, std::convert::Infallible>(refused)
+///     });
+/// let start = tokio::time::Instant::now();
+/// client.clone().oneshot(http::Request::new(())).await.unwrap();
+/// // The next request waits out the provider's 20 seconds in the limiter, unasked.
+/// client.oneshot(http::Request::new(())).await.unwrap();
+/// assert_eq!(start.elapsed(), Duration::from_secs(20));
+/// # }
+/// ```
+pub struct UpstreamReports<F = ReadHttp, U = NoUsage> {
+    read: F,
+    usage: U,
+}
+
+/// How [`UpstreamReports`] reads an `http::Response`: with
+/// [`upstream_report`](crate::http::upstream_report).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadHttp;
+
+impl UpstreamReports {
+    /// Reads `http::Response`s.
+    #[must_use]
+    pub const fn new() -> Self {
+        UpstreamReports { read: ReadHttp, usage: NoUsage }
+    }
+}
+
+impl Default for UpstreamReports {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<F> UpstreamReports<F> {
+    /// Reads responses of any type with `read`, for example a `reqwest::Response`:
+    /// `UpstreamReports::with(|r: &reqwest::Response| upstream_report(r.status(), r.headers()))`.
+    ///
+    /// ```
+    /// use tower_limits::extract::{UpstreamReports, UsageExtractor};
+    /// use tower_limits::http::upstream_report;
+    ///
+    /// let reports = UpstreamReports::with(|r: &http::Response<()>| upstream_report(r.status(), r.headers()));
+    /// let refused = http::Response::builder().status(429).header("retry-after", "3").body(()).unwrap();
+    /// assert_eq!(reports.upstream(&refused).unwrap().retry_after, Some(std::time::Duration::from_secs(3)));
+    /// ```
+    pub fn with<Resp>(read: F) -> Self
+    where
+        F: Fn(&Resp) -> tower_limits_core::UpstreamReport,
+    {
+        UpstreamReports { read, usage: NoUsage }
+    }
+}
+
+impl<F, U> UpstreamReports<F, U> {
+    /// Also settles each request with the usage `usage` reads from the response (for
+    /// example [`UsageFromExtension`]).
+    ///
+    /// ```
+    /// use tower_limits::extract::{UpstreamReports, UsageFromExtension};
+    ///
+    /// let reports = UpstreamReports::new().settling(UsageFromExtension);
+    /// # drop(reports);
+    /// ```
+    pub fn settling<U2>(self, usage: U2) -> UpstreamReports<F, U2> {
+        UpstreamReports { read: self.read, usage }
+    }
+}
+
+impl<F: Clone, U: Clone> Clone for UpstreamReports<F, U> {
+    fn clone(&self) -> Self {
+        UpstreamReports { read: self.read.clone(), usage: self.usage.clone() }
+    }
+}
+
+impl<F, U: fmt::Debug> fmt::Debug for UpstreamReports<F, U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamReports").field("usage", &self.usage).finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "http")]
+impl<B, U: UsageExtractor<http::Response<B>>> UsageExtractor<http::Response<B>> for UpstreamReports<ReadHttp, U> {
+    fn usage(&self, resp: &http::Response<B>) -> Option<u64> {
+        self.usage.usage(resp)
+    }
+
+    fn upstream(&self, resp: &http::Response<B>) -> Option<tower_limits_core::UpstreamReport> {
+        Some(crate::http::upstream_report(resp.status(), resp.headers()))
+    }
+}
+
+impl<Resp, F, U> UsageExtractor<Resp> for UpstreamReports<F, U>
+where
+    F: Fn(&Resp) -> tower_limits_core::UpstreamReport + Clone + Send + Sync + 'static,
+    U: UsageExtractor<Resp>,
+{
+    fn usage(&self, resp: &Resp) -> Option<u64> {
+        self.usage.usage(resp)
+    }
+
+    fn upstream(&self, resp: &Resp) -> Option<tower_limits_core::UpstreamReport> {
+        Some((self.read)(resp))
+    }
 }
 
 /// Responses report no usage: the estimate stands.

@@ -1,31 +1,45 @@
 //! gRPC answers: a refusal as `RESOURCE_EXHAUSTED` (or `UNAVAILABLE` for the server's own
-//! capacity),
-//! with the retry delay in the `retry-after` metadata and the message.
+//! capacity), with the retry delay in the `grpc-retry-pushback-ms` metadata, which gRPC
+//! clients with a retry policy honour (gRPC's retry design, A6), and in the message.
 
 use crate::error::{ErrorKind, LimitError};
+
+/// The metadata key of gRPC's retry pushback: the delay, in milliseconds, before a
+/// client may retry.
+pub const GRPC_RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
 
 impl LimitError {
     /// The gRPC status for this refusal: `RESOURCE_EXHAUSTED` for every rate limit and a
     /// tenant's own limits, `UNAVAILABLE` for the server's own capacity (see
     /// [`LimitError::is_shared`]), `UNAUTHENTICATED` without a key,
-    /// `INVALID_ARGUMENT` for a cost that can never pass. The retry delay, when known,
-    /// is in the `retry-after` metadata (whole seconds) and `retry-after-ms`.
+    /// `INVALID_ARGUMENT` for a cost that can never pass, `INTERNAL` for a key the server
+    /// never provides. The retry delay, when known, is in the `grpc-retry-pushback-ms`
+    /// metadata (milliseconds, rounded up), where gRPC clients with a retry policy read it.
+    ///
+    /// ```
+    /// use tower_limits::{Instant, LimitError, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(2)));
+    /// let global = TenantKey::global();
+    /// let _first = set.acquire(&global, 2, Instant::ZERO).unwrap();
+    /// let refused = LimitError::from(set.acquire(&global, 1, Instant::ZERO).unwrap_err());
+    /// let status = refused.to_grpc_status();
+    /// assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    /// assert_eq!(status.metadata().get("grpc-retry-pushback-ms").unwrap(), "500");
+    /// ```
     #[must_use]
     pub fn to_grpc_status(&self) -> tonic::Status {
         let code = match self.kind() {
             ErrorKind::MissingKey => tonic::Code::Unauthenticated,
+            ErrorKind::KeySourceMissing => tonic::Code::Internal,
             ErrorKind::CostAboveCapacity => tonic::Code::InvalidArgument,
             _ if self.is_shared() => tonic::Code::Unavailable,
             _ => tonic::Code::ResourceExhausted,
         };
         let mut status = tonic::Status::new(code, self.to_string());
         if let Some(wait) = self.retry_after() {
-            let md = status.metadata_mut();
-            if let Ok(v) = crate::http::whole_seconds(wait).to_string().parse() {
-                md.insert("retry-after", v);
-            }
             if let Ok(v) = crate::http::whole_millis(wait).to_string().parse() {
-                md.insert("retry-after-ms", v);
+                status.metadata_mut().insert(GRPC_RETRY_PUSHBACK_MS, v);
             }
         }
         status

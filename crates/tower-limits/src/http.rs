@@ -7,6 +7,7 @@
 //! | the server's own capacity: a global semaphore, the shared queue (full or waited on too long), a full key table, an unavailable backend | `503 Service Unavailable` |
 //! | a cost above a limit's capacity (it can never pass) | `413 Content Too Large` |
 //! | no tenant key | `401 Unauthorized` |
+//! | a key source the server never provides (see [`ErrorKind::KeySourceMissing`]) | `500 Internal Server Error` |
 //!
 //! `Retry-After` is in whole seconds, rounded up, and never `0` for a non-zero wait;
 //! `retry-after-ms` carries the same wait in milliseconds, rounded up. The
@@ -21,7 +22,9 @@
 //! [`write_retry_after`] gives a service's own refusals the same two wait fields.
 //!
 //! [`HttpAnswer`] makes a layer answer refused requests itself, for any response body
-//! that can be built empty (`B: Default`), with default features off too.
+//! that can be built empty (`B: Default`), with default features off too, and hold what
+//! an admitted request took until its body ends. [`error_response`] answers the same way
+//! from an error handler, for layers that return their refusals as errors.
 //!
 //! ```
 //! use std::time::Duration;
@@ -50,17 +53,19 @@ use std::time::Duration;
 
 use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
+use http_body::Body;
 use tower_limits_core::{Counts, LimitSnapshot};
 
 use crate::error::{ErrorKind, LimitError};
-use crate::reject::Rejection;
+use crate::reject::{Hold, Rejection};
+use crate::shell::body::{BodyUsage, HeldBody, HoldsBody, NoBodyUsage};
 
 mod fields;
 mod upstream;
 
 pub use fields::{go_duration, write_openai_fields, write_ratelimit_fields};
 use fields::{policy_value, scratch_value, write_state_member};
-pub use upstream::{parse_go_duration, upstream_report};
+pub use upstream::{parse_go_duration, upstream_report, upstream_report_at};
 
 /// `RateLimit-Policy`.
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -76,6 +81,7 @@ impl LimitError {
     pub fn status(&self) -> StatusCode {
         match self.kind() {
             ErrorKind::MissingKey => StatusCode::UNAUTHORIZED,
+            ErrorKind::KeySourceMissing => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::CostAboveCapacity => StatusCode::PAYLOAD_TOO_LARGE,
             _ if self.is_shared() => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::TOO_MANY_REQUESTS,
@@ -156,6 +162,7 @@ impl LimitError {
     pub fn openai_json(&self) -> String {
         let (kind, code) = match self.kind() {
             ErrorKind::MissingKey => ("invalid_request_error", "invalid_api_key"),
+            ErrorKind::KeySourceMissing => ("server_error", "key_source_missing"),
             ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
             _ if self.is_shared() => ("server_error", kind_name(self.kind())),
             ErrorKind::RateLimited => {
@@ -169,6 +176,7 @@ impl LimitError {
             ErrorKind::ConcurrencyLimited if !self.is_shared() => "Too many requests in flight",
             ErrorKind::TenantQueueFull => "Too many of your requests are queued",
             ErrorKind::MissingKey => "No valid API key was given",
+            ErrorKind::KeySourceMissing => "The server is misconfigured: its rate limiter cannot identify clients",
             ErrorKind::CostAboveCapacity => "The request is larger than the limit allows at once",
             ErrorKind::Unavailable => "The rate limits cannot be checked right now",
             ErrorKind::KeyTableFull => "The server tracks too many clients right now",
@@ -263,6 +271,7 @@ pub fn kind_name(kind: ErrorKind) -> &'static str {
         ErrorKind::WaitTimedOut => "wait_timed_out",
         ErrorKind::CostAboveCapacity => "cost_above_capacity",
         ErrorKind::MissingKey => "missing_key",
+        ErrorKind::KeySourceMissing => "key_source_missing",
         ErrorKind::KeyTableFull => "key_table_full",
         ErrorKind::Unavailable => "unavailable",
     }
@@ -350,10 +359,26 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 }
 
 /// Refused HTTP requests are answered by the layer itself: `429` or `503` with
-/// `Retry-After` and the `RateLimit` fields (see the [module docs](crate::http)).
+/// `Retry-After` and the `RateLimit` fields (see the [module docs](crate::http)), and
+/// admitted ones hold what they took until their response body ends (see
+/// [`shell::body`](crate::shell::body)): a concurrency limit bounds the streams in flight,
+/// not only the heads. The layer's response body is then a
+/// [`HeldBody`](crate::shell::body::HeldBody) around the inner one; `O` reads the real
+/// usage from it ([`usage_from_body`](Self::usage_from_body)).
+///
+/// ```
+/// use axum::{Router, routing::get};
+/// use tower_limits::http::HttpAnswer;
+/// use tower_limits::{SemaphoreLayer, nz};
+///
+/// let app: Router = Router::new()
+///     .route("/", get(|| async { "hello" }))
+///     .layer(SemaphoreLayer::new(nz!(64)).reject_with(HttpAnswer::new()));
+/// # drop(app);
+/// ```
 #[derive(Debug, Clone, Copy)]
 #[must_use]
-pub struct HttpAnswer<J = EmptyBody> {
+pub struct HttpAnswer<J = EmptyBody, O = NoBodyUsage> {
     openai: bool,
     on_success: bool,
     all_limits: bool,
@@ -362,12 +387,16 @@ pub struct HttpAnswer<J = EmptyBody> {
     status: fn(&LimitError) -> StatusCode,
     /// The wait suggested for refusals whose wait nobody can know.
     unknown_wait: Option<Duration>,
+    /// Whether what a request holds is given back when its response's head is ready,
+    /// rather than when its body ends.
+    release_at_head: bool,
+    observer: O,
     _body: PhantomData<J>,
 }
 
 impl HttpAnswer {
     /// Empty-bodied refusals with `Retry-After` and `RateLimit` fields for the limit that
-    /// refused.
+    /// refused; admitted requests hold what they took until their body ends.
     pub const fn new() -> Self {
         HttpAnswer {
             openai: false,
@@ -376,6 +405,8 @@ impl HttpAnswer {
             limit_fields: true,
             status: LimitError::status,
             unknown_wait: Some(Duration::from_secs(1)),
+            release_at_head: false,
+            observer: NoBodyUsage,
             _body: PhantomData,
         }
     }
@@ -387,7 +418,63 @@ impl Default for HttpAnswer {
     }
 }
 
-impl<J> HttpAnswer<J> {
+impl<J, O> HttpAnswer<J, O> {
+    /// Gives back what a request holds as soon as its response's head is ready, instead
+    /// of when its body ends: for services whose responses are whole once their head is
+    /// (no streaming), where the body's end comes as good as at once anyway. The body
+    /// type stays a [`HeldBody`](crate::shell::body::HeldBody), holding nothing.
+    ///
+    /// ```
+    /// use tower_limits::http::HttpAnswer;
+    ///
+    /// let answer = HttpAnswer::new().release_at_head();
+    /// # drop(answer);
+    /// ```
+    pub fn release_at_head(self) -> Self {
+        HttpAnswer { release_at_head: true, ..self }
+    }
+
+    /// Settles each request to the usage its response body reports as it streams by (for
+    /// example [`OpenAiStreamUsage`](crate::shell::body::OpenAiStreamUsage)); a body that
+    /// ends without one keeps the usage read from the head, or the estimate. Holds the
+    /// body, whatever [`release_at_head`](Self::release_at_head) said.
+    ///
+    /// ```
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::shell::body::OpenAiStreamUsage;
+    ///
+    /// let answer = HttpAnswer::new().with_openai_body().usage_from_body(OpenAiStreamUsage::default());
+    /// # drop(answer);
+    /// ```
+    pub fn usage_from_body<O2: BodyUsage>(self, observer: O2) -> HttpAnswer<J, O2> {
+        HttpAnswer {
+            openai: self.openai,
+            on_success: self.on_success,
+            all_limits: self.all_limits,
+            limit_fields: self.limit_fields,
+            status: self.status,
+            unknown_wait: self.unknown_wait,
+            release_at_head: false,
+            observer,
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<J, O> HoldsBody for HttpAnswer<J, O> {
+    type Held = Self;
+    type WithUsage<O2: BodyUsage> = HttpAnswer<J, O2>;
+
+    fn hold_body(self) -> Self {
+        HttpAnswer { release_at_head: false, ..self }
+    }
+
+    fn usage_from_body<O2: BodyUsage>(self, observer: O2) -> HttpAnswer<J, O2> {
+        HttpAnswer::usage_from_body(self, observer)
+    }
+}
+
+impl<J, O> HttpAnswer<J, O> {
     /// Chooses the status of each refusal (the default is [`LimitError::status`]).
     ///
     /// ```
@@ -402,39 +489,39 @@ impl<J> HttpAnswer<J> {
     /// });
     /// # drop(answer);
     /// ```
-    pub const fn with_status(self, status: fn(&LimitError) -> StatusCode) -> Self {
+    pub fn with_status(self, status: fn(&LimitError) -> StatusCode) -> Self {
         HttpAnswer { status, ..self }
     }
 
     /// Also the `x-ratelimit-*` fields OpenAI clients read (implies every limit's state).
-    pub const fn with_openai_fields(self) -> Self {
+    pub fn with_openai_fields(self) -> Self {
         HttpAnswer { openai: true, all_limits: true, ..self }
     }
 
     /// `RateLimit` fields for every limit of the set, not only the one that refused.
-    pub const fn with_all_limits(self) -> Self {
+    pub fn with_all_limits(self) -> Self {
         HttpAnswer { all_limits: true, ..self }
     }
 
     /// The fields on successful responses too (the states are read with the decision, in the same pass).
-    pub const fn on_success(self) -> Self {
+    pub fn on_success(self) -> Self {
         HttpAnswer { on_success: true, all_limits: true, ..self }
     }
 
     /// Refusals carry OpenAI's error object (`{"error": {"message", "type", "param",
     /// "code"}}`), which OpenAI's SDKs show and retry on: for gateways in front of
     /// OpenAI-compatible APIs.
-    pub const fn with_openai_body(self) -> HttpAnswer<OpenAiBody> {
+    pub fn with_openai_body(self) -> HttpAnswer<OpenAiBody, O> {
         self.with_body()
     }
 
     /// Refusals carry a JSON problem document naming the limit and tier.
-    pub const fn with_json_body(self) -> HttpAnswer<JsonBody> {
+    pub fn with_json_body(self) -> HttpAnswer<JsonBody, O> {
         self.with_body()
     }
 
     /// The same answer with refusal bodies of kind `J2`.
-    const fn with_body<J2>(self) -> HttpAnswer<J2> {
+    fn with_body<J2>(self) -> HttpAnswer<J2, O> {
         HttpAnswer {
             openai: self.openai,
             on_success: self.on_success,
@@ -442,6 +529,8 @@ impl<J> HttpAnswer<J> {
             limit_fields: self.limit_fields,
             status: self.status,
             unknown_wait: self.unknown_wait,
+            release_at_head: self.release_at_head,
+            observer: self.observer,
             _body: PhantomData,
         }
     }
@@ -460,7 +549,7 @@ impl<J> HttpAnswer<J> {
     /// let answer = HttpAnswer::new().with_unknown_wait(Some(Duration::from_millis(250)));
     /// # drop(answer);
     /// ```
-    pub const fn with_unknown_wait(self, wait: Option<Duration>) -> Self {
+    pub fn with_unknown_wait(self, wait: Option<Duration>) -> Self {
         HttpAnswer { unknown_wait: wait, ..self }
     }
 
@@ -481,7 +570,7 @@ impl<J> HttpAnswer<J> {
     ///     .reject_with(HttpAnswer::new().with_openai_body().on_success().without_limit_fields());
     /// # drop(layer);
     /// ```
-    pub const fn without_limit_fields(self) -> Self {
+    pub fn without_limit_fields(self) -> Self {
         HttpAnswer { limit_fields: false, ..self }
     }
 
@@ -513,11 +602,16 @@ impl<J> HttpAnswer<J> {
     }
 }
 
-impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
-    type Response = Response<B>;
+impl<B, E, J, O> Rejection<Response<B>, E> for HttpAnswer<J, O>
+where
+    B: Body + Send + 'static,
+    J: AnswerBody<B>,
+    O: BodyUsage,
+{
+    type Response = Response<HeldBody<B, O>>;
     type Error = E;
 
-    fn reject(&self, mut error: Box<LimitError>) -> Result<Response<B>, E> {
+    fn reject(&self, mut error: Box<LimitError>) -> Result<Self::Response, E> {
         if let Some(wait) = self.unknown_wait {
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
@@ -527,7 +621,7 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
             error.snapshot = None;
             error.snapshots = None;
         }
-        let mut response = Response::new(J::body(&error));
+        let mut response = Response::new(HeldBody::free(J::body(&error), self.observer.clone()));
         *response.status_mut() = (self.status)(&error);
         if let Some(content_type) = J::content_type() {
             response.headers_mut().insert(CONTENT_TYPE, content_type);
@@ -536,9 +630,25 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
         Ok(response)
     }
 
-    fn respond(&self, mut response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Response<B> {
+    fn respond(&self, mut response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Self::Response {
         self.success_headers(response.headers_mut(), snapshots);
-        response
+        let observer = self.observer.clone();
+        response.map(|body| HeldBody::free(body, observer))
+    }
+
+    fn respond_held(
+        &self,
+        mut response: Response<B>,
+        snapshots: Option<&[LimitSnapshot]>,
+        hold: Hold,
+    ) -> Self::Response {
+        if self.release_at_head || response.body().is_end_stream() {
+            hold.finish();
+            return <Self as Rejection<Response<B>, E>>::respond(self, response, snapshots);
+        }
+        self.success_headers(response.headers_mut(), snapshots);
+        let observer = self.observer.clone();
+        response.map(|body| HeldBody::holding(body, hold, observer))
     }
 
     fn fail(&self, error: E) -> E {
@@ -548,6 +658,63 @@ impl<B, E, J: AnswerBody<B>> Rejection<Response<B>, E> for HttpAnswer<J> {
     fn wants_snapshots(&self) -> bool {
         self.all_limits && self.limit_fields
     }
+
+    fn holds_body(&self) -> bool {
+        !self.release_at_head
+    }
+
+    fn reads_body_usage(&self) -> bool {
+        O::REPORTS && !self.release_at_head
+    }
+}
+
+/// The answer to an error of a layer stack, for axum's `HandleErrorLayer` (or any error
+/// handler): a refusal of a limit layer answers as an [`HttpAnswer`] would (its status,
+/// `Retry-After`, the `RateLimit` fields of the limit that refused, and its message as
+/// plain text); any other error is `500 Internal Server Error`, logged at error level
+/// with its message, which the client does not see. A one-line way to put a layer that
+/// returns its refusals as errors on an axum `Router`.
+///
+/// ```
+/// use axum::error_handling::HandleErrorLayer;
+/// use axum::{Router, routing::get};
+/// use tower::{ServiceBuilder, ServiceExt};
+/// use tower_limits::{GcraLayer, Quota, nz};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let app: Router = Router::new().route("/", get(|| async { "hello" })).layer(
+///     ServiceBuilder::new()
+///         .layer(HandleErrorLayer::new(tower_limits::http::error_response))
+///         .layer(GcraLayer::new(Quota::per_minute(nz!(1)))),
+/// );
+/// let request = || http::Request::new(axum::body::Body::empty());
+/// assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), 200);
+/// let refused = app.oneshot(request()).await.unwrap();
+/// assert_eq!(refused.status(), 429);
+/// assert_eq!(refused.headers()["retry-after"], "60");
+/// # }
+/// ```
+pub async fn error_response(error: crate::BoxError) -> Response<String> {
+    let mut response = Response::new(String::new());
+    match error.downcast_ref::<LimitError>() {
+        Some(refusal) => {
+            *response.status_mut() = refusal.status();
+            refusal.write_headers(response.headers_mut());
+            let mut text = refusal.to_string();
+            if let Some(detail) = refusal.detail().filter(|_| refusal.kind() == ErrorKind::KeySourceMissing) {
+                // The server's own setup: say what to fix.
+                text = format!("{text}: {detail}");
+            }
+            *response.body_mut() = text;
+        }
+        None => {
+            tracing::error!(target: "tower_limits", error = %error, "a service behind a limit layer failed");
+            *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            *response.body_mut() = String::from("internal server error");
+        }
+    }
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
 }
 
 #[cfg(test)]

@@ -1,43 +1,21 @@
-//! Tower middleware for rate limiting, concurrency limiting and multi-tenant fairness.
+#![doc = include_str!("../README.md")]
 //!
-//! Each limit type is a named layer that wraps a service ([`GcraLayer`],
-//! [`TokenBucketLayer`], [`LeakyBucketLayer`], [`SlidingWindowLayer`],
-//! [`FixedWindowLayer`], [`SemaphoreLayer`]); a [`LimitSetLayer`] composes limits so that a
-//! request takes all of them or none, keyed by tenant tiers taken from the request, costed
-//! (for example in tokens) and settled to the real usage once the response is known; a
-//! [`FairQueueLayer`] shares capacity between tenants by weight. A constant limit is a
-//! [`Quota`], so building a layer cannot fail; limits read from data are a
-//! [`LimitSetPolicy`], whose errors name the field. The algorithms, the engine and the
-//! policies live in the sans-IO [`tower_limits_core`], re-exported here.
-//!
-//! ```
-//! use std::convert::Infallible;
-//! use tower::{ServiceBuilder, ServiceExt};
-//! use tower_limits::{GcraLayer, LimitError, Quota, nz};
-//!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! let svc = ServiceBuilder::new()
-//!     .layer(GcraLayer::new(Quota::per_second(nz!(10)).burst(nz!(2))))
-//!     .service_fn(|req: &'static str| async move { Ok::<_, Infallible>(req) });
-//! assert_eq!(svc.clone().oneshot("a").await.unwrap(), "a");
-//! assert_eq!(svc.clone().oneshot("b").await.unwrap(), "b");
-//! let refused = svc.oneshot("c").await.unwrap_err();
-//! let refused = refused.downcast_ref::<LimitError>().unwrap();
-//! assert_eq!(refused.limit(), Some("gcra"));
-//! # }
-//! ```
+//! # Where things are
 //!
 //! - [`layers`]: the named layers, one per limit type, and how they relate.
 //! - [`shell`]: the one middleware under every limit layer: its service and future,
-//!   waiting and settling.
+//!   waiting and settling; [`shell::body`]: permits held by response bodies.
 //! - [`fair_queue`]: a weighted-fair tenant queue in front of shared capacity.
 //! - [`extract`]: keys, costs and usage from requests and responses.
 //! - [`http`] (feature `http`, on by default): `429`/`503` answers with `Retry-After` and
-//!   the `RateLimit` fields.
-//! - `grpc` (feature `tonic`): `RESOURCE_EXHAUSTED` statuses.
+//!   the `RateLimit` fields, [`http::error_response`] for error handlers, and reports of
+//!   an upstream's answers.
+//! - `GrpcAnswer` (feature `tonic`): `RESOURCE_EXHAUSTED` statuses.
 //! - `metrics` (feature `metrics`): the names the layers report under.
-//! - [`guide`]: concepts, choosing an algorithm, the laws, HTTP answers, streamed bodies,
-//!   metrics and shadow mode, migrating from tower, governor and tower_governor.
+//! - [`guide`]: concepts, choosing an algorithm, the laws, axum, outbound clients, HTTP
+//!   answers, streamed bodies, metrics and shadow mode, performance, migrating from tower,
+//!   governor and tower_governor.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod clock;
 mod error;
@@ -59,7 +37,7 @@ pub use clock::LayerClock;
 pub use error::{BoxError, ErrorKind, LimitError};
 pub use fair_queue::{FairQueueLayer, FairQueueService};
 #[cfg(feature = "tonic")]
-pub use grpc::GrpcAnswer;
+pub use grpc::{GRPC_RETRY_PUSHBACK_MS, GrpcAnswer};
 pub use layers::{
     FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer,
 };
@@ -74,11 +52,15 @@ pub use tower_limits_core::{
 /// The sans-IO core, in full.
 pub use tower_limits_core as core;
 
-/// The guide: concepts, choosing an algorithm, the laws, HTTP answers, streamed bodies,
-/// metrics and shadow mode, and migrating.
+/// The guide: concepts, axum servers, outbound clients, choosing an algorithm, the laws,
+/// HTTP answers, streamed bodies, metrics and shadow mode, performance, and migrating.
 pub mod guide {
     #[doc = include_str!("../docs/concepts.md")]
     pub mod concepts {}
+    #[doc = include_str!("../docs/axum.md")]
+    pub mod axum {}
+    #[doc = include_str!("../docs/clients.md")]
+    pub mod clients {}
     #[doc = include_str!("../docs/algorithms.md")]
     pub mod algorithms {}
     #[doc = include_str!("../docs/laws.md")]

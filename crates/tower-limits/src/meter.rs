@@ -34,6 +34,7 @@ pub(crate) fn reason(kind: crate::ErrorKind) -> &'static str {
         ErrorKind::WaitTimedOut => "wait_timed_out",
         ErrorKind::CostAboveCapacity => "cost_above_capacity",
         ErrorKind::MissingKey => "missing_key",
+        ErrorKind::KeySourceMissing => "key_source_missing",
         ErrorKind::KeyTableFull => "key_table_full",
         ErrorKind::Unavailable => "unavailable",
     }
@@ -88,7 +89,11 @@ mod on {
             self
         }
 
+        /// The layer's label; the first event of the process describes the families to
+        /// the recorder installed by then.
         fn layer(&self) -> SharedString {
+            static DESCRIBED: std::sync::Once = std::sync::Once::new();
+            DESCRIBED.call_once(crate::metrics::describe);
             self.layer.clone()
         }
 
@@ -286,6 +291,7 @@ mod tests {
             ErrorKind::WaitTimedOut,
             ErrorKind::CostAboveCapacity,
             ErrorKind::MissingKey,
+            ErrorKind::KeySourceMissing,
             ErrorKind::KeyTableFull,
             ErrorKind::Unavailable,
         ];

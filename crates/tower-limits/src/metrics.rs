@@ -32,6 +32,7 @@
 //!
 //! `reason` is one of `rate_limited`, `concurrency_limited`, `queue_full`,
 //! `tenant_queue_full`, `wait_timed_out`, `cost_above_capacity`, `missing_key`,
+//! `key_source_missing` (the server never provides the key: see the warning logged),
 //! `key_table_full`, `unavailable`, or `shadow_limit` (a limit in shadow mode would have
 //! refused). The Redis backend (its own `metrics` feature) adds `rate_limiting.backend.*`
 //! families.
@@ -42,6 +43,11 @@
 //! `tenant` only from the list given to
 //! [`FairQueueLayer::metrics_tenants`](crate::FairQueueLayer::metrics_tenants). No label
 //! ever carries an unbounded tenant key.
+//!
+//! Each family is described to the recorder, with its unit and a line of help (the `HELP`
+//! and unit of a Prometheus exporter), by [`describe`]: the layers call it at their first
+//! event, and an application that wants the descriptions before any traffic calls it
+//! after installing its recorder.
 //!
 //! ```
 //! use tower_limits::metrics::REQUESTS;
@@ -62,3 +68,42 @@ pub const QUEUED_REQUESTS: &str = "rate_limiting.queued_requests";
 pub const POOL_SELECTIONS: &str = tower_limits_core::metrics::POOL_SELECTIONS;
 /// Upstream answers a pool was told about, by `member` and `result` (counter).
 pub const UPSTREAM_RESPONSES: &str = tower_limits_core::metrics::UPSTREAM_RESPONSES;
+
+/// Describes every family above to the installed recorder: its unit and what it counts.
+/// Called by the layers at their first event; call it yourself after installing a
+/// recorder to have the descriptions before any traffic. Calling it again is harmless.
+///
+/// ```
+/// use metrics_util::debugging::DebuggingRecorder;
+///
+/// use tower_limits::metrics::{REQUESTS, describe};
+///
+/// let recorder = DebuggingRecorder::new();
+/// let snapshotter = recorder.snapshotter();
+/// metrics::with_local_recorder(&recorder, || {
+///     describe();
+///     metrics::counter!(REQUESTS, "result" => "admitted").increment(1);
+/// });
+/// let (key, unit, help, _) = snapshotter.snapshot().into_vec().pop().unwrap();
+/// assert_eq!(key.key().name(), REQUESTS);
+/// assert_eq!(unit, Some(metrics::Unit::Count));
+/// assert!(help.unwrap().starts_with("Decisions"));
+/// ```
+pub fn describe() {
+    use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        REQUESTS,
+        Unit::Count,
+        "Decisions of the rate and concurrency limit layers, by result and reason."
+    );
+    describe_histogram!(TIME_IN_QUEUE, Unit::Seconds, "Time a request waited for admission.");
+    describe_histogram!(LEASE_DURATION, Unit::Seconds, "Time an admitted request held its permit.");
+    describe_gauge!(ACTIVE_LEASES, Unit::Count, "Permits held now.");
+    describe_gauge!(QUEUED_REQUESTS, Unit::Count, "Requests waiting for admission now.");
+    describe_counter!(POOL_SELECTIONS, Unit::Count, "Upstream accounts a limit pool chose, by member.");
+    describe_counter!(
+        UPSTREAM_RESPONSES,
+        Unit::Count,
+        "Upstream answers reported to a limit pool, by member and result."
+    );
+}

@@ -50,6 +50,13 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
     fn holds_body(&self) -> bool {
         false
     }
+
+    /// Whether the response body may report the real usage to settle with: an admitted
+    /// request then keeps a hold even when nothing else would need one (a rate limit
+    /// with nothing to release).
+    fn reads_body_usage(&self) -> bool {
+        false
+    }
 }
 
 /// What an admitted request still holds when its response is ready (its concurrency, a

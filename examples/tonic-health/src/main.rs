@@ -5,7 +5,7 @@
 //! metadata, standing in for real authentication; a call without it is
 //! `UNAUTHENTICATED`). Refused calls are answered by the layer ([`GrpcAnswer`]) with
 //! `RESOURCE_EXHAUSTED`, a message naming the limit and its tier, and the retry delay in
-//! the `retry-after` (seconds) and `retry-after-ms` metadata. (Shared overload, a global
+//! the `grpc-retry-pushback-ms` metadata that gRPC's retry policies honour. (Shared overload, a global
 //! limit, would be `UNAVAILABLE`.)
 //!
 //! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(3)))`,
@@ -28,7 +28,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 use tower_limits::extract::{KeyFn, NoUsage, One};
-use tower_limits::{GcraLayer, GrpcAnswer, Quota, TenantKey, nz};
+use tower_limits::{GRPC_RETRY_PUSHBACK_MS, GcraLayer, GrpcAnswer, Quota, TenantKey, nz};
 
 type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
 
@@ -150,7 +150,7 @@ async fn check(
 }
 
 /// Prints one call's outcome and says whether it was `want`; returns the refusal's
-/// `retry-after-ms`, if any.
+/// `grpc-retry-pushback-ms`, if any.
 fn show(who: &str, got: &Result<(), tonic::Status>, want: tonic::Code) -> (bool, Option<u64>) {
     let code = match got {
         Ok(()) => {
@@ -160,8 +160,8 @@ fn show(who: &str, got: &Result<(), tonic::Status>, want: tonic::Code) -> (bool,
         Err(status) => {
             let md = |name: &str| status.metadata().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
             println!("  {who:<6} Check  {:?}: {}", status.code(), status.message());
-            if let (Some(s), Some(ms)) = (md("retry-after"), md("retry-after-ms")) {
-                println!("  {:<13} metadata retry-after: {s}, retry-after-ms: {ms}", "");
+            if let Some(ms) = md(GRPC_RETRY_PUSHBACK_MS) {
+                println!("  {:<13} metadata grpc-retry-pushback-ms: {ms}", "");
             }
             status.code()
         }
@@ -169,7 +169,8 @@ fn show(who: &str, got: &Result<(), tonic::Status>, want: tonic::Code) -> (bool,
     if code != want {
         println!("  ^ expected {want:?}");
     }
-    let retry_ms = got.as_ref().err().and_then(|s| s.metadata().get("retry-after-ms")?.to_str().ok()?.parse().ok());
+    let retry_ms =
+        got.as_ref().err().and_then(|s| s.metadata().get(GRPC_RETRY_PUSHBACK_MS)?.to_str().ok()?.parse().ok());
     (code == want, retry_ms)
 }
 
@@ -197,9 +198,9 @@ async fn demo(addr: SocketAddr) -> Result<usize, tonic::transport::Error> {
     let (ok, _) = show("bob", &check(&mut client, Some("bob")).await, tonic::Code::Ok);
     wrong += usize::from(!ok);
 
-    // `retry-after-ms` is rounded up: waiting exactly that long is never early.
+    // The pushback is rounded up: waiting exactly that long is never early.
     let wait = Duration::from_millis(retry_ms.unwrap_or(1_000));
-    println!("\n3. alice waits the {}ms of retry-after-ms, then calls again", wait.as_millis());
+    println!("\n3. alice waits the {}ms of grpc-retry-pushback-ms, then calls again", wait.as_millis());
     let start = Instant::now();
     tokio::time::sleep(wait).await;
     let (ok, _) = show("alice", &check(&mut client, Some("alice")).await, tonic::Code::Ok);
@@ -232,9 +233,8 @@ mod tests {
         let status = check(&mut client, Some("alice")).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
         assert!(status.message().contains("rate limited by \"gcra\" (tier key)"), "{}", status.message());
-        let retry_ms: u64 = status.metadata().get("retry-after-ms").unwrap().to_str().unwrap().parse().unwrap();
+        let retry_ms: u64 = status.metadata().get(GRPC_RETRY_PUSHBACK_MS).unwrap().to_str().unwrap().parse().unwrap();
         assert!((9_000..=10_000).contains(&retry_ms), "the next call fits ten seconds after the first: {retry_ms}");
-        assert_eq!(status.metadata().get("retry-after").unwrap(), "10");
         check(&mut client, Some("bob")).await.expect("another tenant has its own limit");
         assert_eq!(check(&mut client, None).await.unwrap_err().code(), tonic::Code::Unauthenticated);
         server.abort();

@@ -112,7 +112,6 @@ impl<B: Backend> Waiter<B> {
                             if !admitted.waited.is_zero() {
                                 tracing::debug!(
                                     target: "tower_limits",
-                                    tenant = %self.key,
                                     wait_ms = admitted.waited.as_millis() as u64,
                                     "admitted after waiting for a fair turn"
                                 );
@@ -143,7 +142,6 @@ impl<B: Backend> Waiter<B> {
                     if at_gate && self.sleep_at != at {
                         tracing::debug!(
                             target: "tower_limits",
-                            tenant = %self.key,
                             wait_ms = at.saturating_since(self.shared.fixed.clock.now()).as_millis() as u64,
                             "next in fair order, waiting for the rate"
                         );
@@ -167,11 +165,13 @@ impl<B: Backend> Drop for Waiter<B> {
     }
 }
 
+/// Logs a refusal: at debug level without the tenant, whose key is personal data (an
+/// address, an account), and at trace level with it.
 pub(crate) fn trace_refusal(error: &LimitError, key: &TenantKey) {
+    tracing::trace!(target: "tower_limits", kind = ?error.kind(), tenant = %key, "the fair queue refused a tenant");
     tracing::debug!(
         target: "tower_limits",
         kind = ?error.kind(),
-        tenant = %key,
         limit = error.limit().unwrap_or(""),
         tier = error.tier().unwrap_or(""),
         retry_after_ms = error.retry_after().map_or(0, |d| d.as_millis() as u64),

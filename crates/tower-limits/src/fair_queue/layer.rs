@@ -160,12 +160,50 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
 
     /// Keeps each admitted request's slot (and its rate grant, with the estimate to
     /// settle) until its response body ends, fails or is dropped, rather than until the
-    /// response's head is ready: for streamed bodies. Call it after
-    /// [`reject_with`](Self::reject_with); see [`HoldBody`](crate::shell::body::HoldBody).
+    /// response's head is ready: for streamed bodies. An
+    /// [`HttpAnswer`](crate::http::HttpAnswer) does so already; see
+    /// [`LimitLayer::hold_body`](crate::LimitLayer::hold_body).
+    ///
+    /// ```
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    /// use tower_limits::FairQueueLayer;
+    ///
+    /// let queue = FairQueueLayer::concurrency(FairQueueConfig::new(), 8).unwrap().hold_body();
+    /// # drop(queue);
+    /// ```
     #[cfg(feature = "http")]
-    pub fn hold_body(self) -> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R>, B, A> {
+    pub fn hold_body(self) -> FairQueueLayer<K, C, U, R::Held, B, A>
+    where
+        R: crate::shell::body::HoldsBody,
+    {
         let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
-        FairQueueLayer { shared, keys, cost, rejection: crate::shell::body::HoldBody::new(rejection), usage, annotate }
+        FairQueueLayer { shared, keys, cost, rejection: rejection.hold_body(), usage, annotate }
+    }
+
+    /// Holds the body and settles each request's rate grant to the usage its response
+    /// body reports as it streams by; see
+    /// [`LimitLayer::usage_from_body`](crate::LimitLayer::usage_from_body).
+    ///
+    /// ```
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    /// use tower_limits::shell::body::OpenAiStreamUsage;
+    /// use tower_limits::FairQueueLayer;
+    ///
+    /// let queue = FairQueueLayer::concurrency(FairQueueConfig::new(), 8)
+    ///     .unwrap()
+    ///     .usage_from_body(OpenAiStreamUsage::default());
+    /// # drop(queue);
+    /// ```
+    #[cfg(feature = "http")]
+    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(
+        self,
+        observer: O,
+    ) -> FairQueueLayer<K, C, U, R::WithUsage<O>, B, A>
+    where
+        R: crate::shell::body::HoldsBody,
+    {
+        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
+        FairQueueLayer { shared, keys, cost, rejection: rejection.usage_from_body(observer), usage, annotate }
     }
 
     /// How the rate backend's grant is recorded on the request before the inner service
@@ -323,19 +361,6 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     #[must_use]
     pub fn tenant_stats(&self, key: &TenantKey) -> Option<TenantQueueStats> {
         self.shared.tenant_stats(key)
-    }
-}
-
-#[cfg(feature = "http")]
-impl<K, C, U, R, O, B: Backend, A> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R, O>, B, A> {
-    /// Settles each request's rate grant to the usage its response body reports as it
-    /// streams by; see [`LimitLayer::usage_from_body`](crate::LimitLayer::usage_from_body).
-    pub fn usage_from_body<O2: crate::shell::body::BodyUsage>(
-        self,
-        observer: O2,
-    ) -> FairQueueLayer<K, C, U, crate::shell::body::HoldBody<R, O2>, B, A> {
-        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
-        FairQueueLayer { shared, keys, cost, rejection: rejection.usage_from_body(observer), usage, annotate }
     }
 }
 

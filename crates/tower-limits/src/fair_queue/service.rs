@@ -7,7 +7,6 @@ use tower_service::Service;
 
 use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
 use super::shared::{Arrival, FairQueueLayerStats, Shared};
-use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, CostExtractor, KeyExtractor, NoAnnotation, UsageExtractor};
 use crate::reject::Rejection;
 
@@ -102,12 +101,15 @@ where
     fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = &self.shared;
         let key = match self.keys.extract(&req) {
-            Ok(key) => key,
+            Ok(key) => {
+                shared.key_watch.found();
+                key
+            }
             Err(missing) => match &shared.fixed.default_key {
                 Some(key) => key.clone(),
                 None => {
-                    shared.count_refusal(ErrorKind::MissingKey);
-                    let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                    let error = shared.key_watch.missing(&missing);
+                    shared.count_refusal(error.kind());
                     shared.fixed.meter.refused(&error);
                     trace_refusal(&error, &tower_limits_core::TenantKey::global());
                     return ResponseFuture::rejected(Box::new(error), self.rejection.clone(), self.usage.clone());
@@ -122,7 +124,7 @@ where
                 ResponseFuture::called(self.inner.call(req), held, self.rejection.clone(), self.usage.clone())
             }
             Arrival::Queued(ticket) => {
-                tracing::debug!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
+                tracing::trace!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
                 // The service polled ready goes with the request; the clone stays.
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);

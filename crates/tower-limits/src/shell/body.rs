@@ -2,10 +2,12 @@
 //!
 //! A response's headers are often not the end of the work: a streamed body (server-sent
 //! events, a download, an LLM answer token by token) keeps the upstream busy long after
-//! the inner service's future resolved. With [`HoldBody`] (the layers' verb
-//! [`hold_body`](crate::LimitLayer::hold_body)), what the request holds (its concurrency,
-//! its fair-queue slot, a Redis lease, the estimate still to settle) moves into the
-//! response body, a [`HeldBody`], and is given back when the body
+//! the inner service's future resolved. A layer that answers HTTP
+//! ([`HttpAnswer`](crate::http::HttpAnswer)) therefore moves what the request holds (its
+//! concurrency, its fair-queue slot, a Redis lease, the estimate still to settle) into the
+//! response body, a [`HeldBody`], by default; a layer that returns its refusals as errors
+//! does so with the verb [`hold_body`](crate::LimitLayer::hold_body) (see [`HoldsBody`]).
+//! What is held is given back when the body
 //!
 //! - ends (the inner body reports its end, or yields its last frame): the permit settles
 //!   to the usage the body reported (see [`BodyUsage`]), else to the usage read from the
@@ -45,6 +47,16 @@ impl<B, O> HeldBody<B, O> {
     /// A body holding nothing.
     pub fn free(inner: B, observer: O) -> Self {
         HeldBody { inner, hold: None, observer }
+    }
+
+    /// A body holding `hold` until it ends.
+    pub(crate) fn holding(inner: B, hold: Hold, observer: O) -> Self {
+        HeldBody { inner, hold: Some(hold), observer }
+    }
+
+    /// The inner body.
+    pub fn get_ref(&self) -> &B {
+        &self.inner
     }
 
     /// Whether it still holds something.
@@ -140,6 +152,10 @@ where
 /// Each response gets its own copy (`Clone`), so an observer may keep state across
 /// frames, such as a partial line.
 pub trait BodyUsage: Clone + Send + Sync + 'static {
+    /// Whether it can ever report a usage; when not, a request that holds nothing else
+    /// keeps no hold for its body.
+    const REPORTS: bool = true;
+
     /// Sees a data frame (its first contiguous chunk: the whole frame for `Bytes`).
     fn data(&mut self, chunk: &[u8]) -> Option<u64> {
         let _ = chunk;
@@ -157,7 +173,9 @@ pub trait BodyUsage: Clone + Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoBodyUsage;
 
-impl BodyUsage for NoBodyUsage {}
+impl BodyUsage for NoBodyUsage {
+    const REPORTS: bool = false;
+}
 
 /// The usage an OpenAI-compatible stream reports: the `total_tokens` of the final
 /// `usage` object that a server-sent-events stream sends when the request asked for it
@@ -248,23 +266,24 @@ where
 
 /// Refusals and responses as `R` answers them, with the request's permit held by the
 /// response body until it ends (see the [module docs](self)); `O` reads the real usage
-/// from the body. Made by the layers' [`hold_body`](crate::LimitLayer::hold_body) verb.
+/// from the body. Made by the layers' [`hold_body`](crate::LimitLayer::hold_body) verb
+/// for a layer that returns its refusals as errors (for axum's `HandleErrorLayer`, say);
+/// an [`HttpAnswer`](crate::http::HttpAnswer) holds the body itself.
 ///
 /// ```
+/// use axum::error_handling::HandleErrorLayer;
+/// use axum::{Router, routing::get};
 /// use tower::ServiceBuilder;
-/// use tower_limits::http::HttpAnswer;
-/// use tower_limits::shell::body::OpenAiStreamUsage;
 /// use tower_limits::{SemaphoreLayer, nz};
 ///
-/// // At most 10 streams at once, each holding its slot until its last byte.
-/// let streams = SemaphoreLayer::new(nz!(10))
-///     .reject_with(HttpAnswer::new())
-///     .hold_body()
-///     .usage_from_body(OpenAiStreamUsage::default());
-/// let svc = ServiceBuilder::new().layer(streams).service_fn(|_req: http::Request<String>| async {
-///     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("data: [DONE]\n\n")))
-/// });
-/// # drop(svc);
+/// // At most 10 streams at once, each holding its slot until its last byte; refusals
+/// // are errors, answered by the handler.
+/// let app: Router = Router::new().route("/events", get(|| async { "data: [DONE]\n\n" })).layer(
+///     ServiceBuilder::new()
+///         .layer(HandleErrorLayer::new(tower_limits::http::error_response))
+///         .layer(SemaphoreLayer::new(nz!(10)).hold_body()),
+/// );
+/// # drop(app);
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HoldBody<R, O = NoBodyUsage> {
@@ -325,5 +344,67 @@ where
 
     fn holds_body(&self) -> bool {
         true
+    }
+
+    fn reads_body_usage(&self) -> bool {
+        O::REPORTS
+    }
+}
+
+/// Refusal modes whose responses can hold the request's permit in their body: what the
+/// layers' [`hold_body`](crate::LimitLayer::hold_body) and
+/// [`usage_from_body`](crate::LimitLayer::usage_from_body) verbs turn a mode into.
+/// An [`HttpAnswer`](crate::http::HttpAnswer) holds already (these verbs keep it, only
+/// ending a release at the head); any other mode is wrapped in a [`HoldBody`].
+pub trait HoldsBody: Sized {
+    /// The mode, holding the body.
+    type Held;
+    /// The mode, holding the body and reading the usage from it with `O`.
+    type WithUsage<O: BodyUsage>;
+
+    /// This mode, holding the body.
+    fn hold_body(self) -> Self::Held;
+
+    /// This mode, holding the body and settling to the usage `observer` reads from it.
+    fn usage_from_body<O: BodyUsage>(self, observer: O) -> Self::WithUsage<O>;
+}
+
+impl HoldsBody for crate::ReturnError {
+    type Held = HoldBody<Self>;
+    type WithUsage<O: BodyUsage> = HoldBody<Self, O>;
+
+    fn hold_body(self) -> HoldBody<Self> {
+        HoldBody::new(self)
+    }
+
+    fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<Self, O> {
+        HoldBody::new(self).usage_from_body(observer)
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl HoldsBody for crate::GrpcAnswer {
+    type Held = HoldBody<Self>;
+    type WithUsage<O: BodyUsage> = HoldBody<Self, O>;
+
+    fn hold_body(self) -> HoldBody<Self> {
+        HoldBody::new(self)
+    }
+
+    fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<Self, O> {
+        HoldBody::new(self).usage_from_body(observer)
+    }
+}
+
+impl<R, O0> HoldsBody for HoldBody<R, O0> {
+    type Held = Self;
+    type WithUsage<O: BodyUsage> = HoldBody<R, O>;
+
+    fn hold_body(self) -> Self {
+        self
+    }
+
+    fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<R, O> {
+        HoldBody::usage_from_body(self, observer)
     }
 }

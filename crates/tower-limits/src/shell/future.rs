@@ -42,6 +42,13 @@ impl<B: Backend> PermitGuard<B> {
         PermitGuard { grant: Some(grant), key, shared, lease }
     }
 
+    /// Tells the backend what the upstream that served this grant answered.
+    fn observe_upstream(&self, report: &tower_limits_core::UpstreamReport) {
+        if let Some(grant) = &self.grant {
+            self.shared.backend.observe_upstream(grant, report, self.shared.clock.now());
+        }
+    }
+
     fn finish(&mut self, outcome: Outcome) {
         let Some(mut grant) = self.grant.take() else { return };
         let backend = &self.shared.backend;
@@ -197,6 +204,9 @@ where
                     return Poll::Ready(match out {
                         Ok(response) => {
                             let snapshots = snapshots.as_deref();
+                            if let (Some(g), Some(report)) = (guard.as_ref(), this.usage.upstream(&response)) {
+                                g.observe_upstream(&report);
+                            }
                             match guard {
                                 Some(g) if this.rejection.holds_body() => {
                                     let hold = Hold::new(g, this.usage.usage(&response));

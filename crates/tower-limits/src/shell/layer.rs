@@ -167,8 +167,22 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
         LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
     }
 
-    /// How refusals surface: as errors ([`ReturnError`], the default, for axum's
-    /// `HandleErrorLayer`), or as HTTP answers ([`crate::http::HttpAnswer`]).
+    /// How refusals surface: as errors ([`ReturnError`], the default, as tower's
+    /// middleware do: for axum's `HandleErrorLayer` with
+    /// [`error_response`](crate::http::error_response), or a client's retry logic), as
+    /// HTTP answers ([`HttpAnswer`](crate::http::HttpAnswer): what a layer on an axum
+    /// `Router` needs, whose services may not fail), or as gRPC statuses (`GrpcAnswer`).
+    ///
+    /// ```
+    /// use axum::{Router, routing::get};
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::{GcraLayer, Quota, nz};
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/", get(|| async { "hello" }))
+    ///     .layer(GcraLayer::new(Quota::per_second(nz!(10))).reject_with(HttpAnswer::new()));
+    /// # drop(app);
+    /// ```
     pub fn reject_with<R2>(self, rejection: R2) -> LimitLayer<K, C, U, R2, B, A, D> {
         let LimitLayer { shared, keys, cost, usage, annotate, door, .. } = self;
         LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
@@ -177,20 +191,55 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     /// Keeps what each request holds (its concurrency, the estimate to settle) until its
     /// response body ends, fails or is dropped, rather than until the response's head is
     /// ready: for streamed bodies (server-sent events, downloads, LLM answers), whose
-    /// work goes on after the head. Call it after [`reject_with`](Self::reject_with); see
-    /// [`HoldBody`](crate::shell::body::HoldBody).
+    /// work goes on after the head. An [`HttpAnswer`](crate::http::HttpAnswer) does so
+    /// already (this verb only undoes its
+    /// [`release_at_head`](crate::http::HttpAnswer::release_at_head)); a layer that
+    /// returns its refusals as errors needs it wherever bodies stream. See
+    /// [`shell::body`](crate::shell::body).
+    ///
+    /// ```
+    /// use tower_limits::{SemaphoreLayer, nz};
+    ///
+    /// // Refusals as errors, for a `HandleErrorLayer`; slots held until the body ends.
+    /// let streams = SemaphoreLayer::new(nz!(10)).hold_body();
+    /// # drop(streams);
+    /// ```
     #[cfg(feature = "http")]
-    pub fn hold_body(self) -> LimitLayer<K, C, U, crate::shell::body::HoldBody<R>, B, A, D> {
+    pub fn hold_body(self) -> LimitLayer<K, C, U, R::Held, B, A, D>
+    where
+        R: crate::shell::body::HoldsBody,
+    {
         let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
-        LimitLayer {
-            shared,
-            keys,
-            cost,
-            usage,
-            rejection: crate::shell::body::HoldBody::new(rejection),
-            annotate,
-            door,
-        }
+        LimitLayer { shared, keys, cost, usage, rejection: rejection.hold_body(), annotate, door }
+    }
+
+    /// Holds the body (as [`hold_body`](Self::hold_body)) and settles each request to the
+    /// usage its response body reports as it streams by (for example
+    /// [`OpenAiStreamUsage`](crate::shell::body::OpenAiStreamUsage)); a body that ends
+    /// without one keeps the usage read from the head, or the estimate.
+    ///
+    /// ```
+    /// use tower_limits::extract::CostFromExtension;
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::shell::body::OpenAiStreamUsage;
+    /// use tower_limits::{Quota, TokenBucketLayer, nz};
+    ///
+    /// let tokens = TokenBucketLayer::new(Quota::per_minute(nz!(100_000)))
+    ///     .cost(CostFromExtension)
+    ///     .usage_from_body(OpenAiStreamUsage::default())
+    ///     .reject_with(HttpAnswer::new().usage_from_body(OpenAiStreamUsage::default()));
+    /// # drop(tokens);
+    /// ```
+    #[cfg(feature = "http")]
+    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(
+        self,
+        observer: O,
+    ) -> LimitLayer<K, C, U, R::WithUsage<O>, B, A, D>
+    where
+        R: crate::shell::body::HoldsBody,
+    {
+        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
+        LimitLayer { shared, keys, cost, usage, rejection: rejection.usage_from_body(observer), annotate, door }
     }
 
     /// How the grant is recorded on the request before the inner service sees it: for a
@@ -337,20 +386,6 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     #[must_use]
     pub fn layer_stats(&self) -> super::LayerStats {
         self.shared.layer_stats()
-    }
-}
-
-#[cfg(feature = "http")]
-impl<K, C, U, R, O, B: Backend, A, D> LimitLayer<K, C, U, crate::shell::body::HoldBody<R, O>, B, A, D> {
-    /// Settles each request to the usage its response body reports as it streams by
-    /// (for example [`OpenAiStreamUsage`](crate::shell::body::OpenAiStreamUsage)); a body
-    /// that ends without one keeps the usage read from the head, or the estimate.
-    pub fn usage_from_body<O2: crate::shell::body::BodyUsage>(
-        self,
-        observer: O2,
-    ) -> LimitLayer<K, C, U, crate::shell::body::HoldBody<R, O2>, B, A, D> {
-        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
-        LimitLayer { shared, keys, cost, usage, rejection: rejection.usage_from_body(observer), annotate, door }
     }
 }
 

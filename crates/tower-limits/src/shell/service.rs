@@ -106,6 +106,7 @@ where
         } else {
             match self.keys.extract(&req) {
                 Ok(key) => {
+                    shared.key_watch.found();
                     extracted = key;
                     &extracted
                 }
@@ -115,7 +116,7 @@ where
                         &extracted
                     }
                     None => {
-                        let error = LimitError::new(ErrorKind::MissingKey).with_detail(missing.to_string());
+                        let error = shared.key_watch.missing(&missing);
                         if shared.settings.shadow {
                             return self.pass(error, req, None);
                         }
@@ -267,7 +268,7 @@ where
         let shared = &self.shared;
         let settings = &shared.settings;
         let idle = !U::REPORTS
-            && !self.rejection.holds_body()
+            && !self.rejection.reads_body_usage()
             && settings.on_error == Unfinished::Keep
             && settings.on_cancel == Unfinished::Keep
             && !shared.backend.needs_release(&grant)
@@ -411,11 +412,26 @@ fn trace_refusal(error: &LimitError) {
     );
 }
 
-/// Waits in the key's queue until the request can be admitted or its time is up.
+/// Waits in the key's queue until the request can be admitted or its time is up, inside
+/// a `limit_wait` span (debug level; the tenant's key is personal data and stays out of
+/// it). The span is attached to the future, never entered across an `.await`: entered,
+/// it would follow the thread to whatever task it polls next.
 ///
 /// # Cancel safety
 /// Dropping the future leaves the queue (waking the next waiter) and holds nothing.
 async fn admit<B: Backend>(
+    shared: &Shared<B>,
+    key: &TenantKey,
+    cost: u64,
+    wants_snapshots: bool,
+) -> Result<(B::Grant, Option<Box<[LimitSnapshot]>>), LimitError> {
+    use tracing::Instrument;
+    let span = tracing::debug_span!(target: "tower_limits", "limit_wait");
+    admit_in_turn(shared, key, cost, wants_snapshots).instrument(span).await
+}
+
+/// [`admit`], outside its span.
+async fn admit_in_turn<B: Backend>(
     shared: &Shared<B>,
     key: &TenantKey,
     cost: u64,
@@ -431,8 +447,6 @@ async fn admit<B: Backend>(
     };
     // Reports the wait when it ends; dropped with this future, a cancelled one.
     let mut watch = shared.settings.meter.enter_queue(key, &shared.clock);
-    let span = tracing::debug_span!(target: "tower_limits", "limit_wait", key = %key);
-    let _enter = span.enter();
     ticket.head().await;
     let mut waited = false;
     loop {

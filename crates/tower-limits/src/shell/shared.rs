@@ -80,6 +80,7 @@ pub(crate) struct Shared<B> {
     pub(crate) waited: AtomicU64,
     pub(crate) wait_timeouts: AtomicU64,
     pub(crate) shadow_refused: AtomicU64,
+    pub(crate) key_watch: crate::extract::KeyWatch,
 }
 
 impl<B> Shared<B> {
@@ -94,6 +95,7 @@ impl<B> Shared<B> {
             waited: AtomicU64::new(0),
             wait_timeouts: AtomicU64::new(0),
             shadow_refused: AtomicU64::new(0),
+            key_watch: crate::extract::KeyWatch::default(),
         }
     }
 

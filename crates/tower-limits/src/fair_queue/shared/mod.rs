@@ -64,6 +64,7 @@ pub(crate) const FAIR_QUEUE: &str = "fair_queue";
 /// The settings and the state behind the lock.
 pub(crate) struct Shared<B: Backend> {
     pub(crate) fixed: Fixed<B>,
+    pub(crate) key_watch: crate::extract::KeyWatch,
     state: Mutex<State<B>>,
 }
 
@@ -78,7 +79,7 @@ impl<B: Backend> Shared<B> {
             counters: Counters::default(),
             records: Records { map: HashMap::new(), limit: fixed.tracked_tenants, cooldown: 0 },
         };
-        Ok(Shared { fixed, state: Mutex::new(state) })
+        Ok(Shared { fixed, key_watch: crate::extract::KeyWatch::default(), state: Mutex::new(state) })
     }
 
     fn lock(&self) -> MutexGuard<'_, State<B>> {
