@@ -363,7 +363,7 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 /// admitted ones hold what they took until their response body ends (see
 /// [`shell::body`](crate::shell::body)): a concurrency limit bounds the streams in flight,
 /// not only the heads. The layer's response body is then a
-/// [`HeldBody`](crate::shell::body::HeldBody) around the inner one; `O` reads the real
+/// [`HeldBody`] around the inner one; `O` reads the real
 /// usage from it ([`usage_from_body`](Self::usage_from_body)).
 ///
 /// ```
@@ -422,7 +422,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// Gives back what a request holds as soon as its response's head is ready, instead
     /// of when its body ends: for services whose responses are whole once their head is
     /// (no streaming), where the body's end comes as good as at once anyway. The body
-    /// type stays a [`HeldBody`](crate::shell::body::HeldBody), holding nothing.
+    /// type stays a [`HeldBody`], holding nothing.
     ///
     /// ```
     /// use tower_limits::http::HttpAnswer;

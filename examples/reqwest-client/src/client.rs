@@ -3,30 +3,24 @@
 //! A `reqwest::Client` (any transport: a mock provider in the tests) wrapped in tower:
 //!
 //! ```text
-//! LimitSetLayer (wait mode)  ->  Report  ->  transport
+//! LimitSetLayer (wait mode, usage: UpstreamReports)  ->  transport
 //!      over a LimitPool of one account, mirroring the provider's published limit
 //! ```
 //!
 //! - The layer's backend is a one-account [`LimitPool`] whose limit mirrors the provider's
 //!   published one, so requests wait (in arrival order, to the exact instant) instead of
 //!   being sent into a refusal.
-//! - `Report` hands every answer to the pool ([`upstream_report`] reads `Retry-After`,
-//!   `retry-after-ms` and the `x-ratelimit-*` fields): a `429` benches the account until
-//!   the provider's retry time, so **every** queued request waits for it, not only the
-//!   refused one; [`send`] retries a refused request once, after that wait.
+//! - [`UpstreamReports`] hands every answer to the pool ([`upstream_report`] reads
+//!   `Retry-After`, `retry-after-ms` and the `x-ratelimit-*` fields): a `429` benches the
+//!   account until the provider's retry time, so **every** queued request waits for it,
+//!   not only the refused one; [`send`] retries a refused request once, after that wait.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
-use tower_limits::extract::{GlobalKey, NoUsage, One};
+use tower_limits::extract::UpstreamReports;
 use tower_limits::http::upstream_report;
-use tower_limits::{
-    Instant, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, ReturnError, Selection,
-};
+use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
 
 /// How much the network delay of one request can differ from another's: the mirror
 /// spaces `limit` requests over `window + JITTER_MARGIN`, so that no `window` at the
@@ -47,45 +41,11 @@ fn mirror(limit: u64, window: Duration) -> Result<LimitSet, tower_limits::Policy
     LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("provider", mirror_rate(limit, window), 1)))
 }
 
-/// The client's layer over `pool`: a request waits for room, at most `max_wait`.
-fn layer(pool: LimitPool, max_wait: Duration) -> LimitSetLayer<GlobalKey, One, NoUsage, ReturnError, LimitPool> {
-    LimitSetLayer::with_backend(pool).wait(max_wait)
-}
-
 // ---- The client. ----
 
-/// Reports every answer of the provider to the pool.
-#[derive(Clone)]
-struct Report<S> {
-    inner: S,
-    pool: LimitPool,
-    now: Arc<dyn Fn() -> Instant + Send + Sync>,
-}
-
-impl<S> Service<reqwest::Request> for Report<S>
-where
-    S: Service<reqwest::Request, Response = reqwest::Response> + Send,
-    S::Future: Send + 'static,
-    S::Error: Into<BoxError>,
-{
-    type Response = reqwest::Response;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<reqwest::Response, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, req: reqwest::Request) -> Self::Future {
-        let (pool, now) = (self.pool.clone(), self.now.clone());
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let response = fut.await.map_err(Into::into)?;
-            // Member 0: the pool's only account.
-            pool.observe(0, &upstream_report(response.status(), response.headers()), now());
-            Ok(response)
-        })
-    }
+/// What the provider's answer says of its limits.
+fn report(response: &reqwest::Response) -> tower_limits::UpstreamReport {
+    upstream_report(response.status(), response.headers())
 }
 
 /// The paced client over `transport`, for a provider that publishes `limit` requests in
@@ -108,10 +68,9 @@ where
     S::Error: Into<BoxError>,
 {
     let pool = LimitPool::builder(Selection::RoundRobin).member("provider", mirror(limit, window)?, ()).build()?;
-    let limits = layer(pool.clone(), max_wait);
-    let clock = limits.clone();
-    let report = Report { inner: transport, pool, now: Arc::new(move || clock.now()) };
-    Ok(ServiceBuilder::new().layer(limits).service(report))
+    // Every answer reaches the pool: no glue after each call.
+    let limits = LimitSetLayer::with_backend(pool).usage(UpstreamReports::with(report)).wait(max_wait);
+    Ok(ServiceBuilder::new().layer(limits).map_err(Into::into).service(transport))
 }
 
 /// Sends `req` through `client`, retrying once if the provider still refused it (the
@@ -133,7 +92,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     use super::*;
     use crate::provider::{StrictWindow, lock};

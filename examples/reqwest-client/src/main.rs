@@ -13,7 +13,7 @@
 //!    the refused one.
 //!
 //! API used: `LimitSetLayer::with_backend(LimitPool)` with `.wait(max_wait)`,
-//! `LimitPool::observe` fed by `tower_limits::http::upstream_report`, `LimitPolicy::gcra`.
+//! `UpstreamReports` feeding `tower_limits::http::upstream_report` to the pool, `LimitPolicy::gcra`.
 //!
 //! Run: `cargo run -p example-reqwest-client` (the demonstration, a few seconds);
 //! `-- --serve` keeps a strict provider up and prints the commands to try it;
