@@ -126,6 +126,7 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
     let response = svc.oneshot(request(None, 1)).await.unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
     assert!(!response.headers().contains_key("retry-after"), "waiting cannot help a missing key");
+    assert_eq!(response.headers()["www-authenticate"], "Bearer", "every 401 names its challenge");
     assert_eq!(response.headers()["content-type"], "application/problem+json");
     assert!(response.body().get_ref().contains("\"kind\":\"missing_key\""), "{}", response.body().get_ref());
 }

@@ -54,7 +54,27 @@ impl From<LimitError> for tonic::Status {
 
 /// Refused gRPC calls are answered by the layer itself: a trailers-only response with the
 /// status of [`LimitError::to_grpc_status`] (`RESOURCE_EXHAUSTED` and the retry delay for a
-/// tenant's own limit). For tonic servers: `Server::builder().layer(limits)`.
+/// tenant's own limit). For tonic servers: `Server::builder().layer(limits)`. For
+/// server-streaming calls, add [`hold_body`](crate::LimitLayer::hold_body): the call then
+/// holds what it took until its stream ends.
+///
+/// ```
+/// use tower::{ServiceBuilder, ServiceExt};
+/// use tower_limits::{GcraLayer, GrpcAnswer, Quota, nz};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let svc = ServiceBuilder::new()
+///     .layer(GcraLayer::new(Quota::per_minute(nz!(1))).reject_with(GrpcAnswer))
+///     .service_fn(|_req: http::Request<tonic::body::Body>| async {
+///         Ok::<_, std::convert::Infallible>(http::Response::new(tonic::body::Body::empty()))
+///     });
+/// let call = || http::Request::new(tonic::body::Body::empty());
+/// assert!(svc.clone().oneshot(call()).await.unwrap().headers().get("grpc-status").is_none());
+/// let refused = svc.oneshot(call()).await.unwrap();
+/// assert_eq!(refused.headers()["grpc-status"], "8"); // RESOURCE_EXHAUSTED
+/// assert_eq!(refused.headers()["grpc-retry-pushback-ms"], "60000");
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcAnswer;
 

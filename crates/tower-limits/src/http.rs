@@ -34,6 +34,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! let layer = GcraLayer::new(Quota::per_second(nz!(1))).reject_with(HttpAnswer::new());
+//! # let _: axum::Router = axum::Router::new().layer(layer.clone()); // it goes on a Router as it is
 //! let svc = ServiceBuilder::new().layer(layer).service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
 //! });
@@ -387,6 +388,8 @@ pub struct HttpAnswer<J = EmptyBody, O = NoBodyUsage> {
     status: fn(&LimitError) -> StatusCode,
     /// The wait suggested for refusals whose wait nobody can know.
     unknown_wait: Option<Duration>,
+    /// The `WWW-Authenticate` challenge of a `401`.
+    challenge: Option<&'static str>,
     /// Whether what a request holds is given back when its response's head is ready,
     /// rather than when its body ends.
     release_at_head: bool,
@@ -405,6 +408,7 @@ impl HttpAnswer {
             limit_fields: true,
             status: LimitError::status,
             unknown_wait: Some(Duration::from_secs(1)),
+            challenge: Some("Bearer"),
             release_at_head: false,
             observer: NoBodyUsage,
             _body: PhantomData,
@@ -454,6 +458,7 @@ impl<J, O> HttpAnswer<J, O> {
             limit_fields: self.limit_fields,
             status: self.status,
             unknown_wait: self.unknown_wait,
+            challenge: self.challenge,
             release_at_head: false,
             observer,
             _body: PhantomData,
@@ -529,6 +534,7 @@ impl<J, O> HttpAnswer<J, O> {
             limit_fields: self.limit_fields,
             status: self.status,
             unknown_wait: self.unknown_wait,
+            challenge: self.challenge,
             release_at_head: self.release_at_head,
             observer: self.observer,
             _body: PhantomData,
@@ -574,7 +580,27 @@ impl<J, O> HttpAnswer<J, O> {
         HttpAnswer { limit_fields: false, ..self }
     }
 
+    /// The `WWW-Authenticate` challenge that a `401` (a request without a tenant key)
+    /// carries, as HTTP requires of every `401`: `Bearer` by default, for APIs keyed by a
+    /// bearer token; `None` leaves the field out (for a status chosen otherwise with
+    /// [`with_status`](Self::with_status)).
+    ///
+    /// ```
+    /// use tower_limits::http::HttpAnswer;
+    ///
+    /// let answer = HttpAnswer::new().with_challenge(Some("ApiKey realm=\"embeddings\""));
+    /// # drop(answer);
+    /// ```
+    pub fn with_challenge(self, challenge: Option<&'static str>) -> Self {
+        HttpAnswer { challenge, ..self }
+    }
+
     fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
+        if let (ErrorKind::MissingKey, Some(challenge)) = (error.kind(), self.challenge) {
+            if let Ok(value) = HeaderValue::from_str(challenge) {
+                headers.insert(http::header::WWW_AUTHENTICATE, value);
+            }
+        }
         if !self.limit_fields {
             if let Some(wait) = error.retry_after() {
                 write_retry_after(headers, wait);

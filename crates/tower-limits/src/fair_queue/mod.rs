@@ -201,6 +201,7 @@
 //!     .cost(CostFromExtension)
 //!     .reject_with(HttpAnswer::new());
 //!
+//! # let _: axum::Router = axum::Router::new().layer(ServiceBuilder::new().layer(per_tenant.clone()).layer(fair.clone()));
 //! let svc = ServiceBuilder::new().layer(per_tenant).layer(fair).service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("embedded")))
 //! });

@@ -32,6 +32,7 @@ use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
 /// .cost(CostFromExtension)
 /// .reject_with(HttpAnswer::new());
 ///
+/// # let _: axum::Router = axum::Router::new().layer(limits.clone()); // it goes on a Router as it is
 /// let svc = ServiceBuilder::new()
 ///     .layer(limits)
 ///     .service_fn(|_req: http::Request<String>| async { Ok::<_, Infallible>(http::Response::new(String::new())) });

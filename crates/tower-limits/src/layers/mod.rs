@@ -33,11 +33,11 @@
 //! use tower_limits::http::HttpAnswer;
 //! use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 //!
-//! let svc = ServiceBuilder::new()
+//! let layers = ServiceBuilder::new()
 //!     .layer(SemaphoreLayer::new(nz!(64)).reject_with(HttpAnswer::new()))
-//!     .layer(GcraLayer::new(Quota::per_second(nz!(10)).burst(nz!(5))).key(PeerIp).reject_with(HttpAnswer::new()))
-//!     .service_fn(|_req: http::Request<String>| async { Ok::<_, std::convert::Infallible>(http::Response::new(String::new())) });
-//! # drop(svc);
+//!     .layer(GcraLayer::new(Quota::per_second(nz!(10)).burst(nz!(5))).key(PeerIp).reject_with(HttpAnswer::new()));
+//! let app: axum::Router = axum::Router::new().route("/", axum::routing::get(|| async { "hello" })).layer(layers);
+//! # drop(app);
 //! ```
 
 mod fixed_window;

@@ -46,6 +46,7 @@
 //! .usage(UsageFromExtension)
 //! .reject_with(HttpAnswer::new().with_json_body());
 //!
+//! # let _: axum::Router = axum::Router::new().layer(limits.clone()); // it goes on a Router as it is
 //! let svc = ServiceBuilder::new().layer(limits).service_fn(|_req: http::Request<String>| async {
 //!     let mut response = http::Response::new(String::from("embedded"));
 //!     response.extensions_mut().insert(Usage(640)); // what the upstream really used
