@@ -50,7 +50,7 @@ fn steady<K: std::hash::Hash + Eq + Clone>(
         let mut n = 0;
         for i in 0..tenants {
             for _ in 0..per_tenant {
-                q.enqueue(key(i), weight(i), costs[n % costs.len()], i).unwrap();
+                q.enqueue_weighted(key(i), weight(i), costs[n % costs.len()], i).unwrap();
                 n += 1;
             }
         }
@@ -58,7 +58,7 @@ fn steady<K: std::hash::Hash + Eq + Clone>(
             b.iter(|| {
                 let d = q.pop_next().unwrap();
                 n += 1;
-                let ticket = q.enqueue(d.key, weight(d.item), costs[n % costs.len()], d.item).unwrap();
+                let ticket = q.enqueue_weighted(d.key, weight(d.item), costs[n % costs.len()], d.item).unwrap();
                 black_box(ticket)
             });
         });

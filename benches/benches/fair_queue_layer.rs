@@ -96,13 +96,7 @@ fn skip_queue(c: &mut Criterion) {
     g.finish();
 }
 
-type Layered<B> = FairQueueLayer<
-    tower_limits::extract::GlobalKey,
-    tower_limits::extract::One,
-    tower_limits::extract::NoUsage,
-    tower_limits::ReturnError,
-    B,
->;
+type Layered<B> = FairQueueLayer<tower_limits::extract::Extractors, tower_limits::ReturnError, B>;
 
 /// Calls `svc` with a request of `tenant`; the response future, not yet polled.
 fn call<S: Service<Req>>(svc: &mut S, tenant: usize, n: &mut u32) -> Pin<Box<S::Future>> {

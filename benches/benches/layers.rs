@@ -20,7 +20,7 @@ use tower::{Layer, Service};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
-use tower_limits::extract::{GlobalKey, NoUsage, One, PeerIp};
+use tower_limits::extract::{Extractors, PeerIp};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, nz};
 use tower_limits_benches::{Req, bare, from_peer};
@@ -54,7 +54,7 @@ where
 
 const HUGE: u64 = 1_000_000_000;
 
-fn ours_gcra(rate: Rate, burst: u64) -> GcraLayer<GlobalKey, One, NoUsage, HttpAnswer> {
+fn ours_gcra(rate: Rate, burst: u64) -> GcraLayer<Extractors, HttpAnswer> {
     GcraLayer::new(Quota::try_new(rate.amount(), rate.period()).and_then(|q| q.try_burst(burst)).expect("quota"))
         .system_clock()
         .reject_with(HttpAnswer::new())

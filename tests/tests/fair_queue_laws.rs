@@ -134,7 +134,7 @@ fn run_share(weights: &[u32], max_costs: &[u64], seed: u64) -> ShareOutcome {
     let mut q = queue(4, 4 * n);
     for (i, (&w, &m)) in weights.iter().zip(max_costs).enumerate() {
         for _ in 0..3 {
-            q.enqueue(i as u32, w, rng.range(1, m), ()).unwrap();
+            q.enqueue_weighted(i as u32, w, rng.range(1, m), ()).unwrap();
         }
     }
     let w_sum: f64 = weights.iter().map(|&w| f64::from(w)).sum();
@@ -157,7 +157,7 @@ fn run_share(weights: &[u32], max_costs: &[u64], seed: u64) -> ShareOutcome {
         cost[i] += d.cost;
         total += d.cost;
         out.dispatches += 1;
-        q.enqueue(d.key, weights[i], rng.range(1, max_costs[i]), ()).unwrap();
+        q.enqueue_weighted(d.key, weights[i], rng.range(1, max_costs[i]), ()).unwrap();
         if total < 100_000 {
             continue;
         }
@@ -341,7 +341,7 @@ impl Driver {
 
     fn enqueue(&mut self, i: usize, cost: u64) -> bool {
         let id = self.pending.len();
-        let ticket = match self.q.enqueue(i as u32, self.weights[i], cost, id) {
+        let ticket = match self.q.enqueue_weighted(i as u32, self.weights[i], cost, id) {
             Ok(t) => t,
             Err(e) => {
                 match e.kind() {
@@ -585,7 +585,7 @@ fn memory_stays_bounded() {
         if rng.chance(55) {
             let key = rng.below(TENANTS) as u32;
             let weight = rng.range(1, 10) as u32;
-            match q.enqueue(key, weight, rng.range(1, 1000), ()) {
+            match q.enqueue_weighted(key, weight, rng.range(1, 1000), ()) {
                 Ok(t) => {
                     queued[key as usize] += 1;
                     tickets.push((t, key));
@@ -635,17 +635,17 @@ fn idle_records_are_dropped_once_their_finish_tag_is_reached() {
         let mut q = queue::<()>(64, 256);
         let (w_b, m_b) = (rng.range(1, 10), rng.range(1, 1000));
         for _ in 0..8 {
-            q.enqueue(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
+            q.enqueue_weighted(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
         }
         let mut one_shot = 0.0f64;
         for key in 1..=30 {
             let (w, c) = (rng.range(1, 10), rng.range(1, 1000));
             one_shot = one_shot.max(c as f64 / w as f64);
-            q.enqueue(key, w as u32, c, ()).unwrap();
+            q.enqueue_weighted(key, w as u32, c, ()).unwrap();
         }
         while (1..=30u32).any(|k| q.tenant_stats(&k).is_some_and(|s| s.queued > 0)) {
             if q.pop_next().unwrap().key == 0 {
-                q.enqueue(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
+                q.enqueue_weighted(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
             }
         }
         let mut served = 0;
@@ -653,7 +653,7 @@ fn idle_records_are_dropped_once_their_finish_tag_is_reached() {
             let d = q.pop_next().unwrap();
             assert_eq!(d.key, 0);
             served += d.cost;
-            q.enqueue(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
+            q.enqueue_weighted(0, w_b as u32, rng.range(1, m_b), ()).unwrap();
         }
         assert_eq!(q.stats().tracked_tenants, 1, "only the backlogged tenant is left");
     }
@@ -710,7 +710,7 @@ fn conservation_over_a_million_operations() {
                 let id = items.len() as u32;
                 let key = rng.below(TENANTS) as u32;
                 let cost = rng.range(0, 500);
-                let (state, ticket) = match q.enqueue(key, rng.range(1, 10) as u32, cost, id) {
+                let (state, ticket) = match q.enqueue_weighted(key, rng.range(1, 10) as u32, cost, id) {
                     Ok(t) => {
                         // Tickets compare in arrival order.
                         assert!(last_arrival.is_none_or(|a| t.arrival() > a), "arrival numbers grow");
@@ -826,9 +826,9 @@ fn the_queue_reports_what_it_holds() {
     let mut q: FairQueue<u32, &str> = queue(8, 64);
     assert!(q.is_empty());
     assert_eq!(q.tenant_stats(&1), None);
-    q.enqueue(1, 3, 5, "a").unwrap();
-    q.enqueue(1, 2, 7, "b").unwrap();
-    q.enqueue(2, 1, 11, "c").unwrap();
+    q.enqueue_weighted(1, 3, 5, "a").unwrap();
+    q.enqueue_weighted(1, 2, 7, "b").unwrap();
+    q.enqueue_weighted(2, 1, 11, "c").unwrap();
     assert!(!q.is_empty());
     let one = q.tenant_stats(&1).unwrap();
     assert_eq!((one.weight, one.queued, one.queued_cost, one.dispatched, one.dispatched_cost), (2, 2, 12, 0, 0));

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant as TokioInstant;
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_limits::extract::{KeyFn, UsageFn};
+use tower_limits::extract::{Extractors, KeyFn, UsageFn};
 use tower_limits::{
     BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate,
     SemaphoreLayer, TenantKey, Unfinished, nz,
@@ -92,7 +92,7 @@ type Req = (String, u64);
 type TenantKeys = KeyFn<fn(&Req) -> Option<TenantKey>, Req>;
 type TenantCost = tower_limits::extract::CostFn<fn(&Req) -> u64, Req>;
 
-fn tenant_layer() -> LimitSetLayer<TenantKeys, TenantCost> {
+fn tenant_layer() -> LimitSetLayer<Extractors<TenantKeys, TenantCost>> {
     LimitSetLayer::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
@@ -103,7 +103,7 @@ fn tenant_layer() -> LimitSetLayer<TenantKeys, TenantCost> {
     .cost(tower_limits::extract::CostFn::new((|r: &Req| r.1) as fn(&Req) -> u64))
 }
 
-fn remaining(layer: &LimitSetLayer<impl Sized, impl Sized, impl Sized, impl Sized>, tenant: &str) -> u64 {
+fn remaining(layer: &LimitSetLayer<impl Sized, impl Sized>, tenant: &str) -> u64 {
     let key = TenantKey::single(tenant).unwrap();
     layer.backend().peek(&key, tower_limits::Instant::ZERO)[0].snapshot.remaining
 }

@@ -84,7 +84,7 @@ impl Replica {
         let (_, weight, cost, _) = TENANTS.iter().find(|t| t.0 == name).copied().unwrap();
         let k = key(name);
         let local = self.fleet.local_weight(&k, weight);
-        self.queue.enqueue(k, local, cost, ()).unwrap();
+        self.queue.enqueue_weighted(k, local, cost, ()).unwrap();
     }
 
     /// What the fair queue layer publishes before an acquisition: the queue's backlog

@@ -367,7 +367,7 @@ async fn a_shadow_layer_never_refuses_and_counts_what_its_twin_refuses() {
 
 #[tokio::test(start_paused = true)]
 async fn a_shadow_layer_holds_no_concurrency_for_what_it_lets_through() {
-    let layer: LimitLayer<_, _, _, _, _, _, _> =
+    let layer: LimitLayer<_, _, _, _> =
         LimitSetLayer::new(LimitSetPolicy::new().limit(LimitPolicy::semaphore("concurrent", 2))).unwrap().shadow();
     let (svc, mut handle) = tower_test::mock::pair::<u32, u32>();
     let mut svc = tower::Layer::layer(&layer, svc);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tower::{Service, ServiceExt};
-use tower_limits::extract::{CostFn, KeyFn};
+use tower_limits::extract::{CostFn, Extractors, KeyFn};
 use tower_limits::{BoxError, ErrorKind, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, TenantKey};
 use tower_test::mock;
 
@@ -53,7 +53,7 @@ impl<F: Future> Probe<F> {
 type Keys = KeyFn<fn(&Req) -> Option<TenantKey>, Req>;
 type Costs = CostFn<fn(&Req) -> u64, Req>;
 
-fn layer(policy: LimitSetPolicy) -> LimitSetLayer<Keys, Costs> {
+fn layer(policy: LimitSetPolicy) -> LimitSetLayer<Extractors<Keys, Costs>> {
     LimitSetLayer::new(policy)
         .expect("a valid policy")
         .key(KeyFn::new((|r: &Req| TenantKey::single(r.0.encode_utf8(&mut [0; 4])).ok()) as fn(&Req) -> _))

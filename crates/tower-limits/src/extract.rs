@@ -123,6 +123,50 @@ impl KeyWatch {
     }
 }
 
+/// What a layer reads from each request and response, in one value: who the request is
+/// (`K`, a [`KeyExtractor`]), what it costs (`C`, a [`CostExtractor`]), the real usage its
+/// response reports (`U`, a [`UsageExtractor`]) and how a grant is recorded on the request
+/// (`A`, an [`Annotate`]). Every limit layer ([`LimitLayer`](crate::LimitLayer) and the
+/// named ones, [`FairQueueLayer`](crate::FairQueueLayer)) carries one as its first type
+/// parameter; the layers' verbs [`key`](crate::LimitLayer::key),
+/// [`cost`](crate::LimitLayer::cost), [`usage`](crate::LimitLayer::usage) and
+/// [`annotate`](crate::LimitLayer::annotate) set its parts, so user code rarely spells it.
+///
+/// ```
+/// use tower_limits::extract::{Extractors, FromExtension, NoAnnotation, NoUsage, One};
+/// use tower_limits::{GcraLayer, Quota, TenantKey, nz};
+///
+/// // The type of a layer keyed by a tenant from the request's extensions.
+/// type PerTenant = GcraLayer<Extractors<FromExtension<TenantKey>>>;
+/// let layer: PerTenant = GcraLayer::new(Quota::per_second(nz!(10))).key(FromExtension::new());
+/// # drop(layer);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Extractors<K = GlobalKey, C = One, U = NoUsage, A = NoAnnotation> {
+    pub(crate) keys: K,
+    pub(crate) cost: C,
+    pub(crate) usage: U,
+    pub(crate) annotate: A,
+}
+
+impl<K, C, U, A> Extractors<K, C, U, A> {
+    pub(crate) fn with_keys<K2>(self, keys: K2) -> Extractors<K2, C, U, A> {
+        Extractors { keys, cost: self.cost, usage: self.usage, annotate: self.annotate }
+    }
+
+    pub(crate) fn with_cost<C2>(self, cost: C2) -> Extractors<K, C2, U, A> {
+        Extractors { keys: self.keys, cost, usage: self.usage, annotate: self.annotate }
+    }
+
+    pub(crate) fn with_usage<U2>(self, usage: U2) -> Extractors<K, C, U2, A> {
+        Extractors { keys: self.keys, cost: self.cost, usage, annotate: self.annotate }
+    }
+
+    pub(crate) fn with_annotate<A2>(self, annotate: A2) -> Extractors<K, C, U, A2> {
+        Extractors { keys: self.keys, cost: self.cost, usage: self.usage, annotate }
+    }
+}
+
 /// Finds the tenant key of a request.
 pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
     /// Whether every request's key is [`TenantKey::global()`]: the layer then uses one

@@ -29,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tower_limits::extract::{FromExtension, NoUsage, One};
+use tower_limits::extract::{Extractors, FromExtension};
 use tower_limits::http::{HttpAnswer, JsonBody};
 use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
 
@@ -41,7 +41,7 @@ const KEYS: [(&str, &str, &str); 3] =
 
 /// The layer's type: keys from the request's extensions, one unit per request, refusals
 /// answered as HTTP with a JSON body.
-type Limits = LimitSetLayer<FromExtension<TenantKey>, One, NoUsage, HttpAnswer<JsonBody>>;
+type Limits = LimitSetLayer<Extractors<FromExtension<TenantKey>>, HttpAnswer<JsonBody>>;
 
 /// Per user: 1 request a second with a burst of 3, and 2 in flight; per org: 2 a second
 /// with a burst of 5, shared by the org's users.

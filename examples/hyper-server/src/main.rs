@@ -32,7 +32,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::ServiceBuilder;
-use tower_limits::extract::{GlobalKey, NoUsage, One};
+use tower_limits::extract::Extractors;
 use tower_limits::http::HttpAnswer;
 use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 
@@ -40,8 +40,8 @@ use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 
 /// The layers' types: global (one state for everyone), one unit per request, refusals
 /// answered as HTTP.
-type RateLimit = GcraLayer<GlobalKey, One, NoUsage, HttpAnswer>;
-type InFlight = SemaphoreLayer<GlobalKey, One, NoUsage, HttpAnswer>;
+type RateLimit = GcraLayer<Extractors, HttpAnswer>;
+type InFlight = SemaphoreLayer<Extractors, HttpAnswer>;
 
 /// For everyone together: `quota` (a rate with a burst), and four requests in flight.
 fn limits(quota: Quota) -> (RateLimit, InFlight) {

@@ -27,7 +27,7 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
-use tower_limits::extract::{KeyFn, NoUsage, One};
+use tower_limits::extract::{Extractors, KeyFn};
 use tower_limits::{GRPC_RETRY_PUSHBACK_MS, GcraLayer, GrpcAnswer, Quota, TenantKey, nz};
 
 type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
@@ -36,7 +36,7 @@ type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
 
 /// The layer's type: the tenant from the call's metadata, one unit per call, refusals
 /// answered as gRPC statuses.
-type Limits = GcraLayer<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, GrpcRequest>, One, NoUsage, GrpcAnswer>;
+type Limits = GcraLayer<Extractors<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, GrpcRequest>>, GrpcAnswer>;
 
 /// `quota` (a rate with a burst) for each tenant.
 fn limits(quota: Quota) -> Limits {

@@ -124,12 +124,12 @@
 //! use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
 //!
 //! let config = FairQueueConfig::new().tenant_queue_limit(100).global_queue_limit(200);
-//! let mut queue = FairQueue::new(config).unwrap();
+//! let mut queue = FairQueue::new(config).unwrap().with_weights([("interactive", 3)]);
 //! for i in 0..100 {
-//!     queue.enqueue("bulk", 1, 1, i).unwrap();
+//!     queue.enqueue("bulk", 1, i).unwrap();
 //! }
 //! for i in 0..20 {
-//!     queue.enqueue("interactive", 3, 1, i).unwrap();
+//!     queue.enqueue("interactive", 1, i).unwrap();
 //! }
 //! let mut interactive = 0;
 //! for _ in 0..20 {
@@ -152,7 +152,7 @@ mod tenant;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 
-use hashbrown::{DefaultHashBuilder, HashTable};
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 
 use crate::policy_error::PolicyError;
 pub use config::{
@@ -197,6 +197,9 @@ pub struct Dispatched<K, T> {
 /// and the laws it keeps.
 pub struct FairQueue<K, T> {
     config: FairQueueConfig,
+    /// The weights of tenants by key ([`FairQueue::with_weights`]); any other tenant has
+    /// the configuration's `default_weight`.
+    weights: HashMap<K, u32>,
     tenant_limit: usize,
     global_limit: usize,
     hasher: DefaultHashBuilder,
@@ -239,6 +242,7 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
             tenant_limit: config.tenant_queue_limit,
             global_limit: config.global_queue_limit,
             config,
+            weights: HashMap::new(),
             hasher: DefaultHashBuilder::default(),
             table: HashTable::new(),
             tenants: Vec::new(),
@@ -261,19 +265,69 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         &self.config
     }
 
-    /// Queues a request of tenant `key` costing `cost`, leaving `item` in the queue until
-    /// it is dispatched or cancelled.
+    /// The queue with each tenant's weight given by key: the configuration names tenants
+    /// by text (`weights`), and the caller, which knows what those names stand for, gives
+    /// them here as keys. A weight of 0 counts as 1. A later entry for the same key wins.
     ///
-    /// `weight` becomes the tenant's weight for what it is served from now on, its queued
-    /// requests included; a weight of 0 counts as 1. A cost of 0 is queued in turn like
-    /// any other and charges nothing.
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let queue: FairQueue<&str, ()> = FairQueue::new(FairQueueConfig::new())?.with_weights([("acme", 3)]);
+    /// assert_eq!((queue.weight(&"acme"), queue.weight(&"globex")), (3, 1));
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    #[must_use]
+    pub fn with_weights(mut self, weights: impl IntoIterator<Item = (K, u32)>) -> Self {
+        self.weights.extend(weights.into_iter().map(|(k, w)| (k, w.max(1))));
+        self
+    }
+
+    /// The weight of tenant `key`: the one given by [`with_weights`](Self::with_weights),
+    /// or the configuration's `default_weight`.
+    #[must_use]
+    pub fn weight(&self, key: &K) -> u32 {
+        if self.weights.is_empty() {
+            return self.config.default_weight;
+        }
+        self.weights.get(key).copied().unwrap_or(self.config.default_weight)
+    }
+
+    /// Queues a request of tenant `key` costing `cost` at the tenant's own
+    /// [`weight`](Self::weight), leaving `item` in the queue until it is dispatched or
+    /// cancelled. A cost of 0 is queued in turn like any other and charges nothing.
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let mut queue = FairQueue::new(FairQueueConfig::new())?.with_weights([("acme", 3)]);
+    /// for _ in 0..4 {
+    ///     queue.enqueue("acme", 1, ()).unwrap();
+    ///     queue.enqueue("globex", 1, ()).unwrap();
+    /// }
+    /// let first: Vec<_> = (0..4).map(|_| queue.pop_next().unwrap().key).collect();
+    /// assert_eq!(first.iter().filter(|k| **k == "acme").count(), 3); // three turns to one
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`enqueue_weighted`](Self::enqueue_weighted).
+    pub fn enqueue(&mut self, key: K, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
+        let weight = self.weight(&key);
+        self.enqueue_weighted(key, weight, cost, item)
+    }
+
+    /// Queues a request of tenant `key` costing `cost` at the weight `weight` rather than
+    /// its own: for a weight that changes with what the caller learns (a replica's share
+    /// of a fleet-wide tenant, see [`FleetShares`](crate::FleetShares)). `weight`
+    /// becomes the tenant's weight for what it is served from now on, its queued requests
+    /// included; a weight of 0 counts as 1.
     ///
     /// # Errors
     /// [`QueueFull`], giving `item` back, when the tenant already has
     /// `tenant_queue_limit` requests queued ([`QueueKind::Tenant`], checked first) or the
     /// queue holds `global_queue_limit` ([`QueueKind::Global`]). Nothing changes but the
     /// rejection counters.
-    pub fn enqueue(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
+    pub fn enqueue_weighted(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
         let weight = weight.max(1);
         let hash = self.hasher.hash_one(&key);
         let tenants = &self.tenants;
@@ -471,8 +525,8 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
     ///
     /// let mut queue = FairQueue::new(FairQueueConfig::new()).unwrap();
-    /// queue.enqueue("a", 1, 5, ()).unwrap();
-    /// queue.enqueue("a", 1, 2, ()).unwrap();
+    /// queue.enqueue("a", 5, ()).unwrap();
+    /// queue.enqueue("a", 2, ()).unwrap();
     /// assert_eq!(queue.backlog().collect::<Vec<_>>(), [(&"a", 2, 7)]);
     /// ```
     pub fn backlog(&self) -> impl Iterator<Item = (&K, u64, u64)> + '_ {

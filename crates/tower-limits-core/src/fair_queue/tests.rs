@@ -68,10 +68,10 @@ fn check<K: Hash + Eq + Clone, T>(q: &FairQueue<K, T>) {
 fn weights_share_dispatches() {
     let mut q = queue(100, 200);
     for i in 0..100 {
-        q.enqueue("bulk", 1, 1, i).unwrap();
+        q.enqueue_weighted("bulk", 1, 1, i).unwrap();
     }
     for i in 0..20 {
-        q.enqueue("interactive", 3, 1, i).unwrap();
+        q.enqueue_weighted("interactive", 3, 1, i).unwrap();
     }
     let order: String = (0..8).map(|_| if q.pop_next().unwrap().key == "bulk" { 'B' } else { 'I' }).collect();
     assert_eq!(order, "BIIIBIII");
@@ -81,9 +81,9 @@ fn weights_share_dispatches() {
 #[test]
 fn an_idle_record_lives_until_its_finish_tag() {
     let mut q = queue(100, 100);
-    q.enqueue("a", 1, 10, ()).unwrap();
+    q.enqueue_weighted("a", 1, 10, ()).unwrap();
     for _ in 0..20 {
-        q.enqueue("b", 1, 1, ()).unwrap();
+        q.enqueue_weighted("b", 1, 1, ()).unwrap();
     }
     assert_eq!(q.pop_next().unwrap().key, "a"); // F_a = 10
     for i in 0..10 {
@@ -96,21 +96,21 @@ fn an_idle_record_lives_until_its_finish_tag() {
     assert_eq!(q.stats().tracked_tenants, 1);
     check(&q);
     // Back at V = 10, behind b's head that starts at 11.
-    q.enqueue("a", 1, 1, ()).unwrap();
+    q.enqueue_weighted("a", 1, 1, ()).unwrap();
     assert_eq!(q.pop_next().unwrap().key, "a");
 }
 
 #[test]
 fn an_empty_queue_forgets_everything() {
     let mut q = queue(10, 10);
-    let t = q.enqueue("a", 1, 1000, 1).unwrap();
-    q.enqueue("b", 1, 1, 2).unwrap();
+    let t = q.enqueue_weighted("a", 1, 1000, 1).unwrap();
+    q.enqueue_weighted("b", 1, 1, 2).unwrap();
     assert_eq!(q.pop_next().unwrap().ticket, t);
     assert_eq!(q.pop_next().unwrap().item, 2);
     assert_eq!(q.stats().tracked_tenants, 0);
     // a was served 1000 and b 1, but the busy period ended: both start level.
-    q.enqueue("a", 1, 1, 3).unwrap();
-    q.enqueue("b", 1, 1, 4).unwrap();
+    q.enqueue_weighted("a", 1, 1, 3).unwrap();
+    q.enqueue_weighted("b", 1, 1, 4).unwrap();
     assert_eq!(q.pop_next().unwrap().item, 3);
     check(&q);
 }
@@ -118,10 +118,10 @@ fn an_empty_queue_forgets_everything() {
 #[test]
 fn stale_tickets_touch_nothing() {
     let mut q = queue(10, 10);
-    let first = q.enqueue("a", 1, 1, "first").unwrap();
-    q.enqueue("b", 1, 1, "keep").unwrap();
+    let first = q.enqueue_weighted("a", 1, 1, "first").unwrap();
+    q.enqueue_weighted("b", 1, 1, "keep").unwrap();
     assert_eq!(q.pop_next().unwrap().item, "first");
-    let second = q.enqueue("a", 1, 1, "second").unwrap();
+    let second = q.enqueue_weighted("a", 1, 1, "second").unwrap();
     assert_eq!(first.slot, second.slot, "the slot is reused");
     assert_eq!(q.cancel(first), None);
     assert_eq!(q.get(first), None);
@@ -137,10 +137,10 @@ fn stale_tickets_touch_nothing() {
 #[test]
 fn cancelling_the_head_keeps_the_start_tag() {
     let mut q = queue(10, 10);
-    q.enqueue("a", 1, 5, 'x').unwrap();
-    let a2 = q.enqueue("a", 1, 5, 'y').unwrap();
-    q.enqueue("a", 1, 5, 'z').unwrap();
-    q.enqueue("b", 1, 5, 'b').unwrap();
+    q.enqueue_weighted("a", 1, 5, 'x').unwrap();
+    let a2 = q.enqueue_weighted("a", 1, 5, 'y').unwrap();
+    q.enqueue_weighted("a", 1, 5, 'z').unwrap();
+    q.enqueue_weighted("b", 1, 5, 'b').unwrap();
     assert_eq!(q.pop_next().unwrap().item, 'x'); // a's next head starts at 5
     assert_eq!(q.cancel(a2), Some('y'));
     check(&q);
@@ -153,15 +153,15 @@ fn cancelling_the_head_keeps_the_start_tag() {
 #[test]
 fn cancelling_the_last_request_keeps_the_finish_tag() {
     let mut q = queue(10, 10);
-    q.enqueue("a", 1, 5, 1).unwrap();
-    let a2 = q.enqueue("a", 1, 5, 2).unwrap();
-    q.enqueue("b", 1, 1, 3).unwrap();
-    q.enqueue("b", 1, 1, 4).unwrap();
+    q.enqueue_weighted("a", 1, 5, 1).unwrap();
+    let a2 = q.enqueue_weighted("a", 1, 5, 2).unwrap();
+    q.enqueue_weighted("b", 1, 1, 3).unwrap();
+    q.enqueue_weighted("b", 1, 1, 4).unwrap();
     assert_eq!(q.pop_next().unwrap().item, 1);
     assert_eq!(q.cancel(a2), Some(2));
     check(&q);
     assert!(q.tenant_stats(&"a").is_some(), "a still finishes at 5");
-    q.enqueue("a", 1, 1, 5).unwrap();
+    q.enqueue_weighted("a", 1, 1, 5).unwrap();
     let rest: Vec<_> = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
     assert_eq!(rest, [3, 4, 5]);
 }
@@ -172,10 +172,10 @@ fn remainders_carry() {
     // weight 3, cost 1: a's tags are 0, 1/3, 2/3 and exactly 1, so its fourth request
     // ties with b's second, which arrived first (rounding each third down would put
     // a first).
-    q.enqueue("b", 1, 1, 'b').unwrap();
-    q.enqueue("b", 1, 1, 'b').unwrap();
+    q.enqueue_weighted("b", 1, 1, 'b').unwrap();
+    q.enqueue_weighted("b", 1, 1, 'b').unwrap();
     for _ in 0..4 {
-        q.enqueue("a", 3, 1, 'a').unwrap();
+        q.enqueue_weighted("a", 3, 1, 'a').unwrap();
     }
     let order: String = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
     assert_eq!(order, "baaaba");
@@ -211,36 +211,36 @@ fn reweighting_carries_the_remainder() {
 #[test]
 fn reweighting_rounds_up() {
     let mut q = queue(10, 10);
-    q.enqueue("a", 3, 1, 1).unwrap();
-    q.enqueue("a", 3, 1, 2).unwrap();
-    q.enqueue("b", 2, 1, 3).unwrap();
+    q.enqueue_weighted("a", 3, 1, 1).unwrap();
+    q.enqueue_weighted("a", 3, 1, 2).unwrap();
+    q.enqueue_weighted("b", 2, 1, 3).unwrap();
     assert_eq!(q.pop_next().unwrap().item, 1); // a's head now starts at 1/3
-    q.enqueue("a", 2, 1, 4).unwrap(); // 1/3 becomes 1/2
+    q.enqueue_weighted("a", 2, 1, 4).unwrap(); // 1/3 becomes 1/2
     check(&q);
     assert_eq!(q.tenant_stats(&"a").unwrap().weight, 2);
     let order: Vec<_> = std::iter::from_fn(|| q.pop_next().map(|d| d.item)).collect();
     assert_eq!(order, [3, 2, 4]);
     let mut q = queue(10, 10);
-    q.enqueue("a", 0, 1, ()).unwrap();
+    q.enqueue_weighted("a", 0, 1, ()).unwrap();
     assert_eq!(q.tenant_stats(&"a").unwrap().weight, 1, "weight 0 counts as 1");
 }
 
 #[test]
 fn full_queues_refuse_and_count() {
     let mut q = queue(2, 3);
-    q.enqueue("a", 1, 1, 1).unwrap();
-    q.enqueue("a", 1, 1, 2).unwrap();
-    let err = q.enqueue("a", 1, 1, 3).unwrap_err();
+    q.enqueue_weighted("a", 1, 1, 1).unwrap();
+    q.enqueue_weighted("a", 1, 1, 2).unwrap();
+    let err = q.enqueue_weighted("a", 1, 1, 3).unwrap_err();
     assert_eq!((err.kind(), err.is_tenant(), err.limit()), (QueueKind::Tenant, true, 2));
     assert_eq!(err.to_string(), "tenant queue is full (2 queued)");
     assert_eq!(err.into_item(), 3);
-    q.enqueue("b", 1, 1, 4).unwrap();
-    let err = q.enqueue("c", 1, 1, 5).unwrap_err();
+    q.enqueue_weighted("b", 1, 1, 4).unwrap();
+    let err = q.enqueue_weighted("c", 1, 1, 5).unwrap_err();
     assert_eq!((err.kind(), err.limit()), (QueueKind::Global, 3));
     assert_eq!(err.to_string(), "queue is full (3 queued)");
     assert!(format!("{err:?}").contains("Global"));
     assert_eq!(q.tenant_stats(&"c"), None, "a refused tenant leaves no record");
-    let err = q.enqueue("a", 1, 1, 6).unwrap_err();
+    let err = q.enqueue_weighted("a", 1, 1, 6).unwrap_err();
     assert!(err.is_tenant(), "the tenant's own limit is reported first");
     let stats = q.stats();
     assert_eq!((stats.rejected_tenant_full, stats.rejected_global_full, stats.enqueued), (2, 1, 3));
@@ -250,11 +250,11 @@ fn full_queues_refuse_and_count() {
 #[test]
 fn idle_records_are_capped() {
     let mut q = queue(10, 3);
-    q.enqueue("z", 1, 100, ()).unwrap();
-    q.enqueue("z", 1, 100, ()).unwrap();
+    q.enqueue_weighted("z", 1, 100, ()).unwrap();
+    q.enqueue_weighted("z", 1, 100, ()).unwrap();
     assert_eq!(q.pop_next().unwrap().key, "z"); // z stays backlogged at 100
     for k in ["a", "b", "c", "d"] {
-        q.enqueue(k, 1, 5, ()).unwrap();
+        q.enqueue_weighted(k, 1, 5, ()).unwrap();
         assert_eq!(q.pop_next().unwrap().key, k);
         check(&q);
     }
@@ -283,7 +283,7 @@ fn invariants_hold_under_random_operations() {
             0..=4 => {
                 let key = keys[next(keys.len() as u64) as usize];
                 let weight = next(4) as u32 + u32::from(next(20) == 0) * 1000;
-                if let Ok(t) = q.enqueue(key, weight, next(50), ()) {
+                if let Ok(t) = q.enqueue_weighted(key, weight, next(50), ()) {
                     tickets.push(t);
                 }
             }

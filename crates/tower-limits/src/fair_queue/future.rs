@@ -35,7 +35,7 @@ impl<B: Backend> Held<B> {
     /// What an admitted request holds; where admissions are counted.
     pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant) -> Self {
         if let Some(fleet) = &shared.fixed.fleet {
-            fleet.admitted(&key, shared.fixed.weight(&key));
+            fleet.admitted(&key, shared.weight(&key));
         }
         let lease = shared.fixed.meter.admitted(&shared.fixed.clock);
         Held { shared, key, grant: Some(grant), settled: false, lease }

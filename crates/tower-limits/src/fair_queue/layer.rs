@@ -10,7 +10,7 @@ use tower_limits_core::{Backend, PolicyError, TenantKey};
 use super::service::FairQueueService;
 use super::shared::{FairQueueLayerStats, Fixed, NoRate, Shared, TenantQueueStats};
 use crate::clock::LayerClock;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::reject::ReturnError;
 
 /// Queues requests per tenant and admits them in weighted-fair order to the capacity it
@@ -19,43 +19,33 @@ use crate::reject::ReturnError;
 /// and how it works.
 ///
 /// The layer is a small `Clone` value; every service it builds, and every clone of
-/// those, shares one queue and one capacity. The type parameters are the key extractor
-/// `K`, the cost extractor `C`, how refusals surface `R`, the rate backend `B`
-/// ([`NoRate`] for concurrency only), the usage extractor `U` settling the rate's grant,
-/// and how the grant is recorded on the request `A`; the builder methods set them.
+/// those, shares one queue and one capacity. The type parameters, in the order of every
+/// layer of this crate: what is read from requests and responses `E` (an
+/// [`Extractors`]: the key, the cost, the usage settling the rate's grant, how the grant
+/// is recorded on the request), how refusals surface `R`, and the rate backend `B`
+/// ([`NoRate`] for concurrency only); the builder methods set them.
+///
+/// Its verbs are those of [`LimitLayer`](crate::LimitLayer), written again rather than
+/// shared: its state is a queue, not a backend behind a shell, so the settings verbs
+/// differ, and inherent methods need no trait in scope.
 #[must_use]
-pub struct FairQueueLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B: Backend = NoRate, A = NoAnnotation> {
+pub struct FairQueueLayer<E = Extractors, R = ReturnError, B: Backend = NoRate> {
     pub(crate) shared: Arc<Shared<B>>,
-    pub(crate) keys: K,
-    pub(crate) cost: C,
+    pub(crate) extract: E,
     pub(crate) rejection: R,
-    pub(crate) usage: U,
-    pub(crate) annotate: A,
 }
 
-impl<K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Clone for FairQueueLayer<K, C, U, R, B, A> {
+impl<E: Clone, R: Clone, B: Backend> Clone for FairQueueLayer<E, R, B> {
     fn clone(&self) -> Self {
-        FairQueueLayer {
-            shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
-            rejection: self.rejection.clone(),
-            usage: self.usage.clone(),
-            annotate: self.annotate.clone(),
-        }
+        FairQueueLayer { shared: self.shared.clone(), extract: self.extract.clone(), rejection: self.rejection.clone() }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B: Backend, A: fmt::Debug> fmt::Debug
-    for FairQueueLayer<K, C, U, R, B, A>
-{
+impl<E: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for FairQueueLayer<E, R, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueLayer")
-            .field("keys", &self.keys)
-            .field("cost", &self.cost)
+            .field("extract", &self.extract)
             .field("rejection", &self.rejection)
-            .field("usage", &self.usage)
-            .field("annotate", &self.annotate)
             .field("settings", &self.shared)
             .finish()
     }
@@ -77,7 +67,7 @@ impl FairQueueLayer {
     }
 }
 
-impl<B: Backend> FairQueueLayer<GlobalKey, One, NoUsage, ReturnError, B> {
+impl<B: Backend> FairQueueLayer<Extractors, ReturnError, B> {
     /// A fair queue in front of a rate: each request, in fair order, acquires its cost
     /// from `backend` (for example a [`LimitSet`](crate::LimitSet) with a global
     /// tokens-per-minute limit). When the next request does not fit yet, it waits for
@@ -104,18 +94,45 @@ impl<B: Backend> FairQueueLayer<GlobalKey, One, NoUsage, ReturnError, B> {
 
     fn build(config: FairQueueConfig, backend: B, slots: usize) -> Result<Self, PolicyError> {
         let shared = Shared::new(Fixed::new(config, backend, slots)?)?;
-        Ok(FairQueueLayer {
-            shared: Arc::new(shared),
-            keys: GlobalKey,
-            cost: One,
-            rejection: ReturnError,
-            usage: NoUsage,
-            annotate: NoAnnotation,
-        })
+        Ok(FairQueueLayer { shared: Arc::new(shared), extract: Extractors::default(), rejection: ReturnError })
     }
 }
 
-impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
+impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
+    /// How requests are keyed: each distinct key is a tenant of the queue (see
+    /// [`crate::extract`]). Until one is set, every request is the same tenant.
+    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<Extractors<K2, C, U, A>, R, B> {
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract: extract.with_keys(keys), rejection }
+    }
+
+    /// What a request costs: its share of the queue and what it acquires from the rate.
+    /// Defaults to one per request.
+    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<Extractors<K, C2, U, A>, R, B> {
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract: extract.with_cost(cost), rejection }
+    }
+
+    /// Where the real usage is read from a response, to settle the rate backend's grant
+    /// with (for example [`UsageFromExtension`](crate::extract::UsageFromExtension): the
+    /// tokens an upstream reports). A settle that gives cost back lets the request
+    /// waiting at the rate gate try again at once. Without it the estimate stands.
+    pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<Extractors<K, C, U2, A>, R, B> {
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract: extract.with_usage(usage), rejection }
+    }
+
+    /// How the rate backend's grant is recorded on the request before the inner service
+    /// sees it: for a [`LimitPool`](tower_limits_core::LimitPool) backend,
+    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
+    /// upstream account to call) in the request's extensions.
+    pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<Extractors<K, C, U, A2>, R, B> {
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract: extract.with_annotate(annotate), rejection }
+    }
+}
+
+impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     /// A new state with changed settings. Services built before keep the old one.
     fn with_fixed(self, f: impl FnOnce(&mut Fixed<B>)) -> Self {
         let mut fixed = self.shared.fixed.clone();
@@ -127,35 +144,12 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
         }
     }
 
-    /// How requests are keyed: each distinct key is a tenant of the queue (see
-    /// [`crate::extract`]). Until one is set, every request is the same tenant.
-    pub fn key<K2>(self, keys: K2) -> FairQueueLayer<K2, C, U, R, B, A> {
-        let FairQueueLayer { shared, cost, rejection, usage, annotate, .. } = self;
-        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
-    }
-
-    /// What a request costs: its share of the queue and what it acquires from the rate.
-    /// Defaults to one per request.
-    pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<K, C2, U, R, B, A> {
-        let FairQueueLayer { shared, keys, rejection, usage, annotate, .. } = self;
-        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
-    }
-
     /// How refusals surface: as errors ([`ReturnError`], the default), or as HTTP
     /// answers ([`crate::http::HttpAnswer`]: 429 for a full tenant queue, 503 for a full
     /// queue or a queueing timeout).
-    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<K, C, U, R2, B, A> {
-        let FairQueueLayer { shared, keys, cost, usage, annotate, .. } = self;
-        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
-    }
-
-    /// Where the real usage is read from a response, to settle the rate backend's grant
-    /// with (for example [`UsageFromExtension`](crate::extract::UsageFromExtension): the
-    /// tokens an upstream reports). A settle that gives cost back lets the request
-    /// waiting at the rate gate try again at once. Without it the estimate stands.
-    pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<K, C, U2, R, B, A> {
-        let FairQueueLayer { shared, keys, cost, rejection, annotate, .. } = self;
-        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
+    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<E, R2, B> {
+        let FairQueueLayer { shared, extract, .. } = self;
+        FairQueueLayer { shared, extract, rejection }
     }
 
     /// Keeps each admitted request's slot (and its rate grant, with the estimate to
@@ -172,12 +166,12 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     /// # drop(queue);
     /// ```
     #[cfg(feature = "http")]
-    pub fn hold_body(self) -> FairQueueLayer<K, C, U, R::Held, B, A>
+    pub fn hold_body(self) -> FairQueueLayer<E, R::Held, B>
     where
         R: crate::shell::body::HoldsBody,
     {
-        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
-        FairQueueLayer { shared, keys, cost, rejection: rejection.hold_body(), usage, annotate }
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract, rejection: rejection.hold_body() }
     }
 
     /// Holds the body and settles each request's rate grant to the usage its response
@@ -195,24 +189,12 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     /// # drop(queue);
     /// ```
     #[cfg(feature = "http")]
-    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(
-        self,
-        observer: O,
-    ) -> FairQueueLayer<K, C, U, R::WithUsage<O>, B, A>
+    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(self, observer: O) -> FairQueueLayer<E, R::WithUsage<O>, B>
     where
         R: crate::shell::body::HoldsBody,
     {
-        let FairQueueLayer { shared, keys, cost, rejection, usage, annotate } = self;
-        FairQueueLayer { shared, keys, cost, rejection: rejection.usage_from_body(observer), usage, annotate }
-    }
-
-    /// How the rate backend's grant is recorded on the request before the inner service
-    /// sees it: for a [`LimitPool`](tower_limits_core::LimitPool) backend,
-    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
-    /// upstream account to call) in the request's extensions.
-    pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<K, C, U, R, B, A2> {
-        let FairQueueLayer { shared, keys, cost, rejection, usage, .. } = self;
-        FairQueueLayer { shared, keys, cost, rejection, usage, annotate }
+        let FairQueueLayer { shared, extract, rejection } = self;
+        FairQueueLayer { shared, extract, rejection: rejection.usage_from_body(observer) }
     }
 
     /// Now, on the layer's clock: the instant to pass to the backend's own methods (for
@@ -346,7 +328,7 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     /// is the key's parts joined by `/` (the key's `Display`), or the default weight.
     #[must_use]
     pub fn weight_of(&self, key: &TenantKey) -> u32 {
-        self.shared.fixed.weight(key)
+        self.shared.weight(key)
     }
 
     /// Counters of the layer: queue depth, slots taken, admitted cost, queueing time,
@@ -364,18 +346,15 @@ impl<K, C, U, R, B: Backend, A> FairQueueLayer<K, C, U, R, B, A> {
     }
 }
 
-impl<S, K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Layer<S> for FairQueueLayer<K, C, U, R, B, A> {
-    type Service = FairQueueService<S, K, C, U, R, B, A>;
+impl<S, E: Clone, R: Clone, B: Backend> Layer<S> for FairQueueLayer<E, R, B> {
+    type Service = FairQueueService<S, E, R, B>;
 
     fn layer(&self, inner: S) -> Self::Service {
         FairQueueService {
             inner,
             shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
+            extract: self.extract.clone(),
             rejection: self.rejection.clone(),
-            usage: self.usage.clone(),
-            annotate: self.annotate.clone(),
         }
     }
 }

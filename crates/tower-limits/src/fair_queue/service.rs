@@ -7,7 +7,7 @@ use tower_service::Service;
 
 use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
 use super::shared::{Arrival, FairQueueLayerStats, Shared};
-use crate::extract::{Annotate, CostExtractor, KeyExtractor, NoAnnotation, UsageExtractor};
+use crate::extract::{Annotate, CostExtractor, Extractors, KeyExtractor, UsageExtractor};
 use crate::reject::Rejection;
 
 /// The service built by [`FairQueueLayer`](super::FairQueueLayer).
@@ -17,17 +17,14 @@ use crate::reject::Rejection;
 /// that finds nothing queued and capacity free is admitted at once; any other waits for
 /// its fair turn in the response future, which then calls the ready service it took
 /// along (a clone stays behind for the next request). Clones share one queue.
-pub struct FairQueueService<S, K, C, U, R, B: Backend, A = NoAnnotation> {
+pub struct FairQueueService<S, E, R, B: Backend> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
-    pub(crate) keys: K,
-    pub(crate) cost: C,
+    pub(crate) extract: E,
     pub(crate) rejection: R,
-    pub(crate) usage: U,
-    pub(crate) annotate: A,
 }
 
-impl<S, K, C, U, R, B: Backend, A> FairQueueService<S, K, C, U, R, B, A> {
+impl<S, E, R, B: Backend> FairQueueService<S, E, R, B> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -50,37 +47,29 @@ impl<S, K, C, U, R, B: Backend, A> FairQueueService<S, K, C, U, R, B, A> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B: Backend, A: Clone> Clone
-    for FairQueueService<S, K, C, U, R, B, A>
-{
+impl<S: Clone, E: Clone, R: Clone, B: Backend> Clone for FairQueueService<S, E, R, B> {
     fn clone(&self) -> Self {
         FairQueueService {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
+            extract: self.extract.clone(),
             rejection: self.rejection.clone(),
-            usage: self.usage.clone(),
-            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R: fmt::Debug, B: Backend, A> fmt::Debug
-    for FairQueueService<S, K, C, U, R, B, A>
-{
+impl<S: fmt::Debug, E: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for FairQueueService<S, E, R, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueService")
             .field("inner", &self.inner)
-            .field("keys", &self.keys)
-            .field("cost", &self.cost)
+            .field("extract", &self.extract)
             .field("rejection", &self.rejection)
             .field("settings", &self.shared)
             .finish()
     }
 }
 
-impl<S, Req, K, C, U, R, B, A> Service<Req> for FairQueueService<S, K, C, U, R, B, A>
+impl<S, Req, K, C, U, A, R, B> Service<Req> for FairQueueService<S, Extractors<K, C, U, A>, R, B>
 where
     S: Service<Req> + Clone,
     K: KeyExtractor<Req>,
@@ -100,7 +89,7 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = &self.shared;
-        let key = match self.keys.extract(&req) {
+        let key = match self.extract.keys.extract(&req) {
             Ok(key) => {
                 shared.key_watch.found();
                 key
@@ -112,16 +101,20 @@ where
                     shared.count_refusal(error.kind());
                     shared.fixed.meter.refused(&error);
                     trace_refusal(&error, &tower_limits_core::TenantKey::global());
-                    return ResponseFuture::rejected(Box::new(error), self.rejection.clone(), self.usage.clone());
+                    return ResponseFuture::rejected(
+                        Box::new(error),
+                        self.rejection.clone(),
+                        self.extract.usage.clone(),
+                    );
                 }
             },
         };
-        let cost = self.cost.cost(&req);
+        let cost = self.extract.cost.cost(&req);
         match shared.arrive(&key, cost) {
             Arrival::Admitted(grant) => {
-                self.annotate.annotate(&mut req, &grant);
+                self.extract.annotate.annotate(&mut req, &grant);
                 let held = Held::new(shared.clone(), key, grant);
-                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone(), self.usage.clone())
+                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone(), self.extract.usage.clone())
             }
             Arrival::Queued(ticket) => {
                 tracing::trace!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
@@ -129,17 +122,17 @@ where
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 let waiter = Waiter::new(shared.clone(), ticket, key);
-                let annotate = self.annotate.clone();
+                let annotate = self.extract.annotate.clone();
                 ResponseFuture::waiting(
                     Waiting { waiter, inner: Some(inner), req: Some(req), annotate },
                     self.rejection.clone(),
-                    self.usage.clone(),
+                    self.extract.usage.clone(),
                 )
             }
             Arrival::Refused(error) => {
                 shared.fixed.meter.refused(&error);
                 trace_refusal(&error, &key);
-                ResponseFuture::rejected(error, self.rejection.clone(), self.usage.clone())
+                ResponseFuture::rejected(error, self.rejection.clone(), self.extract.usage.clone())
             }
         }
     }

@@ -2,7 +2,7 @@ use tower_limits_core::{LimitPolicy, LimitSet, Quota};
 
 use super::{LimitLayer, door, single, window};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A fixed window: at most the quota's amount per window of its period, the windows
@@ -27,8 +27,7 @@ use crate::shell::shared::Settings;
 /// assert!(svc.oneshot("bob").await.is_ok()); // each user has their own window
 /// # }
 /// ```
-pub type FixedWindowLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::FixedWindow>;
+pub type FixedWindowLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::FixedWindow>;
 
 impl FixedWindowLayer {
     /// A fixed window of `quota.amount()` per `quota.period()`.

@@ -2,7 +2,7 @@ use tower_limits_core::{LimitPolicy, LimitSet, Quota};
 
 use super::{LimitLayer, door, single};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A GCRA rate limit: the quota's rate, with room for its burst at once, exact to the
@@ -28,8 +28,7 @@ use crate::shell::shared::Settings;
 /// assert_eq!(refused.headers()["retry-after"], "1"); // 10 ms, rounded up to whole seconds
 /// # }
 /// ```
-pub type GcraLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::Gcra>;
+pub type GcraLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::Gcra>;
 
 impl GcraLayer {
     /// One global GCRA limit of `quota`, counting each request's cost (one by default).

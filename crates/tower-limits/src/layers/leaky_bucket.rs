@@ -2,7 +2,7 @@ use tower_limits_core::{LimitPolicy, LimitSet, Quota};
 
 use super::{LimitLayer, door, single};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A leaky bucket as a shaper: requests wait and leave at the quota's steady pace, one
@@ -32,8 +32,7 @@ use crate::shell::shared::Settings;
 /// assert_eq!(left, [Duration::ZERO, Duration::from_millis(100), Duration::from_millis(200)]);
 /// # }
 /// ```
-pub type LeakyBucketLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::LeakyBucket>;
+pub type LeakyBucketLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::LeakyBucket>;
 
 impl LeakyBucketLayer {
     /// A shaper at `quota`'s pace, `quota.max_burst()` intervals deep.

@@ -2,7 +2,7 @@ use tower_limits_core::LimitSet;
 
 use super::{LimitLayer, door};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 
 /// Several limits applied together: a request acquires every one of them or none,
 /// each keyed by a tier of the tenant key, costed, and settled to the real usage.
@@ -43,5 +43,4 @@ use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
 /// assert_eq!(refused.status(), 413); // it could never pass: refused at once
 /// # Ok(()) }
 /// ```
-pub type LimitSetLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::Set>;
+pub type LimitSetLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::Set>;

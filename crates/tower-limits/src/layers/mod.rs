@@ -108,15 +108,7 @@ pub mod door {
 fn single<D>(
     limit: LimitPolicy,
     settings: Settings,
-) -> LimitLayer<
-    crate::extract::GlobalKey,
-    crate::extract::One,
-    crate::extract::NoUsage,
-    crate::ReturnError,
-    LimitSet,
-    crate::extract::NoAnnotation,
-    D,
-> {
+) -> LimitLayer<crate::extract::Extractors, crate::ReturnError, LimitSet, D> {
     let policy = LimitSetPolicy::new().limit(limit.counting_cost());
     // A quota is valid by construction, and one global limit is a valid set.
     let set = LimitSet::new(policy.clone()).unwrap_or_else(|e| unreachable!("a quota always builds: {e}"));

@@ -4,7 +4,7 @@ use tower_limits_core::{LimitPolicy, LimitSet};
 
 use super::{LimitLayer, door, single};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A weighted semaphore: at most `capacity` in flight, each request holding its cost
@@ -40,8 +40,7 @@ use crate::shell::shared::Settings;
 /// assert!(svc.oneshot(()).await.is_ok()); // and back
 /// # }
 /// ```
-pub type SemaphoreLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::Semaphore>;
+pub type SemaphoreLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::Semaphore>;
 
 impl SemaphoreLayer {
     /// At most `capacity` in flight (summing each request's cost).

@@ -2,7 +2,7 @@ use tower_limits_core::{LimitPolicy, LimitSet, Quota};
 
 use super::{LimitLayer, door, single, window};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A sliding window: at most the quota's amount in any window of its period.
@@ -31,8 +31,7 @@ use crate::shell::shared::Settings;
 /// assert!(svc.oneshot(()).await.is_ok()); // the first two left the window
 /// # }
 /// ```
-pub type SlidingWindowLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::SlidingWindow>;
+pub type SlidingWindowLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::SlidingWindow>;
 
 impl SlidingWindowLayer {
     /// An exact sliding window (a log): `quota.amount()` per `quota.period()`.

@@ -2,7 +2,7 @@ use tower_limits_core::{LimitPolicy, LimitSet, Quota};
 
 use super::{LimitLayer, door, single};
 use crate::ReturnError;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::Extractors;
 use crate::shell::shared::Settings;
 
 /// A token bucket: `burst` tokens, refilled at the quota's rate; a request takes its
@@ -32,8 +32,7 @@ use crate::shell::shared::Settings;
 /// assert!(svc.oneshot(request(200)).await.is_ok());
 /// # }
 /// ```
-pub type TokenBucketLayer<K = GlobalKey, C = One, U = NoUsage, R = ReturnError, B = LimitSet, A = NoAnnotation> =
-    LimitLayer<K, C, U, R, B, A, door::TokenBucket>;
+pub type TokenBucketLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E, R, B, door::TokenBucket>;
 
 impl TokenBucketLayer {
     /// One global token bucket of `quota`: its burst is the bucket's size.

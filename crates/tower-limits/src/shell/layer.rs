@@ -10,7 +10,7 @@ use tower_limits_core::{Backend, LimitSet, LimitSetPolicy, LimitSetStats, Policy
 use super::service::LimitService;
 use super::shared::{Settings, Shared, Source, Unfinished};
 use crate::clock::LayerClock;
-use crate::extract::{GlobalKey, NoAnnotation, NoUsage, One};
+use crate::extract::{Extractors, GlobalKey};
 use crate::layers::door;
 use crate::reject::ReturnError;
 
@@ -27,43 +27,33 @@ use crate::reject::ReturnError;
 /// The layer is a small `Clone` value. Every service it builds, and every clone of those
 /// services, shares one state: the limits hold across all of them.
 ///
-/// The type parameters, in the same order on every layer of this crate: the key extractor
-/// `K`, the cost extractor `C`, the usage extractor `U`, how refusals surface `R`, the
-/// backend `B` and how a grant is recorded on the request `A` (then the door `D`). The
-/// builder methods set them; user code rarely spells one.
+/// The type parameters, in the same order on every layer of this crate: what is read
+/// from requests and responses `E` (an [`Extractors`]: the key, the cost, the usage and
+/// how a grant is recorded), how refusals surface `R`, the backend `B` (then the door
+/// `D`). The builder methods set them; user code rarely spells one.
 #[must_use]
-pub struct LimitLayer<K, C, U, R, B, A, D> {
+pub struct LimitLayer<E, R, B, D> {
     pub(crate) shared: Arc<Shared<B>>,
-    pub(crate) keys: K,
-    pub(crate) cost: C,
-    pub(crate) usage: U,
+    pub(crate) extract: E,
     pub(crate) rejection: R,
-    pub(crate) annotate: A,
     pub(crate) door: PhantomData<fn() -> D>,
 }
 
-impl<K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone, D> Clone for LimitLayer<K, C, U, R, B, A, D> {
+impl<E: Clone, R: Clone, B, D> Clone for LimitLayer<E, R, B, D> {
     fn clone(&self) -> Self {
         LimitLayer {
             shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
-            usage: self.usage.clone(),
+            extract: self.extract.clone(),
             rejection: self.rejection.clone(),
-            annotate: self.annotate.clone(),
             door: PhantomData,
         }
     }
 }
 
-impl<K: fmt::Debug, C: fmt::Debug, U: fmt::Debug, R: fmt::Debug, B, A, D: door::Door> fmt::Debug
-    for LimitLayer<K, C, U, R, B, A, D>
-{
+impl<E: fmt::Debug, R: fmt::Debug, B, D: door::Door> fmt::Debug for LimitLayer<E, R, B, D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct(D::NAME)
-            .field("keys", &self.keys)
-            .field("cost", &self.cost)
-            .field("usage", &self.usage)
+            .field("extract", &self.extract)
             .field("rejection", &self.rejection)
             .field("settings", &self.shared.settings)
             .finish()
@@ -104,44 +94,32 @@ impl crate::LimitSetLayer {
     }
 }
 
-impl<B: Backend> crate::LimitSetLayer<GlobalKey, One, NoUsage, ReturnError, B> {
+impl<B: Backend> crate::LimitSetLayer<Extractors, ReturnError, B> {
     /// A layer over any backend (for example Redis, shared by a fleet).
     pub fn with_backend(backend: B) -> Self {
         Self::from_shared(Shared::new(backend, LayerClock::default(), Settings::default()))
     }
 }
 
-impl<B: Backend, D> LimitLayer<GlobalKey, One, NoUsage, ReturnError, B, NoAnnotation, D> {
+impl<B: Backend, D> LimitLayer<Extractors, ReturnError, B, D> {
     pub(crate) fn from_shared(shared: Shared<B>) -> Self {
         LimitLayer {
             shared: Arc::new(shared),
-            keys: GlobalKey,
-            cost: One,
-            usage: NoUsage,
+            extract: Extractors::default(),
             rejection: ReturnError,
-            annotate: NoAnnotation,
             door: PhantomData,
         }
     }
 }
 
-impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
-    fn with_settings(self, f: impl FnOnce(&mut Settings, &mut LayerClock)) -> Self {
-        let mut settings = self.shared.settings.clone();
-        let mut clock = self.shared.clock.clone();
-        f(&mut settings, &mut clock);
-        let mut shared = Shared::new(self.shared.backend.clone(), clock, settings);
-        shared.source = self.shared.source.clone();
-        LimitLayer { shared: Arc::new(shared), ..self }
-    }
-
+impl<K, C, U, A, R, B: Backend, D> LimitLayer<Extractors<K, C, U, A>, R, B, D> {
     /// How requests are keyed (see [`crate::extract`]).
     ///
     /// On a named single-limit layer ([`GcraLayer`](crate::GcraLayer) and the others), a
     /// key extractor other than [`GlobalKey`] makes the limit per key: each key gets its
     /// own state (a fresh one: set the key before serving). On a [`LimitSetLayer`](crate::LimitSetLayer) built
     /// from a policy, each limit keeps the scope its policy gives it.
-    pub fn key<K2: 'static>(self, keys: K2) -> LimitLayer<K2, C, U, R, B, A, D> {
+    pub fn key<K2: 'static>(self, keys: K2) -> LimitLayer<Extractors<K2, C, U, A>, R, B, D> {
         let shared = match &self.shared.source {
             Some(source) if source.single && TypeId::of::<K2>() != TypeId::of::<GlobalKey>() => {
                 let keyed = source.keyed();
@@ -151,20 +129,39 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
             }
             _ => self.shared,
         };
-        let LimitLayer { cost, usage, rejection, annotate, door, .. } = self;
-        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+        LimitLayer { shared, extract: self.extract.with_keys(keys), rejection: self.rejection, door: PhantomData }
     }
 
     /// What a request costs against limits that count cost.
-    pub fn cost<C2>(self, cost: C2) -> LimitLayer<K, C2, U, R, B, A, D> {
-        let LimitLayer { shared, keys, usage, rejection, annotate, door, .. } = self;
-        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    pub fn cost<C2>(self, cost: C2) -> LimitLayer<Extractors<K, C2, U, A>, R, B, D> {
+        let LimitLayer { shared, extract, rejection, door } = self;
+        LimitLayer { shared, extract: extract.with_cost(cost), rejection, door }
     }
 
     /// Where the real usage is read from a response, to settle the permit with.
-    pub fn usage<U2>(self, usage: U2) -> LimitLayer<K, C, U2, R, B, A, D> {
-        let LimitLayer { shared, keys, cost, rejection, annotate, door, .. } = self;
-        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    pub fn usage<U2>(self, usage: U2) -> LimitLayer<Extractors<K, C, U2, A>, R, B, D> {
+        let LimitLayer { shared, extract, rejection, door } = self;
+        LimitLayer { shared, extract: extract.with_usage(usage), rejection, door }
+    }
+
+    /// How the grant is recorded on the request before the inner service sees it: for a
+    /// [`LimitPool`](tower_limits_core::LimitPool) backend,
+    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
+    /// request's extensions.
+    pub fn annotate<A2>(self, annotate: A2) -> LimitLayer<Extractors<K, C, U, A2>, R, B, D> {
+        let LimitLayer { shared, extract, rejection, door } = self;
+        LimitLayer { shared, extract: extract.with_annotate(annotate), rejection, door }
+    }
+}
+
+impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
+    fn with_settings(self, f: impl FnOnce(&mut Settings, &mut LayerClock)) -> Self {
+        let mut settings = self.shared.settings.clone();
+        let mut clock = self.shared.clock.clone();
+        f(&mut settings, &mut clock);
+        let mut shared = Shared::new(self.shared.backend.clone(), clock, settings);
+        shared.source = self.shared.source.clone();
+        LimitLayer { shared: Arc::new(shared), ..self }
     }
 
     /// How refusals surface: as errors ([`ReturnError`], the default, as tower's
@@ -183,9 +180,9 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     ///     .layer(GcraLayer::new(Quota::per_second(nz!(10))).reject_with(HttpAnswer::new()));
     /// # drop(app);
     /// ```
-    pub fn reject_with<R2>(self, rejection: R2) -> LimitLayer<K, C, U, R2, B, A, D> {
-        let LimitLayer { shared, keys, cost, usage, annotate, door, .. } = self;
-        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+    pub fn reject_with<R2>(self, rejection: R2) -> LimitLayer<E, R2, B, D> {
+        let LimitLayer { shared, extract, door, .. } = self;
+        LimitLayer { shared, extract, rejection, door }
     }
 
     /// Keeps what each request holds (its concurrency, the estimate to settle) until its
@@ -205,12 +202,12 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     /// # drop(streams);
     /// ```
     #[cfg(feature = "http")]
-    pub fn hold_body(self) -> LimitLayer<K, C, U, R::Held, B, A, D>
+    pub fn hold_body(self) -> LimitLayer<E, R::Held, B, D>
     where
         R: crate::shell::body::HoldsBody,
     {
-        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
-        LimitLayer { shared, keys, cost, usage, rejection: rejection.hold_body(), annotate, door }
+        let LimitLayer { shared, extract, rejection, door } = self;
+        LimitLayer { shared, extract, rejection: rejection.hold_body(), door }
     }
 
     /// Holds the body (as [`hold_body`](Self::hold_body)) and settles each request to the
@@ -231,24 +228,12 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     /// # drop(tokens);
     /// ```
     #[cfg(feature = "http")]
-    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(
-        self,
-        observer: O,
-    ) -> LimitLayer<K, C, U, R::WithUsage<O>, B, A, D>
+    pub fn usage_from_body<O: crate::shell::body::BodyUsage>(self, observer: O) -> LimitLayer<E, R::WithUsage<O>, B, D>
     where
         R: crate::shell::body::HoldsBody,
     {
-        let LimitLayer { shared, keys, cost, usage, rejection, annotate, door } = self;
-        LimitLayer { shared, keys, cost, usage, rejection: rejection.usage_from_body(observer), annotate, door }
-    }
-
-    /// How the grant is recorded on the request before the inner service sees it: for a
-    /// [`LimitPool`](tower_limits_core::LimitPool) backend,
-    /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
-    /// request's extensions.
-    pub fn annotate<A2>(self, annotate: A2) -> LimitLayer<K, C, U, R, B, A2, D> {
-        let LimitLayer { shared, keys, cost, usage, rejection, door, .. } = self;
-        LimitLayer { shared, keys, cost, usage, rejection, annotate, door }
+        let LimitLayer { shared, extract, rejection, door } = self;
+        LimitLayer { shared, extract, rejection: rejection.usage_from_body(observer), door }
     }
 
     /// Requests without a key use `key` instead of being refused.
@@ -367,10 +352,10 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     /// let layer = in_memory.on_backend(elsewhere);
     /// # drop(layer);
     /// ```
-    pub fn on_backend<B2: Backend>(self, backend: B2) -> LimitLayer<K, C, U, R, B2, A, D> {
+    pub fn on_backend<B2: Backend>(self, backend: B2) -> LimitLayer<E, R, B2, D> {
         let shared = Shared::new(backend, self.shared.clock.clone(), self.shared.settings.clone());
-        let LimitLayer { keys, cost, usage, rejection, annotate, door, .. } = self;
-        LimitLayer { shared: Arc::new(shared), keys, cost, usage, rejection, annotate, door }
+        let LimitLayer { extract, rejection, door, .. } = self;
+        LimitLayer { shared: Arc::new(shared), extract, rejection, door }
     }
 
     /// Now, on the layer's clock: the instant to pass to the backend's own methods
@@ -389,7 +374,7 @@ impl<K, C, U, R, B: Backend, A, D> LimitLayer<K, C, U, R, B, A, D> {
     }
 }
 
-impl<K, C, U, R, A, D> LimitLayer<K, C, U, R, LimitSet, A, D> {
+impl<E, R, D> LimitLayer<E, R, LimitSet, D> {
     /// Per-limit counters of the in-memory set, with the layer's own.
     #[must_use]
     pub fn stats(&self) -> LimitSetStats {
@@ -397,25 +382,15 @@ impl<K, C, U, R, A, D> LimitLayer<K, C, U, R, LimitSet, A, D> {
     }
 }
 
-impl<S, K, C, U, R, B, A, D> Layer<S> for LimitLayer<K, C, U, R, B, A, D>
-where
-    K: Clone,
-    C: Clone,
-    U: Clone,
-    R: Clone,
-    A: Clone,
-{
-    type Service = LimitService<S, K, C, U, R, B, A>;
+impl<S, E: Clone, R: Clone, B, D> Layer<S> for LimitLayer<E, R, B, D> {
+    type Service = LimitService<S, E, R, B>;
 
     fn layer(&self, inner: S) -> Self::Service {
         LimitService {
             inner,
             shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
-            usage: self.usage.clone(),
+            extract: self.extract.clone(),
             rejection: self.rejection.clone(),
-            annotate: self.annotate.clone(),
         }
     }
 }

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::future::{Admitted, PermitGuard, ResponseFuture};
 use super::shared::{Shared, Unfinished};
 use crate::error::{ErrorKind, LimitError};
-use crate::extract::{Annotate, CostExtractor, KeyExtractor, UsageExtractor};
+use crate::extract::{Annotate, CostExtractor, Extractors, KeyExtractor, UsageExtractor};
 use crate::meter::Meter;
 use crate::reject::Rejection;
 use crate::wait::Blocked;
@@ -22,17 +22,14 @@ use crate::wait::Blocked;
 /// a request exists, so an idle connection pins no capacity. The decision is made in
 /// `call`; the inner service is called only once the request is admitted. Clones share
 /// the limits.
-pub struct LimitService<S, K, C, U, R, B, A = crate::extract::NoAnnotation> {
+pub struct LimitService<S, E, R, B> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
-    pub(crate) keys: K,
-    pub(crate) cost: C,
-    pub(crate) usage: U,
+    pub(crate) extract: E,
     pub(crate) rejection: R,
-    pub(crate) annotate: A,
 }
 
-impl<S, K, C, U, R, B, A> LimitService<S, K, C, U, R, B, A> {
+impl<S, E, R, B> LimitService<S, E, R, B> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -49,32 +46,28 @@ impl<S, K, C, U, R, B, A> LimitService<S, K, C, U, R, B, A> {
     }
 }
 
-impl<S: Clone, K: Clone, C: Clone, U: Clone, R: Clone, B, A: Clone> Clone for LimitService<S, K, C, U, R, B, A> {
+impl<S: Clone, E: Clone, R: Clone, B> Clone for LimitService<S, E, R, B> {
     fn clone(&self) -> Self {
         LimitService {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
-            keys: self.keys.clone(),
-            cost: self.cost.clone(),
-            usage: self.usage.clone(),
+            extract: self.extract.clone(),
             rejection: self.rejection.clone(),
-            annotate: self.annotate.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, K: fmt::Debug, C: fmt::Debug, U, R, B, A> fmt::Debug for LimitService<S, K, C, U, R, B, A> {
+impl<S: fmt::Debug, E: fmt::Debug, R, B> fmt::Debug for LimitService<S, E, R, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitService")
             .field("inner", &self.inner)
-            .field("keys", &self.keys)
-            .field("cost", &self.cost)
+            .field("extract", &self.extract)
             .field("settings", &self.shared.settings)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, Req, K, C, U, R, B, A> Service<Req> for LimitService<S, K, C, U, R, B, A>
+impl<S, Req, K, C, U, A, R, B> Service<Req> for LimitService<S, Extractors<K, C, U, A>, R, B>
 where
     A: Annotate<Req, B::Grant>,
     S: Service<Req> + Clone + Send + 'static,
@@ -104,7 +97,7 @@ where
         let key: &TenantKey = if K::GLOBAL {
             &GLOBAL
         } else {
-            match self.keys.extract(&req) {
+            match self.extract.keys.extract(&req) {
                 Ok(key) => {
                     shared.key_watch.found();
                     extracted = key;
@@ -125,7 +118,7 @@ where
                 },
             }
         };
-        let cost = self.cost.cost(&req);
+        let cost = self.extract.cost.cost(&req);
         let now = shared.clock.now();
         let waits = shared.settings.max_wait.is_some() && !shared.settings.shadow;
         if waits && shared.waiters.has_waiters(key) {
@@ -146,10 +139,14 @@ where
                     let guard = self.guard(key, grant, &mut req);
                     if guard.is_none() {
                         // Holding nothing: the inner future is made in the answer's place.
-                        return ResponseFuture::plain(self.inner.call(req), self.usage.clone(), self.rejection.clone());
+                        return ResponseFuture::plain(
+                            self.inner.call(req),
+                            self.extract.usage.clone(),
+                            self.rejection.clone(),
+                        );
                     }
                     let fut = self.inner.call(req);
-                    ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), None)
+                    ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.rejection.clone(), None)
                 }
                 Err(e) => self.not_admitted(e, key, cost, req),
             };
@@ -163,7 +160,7 @@ where
     }
 }
 
-impl<S, K, C, U, R, B, A> LimitService<S, K, C, U, R, B, A>
+impl<S, K, C, U, A, R, B> LimitService<S, Extractors<K, C, U, A>, R, B>
 where
     B: Backend,
     U: Clone,
@@ -251,7 +248,7 @@ where
     {
         let guard = self.guard(key, grant, &mut req);
         let fut = self.inner.call(req);
-        ResponseFuture::called(fut, guard, self.usage.clone(), self.rejection.clone(), snapshots)
+        ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.rejection.clone(), snapshots)
     }
 
     /// What an admitted request keeps until its response is in: nothing, when nothing is
@@ -274,7 +271,7 @@ where
             && !shared.backend.needs_release(&grant)
             && !Meter::LEASES
             && shared.backend.shadow_refusal(&grant).is_none();
-        self.annotate.annotate(req, &grant);
+        self.extract.annotate.annotate(req, &grant);
         (!idle).then(|| Box::new(PermitGuard::new(grant, key.clone(), shared.clone())))
     }
 
@@ -287,7 +284,7 @@ where
         self.shared.count_refusal(&error);
         trace_refusal(&error);
         error.snapshots = seen.map(Into::into);
-        ResponseFuture::rejected(Box::new(error), self.usage.clone(), self.rejection.clone())
+        ResponseFuture::rejected(Box::new(error), self.extract.usage.clone(), self.rejection.clone())
     }
 
     /// Shadow mode: records what would have been refused, and calls the inner service
@@ -307,7 +304,13 @@ where
         trace_shadow(&error);
         // The states read with the decision tell the answer's headers what is left.
         let snapshots = seen.map(Vec::into_boxed_slice);
-        ResponseFuture::called(self.inner.call(req), None, self.usage.clone(), self.rejection.clone(), snapshots)
+        ResponseFuture::called(
+            self.inner.call(req),
+            None,
+            self.extract.usage.clone(),
+            self.rejection.clone(),
+            snapshots,
+        )
     }
 
     /// The slow path: wait for capacity (or for a remote backend's `pending` acquisition),
@@ -330,7 +333,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let wants_snapshots = self.rejection.wants_snapshots();
-        let annotate = self.annotate.clone();
+        let annotate = self.extract.annotate.clone();
         let admitted = async move {
             let answered = match pending {
                 Some(acquire) => match acquire.await {
@@ -362,7 +365,7 @@ where
             annotate.annotate(&mut req, &grant);
             Ok(Admitted { guard: Some(Box::new(PermitGuard::new(grant, key, shared.clone()))), inner, req, snapshots })
         };
-        ResponseFuture::waiting(Box::pin(admitted), self.usage.clone(), self.rejection.clone())
+        ResponseFuture::waiting(Box::pin(admitted), self.extract.usage.clone(), self.rejection.clone())
     }
 }
 

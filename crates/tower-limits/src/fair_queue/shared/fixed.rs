@@ -56,7 +56,8 @@ pub(crate) struct Fixed<B> {
     pub(crate) max_queue_time: Option<Duration>,
     pub(crate) default_key: Option<TenantKey>,
     pub(crate) config: FairQueueConfig,
-    /// `config.weights`, keyed by the tenant keys they name.
+    /// `config.weights`, keyed by the tenant keys they name: handed to the queue, which
+    /// looks them up itself.
     pub(crate) weights: HashMap<TenantKey, u32>,
     pub(crate) tracked_tenants: usize,
     /// Fleet-wide fairness: the backlog published before every acquisition, the weights
@@ -85,24 +86,6 @@ impl<B> Fixed<B> {
             fleet: None,
             meter: crate::meter::Meter::default(),
         })
-    }
-
-    /// The weight of `key`: the entry of `config.weights` naming it, or the default.
-    pub(crate) fn weight(&self, key: &TenantKey) -> u32 {
-        if self.weights.is_empty() {
-            return self.config.default_weight;
-        }
-        self.weights.get(key).copied().unwrap_or(self.config.default_weight)
-    }
-
-    /// The weight `key` is queued with: its [`weight`](Self::weight), scaled by this
-    /// replica's share of its fleet demand when the layer serves a fleet.
-    pub(crate) fn queue_weight(&self, key: &TenantKey) -> u32 {
-        let weight = self.weight(key);
-        match &self.fleet {
-            None => weight,
-            Some(fleet) => fleet.local_weight(key, weight),
-        }
     }
 }
 

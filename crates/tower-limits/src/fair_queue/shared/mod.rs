@@ -70,7 +70,8 @@ pub(crate) struct Shared<B: Backend> {
 
 impl<B: Backend> Shared<B> {
     pub(crate) fn new(fixed: Fixed<B>) -> Result<Self, PolicyError> {
-        let queue = FairQueue::new(fixed.config.clone())?;
+        let queue =
+            FairQueue::new(fixed.config.clone())?.with_weights(fixed.weights.iter().map(|(k, w)| (k.clone(), *w)));
         let state = State {
             queue,
             in_flight: 0,
@@ -99,6 +100,11 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Counts a refusal made before the request reached the queue.
+    /// The weight tenant `key` is queued with, before any fleet scaling.
+    pub(crate) fn weight(&self, key: &TenantKey) -> u32 {
+        self.lock().queue.weight(key)
+    }
+
     pub(crate) fn count_refusal(&self, kind: ErrorKind) {
         self.lock().counters.rejected.count(kind);
     }
@@ -228,7 +234,7 @@ impl<B: Backend> State<B> {
         let deadline = fx.max_queue_time.map(|d| t + d);
         let item = Queued { waker: None, since: t, deadline };
         if !(self.queue.is_empty() && self.gate.is_none() && self.in_flight < fx.slots) {
-            return match self.queue.enqueue(key.clone(), fx.queue_weight(key), cost, item) {
+            return match self.enqueue(fx, key, cost, item) {
                 Ok(ticket) => {
                     self.pump(fx, now, wake);
                     Arrival::Queued(ticket)
@@ -253,7 +259,7 @@ impl<B: Backend> State<B> {
             result => {
                 // Not yet (or a remote backend): to the gate, through the queue, so that
                 // the request has a ticket. The queue was empty: it pops this request.
-                let ticket = match self.queue.enqueue(key.clone(), fx.queue_weight(key), cost, item) {
+                let ticket = match self.enqueue(fx, key, cost, item) {
                     Ok(ticket) => ticket,
                     Err(full) => return Arrival::Refused(self.full(key, &full, t)),
                 };
@@ -280,16 +286,35 @@ impl<B: Backend> State<B> {
         }
     }
 
+    /// Queues a request at its tenant's weight, scaled by this replica's share of the
+    /// tenant's fleet demand when the layer serves a fleet (see
+    /// [`tower_limits_core::fleet`]).
+    fn enqueue(
+        &mut self,
+        fx: &Fixed<B>,
+        key: &TenantKey,
+        cost: u64,
+        item: Queued,
+    ) -> Result<tower_limits_core::Ticket, QueueFull<Queued>> {
+        match &fx.fleet {
+            None => self.queue.enqueue(key.clone(), cost, item),
+            Some(fleet) => {
+                let weight = fleet.local_weight(key, self.queue.weight(key));
+                self.queue.enqueue_weighted(key.clone(), weight, cost, item)
+            }
+        }
+    }
+
     /// Tells the fleet (if the layer serves one) what this replica has waiting, in
     /// requests: the queue's backlog and `extra`, the request about to be acquired.
     pub(super) fn publish_backlog(&self, fx: &Fixed<B>, extra: Option<&TenantKey>) {
         let Some(fleet) = &fx.fleet else { return };
         let mut backlog: Vec<(TenantKey, u32, u64)> =
-            self.queue.backlog().map(|(k, n, _)| (k.clone(), fx.weight(k), n)).collect();
+            self.queue.backlog().map(|(k, n, _)| (k.clone(), self.queue.weight(k), n)).collect();
         if let Some(key) = extra {
             match backlog.iter_mut().find(|(k, _, _)| k == key) {
                 Some(entry) => entry.2 += 1,
-                None => backlog.push((key.clone(), fx.weight(key), 1)),
+                None => backlog.push((key.clone(), self.queue.weight(key), 1)),
             }
         }
         fleet.publish(backlog);

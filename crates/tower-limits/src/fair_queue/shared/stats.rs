@@ -214,7 +214,7 @@ impl<B: Backend> Shared<B> {
         if queued.is_none() && record.is_none() {
             return None;
         }
-        let mut stats = TenantQueueStats { weight: self.fixed.weight(key), ..TenantQueueStats::default() };
+        let mut stats = TenantQueueStats { weight: st.queue.weight(key), ..TenantQueueStats::default() };
         if let Some(q) = queued {
             stats.queued = q.queued;
             stats.queued_cost = q.queued_cost;
