@@ -32,7 +32,7 @@ pub fn describe(error: &AcquireError) -> String {
             d.snapshot()
         ),
         AcquireError::CostAboveCapacity(e) => format!("{e:?}"),
-        AcquireError::MissingKey(e) => format!("{e:?}"),
+        AcquireError::MissingTier(e) => format!("{e:?}"),
         AcquireError::KeyTableFull(e) => format!("{e:?}"),
         other => format!("other: {other}"),
     }

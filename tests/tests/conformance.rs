@@ -430,7 +430,7 @@ async fn local_refusals<H: Harness>(h: &H) {
     let backend = h.make(mixed_policy());
     let org_only = TenantKey::single("acme").unwrap();
     let r = backend.acquire(&org_only, 1, at(S)).await;
-    assert!(matches!(&r, Err(AcquireError::MissingKey(m)) if m.tier() == "user"), "{}: {}", h.name(), outcome(&r));
+    assert!(matches!(&r, Err(AcquireError::MissingTier(m)) if m.tier() == "user"), "{}: {}", h.name(), outcome(&r));
     let alice = TenantKey::new(["acme", "alice"]).unwrap();
     let r = backend.acquire(&alice, 51, at(S)).await;
     match &r {

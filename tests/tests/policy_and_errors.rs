@@ -2,7 +2,7 @@
 //!
 //! - `KeyTableFull` when the key table is full of active keys: an error, not a panic,
 //!   and the bound holds;
-//! - `MissingKey` for a key lacking a tier some limit is keyed by;
+//! - `MissingTier` for a key lacking a tier some limit is keyed by;
 //! - `CostAboveCapacity` at once for a cost above a limit's capacity, whatever else;
 //! - `replace_policy` keeping the state of the limits that survive it;
 //! - TOML and JSON loading errors naming the line and the field.
@@ -97,7 +97,7 @@ fn the_key_table_stays_within_its_bound() {
 }
 
 // ---------------------------------------------------------------------------------------
-// MissingKey and CostAboveCapacity
+// MissingTier and CostAboveCapacity
 // ---------------------------------------------------------------------------------------
 
 #[test]
@@ -111,11 +111,11 @@ fn a_key_lacking_a_tier_is_refused_naming_the_tier() {
     .unwrap();
     for (key, tier) in [(TenantKey::single("acme").unwrap(), "user"), (TenantKey::global(), "org")] {
         match set.acquire(&key, 1, Instant::ZERO) {
-            Err(AcquireError::MissingKey(e)) => {
+            Err(AcquireError::MissingTier(e)) => {
                 assert_eq!(e.tier(), tier);
                 assert!(e.to_string().contains(&format!("{tier:?}")), "{e}");
             }
-            other => panic!("expected MissingKey, got {other:?}"),
+            other => panic!("expected MissingTier, got {other:?}"),
         }
     }
     assert_eq!(set.stats().admitted, 0);

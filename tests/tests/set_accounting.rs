@@ -178,7 +178,7 @@ impl Model {
                 let i = (0..specs.len()).find(|&i| format!("l{i}") == e.limit()).expect("a known limit");
                 self.above[i] += 1;
             }
-            AcquireError::KeyTableFull(_) | AcquireError::MissingKey(_) => {}
+            AcquireError::KeyTableFull(_) | AcquireError::MissingTier(_) => {}
             other => panic!("unexpected refusal {}", describe(other)),
         }
     }
@@ -751,7 +751,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     drop(held);
     assert!(set.check(&key, 1, now).is_ok());
     assert_eq!(remaining(&set), [0, 1]);
-    assert!(matches!(set.check(&TenantKey::global(), 1, now), Err(SetError::MissingKey(_))));
+    assert!(matches!(set.check(&TenantKey::global(), 1, now), Err(SetError::MissingTier(_))));
 }
 
 /// Keys spread over the set's shards: when many tenants come, a table of `max_keys` is

@@ -15,7 +15,7 @@ pub enum AcquireError {
     /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
     CostAboveCapacity(CostAboveCapacity),
     /// The tenant key lacks a tier that a limit is keyed by.
-    MissingKey(MissingKey),
+    MissingTier(MissingTier),
     /// The bound on tracked keys is reached and no tracked key is idle.
     KeyTableFull(KeyTableFull),
     /// The backend holding the limits' state could not answer.
@@ -38,7 +38,7 @@ impl fmt::Display for AcquireError {
         match self {
             AcquireError::Denied(e) => e.fmt(f),
             AcquireError::CostAboveCapacity(e) => e.fmt(f),
-            AcquireError::MissingKey(e) => e.fmt(f),
+            AcquireError::MissingTier(e) => e.fmt(f),
             AcquireError::KeyTableFull(e) => e.fmt(f),
             AcquireError::Unavailable(e) => e.fmt(f),
         }
@@ -53,7 +53,7 @@ impl From<SetError> for AcquireError {
         match e {
             SetError::Denied(d) => AcquireError::Denied(d),
             SetError::CostAboveCapacity(c) => AcquireError::CostAboveCapacity(c),
-            SetError::MissingKey(m) => AcquireError::MissingKey(m),
+            SetError::MissingTier(m) => AcquireError::MissingTier(m),
             SetError::KeyTableFull(k) => AcquireError::KeyTableFull(k),
         }
     }
@@ -84,7 +84,7 @@ pub enum SetError {
     /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
     CostAboveCapacity(CostAboveCapacity),
     /// The tenant key lacks a tier that a limit is keyed by.
-    MissingKey(MissingKey),
+    MissingTier(MissingTier),
     /// The bound on tracked keys is reached and no tracked key is idle.
     KeyTableFull(KeyTableFull),
 }
@@ -114,7 +114,7 @@ impl fmt::Display for SetError {
         match self {
             SetError::Denied(e) => e.fmt(f),
             SetError::CostAboveCapacity(e) => e.fmt(f),
-            SetError::MissingKey(e) => e.fmt(f),
+            SetError::MissingTier(e) => e.fmt(f),
             SetError::KeyTableFull(e) => e.fmt(f),
         }
     }
@@ -318,15 +318,15 @@ impl fmt::Display for CostAboveCapacity {
 
 /// The tenant key lacks a tier some limit is keyed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MissingKey {
+pub struct MissingTier {
     pub(crate) tier: &'static str,
 }
 
-impl MissingKey {
+impl MissingTier {
     /// A refusal decided by a backend outside this crate: the key lacks `tier`.
     #[must_use]
     pub fn new(tier: &'static str) -> Self {
-        MissingKey { tier }
+        MissingTier { tier }
     }
 
     /// The first tier the key lacks.
@@ -336,7 +336,7 @@ impl MissingKey {
     }
 }
 
-impl fmt::Display for MissingKey {
+impl fmt::Display for MissingTier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "the tenant key has no {:?} tier, which a limit is keyed by", self.tier)
     }

@@ -144,7 +144,7 @@ impl From<AcquireError> for LimitError {
                 LimitError { limit: Some(c.limit()), tier: c.tier(), ..LimitError::new(ErrorKind::CostAboveCapacity) }
                     .with_detail(c.to_string())
             }
-            AcquireError::MissingKey(m) => LimitError::new(ErrorKind::MissingKey).with_detail(m.to_string()),
+            AcquireError::MissingTier(m) => LimitError::new(ErrorKind::MissingKey).with_detail(m.to_string()),
             AcquireError::KeyTableFull(k) => LimitError::new(ErrorKind::KeyTableFull).with_detail(k.to_string()),
             AcquireError::Unavailable(u) => LimitError::new(ErrorKind::Unavailable).with_detail(u.to_string()),
             other => LimitError::new(ErrorKind::Unavailable).with_detail(other.to_string()),

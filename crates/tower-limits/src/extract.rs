@@ -17,41 +17,41 @@ use tower_limits_core::TenantKey;
 /// Two cases answer differently. A key the client did not give (no credentials, no
 /// header) is the client's: `401`. A key whose source is not wired into the server (the
 /// peer address that the server never recorded) is missing from every request alike: it
-/// is made with [`KeyMissing::unwired`], names the fix, is logged once as a warning and
+/// is made with [`MissingKey::unwired`], names the fix, is logged once as a warning and
 /// answers `500`, so that an operator sees the cause instead of every client seeing `401`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyMissing {
+pub struct MissingKey {
     what: &'static str,
     fix: Option<&'static str>,
 }
 
-impl KeyMissing {
+impl MissingKey {
     /// A missing key, saying what was looked for.
     ///
     /// ```
-    /// use tower_limits::extract::KeyMissing;
+    /// use tower_limits::extract::MissingKey;
     ///
-    /// let missing = KeyMissing::new("no x-api-key header");
+    /// let missing = MissingKey::new("no x-api-key header");
     /// assert_eq!(missing.what(), "no x-api-key header");
     /// assert_eq!(missing.fix(), None);
     /// ```
     #[must_use]
     pub const fn new(what: &'static str) -> Self {
-        KeyMissing { what, fix: None }
+        MissingKey { what, fix: None }
     }
 
     /// A key whose source the server never provides, with the setup that provides it:
     /// the refusal is the server's fault, not the client's.
     ///
     /// ```
-    /// use tower_limits::extract::KeyMissing;
+    /// use tower_limits::extract::MissingKey;
     ///
-    /// let missing = KeyMissing::unwired("no peer address", "record it when accepting connections");
+    /// let missing = MissingKey::unwired("no peer address", "record it when accepting connections");
     /// assert_eq!(missing.fix(), Some("record it when accepting connections"));
     /// ```
     #[must_use]
     pub const fn unwired(what: &'static str, fix: &'static str) -> Self {
-        KeyMissing { what, fix: Some(fix) }
+        MissingKey { what, fix: Some(fix) }
     }
 
     /// What was looked for: an extension type, a header, the peer address.
@@ -67,7 +67,7 @@ impl KeyMissing {
     }
 }
 
-impl fmt::Display for KeyMissing {
+impl fmt::Display for MissingKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "the request has no tenant key ({})", self.what)?;
         if let Some(fix) = self.fix {
@@ -77,7 +77,7 @@ impl fmt::Display for KeyMissing {
     }
 }
 
-impl std::error::Error for KeyMissing {}
+impl std::error::Error for MissingKey {}
 
 /// Watches a layer's key extractor, to make a key that never comes loud: a source that
 /// is not wired is logged once as a warning with its fix and refused as the server's
@@ -100,7 +100,7 @@ impl KeyWatch {
     }
 
     /// The refusal for a request without a key.
-    pub(crate) fn missing(&self, missing: &KeyMissing) -> crate::LimitError {
+    pub(crate) fn missing(&self, missing: &MissingKey) -> crate::LimitError {
         use crate::error::{ErrorKind, LimitError};
         use std::sync::atomic::Ordering::Relaxed;
         let first = !self.warned.load(Relaxed) && !self.warned.swap(true, Relaxed);
@@ -182,8 +182,8 @@ pub trait KeyExtractor<Req>: Clone + Send + Sync + 'static {
     /// The key, or why there is none.
     ///
     /// # Errors
-    /// [`KeyMissing`] when the request carries no key.
-    fn extract(&self, req: &Req) -> Result<TenantKey, KeyMissing>;
+    /// [`MissingKey`] when the request carries no key.
+    fn extract(&self, req: &Req) -> Result<TenantKey, MissingKey>;
 }
 
 /// The key of everyone: for sets whose limits are all global.
@@ -194,7 +194,7 @@ impl<Req> KeyExtractor<Req> for GlobalKey {
     const GLOBAL: bool = true;
 
     #[inline]
-    fn extract(&self, _req: &Req) -> Result<TenantKey, KeyMissing> {
+    fn extract(&self, _req: &Req) -> Result<TenantKey, MissingKey> {
         Ok(TenantKey::global())
     }
 }
@@ -240,8 +240,8 @@ where
     F: Fn(&Req) -> Option<TenantKey> + Send + Sync + 'static,
     Req: 'static,
 {
-    fn extract(&self, req: &Req) -> Result<TenantKey, KeyMissing> {
-        (self.f)(req).ok_or(KeyMissing::new("the key function returned none"))
+    fn extract(&self, req: &Req) -> Result<TenantKey, MissingKey> {
+        (self.f)(req).ok_or(MissingKey::new("the key function returned none"))
     }
 }
 
@@ -296,8 +296,8 @@ impl<T> fmt::Debug for FromExtension<T> {
 #[cfg(feature = "http")]
 impl<T: AsTenantKey, B> KeyExtractor<http::Request<B>> for FromExtension<T> {
     #[inline]
-    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
-        req.extensions().get::<T>().map(AsTenantKey::tenant_key).ok_or(KeyMissing::new(std::any::type_name::<T>()))
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, MissingKey> {
+        req.extensions().get::<T>().map(AsTenantKey::tenant_key).ok_or(MissingKey::new(std::any::type_name::<T>()))
     }
 }
 
@@ -334,14 +334,14 @@ impl<B> KeyExtractor<http::Request<B>> for PeerIp {
     /// Inlined, so that the key is written where the layer keeps it: a key returned from
     /// a call is read back at once from the bytes just written, which stalls the core.
     #[inline]
-    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, MissingKey> {
         let ip = peer_ip(req).ok_or(NO_PEER_ADDRESS)?;
         Ok(TenantKey::from_ip(ip))
     }
 }
 
 #[cfg(feature = "http")]
-const NO_PEER_ADDRESS: KeyMissing = KeyMissing::unwired(
+const NO_PEER_ADDRESS: MissingKey = MissingKey::unwired(
     "no peer address in the request's extensions",
     "with axum, serve the router with `into_make_service_with_connect_info::<std::net::SocketAddr>()` \
      (and keep tower-limits' `axum` feature on); with hyper or tonic, insert the connection's \
@@ -408,14 +408,14 @@ impl HeaderKey {
 
 #[cfg(feature = "http")]
 impl<B> KeyExtractor<http::Request<B>> for HeaderKey {
-    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, KeyMissing> {
-        let value = req.headers().get(&self.name).ok_or(KeyMissing::new("no key header"))?;
-        let text = value.to_str().map_err(|_| KeyMissing::new("key header is not text"))?;
+    fn extract(&self, req: &http::Request<B>) -> Result<TenantKey, MissingKey> {
+        let value = req.headers().get(&self.name).ok_or(MissingKey::new("no key header"))?;
+        let text = value.to_str().map_err(|_| MissingKey::new("key header is not text"))?;
         if self.numeric {
-            let id = text.parse().map_err(|_| KeyMissing::new("key header is not a number"))?;
+            let id = text.parse().map_err(|_| MissingKey::new("key header is not a number"))?;
             return Ok(TenantKey::from_u64(id));
         }
-        TenantKey::single(text).map_err(|_| KeyMissing::new("unusable key header"))
+        TenantKey::single(text).map_err(|_| MissingKey::new("unusable key header"))
     }
 }
 

@@ -27,7 +27,7 @@ use super::permit::{Costs, Granted, HeldAt};
 use super::shard::{Keyed, Shard};
 use super::{Counters, LimitSnapshot, Shared, lock};
 use crate::algorithm::{Refusal, Snapshot};
-use crate::error::{CostAboveCapacity, Denial, KeyTableFull, MissingKey, SetError};
+use crate::error::{CostAboveCapacity, Denial, KeyTableFull, MissingTier, SetError};
 use crate::key::{MAX_TIERS, TenantKey};
 use crate::limit::{Config, MAX_LIMITS};
 use crate::table::{Place, key_hash};
@@ -240,7 +240,7 @@ impl Shared {
     ) -> Result<Granted, SetError> {
         let cfg: &Config = config;
         if cfg.depth_needed > 0 && key.prefix(cfg.depth_needed).is_none() {
-            return Err(SetError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+            return Err(SetError::MissingTier(MissingTier { tier: cfg.tiers[key.depth()] }));
         }
         let mut now = now;
         if let Some(s) = &shard {
@@ -510,7 +510,7 @@ impl Shared {
             (root, root_hash)
         } else {
             let Some(prefix) = key.prefix(tier + 1) else {
-                return Err(SetError::MissingKey(MissingKey { tier: cfg.tiers[key.depth()] }));
+                return Err(SetError::MissingTier(MissingTier { tier: cfg.tiers[key.depth()] }));
             };
             (prefix, key_hash(&self.hasher, prefix))
         };

@@ -259,7 +259,7 @@ impl LimitSet {
     /// # Errors
     /// [`AcquireError::Denied`] when some limit is exhausted (no state changed),
     /// [`AcquireError::CostAboveCapacity`] when it never could pass,
-    /// [`AcquireError::MissingKey`] when `key` lacks a tier some limit is keyed by, and
+    /// [`AcquireError::MissingTier`] when `key` lacks a tier some limit is keyed by, and
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
     #[inline(always)]
     pub fn acquire<'a>(&'a self, key: &'a TenantKey, cost: u64, now: Instant) -> Result<Permit<'a>, AcquireError> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::Value;
 use tokio::runtime::Handle;
 use tower_limits_core::{
-    AcquireError, CostAboveCapacity, Counts, Denial, Instant, KeyPart, LimitSnapshot, MissingKey, Snapshot, TenantKey,
+    AcquireError, CostAboveCapacity, Counts, Denial, Instant, KeyPart, LimitSnapshot, MissingTier, Snapshot, TenantKey,
     Unavailable,
 };
 
@@ -91,7 +91,7 @@ impl Inner {
     pub(super) fn local_refusal(&self, key: &TenantKey, cost: u64) -> Option<AcquireError> {
         let depth = key.depth();
         if self.depth_needed > depth {
-            return Some(AcquireError::MissingKey(MissingKey::new(self.tiers[depth])));
+            return Some(AcquireError::MissingTier(MissingTier::new(self.tiers[depth])));
         }
         self.limits.iter().find_map(|l| {
             let c = if l.counts == Counts::Cost { cost } else { 1 };

@@ -3,7 +3,7 @@
 //! # An acquisition
 //!
 //! [`Backend::acquire`] first answers everything it can without the network: a key that
-//! lacks a tier ([`AcquireError::MissingKey`]), a cost above some limit's capacity
+//! lacks a tier ([`AcquireError::MissingTier`]), a cost above some limit's capacity
 //! ([`AcquireError::CostAboveCapacity`]), a denial still cached for this key, or, when
 //! the circuit breaker is open, the failure policy. Otherwise it returns a future that
 //! sends one `EVALSHA` of the set's script (see [`crate::script`]) with the set's keys
