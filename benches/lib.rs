@@ -81,3 +81,38 @@ pub fn from_peer(n: u32) -> Req {
     req.extensions_mut().insert(axum::extract::ConnectInfo(addr));
     req
 }
+
+/// How long `threads` threads take to run `op` `per_thread` times each, all released at
+/// once: the wall time from their common start to the last one's end.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+///
+/// let calls = Arc::new(AtomicU64::new(0));
+/// let counted = calls.clone();
+/// tower_limits_benches::on_threads(2, 1_000, Arc::new(move || {
+///     counted.fetch_add(1, Ordering::Relaxed);
+/// }));
+/// assert_eq!(calls.load(Ordering::Relaxed), 2_000);
+/// ```
+pub fn on_threads(threads: usize, per_thread: u64, op: std::sync::Arc<dyn Fn() + Send + Sync>) -> std::time::Duration {
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (op, barrier) = (op.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                for _ in 0..per_thread {
+                    op();
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = std::time::Instant::now();
+    for h in handles {
+        h.join().expect("bench thread");
+    }
+    start.elapsed()
+}

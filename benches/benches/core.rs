@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::{Duration, Instant as StdInstant};
+use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
@@ -102,28 +102,6 @@ fn three_limits(c: &mut Criterion) {
     g.finish();
 }
 
-/// Total time for `per_thread * threads` acquisitions spread over `threads` threads.
-fn spread(threads: usize, per_thread: u64, op: Arc<dyn Fn() + Send + Sync>) -> Duration {
-    let barrier = Arc::new(std::sync::Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (op, barrier) = (op.clone(), barrier.clone());
-            std::thread::spawn(move || {
-                barrier.wait();
-                for _ in 0..per_thread {
-                    op();
-                }
-            })
-        })
-        .collect();
-    let start = StdInstant::now();
-    barrier.wait();
-    for h in handles {
-        h.join().expect("bench thread");
-    }
-    start.elapsed()
-}
-
 fn contended(c: &mut Criterion) {
     let mut g = c.benchmark_group("contended");
     let clock = SystemClock::new();
@@ -141,14 +119,18 @@ fn contended(c: &mut Criterion) {
             black_box(set.acquire(&key, 1, clock.now()).is_ok());
         });
         g.bench_function(BenchmarkId::new("tower_limits", threads), |b| {
-            b.iter_custom(|iters| spread(threads, iters.div_ceil(threads as u64), op.clone()));
+            b.iter_custom(|iters| {
+                tower_limits_benches::on_threads(threads, iters.div_ceil(threads as u64), op.clone())
+            });
         });
         let gov = theirs.clone();
         let op: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
             black_box(gov.check().is_ok());
         });
         g.bench_function(BenchmarkId::new("governor", threads), |b| {
-            b.iter_custom(|iters| spread(threads, iters.div_ceil(threads as u64), op.clone()));
+            b.iter_custom(|iters| {
+                tower_limits_benches::on_threads(threads, iters.div_ceil(threads as u64), op.clone())
+            });
         });
     }
     g.finish();

@@ -13,7 +13,7 @@
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use axum::body::Body;
@@ -77,24 +77,8 @@ fn throughput(threads: usize, op: Op) -> f64 {
         let ns = per_call(&mut || op());
         (SLICE.as_nanos() as f64 / ns) as u64
     };
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (op, barrier) = (op.clone(), barrier.clone());
-            std::thread::spawn(move || {
-                barrier.wait();
-                for _ in 0..per_thread {
-                    op();
-                }
-            })
-        })
-        .collect();
-    barrier.wait();
-    let start = StdInstant::now();
-    for h in handles {
-        h.join().expect("bench thread");
-    }
-    (per_thread * threads as u64) as f64 / start.elapsed().as_secs_f64()
+    let elapsed = tower_limits_benches::on_threads(threads, per_thread, op);
+    (per_thread * threads as u64) as f64 / elapsed.as_secs_f64()
 }
 
 /// An operation each thread of [`throughput`] runs.
@@ -382,7 +366,7 @@ fn core_rows(rows: &mut Vec<Row>) {
             black_box(gov_open.check().is_ok());
         },
     ));
-    // And with no lock at all (see `floor.rs`): the floor of any design on this host.
+    // And with no lock at all (see `floor.rs`): the floor of any design.
     let lock_free = SetOfThreeLockFree::new(&[b"acme"]);
     rows.push(pair(
         "3-limit set by hand, no lock (any design's floor) / one governor check",
@@ -740,9 +724,7 @@ fn redis_rows(rows: &mut Vec<Row>) {
     // A whole request: the acquisition and, once it is done, the release of its
     // semaphore: ours a `ZREM` of the grant's member (the set's one semaphore counts
     // requests), the plain side's a `DECR`, each a plain command. Two calls a request on
-    // each side, so the ratio per call is the ratio per request. (Until 2026-11-27 both
-    // released through a script, each paying a script's call, some 1.5 us, for one
-    // command.) A backend of its own: the rows above
+    // each side, so the ratio per call is the ratio per request. A backend of its own: the rows above
     // never release, and their semaphores' sets hold every grant they made for a lease,
     // which makes each write to them dearer than in a service, where a set holds only the
     // requests in flight.

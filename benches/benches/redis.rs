@@ -5,7 +5,7 @@
 //! cached denial. Criterion measures the throughputs; a table with every number is
 //! printed at the end.
 //!
-//! Targets (issue 5): one round trip for any set in one slot; at most 6 us of Redis CPU
+//! Targets: one round trip for any set in one slot; at most 6 us of Redis CPU
 //! for a single GCRA limit and 15 us for three limits including a semaphore; zero round
 //! trips for a cached denial.
 //!

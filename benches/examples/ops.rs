@@ -18,8 +18,8 @@
 //!
 //! Each operation is a closure of its own, called through a pointer, as `peers` calls
 //! its sides: the compiler sees the same code in both, so the counts here are of what
-//! `peers` times. (Inlined into one loop, a refusal whose fields nobody reads lost them
-//! to the optimizer, which `peers` does not allow, and the counts flattered our side.)
+//! `peers` times. (Inlined into one loop, the optimizer would drop a refusal's unread
+//! fields, which `peers` does not allow.)
 
 #![allow(clippy::print_stdout)]
 

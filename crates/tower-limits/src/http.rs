@@ -380,6 +380,15 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 #[derive(Debug, Clone, Copy)]
 #[must_use]
 pub struct HttpAnswer<J = EmptyBody, O = NoBodyUsage> {
+    how: Answering,
+    observer: O,
+    _body: PhantomData<J>,
+}
+
+/// What an [`HttpAnswer`] says and when it gives back what a request holds, whatever
+/// its body kinds.
+#[derive(Debug, Clone, Copy)]
+struct Answering {
     openai: bool,
     on_success: bool,
     all_limits: bool,
@@ -393,15 +402,13 @@ pub struct HttpAnswer<J = EmptyBody, O = NoBodyUsage> {
     /// Whether what a request holds is given back when its response's head is ready,
     /// rather than when its body ends.
     release_at_head: bool,
-    observer: O,
-    _body: PhantomData<J>,
 }
 
 impl HttpAnswer {
     /// Empty-bodied refusals with `Retry-After` and `RateLimit` fields for the limit that
     /// refused; admitted requests hold what they took until their body ends.
     pub const fn new() -> Self {
-        HttpAnswer {
+        let how = Answering {
             openai: false,
             on_success: false,
             all_limits: false,
@@ -410,9 +417,8 @@ impl HttpAnswer {
             unknown_wait: Some(Duration::from_secs(1)),
             challenge: Some("Bearer"),
             release_at_head: false,
-            observer: NoBodyUsage,
-            _body: PhantomData,
-        }
+        };
+        HttpAnswer { how, observer: NoBodyUsage, _body: PhantomData }
     }
 }
 
@@ -435,7 +441,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(answer);
     /// ```
     pub fn release_at_head(self) -> Self {
-        HttpAnswer { release_at_head: true, ..self }
+        HttpAnswer { how: Answering { release_at_head: true, ..self.how }, ..self }
     }
 
     /// Settles each request to the usage its response body reports as it streams by (for
@@ -451,18 +457,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(answer);
     /// ```
     pub fn usage_from_body<O2: BodyUsage>(self, observer: O2) -> HttpAnswer<J, O2> {
-        HttpAnswer {
-            openai: self.openai,
-            on_success: self.on_success,
-            all_limits: self.all_limits,
-            limit_fields: self.limit_fields,
-            status: self.status,
-            unknown_wait: self.unknown_wait,
-            challenge: self.challenge,
-            release_at_head: false,
-            observer,
-            _body: PhantomData,
-        }
+        HttpAnswer { how: Answering { release_at_head: false, ..self.how }, observer, _body: PhantomData }
     }
 }
 
@@ -471,7 +466,7 @@ impl<J, O> HoldsBody for HttpAnswer<J, O> {
     type WithUsage<O2: BodyUsage> = HttpAnswer<J, O2>;
 
     fn hold_body(self) -> Self {
-        HttpAnswer { release_at_head: false, ..self }
+        HttpAnswer { how: Answering { release_at_head: false, ..self.how }, ..self }
     }
 
     fn usage_from_body<O2: BodyUsage>(self, observer: O2) -> HttpAnswer<J, O2> {
@@ -495,22 +490,22 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(answer);
     /// ```
     pub fn with_status(self, status: fn(&LimitError) -> StatusCode) -> Self {
-        HttpAnswer { status, ..self }
+        HttpAnswer { how: Answering { status, ..self.how }, ..self }
     }
 
     /// Also the `x-ratelimit-*` fields OpenAI clients read (implies every limit's state).
     pub fn with_openai_fields(self) -> Self {
-        HttpAnswer { openai: true, all_limits: true, ..self }
+        HttpAnswer { how: Answering { openai: true, all_limits: true, ..self.how }, ..self }
     }
 
     /// `RateLimit` fields for every limit of the set, not only the one that refused.
     pub fn with_all_limits(self) -> Self {
-        HttpAnswer { all_limits: true, ..self }
+        HttpAnswer { how: Answering { all_limits: true, ..self.how }, ..self }
     }
 
     /// The fields on successful responses too (the states are read with the decision, in the same pass).
     pub fn on_success(self) -> Self {
-        HttpAnswer { on_success: true, all_limits: true, ..self }
+        HttpAnswer { how: Answering { on_success: true, all_limits: true, ..self.how }, ..self }
     }
 
     /// Refusals carry OpenAI's error object (`{"error": {"message", "type", "param",
@@ -527,18 +522,7 @@ impl<J, O> HttpAnswer<J, O> {
 
     /// The same answer with refusal bodies of kind `J2`.
     fn with_body<J2>(self) -> HttpAnswer<J2, O> {
-        HttpAnswer {
-            openai: self.openai,
-            on_success: self.on_success,
-            all_limits: self.all_limits,
-            limit_fields: self.limit_fields,
-            status: self.status,
-            unknown_wait: self.unknown_wait,
-            challenge: self.challenge,
-            release_at_head: self.release_at_head,
-            observer: self.observer,
-            _body: PhantomData,
-        }
+        HttpAnswer { how: self.how, observer: self.observer, _body: PhantomData }
     }
 
     /// The wait that `Retry-After` and `retry-after-ms` suggest for refusals whose wait
@@ -556,7 +540,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(answer);
     /// ```
     pub fn with_unknown_wait(self, wait: Option<Duration>) -> Self {
-        HttpAnswer { unknown_wait: wait, ..self }
+        HttpAnswer { how: Answering { unknown_wait: wait, ..self.how }, ..self }
     }
 
     /// Only `Retry-After` and `retry-after-ms`: no `RateLimit`, `RateLimit-Policy` or
@@ -577,7 +561,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(layer);
     /// ```
     pub fn without_limit_fields(self) -> Self {
-        HttpAnswer { limit_fields: false, ..self }
+        HttpAnswer { how: Answering { limit_fields: false, ..self.how }, ..self }
     }
 
     /// The `WWW-Authenticate` challenge that a `401` (a request without a tenant key)
@@ -592,16 +576,16 @@ impl<J, O> HttpAnswer<J, O> {
     /// # drop(answer);
     /// ```
     pub fn with_challenge(self, challenge: Option<&'static str>) -> Self {
-        HttpAnswer { challenge, ..self }
+        HttpAnswer { how: Answering { challenge, ..self.how }, ..self }
     }
 
     fn headers(&self, headers: &mut HeaderMap, error: &LimitError) {
-        if let (ErrorKind::MissingKey, Some(challenge)) = (error.kind(), self.challenge) {
+        if let (ErrorKind::MissingKey, Some(challenge)) = (error.kind(), self.how.challenge) {
             if let Ok(value) = HeaderValue::from_str(challenge) {
                 headers.insert(http::header::WWW_AUTHENTICATE, value);
             }
         }
-        if !self.limit_fields {
+        if !self.how.limit_fields {
             if let Some(wait) = error.retry_after() {
                 write_retry_after(headers, wait);
             }
@@ -609,19 +593,19 @@ impl<J, O> HttpAnswer<J, O> {
         }
         error.write_headers(headers);
         if let Some(all) = error.snapshots() {
-            if self.all_limits {
+            if self.how.all_limits {
                 write_ratelimit_fields(headers, all);
             }
-            if self.openai {
+            if self.how.openai {
                 write_openai_fields(headers, all);
             }
         }
     }
 
     fn success_headers(&self, headers: &mut HeaderMap, snapshots: Option<&[LimitSnapshot]>) {
-        if let (true, true, Some(all)) = (self.limit_fields, self.on_success, snapshots) {
+        if let (true, true, Some(all)) = (self.how.limit_fields, self.how.on_success, snapshots) {
             write_ratelimit_fields(headers, all);
-            if self.openai {
+            if self.how.openai {
                 write_openai_fields(headers, all);
             }
         }
@@ -638,17 +622,17 @@ where
     type Error = E;
 
     fn reject(&self, mut error: Box<LimitError>) -> Result<Self::Response, E> {
-        if let Some(wait) = self.unknown_wait {
+        if let Some(wait) = self.how.unknown_wait {
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
         }
-        if !self.limit_fields {
+        if !self.how.limit_fields {
             // Nor does the body state the limits.
             error.snapshot = None;
             error.snapshots = None;
         }
         let mut response = Response::new(HeldBody::free(J::body(&error), self.observer.clone()));
-        *response.status_mut() = (self.status)(&error);
+        *response.status_mut() = (self.how.status)(&error);
         if let Some(content_type) = J::content_type() {
             response.headers_mut().insert(CONTENT_TYPE, content_type);
         }
@@ -668,7 +652,7 @@ where
         snapshots: Option<&[LimitSnapshot]>,
         hold: Hold,
     ) -> Self::Response {
-        if self.release_at_head || response.body().is_end_stream() {
+        if self.how.release_at_head || response.body().is_end_stream() {
             hold.finish();
             return <Self as Rejection<Response<B>, E>>::respond(self, response, snapshots);
         }
@@ -682,15 +666,15 @@ where
     }
 
     fn wants_snapshots(&self) -> bool {
-        self.all_limits && self.limit_fields
+        self.how.all_limits && self.how.limit_fields
     }
 
     fn holds_body(&self) -> bool {
-        !self.release_at_head
+        !self.how.release_at_head
     }
 
     fn reads_body_usage(&self) -> bool {
-        O::REPORTS && !self.release_at_head
+        O::REPORTS && !self.how.release_at_head
     }
 }
 

@@ -28,7 +28,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tower_limits::extract::{Extractors, FromExtension};
 use tower_limits::http::{HttpAnswer, JsonBody};
 use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
@@ -98,47 +98,14 @@ const USAGE: &str = "usage: cargo run -p example-axum-tenants [-- --serve [--por
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match example_support::from_env(USAGE, 3000) {
-        Ok(args) => args,
-        Err(code) => return code,
-    };
-    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
-            return ExitCode::FAILURE;
-        }
-    };
-    let Ok(addr) = listener.local_addr() else {
-        eprintln!("error: the listener has no local address");
-        return ExitCode::FAILURE;
-    };
-    let server = tokio::spawn(async move { axum::serve(listener, app()).await });
-    if args.serve {
-        print_commands(addr);
-        return match server.await {
-            Ok(Ok(())) => ExitCode::SUCCESS,
-            Ok(Err(e)) => {
-                eprintln!("error: the server stopped: {e}");
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("error: the server task failed: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    match demo(addr).await {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(n) => {
-            println!("\n{n} answer(s) differed from what the limits promise");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    example_support::run(
+        USAGE,
+        3000,
+        |listener| async move { axum::serve(listener, app()).await },
+        print_commands,
+        demo,
+    )
+    .await
 }
 
 fn print_commands(addr: SocketAddr) {

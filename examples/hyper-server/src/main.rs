@@ -76,50 +76,15 @@ const USAGE: &str = "usage: cargo run -p example-hyper-server [-- --serve [--por
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match example_support::from_env(USAGE, 3001) {
-        Ok(args) => args,
-        Err(code) => return code,
-    };
-    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
-            return ExitCode::FAILURE;
-        }
-    };
-    let Ok(addr) = listener.local_addr() else {
-        eprintln!("error: the listener has no local address");
-        return ExitCode::FAILURE;
-    };
-    let server = tokio::spawn(serve(listener, QUOTA));
-    if args.serve {
-        println!("serving on http://{addr} (Ctrl-C to stop)");
-        println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight; try:");
-        println!("  curl -i http://{addr}/");
-        println!("  for i in 1 2 3; do curl -si http://{addr}/ | grep -iE '^(HTTP/|retry-after|ratelimit)'; done");
-        return match server.await {
-            Ok(Ok(())) => ExitCode::SUCCESS,
-            Ok(Err(e)) => {
-                eprintln!("error: the server stopped: {e}");
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("error: the server task failed: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    match demo(addr).await {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(n) => {
-            println!("\n{n} answer(s) differed from what the limits promise");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    example_support::run(USAGE, 3001, |listener| serve(listener, QUOTA), print_commands, demo).await
+}
+
+/// What to try against a server kept running with `--serve`.
+fn print_commands(addr: SocketAddr) {
+    println!("serving on http://{addr} (Ctrl-C to stop)");
+    println!("limits, for everyone together: 1 request a second with a burst of 2, 4 in flight; try:");
+    println!("  curl -i http://{addr}/");
+    println!("  for i in 1 2 3; do curl -si http://{addr}/ | grep -iE '^(HTTP/|retry-after|ratelimit)'; done");
 }
 
 /// One request on a fresh connection, as curl would send it: the status and the

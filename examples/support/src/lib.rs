@@ -1,7 +1,75 @@
 //! What the server examples share: their command line, `[--serve [--port N]]` and
-//! `--help`, with one-line errors that say what to do.
+//! `--help`, with one-line errors that say what to do, and their `main`: serve on
+//! loopback, then either keep serving or run the scripted demonstration against it.
 
+use std::fmt::Display;
+use std::future::Future;
+use std::net::SocketAddr;
 use std::process::ExitCode;
+
+use tokio::net::TcpListener;
+
+/// An example server's `main`: parses the command line (`usage`, `example_port` as for
+/// [`from_env`]), listens on `127.0.0.1`, spawns `serve` on the listener, then, with
+/// `--serve`, prints what to try (`commands`) and serves until stopped; otherwise runs
+/// `demo` against the server. Exits 0 when the demonstration found every answer as the
+/// limits promise, 1 when some differed or the server failed, 2 on a bad argument.
+#[allow(clippy::print_stdout)]
+pub async fn run<S, SE, D, DE>(
+    usage: &str,
+    example_port: u16,
+    serve: impl FnOnce(TcpListener) -> S,
+    commands: impl FnOnce(SocketAddr),
+    demo: impl FnOnce(SocketAddr) -> D,
+) -> ExitCode
+where
+    S: Future<Output = Result<(), SE>> + Send + 'static,
+    SE: Display + Send + 'static,
+    D: Future<Output = Result<usize, DE>>,
+    DE: Display,
+{
+    let args = match from_env(usage, example_port) {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
+    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok(addr) = listener.local_addr() else {
+        eprintln!("error: the listener has no local address");
+        return ExitCode::FAILURE;
+    };
+    let server = tokio::spawn(serve(listener));
+    if args.serve {
+        commands(addr);
+        return match server.await {
+            Ok(Ok(())) => ExitCode::SUCCESS,
+            Ok(Err(e)) => {
+                eprintln!("error: the server stopped: {e}");
+                ExitCode::FAILURE
+            }
+            Err(e) => {
+                eprintln!("error: the server task failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match demo(addr).await {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(n) => {
+            println!("\n{n} answer(s) differed from what the limits promise");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
 /// What the command line asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -66,47 +66,7 @@ const USAGE: &str = "usage: cargo run -p example-tonic-health [-- --serve [--por
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match example_support::from_env(USAGE, 50051) {
-        Ok(args) => args,
-        Err(code) => return code,
-    };
-    let listener = match TcpListener::bind(("127.0.0.1", args.port)).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("error: cannot listen on 127.0.0.1:{}: {e}; choose another --port", args.port);
-            return ExitCode::FAILURE;
-        }
-    };
-    let Ok(addr) = listener.local_addr() else {
-        eprintln!("error: the listener has no local address");
-        return ExitCode::FAILURE;
-    };
-    let server = tokio::spawn(serve(listener, QUOTA));
-    if args.serve {
-        print_commands(addr);
-        return match server.await {
-            Ok(Ok(())) => ExitCode::SUCCESS,
-            Ok(Err(e)) => {
-                eprintln!("error: the server stopped: {e}");
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("error: the server task failed: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    match demo(addr).await {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(n) => {
-            println!("\n{n} answer(s) differed from what the limits promise");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("error: the demonstration could not reach its own server at {addr}: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    example_support::run(USAGE, 50051, |listener| serve(listener, QUOTA), print_commands, demo).await
 }
 
 /// Writes the health service's descriptors where grpcurl can read them (the server has no

@@ -98,7 +98,7 @@ impl Shared {
     /// The acquisition under the locks. The answer is returned as it is, never wrapped,
     /// and without `observe` the decision is written straight into the caller's place: a
     /// result is some ninety bytes, and a copy of them read back right after the writes
-    /// that made it stalls the core (a sixth of a keyed acquisition's time).
+    /// that made it stalls the core.
     fn acquire_locked(
         &self,
         key: &TenantKey,

@@ -20,8 +20,8 @@
 //!
 //! The next commonest set is per-tenant limits under one global cap (requests per tenant
 //! and tokens per minute for everyone). Under the global lock every acquisition of every
-//! tenant writes that lock's line, so threads on different tenants queue on it (on a
-//! 2-core host two threads together did 0.55 times one thread's work). So when a set's
+//! tenant writes that lock's line, so threads on different tenants queue on it, and two do
+//! less work together than one alone. So when a set's
 //! only global limit is a GCRA or a token bucket that enforces, its state lives here too,
 //! and the acquisition takes the tenant's shard lock alone:
 //!
@@ -101,9 +101,8 @@
 //! to `s + k*T` for `k` more units beginning at some `s >= g`, and keeps them in a
 //! thread-local slot. Later calls of that thread use the leased units without touching any
 //! shared line: a few loads from the slot and one store to it, in line in the caller, each
-//! of its fields a word of its own. (A whole slot copied out and back on every call, and
-//! the call out of line, made two threads together barely faster than one on a 2-core AMD
-//! host: 66 to 89 million grants a second against one thread's 97; now 155 to 180.) The
+//! of its fields a word of its own: a whole slot copied out and back on every call, or
+//! the call out of line, costs more than the shared write the lease saves. The
 //! slots between `g` and `s` (the *lead*, below) belong to no one.
 //!
 //! Until some thread sees its swap fail no thread can hold a lease, so a flag on the
@@ -398,9 +397,8 @@ impl Fast {
     /// of any grant, as the global lock's latest instant decided it. Another thread read
     /// the clock, then lost its core for a while, and meanwhile the others' grants (and,
     /// under contention, their leases and leads) moved the TAT more than the tolerance
-    /// past its instant: refused there, though the limit was far from exhausted (seen in
-    /// `peers`, two threads on a set with a global token bucket of a millisecond's burst,
-    /// on a busy 2-core VM). Counted once, as what it finally is: the refusal counted
+    /// past its instant: refused there, though the limit was far from exhausted (a
+    /// contended limit with a burst of a millisecond is enough). Counted once, as what it finally is: the refusal counted
     /// where it was made is taken back when the call is decided again.
     #[cold]
     #[inline(never)]

@@ -172,7 +172,7 @@ impl fmt::Debug for LimitSet {
 ///
 /// A macro and not a function: every branch builds its answer in the caller's place. An
 /// answer returned as an `Option<Result<..>>` and unwrapped by the caller is copied, and
-/// a denial is some ninety bytes (the copy was a fifth of a refusal's instructions).
+/// a denial is some ninety bytes, a copy a refusal would pay on every call.
 macro_rules! return_fast_answer {
     ($set:expr, $cost:expr, $now:expr, |$grant:ident| $wrap:expr) => {
         return_fast_answer!($set, $cost, $now, |$grant| $wrap, AcquireError)

@@ -63,10 +63,8 @@ pub(super) fn shard_count(max_keys: usize, states_per_key: usize) -> usize {
 /// room for a few keys in each: a key needs one state per keyed limit, all in its shard.
 ///
 /// Shards exist to spread the cores' locks; more than the cores can contend for only
-/// spread the keys' tables thinner. On a 2-core machine 32 shards of 100,000 numeric keys
-/// made each acquisition 10 to 25 ns slower than 8 (and slower than governor's keyed
-/// store): both miss the cache on the table twice a call, and the shards' own lines
-/// missed too.
+/// spread the keys' tables and the shards' own lines thinner, so that a lookup that
+/// misses the cache misses more.
 pub(super) fn shard_count_for(max_keys: usize, states_per_key: usize, cores: usize) -> usize {
     let mut n = (cores.min(MAX_SHARDS) * SHARDS_PER_CORE).next_power_of_two().min(MAX_SHARDS);
     while n > 1 && max_keys / n < states_per_key.max(1) * 4 {

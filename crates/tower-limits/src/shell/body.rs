@@ -369,32 +369,30 @@ pub trait HoldsBody: Sized {
     fn usage_from_body<O: BodyUsage>(self, observer: O) -> Self::WithUsage<O>;
 }
 
-impl HoldsBody for crate::ReturnError {
-    type Held = HoldBody<Self>;
-    type WithUsage<O: BodyUsage> = HoldBody<Self, O>;
+/// Modes that cannot hold a body themselves hold it in a [`HoldBody`].
+macro_rules! held_in_a_wrapper {
+    ($($(#[$attr:meta])* $mode:ty),*) => {$(
+        $(#[$attr])*
+        impl HoldsBody for $mode {
+            type Held = HoldBody<Self>;
+            type WithUsage<O: BodyUsage> = HoldBody<Self, O>;
 
-    fn hold_body(self) -> HoldBody<Self> {
-        HoldBody::new(self)
-    }
+            fn hold_body(self) -> HoldBody<Self> {
+                HoldBody::new(self)
+            }
 
-    fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<Self, O> {
-        HoldBody::new(self).usage_from_body(observer)
-    }
+            fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<Self, O> {
+                HoldBody::new(self).usage_from_body(observer)
+            }
+        }
+    )*};
 }
 
-#[cfg(feature = "tonic")]
-impl HoldsBody for crate::GrpcAnswer {
-    type Held = HoldBody<Self>;
-    type WithUsage<O: BodyUsage> = HoldBody<Self, O>;
-
-    fn hold_body(self) -> HoldBody<Self> {
-        HoldBody::new(self)
-    }
-
-    fn usage_from_body<O: BodyUsage>(self, observer: O) -> HoldBody<Self, O> {
-        HoldBody::new(self).usage_from_body(observer)
-    }
-}
+held_in_a_wrapper!(
+    crate::ReturnError,
+    #[cfg(feature = "tonic")]
+    crate::GrpcAnswer
+);
 
 impl<R, O0> HoldsBody for HoldBody<R, O0> {
     type Held = Self;

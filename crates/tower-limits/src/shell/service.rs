@@ -134,8 +134,8 @@ where
         if let Some(decided) = shared.backend.acquire_now(key, cost, now) {
             return match decided {
                 Ok(grant) => {
-                    // The request goes to the inner service from here: handed to a helper
-                    // first, it was copied whole (224 bytes for an `http::Request<()>`).
+                    // The request goes to the inner service from here, not through a helper,
+                    // so that it is not copied whole on the way.
                     let guard = self.guard(key, grant, &mut req);
                     if guard.is_none() {
                         // Holding nothing: the inner future is made in the answer's place.
