@@ -17,13 +17,13 @@ pub fn proptest_config(cases: u32) -> Config {
 }
 
 /// A comparable description of why an acquisition was refused: the kind, and for a
-/// denial the blocking limit, the exact wait, whether a release is needed and the
-/// snapshot. (`AcquireError` is not `PartialEq`: a denial holds the set's config.)
+/// refusal the blocking limit, the exact wait, whether a release is needed and the
+/// snapshot. (`AcquireError` is not `PartialEq`: a refusal holds the set's config.)
 #[must_use]
 pub fn describe(error: &AcquireError) -> String {
     match error {
-        AcquireError::Denied(d) => format!(
-            "denied by #{} {:?} (tier {:?}) retry {:?} release {} {:?}",
+        AcquireError::Refused(d) => format!(
+            "refused by #{} {:?} (tier {:?}) retry {:?} release {} {:?}",
             d.limit_index(),
             d.limit(),
             d.tier(),
@@ -138,6 +138,316 @@ pub mod params {
     pub fn window_params() -> impl Strategy<Value = WindowParams> {
         (1u64..=20, prop_oneof![1 => 1u64..=16, 4 => 1u64..=10_000_000])
             .prop_map(|(limit, window)| WindowParams { limit, window })
+    }
+}
+
+pub mod policies {
+    //! Random limit policies for the property laws: the one generator of the tests.
+    //!
+    //! A [`Spec`] describes one limit (its algorithm, the tier it is keyed by, whether it
+    //! counts requests or cost, and its numbers); a [`PolicyGen`] says which specs to draw;
+    //! [`policy_of`] makes a set's policy of them, with the tiers [`TIERS`].
+    //!
+    //! `PolicyGen::new()` draws from everything: every algorithm, every tier, either way of
+    //! counting, rates of 1 to 5 per 5 to 60 ms with bursts (and limits, and capacities) of 1
+    //! to 6. A caller narrows it to what its law needs, for example:
+    //!
+    //! - rate limits only, where a refusal must have a wait: `.kinds(Kind::RATES)`;
+    //! - small limits, so that a known cost is above every capacity: `.sizes(1..=4)`;
+    //! - a rate of `size` per period with a burst of `size`: `.amount_is_size()`;
+    //! - global limits only, or keyed ones: `.tiers(&[Tier::Global])`;
+    //! - limits that all count cost: `.counting(Counting::Cost)`.
+    //!
+    //! The draw of one spec is a tuple in a fixed order (kind, tier, counting, amount, size,
+    //! period), so that a setting the caller keeps draws as before, and the regression seeds
+    //! of `limit_set_laws.rs` (drawn with `PolicyGen::new()`) replay the same cases.
+
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use tower_limits_core::{LimitPolicy, LimitSetPolicy, Rate};
+
+    /// The tiers of every set [`policy_of`] makes, outermost first.
+    pub const TIERS: [&str; 2] = ["org", "user"];
+
+    /// The most a generated semaphore holds: a semaphore's capacity is its size, at most
+    /// this, so that a few permits fill it.
+    pub const SEMAPHORE_MAX: u64 = 4;
+
+    /// The algorithm of a limit.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        /// `LimitPolicy::gcra`.
+        Gcra,
+        /// `LimitPolicy::token_bucket`.
+        TokenBucket,
+        /// `LimitPolicy::sliding_window_log`.
+        SlidingLog,
+        /// `LimitPolicy::sliding_window_counter`.
+        SlidingCounter,
+        /// `LimitPolicy::fixed_window`.
+        FixedWindow,
+        /// `LimitPolicy::semaphore`.
+        Semaphore,
+    }
+
+    impl Kind {
+        /// Every algorithm.
+        pub const ALL: &'static [Kind] = &[
+            Kind::Gcra,
+            Kind::TokenBucket,
+            Kind::SlidingLog,
+            Kind::SlidingCounter,
+            Kind::FixedWindow,
+            Kind::Semaphore,
+        ];
+
+        /// The rate limits: every algorithm but the semaphore.
+        pub const RATES: &'static [Kind] =
+            &[Kind::Gcra, Kind::TokenBucket, Kind::SlidingLog, Kind::SlidingCounter, Kind::FixedWindow];
+    }
+
+    /// What a limit is keyed by: nothing (one state for everyone), or one of [`TIERS`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Tier {
+        /// One state for the whole set.
+        Global,
+        /// A state per `org`.
+        Org,
+        /// A state per `user` (of an org).
+        User,
+    }
+
+    impl Tier {
+        /// Every scope.
+        pub const ALL: &'static [Tier] = &[Tier::Global, Tier::Org, Tier::User];
+
+        /// The keyed scopes.
+        pub const KEYED: &'static [Tier] = &[Tier::Org, Tier::User];
+
+        /// The tier's name, `None` for a global limit.
+        #[must_use]
+        pub fn name(self) -> Option<&'static str> {
+            match self {
+                Tier::Global => None,
+                Tier::Org => Some(TIERS[0]),
+                Tier::User => Some(TIERS[1]),
+            }
+        }
+    }
+
+    /// How the generated limits count.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Counting {
+        /// Each limit counts requests or cost, at random.
+        Either,
+        /// Every limit counts requests (one per acquisition, whatever its cost).
+        Requests,
+        /// Every limit counts cost.
+        Cost,
+    }
+
+    /// One limit of a random policy.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Spec {
+        /// The algorithm.
+        pub kind: Kind,
+        /// What it is keyed by.
+        pub tier: Tier,
+        /// Whether it counts cost rather than requests.
+        pub counts_cost: bool,
+        /// The rate's amount (GCRA and the token bucket).
+        pub amount: u64,
+        /// The burst, limit or capacity (see [`Spec::capacity`]).
+        pub size: u64,
+        /// The rate's period or the window, in milliseconds.
+        pub period_ms: u64,
+    }
+
+    impl Spec {
+        /// The limit, named `name`.
+        #[must_use]
+        pub fn policy(&self, name: impl Into<String>) -> LimitPolicy {
+            let name = name.into();
+            let period = Duration::from_millis(self.period_ms);
+            let p = match self.kind {
+                Kind::Gcra => LimitPolicy::gcra(name, Rate::new(self.amount, period), self.size),
+                Kind::TokenBucket => LimitPolicy::token_bucket(name, Rate::new(self.amount, period), self.size),
+                Kind::SlidingLog => LimitPolicy::sliding_window_log(name, self.size, period),
+                Kind::SlidingCounter => LimitPolicy::sliding_window_counter(name, self.size, period),
+                Kind::FixedWindow => LimitPolicy::fixed_window(name, self.size, period),
+                Kind::Semaphore => LimitPolicy::semaphore(name, self.capacity()),
+            };
+            let p = match self.tier.name() {
+                None => p,
+                Some(tier) => p.per(tier),
+            };
+            if self.counts_cost { p.counting_cost() } else { p }
+        }
+
+        /// The most it grants at once: what `remaining` reads when nothing is used.
+        #[must_use]
+        pub fn capacity(&self) -> u64 {
+            if self.kind == Kind::Semaphore { self.size.min(SEMAPHORE_MAX) } else { self.size }
+        }
+
+        /// What a grant of `cost` holds of this limit until it is released: nothing
+        /// unless it is a semaphore.
+        #[must_use]
+        pub fn holds(&self, cost: u64) -> u64 {
+            match (self.kind, self.counts_cost) {
+                (Kind::Semaphore, true) => cost,
+                (Kind::Semaphore, false) => 1,
+                _ => 0,
+            }
+        }
+
+        /// Whether it keeps a state per key (and so takes room in the key table).
+        #[must_use]
+        pub fn is_keyed(&self) -> bool {
+            self.tier != Tier::Global
+        }
+    }
+
+    /// Which specs to draw; see [the module](self) for the default and the settings.
+    #[derive(Debug, Clone)]
+    pub struct PolicyGen {
+        kinds: &'static [Kind],
+        tiers: &'static [Tier],
+        counting: Counting,
+        /// `None`: the amount is the size.
+        amounts: Option<RangeInclusive<u64>>,
+        sizes: RangeInclusive<u64>,
+        periods_ms: RangeInclusive<u64>,
+    }
+
+    impl Default for PolicyGen {
+        fn default() -> Self {
+            PolicyGen {
+                kinds: Kind::ALL,
+                tiers: Tier::ALL,
+                counting: Counting::Either,
+                amounts: Some(1..=5),
+                sizes: 1..=6,
+                periods_ms: 5..=60,
+            }
+        }
+    }
+
+    impl PolicyGen {
+        /// Everything: every algorithm, every tier, either way of counting, amounts 1 to
+        /// 5, sizes 1 to 6, periods and windows of 5 to 60 ms.
+        #[must_use]
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        /// Only these algorithms (for example [`Kind::RATES`]).
+        #[must_use]
+        pub fn kinds(mut self, kinds: &'static [Kind]) -> Self {
+            assert!(!kinds.is_empty(), "at least one algorithm");
+            self.kinds = kinds;
+            self
+        }
+
+        /// Only these scopes (for example `&[Tier::Global]`, or [`Tier::KEYED`]).
+        #[must_use]
+        pub fn tiers(mut self, tiers: &'static [Tier]) -> Self {
+            assert!(!tiers.is_empty(), "at least one scope");
+            self.tiers = tiers;
+            self
+        }
+
+        /// How the limits count.
+        #[must_use]
+        pub fn counting(mut self, counting: Counting) -> Self {
+            self.counting = counting;
+            self
+        }
+
+        /// Rates' amounts from this range, drawn apart from the burst.
+        #[must_use]
+        pub fn amounts(mut self, amounts: RangeInclusive<u64>) -> Self {
+            assert!(*amounts.start() >= 1, "a rate's amount is at least one");
+            self.amounts = Some(amounts);
+            self
+        }
+
+        /// A rate's amount is its burst: `size` per period, with a burst of `size`.
+        #[must_use]
+        pub fn amount_is_size(mut self) -> Self {
+            self.amounts = None;
+            self
+        }
+
+        /// Bursts, limits and capacities (at most [`SEMAPHORE_MAX`] for a semaphore) from
+        /// this range.
+        #[must_use]
+        pub fn sizes(mut self, sizes: RangeInclusive<u64>) -> Self {
+            assert!(*sizes.start() >= 1, "a limit admits at least one");
+            self.sizes = sizes;
+            self
+        }
+
+        /// Periods and windows from this range, in milliseconds.
+        #[must_use]
+        pub fn periods_ms(mut self, periods_ms: RangeInclusive<u64>) -> Self {
+            assert!(*periods_ms.start() >= 1, "a period is at least a millisecond");
+            self.periods_ms = periods_ms;
+            self
+        }
+
+        /// One limit.
+        pub fn spec(&self) -> BoxedStrategy<Spec> {
+            let counts_cost = match self.counting {
+                Counting::Either => any::<bool>().boxed(),
+                Counting::Requests => Just(false).boxed(),
+                Counting::Cost => Just(true).boxed(),
+            };
+            let amount = match &self.amounts {
+                Some(amounts) => amounts.clone().prop_map(Some).boxed(),
+                None => Just(None).boxed(),
+            };
+            (
+                prop::sample::select(self.kinds),
+                prop::sample::select(self.tiers),
+                counts_cost,
+                amount,
+                self.sizes.clone(),
+                self.periods_ms.clone(),
+            )
+                .prop_map(|(kind, tier, counts_cost, amount, size, period_ms)| Spec {
+                    kind,
+                    tier,
+                    counts_cost,
+                    amount: amount.unwrap_or(size),
+                    size,
+                    period_ms,
+                })
+                .boxed()
+        }
+
+        /// `len` limits, drawn apart.
+        pub fn specs(&self, len: RangeInclusive<usize>) -> BoxedStrategy<Vec<Spec>> {
+            prop::collection::vec(self.spec(), len).boxed()
+        }
+    }
+
+    /// A set's policy of `specs`, named `l0`, `l1`, ... in order, with the tiers
+    /// [`TIERS`] and room for `max_keys` states.
+    #[must_use]
+    pub fn policy_of(specs: &[Spec], max_keys: usize) -> LimitSetPolicy {
+        specs
+            .iter()
+            .enumerate()
+            .fold(LimitSetPolicy::new().tiers(TIERS).max_keys(max_keys), |p, (i, s)| p.limit(s.policy(name(i))))
+    }
+
+    /// The name [`policy_of`] gives the limit at `index`.
+    #[must_use]
+    pub fn name(index: usize) -> String {
+        format!("l{index}")
     }
 }
 

@@ -1,4 +1,5 @@
-//! The laws of the algorithms, as property tests on a manual clock.
+//! The laws of the algorithms, as property tests on a manual clock. Law numbers are those
+//! of `crates/tower-limits/docs/laws.md`.
 //!
 //! - Law 1, the rate cap: GCRA and the token bucket admit at most `rate * T + burst` in
 //!   every window of the admitted trace, the sliding-window log at most `limit` in every
@@ -8,9 +9,9 @@
 //! - Law 2: GCRA and the token bucket with the same parameters make the same decisions,
 //!   including refunds and charges.
 //! - Law 3: a `retry_after` is exact: the same request passes after it, and not one
-//!   nanosecond earlier.
-//! - Around them: `peek` agrees with `check`, its `reset` is exact, an idle state decides
-//!   like a fresh one, and a semaphore never holds more than its capacity.
+//!   nanosecond earlier; `peek` agrees with `check`, and its `reset` is exact.
+//! - Law 7, what makes eviction safe: an idle state decides like a fresh one.
+//! - Law 6: a semaphore never holds more than its capacity.
 //!
 //! Everything is driven through `tower_limits_core::algorithm` and the [`Algorithm`]
 //! trait, with instants built by `Instant::from_nanos`.
@@ -466,7 +467,7 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
-// Idle states decide like fresh ones (what makes eviction safe)
+// Law 7: idle states decide like fresh ones (what makes eviction safe)
 // ---------------------------------------------------------------------------------------
 
 /// Runs `prefix`, waits `gap`; if the state then says it is idle, runs `rest` on it and
@@ -552,8 +553,9 @@ proptest! {
         assert_idle_is_fresh(&p.fixed(), &prefix, gap, &rest);
     }
 
-    /// Acquire and release at random: never more than the capacity held, a refusal has
-    /// no wait (only a release helps), a cost above capacity is refused as `Never`.
+    /// Law 6, concurrency: acquire and release at random; never more than the capacity
+    /// held, a refusal has no wait (only a release helps), a cost above capacity is
+    /// refused as `Never`.
     #[test]
     fn semaphore_never_exceeds_capacity(
         capacity in 1u64..=8,

@@ -1,5 +1,6 @@
-//! Permits that live as long as the response body: held while a streamed body is alive,
-//! given back when it ends, fails or is dropped, and settled to the usage it reports.
+//! Law 18: permits that live as long as the response body: held while a streamed body is
+//! alive, given back when it ends, fails or is dropped, and settled to the usage it
+//! reports. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -1,6 +1,7 @@
-//! Law 4 (concurrency) under real threads: OS threads hammer one `LimitSet` with
+//! Law 6, concurrency, under real threads: OS threads hammer one `LimitSet` with
 //! semaphores, and the number of permits held at once never exceeds a semaphore's
-//! capacity; when every thread is done, nothing is held and every limit is back to full.
+//! capacity; when every thread is done, nothing is held and every limit is back to full
+//! (Law 5, conservation). Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Time comes from a shared `ManualClock` that the threads advance themselves, so that
 //! their reads race (the set raises a late reader's `now` to the latest it has seen).
@@ -74,7 +75,7 @@ fn a_global_semaphore_never_admits_more_than_its_capacity() {
                             drop(permit);
                             granted += 1;
                         }
-                        Err(AcquireError::Denied(d)) => {
+                        Err(AcquireError::Refused(d)) => {
                             assert_eq!(d.limit(), "concurrent");
                             assert!(d.needs_release());
                             assert_eq!(d.retry_after(), Duration::ZERO);
@@ -92,7 +93,7 @@ fn a_global_semaphore_never_admits_more_than_its_capacity() {
     let stats = set.stats();
     assert_eq!(stats.admitted, THREADS as u64 * PER_THREAD);
     assert_eq!(stats.limits[1].held, 0);
-    assert_eq!(stats.limits[1].denied, refused.load(Ordering::Relaxed));
+    assert_eq!(stats.limits[1].refused, refused.load(Ordering::Relaxed));
 }
 
 /// Weighted permits against a per-tenant semaphore and a global one, with settles and
@@ -144,7 +145,7 @@ fn weighted_semaphores_hold_under_threads() {
                             }
                             granted += 1;
                         }
-                        Err(AcquireError::Denied(d)) => {
+                        Err(AcquireError::Refused(d)) => {
                             assert!(d.needs_release(), "{d}");
                             thread::yield_now();
                         }
@@ -213,7 +214,7 @@ fn per_tenant_semaphores_hold_while_their_tables_grow() {
                             drop(permit);
                             granted += 1;
                         }
-                        Err(AcquireError::Denied(d)) => {
+                        Err(AcquireError::Refused(d)) => {
                             assert!(d.needs_release(), "{d}");
                             refused += 1;
                             assert!(refused < PATIENCE, "busy-{b}'s permits never came back");

@@ -1,5 +1,6 @@
-//! Law 8, same semantics on every backend: the laws, written once over the `Backend`
-//! seam, run against the in-memory `LimitSet` and against Redis.
+//! Law 19, same semantics on every backend: the laws, written once over the `Backend`
+//! seam, run against the in-memory `LimitSet` and against Redis (Laws 1 to 5 here; the
+//! numbers are those of `crates/tower-limits/docs/laws.md`).
 //!
 //! Redis runs with the test clock (`manual_clock`): its scripts take `now` from the call
 //! instead of the server's `TIME`, so both backends see the same instants to the
@@ -45,17 +46,17 @@ impl Harness for Memory {
 
 struct Redis {
     conn: RedisConnection,
-    denial_cache: bool,
+    refusal_cache: bool,
 }
 
 impl Harness for Redis {
     type B = RedisBackend;
     fn name(&self) -> &'static str {
-        if self.denial_cache { "redis" } else { "redis without denial cache" }
+        if self.refusal_cache { "redis" } else { "redis without refusal cache" }
     }
     fn make(&self, policy: LimitSetPolicy) -> RedisBackend {
         let builder = redis_common::manual(policy, "conformance");
-        let builder = if self.denial_cache { builder } else { builder.denial_cache(0) };
+        let builder = if self.refusal_cache { builder } else { builder.refusal_cache(0) };
         builder.build(&self.conn).unwrap()
     }
     async fn flush(&self, backend: &RedisBackend) {
@@ -95,7 +96,7 @@ fn outcome<G>(r: &Result<G, AcquireError>) -> String {
 /// (limit, retry, needs release): what the laws compare of a refusal.
 fn refusal<G>(r: &Result<G, AcquireError>) -> Option<(usize, Duration, bool)> {
     match r {
-        Err(AcquireError::Denied(d)) => Some((d.limit_index(), d.retry_after(), d.needs_release())),
+        Err(AcquireError::Refused(d)) => Some((d.limit_index(), d.retry_after(), d.needs_release())),
         _ => None,
     }
 }
@@ -151,7 +152,7 @@ async fn rate_cap<H: Harness>(h: &H) {
             let mut rng = Rng(seed * 7919 + n as u64);
             let mut now = 5 * S + rng.below(S);
             let mut granted: Vec<(u64, u64)> = Vec::new();
-            let mut denied = 0;
+            let mut refused = 0;
             for _ in 0..250 {
                 now += rng.below(case.step);
                 let cost = rng.range(1, 3);
@@ -160,11 +161,11 @@ async fn rate_cap<H: Harness>(h: &H) {
                         granted.push((now, cost));
                         backend.release(&global(), g);
                     }
-                    Err(AcquireError::Denied(_)) => denied += 1,
+                    Err(AcquireError::Refused(_)) => refused += 1,
                     Err(e) => panic!("{}: {e}", h.name()),
                 }
             }
-            assert!(denied > 10 && granted.len() > 10, "{}: case {n} does not exercise the limit", h.name());
+            assert!(refused > 10 && granted.len() > 10, "{}: case {n} does not exercise the limit", h.name());
             for &(span, bound) in &case.bounds {
                 for &(t0, _) in &granted {
                     let sum: u64 = granted.iter().filter(|(t, _)| *t >= t0 && *t < t0 + span).map(|(_, c)| c).sum();
@@ -215,7 +216,7 @@ fn exact_policies() -> Vec<LimitSetPolicy> {
     ]
 }
 
-/// Exact `retry_after`: a denied request passes at exactly `now + retry_after`, and not
+/// Law 3, exact `retry_after`: a refused request passes at exactly `now + retry_after`, and not
 /// one nanosecond earlier (nothing else happening in between).
 async fn exact_retry_after<H: Harness>(h: &H) {
     let key = TenantKey::new(["acme", "alice"]).unwrap();
@@ -228,12 +229,12 @@ async fn exact_retry_after<H: Harness>(h: &H) {
             let cost = rng.range(1, 2);
             match backend.acquire(&key, cost, at(now)).await {
                 Ok(_) => now += rng.below(150 * MS),
-                Err(AcquireError::Denied(d)) => {
+                Err(AcquireError::Refused(d)) => {
                     let wait = u64::try_from(d.retry_after().as_nanos()).unwrap();
                     assert!(wait > 0 && !d.needs_release(), "{}: {d:?}", h.name());
                     let early = backend.acquire(&key, cost, at(now + wait - 1)).await;
                     assert!(
-                        matches!(&early, Err(AcquireError::Denied(e)) if e.retry_after() == Duration::from_nanos(1)),
+                        matches!(&early, Err(AcquireError::Refused(e)) if e.retry_after() == Duration::from_nanos(1)),
                         "{}: policy {n}: 1ns before the retry: {}",
                         h.name(),
                         outcome(&early)
@@ -246,7 +247,7 @@ async fn exact_retry_after<H: Harness>(h: &H) {
                 Err(e) => panic!("{}: {e}", h.name()),
             }
         }
-        assert!(checked > 10, "{}: policy {n}: only {checked} denials", h.name());
+        assert!(checked > 10, "{}: policy {n}: only {checked} refusals", h.name());
     }
 }
 
@@ -348,17 +349,17 @@ async fn run<H: Harness>(h: &H, backend: &H::B, steps: &[Step], skip: &[usize]) 
     (out, still)
 }
 
-/// Law 3, atomicity: a denied acquisition changes no limit's state. The same program is
-/// run twice, the second time without the acquisitions the first run denied: every other
+/// Law 4, atomicity: a refused acquisition changes no limit's state. The same program is
+/// run twice, the second time without the acquisitions the first run refused: every other
 /// step must answer the same.
 async fn atomicity<H: Harness>(h: &H) {
     for seed in 1..=4u64 {
         let steps = program(seed * 31, 250);
         let (first, _) = run(h, &h.make(mixed_policy()), &steps, &[]).await;
-        let denied: Vec<usize> = (0..steps.len()).filter(|&i| first[i].starts_with("denied")).collect();
-        assert!(denied.len() > 10, "{}: seed {seed}: only {} denials", h.name(), denied.len());
-        let (second, _) = run(h, &h.make(mixed_policy()), &steps, &denied).await;
-        for i in (0..steps.len()).filter(|i| !denied.contains(i)) {
+        let refused: Vec<usize> = (0..steps.len()).filter(|&i| first[i].starts_with("refused")).collect();
+        assert!(refused.len() > 10, "{}: seed {seed}: only {} refusals", h.name(), refused.len());
+        let (second, _) = run(h, &h.make(mixed_policy()), &steps, &refused).await;
+        for i in (0..steps.len()).filter(|i| !refused.contains(i)) {
             assert_eq!(first[i], second[i], "{}: seed {seed}, step {i} ({:?})", h.name(), steps[i]);
         }
     }
@@ -389,7 +390,7 @@ async fn conservation<H: Harness>(h: &H) {
     }
 }
 
-/// Law 8 itself: the same program on two backends answers the same at every step, down
+/// Law 19 itself: the same program on two backends answers the same at every step, down
 /// to the snapshots.
 async fn same_answers<A: Harness, B: Harness>(a: &A, b: &B) {
     for seed in 1..=4u64 {
@@ -425,7 +426,8 @@ async fn same_answers<A: Harness, B: Harness>(a: &A, b: &B) {
     }
 }
 
-/// Refusals decided without state are the same too.
+/// Law 19 for the errors that are not refusals (Law 22): decided without state, they
+/// are the same too.
 async fn local_refusals<H: Harness>(h: &H) {
     let backend = h.make(mixed_policy());
     let org_only = TenantKey::single("acme").unwrap();
@@ -461,8 +463,8 @@ fn laws_on_redis() {
     let Some(server) = redis_for("laws_on_redis") else { return };
     redis_common::runtime().block_on(async {
         let conn = redis_common::connect(&server.url()).await;
-        all_laws(&Redis { conn: conn.clone(), denial_cache: true }).await;
-        all_laws(&Redis { conn, denial_cache: false }).await;
+        all_laws(&Redis { conn: conn.clone(), refusal_cache: true }).await;
+        all_laws(&Redis { conn, refusal_cache: false }).await;
     });
 }
 
@@ -471,7 +473,7 @@ fn redis_answers_as_memory_does() {
     let Some(server) = redis_for("redis_answers_as_memory_does") else { return };
     redis_common::runtime().block_on(async {
         let conn = redis_common::connect(&server.url()).await;
-        same_answers(&Memory, &Redis { conn, denial_cache: false }).await;
+        same_answers(&Memory, &Redis { conn, refusal_cache: false }).await;
     });
 }
 
@@ -500,7 +502,7 @@ fn named_layer_policies() -> Vec<(&'static str, LimitSetPolicy)> {
     ]
 }
 
-/// Law 8 for the named layers: their policies decide the same on every backend, step by
+/// Law 19 for the named layers: their policies decide the same on every backend, step by
 /// step, with costs, cancels and releases.
 async fn named_layers_agree<A: Harness, B: Harness>(a: &A, b: &B) {
     let keys = [TenantKey::single("alice").unwrap(), TenantKey::single("bob").unwrap()];
@@ -509,7 +511,7 @@ async fn named_layers_agree<A: Harness, B: Harness>(a: &A, b: &B) {
         let mut rng = Rng(77 + n as u64);
         let mut now = S;
         let mut held = Vec::new();
-        let mut denied = 0;
+        let mut refused = 0;
         for step in 0..200 {
             now += rng.below(150 * MS);
             let key = &keys[rng.below(2) as usize];
@@ -517,7 +519,7 @@ async fn named_layers_agree<A: Harness, B: Harness>(a: &A, b: &B) {
             let (x, y) = (ba.acquire(key, cost, at(now)).await, bb.acquire(key, cost, at(now)).await);
             assert_eq!(outcome(&x), outcome(&y), "{name}: step {step}, {} and {}", a.name(), b.name());
             assert_eq!(refusal(&x), refusal(&y), "{name}: step {step}");
-            denied += usize::from(x.is_err());
+            refused += usize::from(x.is_err());
             if let (Ok(x), Ok(y)) = (x, y) {
                 held.push((key.clone(), x, y));
             }
@@ -534,7 +536,7 @@ async fn named_layers_agree<A: Harness, B: Harness>(a: &A, b: &B) {
                 b.flush(&bb).await;
             }
         }
-        assert!(denied > 5, "{name}: the program must reach the limit ({denied} denials)");
+        assert!(refused > 5, "{name}: the program must reach the limit ({refused} refusals)");
     }
 }
 
@@ -544,7 +546,7 @@ fn named_layers_agree_on_every_backend() {
     let Some(server) = redis_for("named_layers_agree_on_every_backend") else { return };
     redis_common::runtime().block_on(async {
         let conn = redis_common::connect(&server.url()).await;
-        named_layers_agree(&Memory, &Redis { conn, denial_cache: false }).await;
+        named_layers_agree(&Memory, &Redis { conn, refusal_cache: false }).await;
     });
 }
 

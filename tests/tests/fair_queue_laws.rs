@@ -1,4 +1,6 @@
-//! The laws of the weighted-fair queue, checked through its public API.
+//! Law 8, the laws of the weighted-fair queue (fair shares by weight, bounded lag, no
+//! starvation, no idle credit, work conservation, bounded memory), checked through its
+//! public API. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Every trace comes from a seeded splitmix64 (and proptest with a fixed seed), so the
 //! same seed replays the same trace. Exact laws are checked in integers: costs per
@@ -620,7 +622,7 @@ fn memory_stays_bounded() {
         assert_eq!(held, queued[key as usize]);
     }
     let stats = q.stats();
-    assert!(stats.rejected_tenant_full > 0 && stats.rejected_global_full > 0 && stats.evicted_idle > 0);
+    assert!(stats.refused_tenant_full > 0 && stats.refused_global_full > 0 && stats.evicted_idle > 0);
     while q.pop_next().is_some() {}
     assert_eq!(q.stats().tracked_tenants, 0);
     eprintln!("bounded memory: {stats:?}");
@@ -776,7 +778,7 @@ fn conservation_over_a_million_operations() {
     let total = items.len() as u64;
     assert_eq!(stats.enqueued, total - refused);
     assert_eq!((stats.dispatched, stats.cancelled), (dispatched, cancelled));
-    assert_eq!(stats.rejected_tenant_full + stats.rejected_global_full, refused);
+    assert_eq!(stats.refused_tenant_full + stats.refused_global_full, refused);
     assert_eq!(stats.dispatched_cost, cost_out);
     assert_eq!(stats.queued, live.len());
     for key in 0..TENANTS as u32 {

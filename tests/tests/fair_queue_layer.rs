@@ -1,8 +1,8 @@
-//! The `FairQueueLayer` through its public API, on paused tokio time: shares by weight
-//! with slots and with a rate, work conservation, exact rate instants without a herd of
-//! wake-ups, queue limits and their answers, queueing time, cancellation at every await
-//! point, and conservation under random operations. Run with `--nocapture` for the
-//! measured figures.
+//! Law 10: the `FairQueueLayer` through its public API, on paused tokio time: shares by
+//! weight with slots and with a rate, work conservation, exact rate instants without a
+//! herd of wake-ups, queue limits and their answers, queueing time, cancellation at every
+//! await point, and conservation under random operations. Run with `--nocapture` for the
+//! measured figures. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! No test sleeps to pass: time only moves when every task waits (tokio's paused clock)
 //! or by an explicit `advance`. A lost wake-up shows as a `timeout` firing, not a hang.
@@ -258,7 +258,7 @@ async fn slots_are_shared_by_weight() {
     // scheduler allows); from then on the admissions are the scheduler's.
     let shares = check_shares(&log[slots..], &WEIGHTS, &MAX_COSTS);
     eprintln!("through the layer, {slots} slots, weights {WEIGHTS:?}, costs up to {MAX_COSTS:?}: {shares}");
-    assert_eq!(fair.stats().rejected.total(), 0);
+    assert_eq!(fair.stats().refused.total(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -459,7 +459,7 @@ async fn full_queues_answer_429_and_503() {
     let fair = FairQueueLayer::concurrency(config, 1)
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
-        .reject_with(HttpAnswer::new().with_unknown_wait(None));
+        .refuse_with(HttpAnswer::new().with_unknown_wait(None));
     let (inner, mut handle) = mock::pair::<http::Request<String>, http::Response<String>>();
     handle.allow(100);
     let svc = &mut tower::Layer::layer(&fair, inner);
@@ -485,7 +485,7 @@ async fn full_queues_answer_429_and_503() {
     let full = spawn_call(svc, "c").await.await.unwrap().unwrap();
     assert_eq!(full.status(), 503, "shared overload");
     let stats = fair.stats();
-    assert_eq!((stats.rejected.tenant_queue_full, stats.rejected.queue_full), (2, 1));
+    assert_eq!((stats.refused.tenant_queue_full, stats.refused.queue_full), (2, 1));
     let a = fair.tenant_stats(&TenantKey::single("a").unwrap()).unwrap();
     assert_eq!((a.queued, a.admitted, a.waited), (2, 3, 2));
 
@@ -522,7 +522,7 @@ async fn waiters_time_out_after_the_maximum_queueing_time() {
     assert_eq!((limit_error(&err).kind(), start.elapsed()), (ErrorKind::WaitTimedOut, Duration::from_secs(7)));
     drop(held);
     let stats = fair.stats();
-    assert_eq!((stats.rejected.wait_timed_out, stats.queued, stats.in_flight), (3, 0, 0));
+    assert_eq!((stats.refused.wait_timed_out, stats.queued, stats.in_flight), (3, 0, 0));
 }
 
 #[tokio::test(start_paused = true)]
@@ -570,7 +570,7 @@ async fn a_tenants_own_limit_in_the_backend_refuses_at_its_turn_and_the_next_goe
     assert_eq!(job, (1, 4));
     send.send_response(());
     other.await.unwrap().unwrap();
-    assert_eq!(fair.stats().rejected.rate_limited, 1);
+    assert_eq!(fair.stats().refused.rate_limited, 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -600,7 +600,7 @@ async fn keys_weights_and_defaults() {
         .service(tower::service_fn(|_: Option<&'static str>| async { Ok::<_, BoxError>(()) }));
     svc.oneshot(None).await.unwrap();
     assert_eq!(defaulted.tenant_stats(&anonymous).unwrap().admitted, 1);
-    assert_eq!(keyed.stats().rejected.missing_key, 1);
+    assert_eq!(keyed.stats().refused.missing_key, 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -815,9 +815,9 @@ async fn random_run(seed: u64) {
     eprintln!("random run {seed}: {arrivals} arrivals, {} calls, {stats:?}", called.load(Ordering::SeqCst));
     assert_eq!((stats.in_flight, stats.queued, stats.waiting_for_rate), (0, 0, false));
     assert_eq!(fair.backend().stats().limits[1].held, 0, "every backend permit came back");
-    assert_eq!(stats.admitted + stats.rejected.total() + stats.cancelled, arrivals, "each request counted once");
+    assert_eq!(stats.admitted + stats.refused.total() + stats.cancelled, arrivals, "each request counted once");
     assert_eq!(stats.admitted, called.load(Ordering::SeqCst), "admitted means called");
     assert!(stats.max_wait < Duration::from_millis(400), "admitted before its deadline");
-    assert!(stats.cancelled > 100 && stats.rejected.wait_timed_out > 10 && stats.rejected.cost_above_capacity > 10);
-    assert!(stats.rejected.tenant_queue_full + stats.rejected.queue_full > 10);
+    assert!(stats.cancelled > 100 && stats.refused.wait_timed_out > 10 && stats.refused.cost_above_capacity > 10);
+    assert!(stats.refused.tenant_queue_full + stats.refused.queue_full > 10);
 }

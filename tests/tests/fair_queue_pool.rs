@@ -1,7 +1,8 @@
-//! A `FairQueueLayer` in front of a `LimitPool`: the account the pool chose reaches the
-//! inner service (`annotate`), whether the request passed at once or waited its turn, and
-//! the real usage settles the pool's grant (`usage`), letting the request at the rate
-//! gate through as soon as a settle gives cost back. On paused tokio time; no sleeps.
+//! Laws 10 and 25: a `FairQueueLayer` in front of a `LimitPool`: the account the pool
+//! chose reaches the inner service (`annotate`), whether the request passed at once or
+//! waited its turn, and the real usage settles the pool's grant (`usage`), letting the
+//! request at the rate gate through as soon as a settle gives cost back. On paused tokio
+//! time; no sleeps. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::time::Duration;

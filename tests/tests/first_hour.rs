@@ -1,13 +1,15 @@
 //! A Tower user's first hour: the programs a newcomer writes from the README and the
 //! guides, at default features, on an axum `Router`, against a real server where the
-//! point is the server's wiring (connection info), through `oneshot` otherwise.
+//! point is the server's wiring (connection info), through `oneshot` otherwise. Law
+//! numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! - a per-IP limit works when the router is served with connection info, and is loud
-//!   (`500`, one warning naming the fix) when it is not, never `401` to every client;
+//!   (`500`, one warning naming the fix) when it is not, never `401` to every client
+//!   (Law 28);
 //! - a layer in its default error mode goes on a `Router` through `HandleErrorLayer`;
 //! - a per-tenant set behind an authentication middleware;
 //! - a concurrency limit that answers HTTP bounds the streams in flight, whatever the
-//!   order of the builder verbs, unless told to release at the head.
+//!   order of the builder verbs, unless told to release at the head (Law 18).
 
 use std::convert::Infallible;
 use std::io::Write;
@@ -71,7 +73,7 @@ impl Logs {
 fn per_ip_app() -> Router {
     Router::new()
         .route("/", get(|| async { "hello" }))
-        .layer(GcraLayer::new(Quota::per_minute(nz!(2)).burst(nz!(2))).key(PeerIp).reject_with(HttpAnswer::new()))
+        .layer(GcraLayer::new(Quota::per_minute(nz!(2)).burst(nz!(2))).key(PeerIp).refuse_with(HttpAnswer::new()))
 }
 
 #[tokio::test]
@@ -144,7 +146,7 @@ async fn a_per_tenant_set_reads_the_key_an_auth_middleware_inserted() {
     let limits = LimitSetLayer::new(policy)
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
-        .reject_with(HttpAnswer::new().with_json_body());
+        .refuse_with(HttpAnswer::new().with_json_body());
     let app =
         Router::new().route("/", get(|| async { "hello" })).layer(limits).layer(middleware::from_fn(authenticate));
     let as_user =
@@ -220,9 +222,9 @@ async fn streams_in_flight(
 #[tokio::test]
 async fn a_concurrency_limit_that_answers_http_bounds_the_streams_whatever_the_verbs_order() {
     let layers = [
-        SemaphoreLayer::new(nz!(2)).reject_with(HttpAnswer::new()),
-        SemaphoreLayer::new(nz!(2)).reject_with(HttpAnswer::new()).hold_body(),
-        SemaphoreLayer::new(nz!(2)).hold_body().reject_with(HttpAnswer::new()),
+        SemaphoreLayer::new(nz!(2)).refuse_with(HttpAnswer::new()),
+        SemaphoreLayer::new(nz!(2)).refuse_with(HttpAnswer::new()).hold_body(),
+        SemaphoreLayer::new(nz!(2)).hold_body().refuse_with(HttpAnswer::new()),
     ];
     for (i, layer) in layers.into_iter().enumerate() {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -231,7 +233,7 @@ async fn a_concurrency_limit_that_answers_http_bounds_the_streams_whatever_the_v
     }
     // Released at the head: streams are not bounded (the limit holds heads only).
     let (tx, rx) = mpsc::unbounded_channel();
-    let app = streaming(tx).layer(SemaphoreLayer::new(nz!(2)).reject_with(HttpAnswer::new().release_at_head()));
+    let app = streaming(tx).layer(SemaphoreLayer::new(nz!(2)).refuse_with(HttpAnswer::new().release_at_head()));
     assert_eq!(streams_in_flight(app, rx).await.0, 5, "more streams than slots run at once");
 }
 

@@ -1,5 +1,6 @@
-//! HTTP and gRPC answers: real `http::Request`s through `oneshot`, and an axum `Router`
-//! whose clones share the limit and answer 429 with the right fields.
+//! Law 28, HTTP and gRPC answers: real `http::Request`s through `oneshot`, and an axum
+//! `Router` whose clones share the limit and answer 429 with the right fields. Law
+//! numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -53,7 +54,7 @@ async fn a_tenant_limit_answers_429_with_its_fields() {
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
         .usage(UsageFromExtension)
-        .reject_with(HttpAnswer::new());
+        .refuse_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     for _ in 0..2 {
         let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 100)).await.unwrap();
@@ -76,7 +77,7 @@ async fn a_tenant_limit_answers_429_with_its_fields() {
 #[tokio::test(start_paused = true)]
 async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401() {
     // A rate limit paces its callers, global or keyed: 429.
-    let layer = GcraLayer::new(Quota::per_second(nz!(1))).reject_with(HttpAnswer::new());
+    let layer = GcraLayer::new(Quota::per_second(nz!(1))).refuse_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
     let response = svc.oneshot(request(None, 1)).await.unwrap();
@@ -96,7 +97,7 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
             Ok::<_, BoxError>(Response::new(String::new()))
         }
     });
-    let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).reject_with(HttpAnswer::new())).service(held);
+    let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).refuse_with(HttpAnswer::new())).service(held);
     let first = tokio::spawn(svc.clone().oneshot(request(None, 1)));
     tokio::task::yield_now().await;
     let response = svc.clone().oneshot(request(None, 1)).await.unwrap();
@@ -113,7 +114,7 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
         _ => e.status(),
     });
     let svc = ServiceBuilder::new()
-        .layer(GcraLayer::new(Quota::per_second(nz!(1))).reject_with(answer))
+        .layer(GcraLayer::new(Quota::per_second(nz!(1))).refuse_with(answer))
         .service(ok_service());
     assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
     assert_eq!(svc.oneshot(request(None, 1)).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -121,7 +122,7 @@ async fn rate_limits_answer_429_the_servers_capacity_503_and_a_missing_key_401()
     let keyed = LimitSetLayer::new(policy())
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
-        .reject_with(HttpAnswer::new().with_json_body());
+        .refuse_with(HttpAnswer::new().with_json_body());
     let svc = ServiceBuilder::new().layer(keyed).service(ok_service());
     let response = svc.oneshot(request(None, 1)).await.unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
@@ -137,7 +138,7 @@ async fn json_bodies_name_the_limit_and_tier() {
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
-        .reject_with(HttpAnswer::new().with_json_body());
+        .refuse_with(HttpAnswer::new().with_json_body());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 20_000)).await.unwrap();
     assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE, "a cost above capacity can never pass");
@@ -159,7 +160,7 @@ async fn openai_fields_and_success_headers() {
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
         .usage(UsageFromExtension)
-        .reject_with(HttpAnswer::new().with_openai_fields().on_success());
+        .refuse_with(HttpAnswer::new().with_openai_fields().on_success());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     let response = svc.clone().oneshot(request(Some(["acme", "alice"]), 1_000)).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
@@ -187,7 +188,7 @@ async fn an_axum_router_shares_its_limit_across_clones() {
         let token = req.headers().get("authorization")?.to_str().ok()?.strip_prefix("Bearer ")?;
         TenantKey::new(["acme", token]).ok()
     });
-    let limits = LimitSetLayer::new(policy()).unwrap().key(keys).reject_with(HttpAnswer::new());
+    let limits = LimitSetLayer::new(policy()).unwrap().key(keys).refuse_with(HttpAnswer::new());
     let app = Router::new().route("/", get(|| async { "hello" })).layer(limits);
     let call = |app: Router, who: &str| {
         let req = Request::get("/").header("authorization", format!("Bearer {who}")).body(Body::empty()).unwrap();
@@ -230,7 +231,7 @@ async fn a_limit_per_peer_ip_keeps_each_address_apart() {
     use std::net::{IpAddr, SocketAddr};
     use tower_limits::extract::PeerIp;
 
-    let layer = GcraLayer::new(Quota::per_hour(nz!(1))).key(PeerIp).reject_with(HttpAnswer::new());
+    let layer = GcraLayer::new(Quota::per_hour(nz!(1))).key(PeerIp).refuse_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     let from = |ip: [u8; 4], how: u8| {
         let mut req = request(None, 1);
@@ -262,7 +263,7 @@ async fn openai_refusals_carry_the_error_object_and_both_waits() {
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
-        .reject_with(HttpAnswer::new().with_openai_body().with_all_limits());
+        .refuse_with(HttpAnswer::new().with_openai_body().with_all_limits());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     let mut last = None;
     for _ in 0..4 {
@@ -302,7 +303,7 @@ async fn fields_state_the_plan_not_the_burst() {
         let layer = LimitSetLayer::new(LimitSetPolicy::new().tiers(["org", "user"]).limit(limit.per("org")))
             .unwrap()
             .key(FromExtension::<TenantKey>::new())
-            .reject_with(HttpAnswer::new().with_openai_fields().on_success());
+            .refuse_with(HttpAnswer::new().with_openai_fields().on_success());
         let svc = ServiceBuilder::new().layer(layer).service(ok_service());
         let ok = svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
         let h = ok.headers();
@@ -331,7 +332,7 @@ async fn openai_bodies_name_the_plan_and_the_wait() {
     let layer = LimitSetLayer::new(policy)
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
-        .reject_with(HttpAnswer::new().with_openai_body().with_openai_fields());
+        .refuse_with(HttpAnswer::new().with_openai_body().with_openai_fields());
     let (gate_tx, gate_rx) = tokio::sync::watch::channel(false);
     let svc = ServiceBuilder::new().layer(layer).service(tower::service_fn(move |_req: Request<String>| {
         let mut gate = gate_rx.clone();
@@ -375,7 +376,7 @@ async fn openai_bodies_name_the_plan_and_the_wait() {
 #[tokio::test(start_paused = true)]
 async fn without_limit_fields_keeps_only_the_wait() {
     let layer = GcraLayer::new(Quota::per_minute(nz!(240)).burst(nz!(1)))
-        .reject_with(HttpAnswer::new().with_openai_body().with_openai_fields().on_success().without_limit_fields());
+        .refuse_with(HttpAnswer::new().with_openai_body().with_openai_fields().on_success().without_limit_fields());
     let svc = ServiceBuilder::new().layer(layer).service(ok_service());
     let ok = svc.clone().oneshot(request(None, 1)).await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);

@@ -1,5 +1,6 @@
-//! The `LimitSetLayer` service contract, on paused tokio time: shared state across
-//! clones, readiness, keys and costs, settling, cancellation and waiting.
+//! Law 9: the `LimitSetLayer` service contract, on paused tokio time: shared state across
+//! clones, readiness, keys and costs, settling, cancellation and waiting. Law numbers are
+//! those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::sync::Arc;

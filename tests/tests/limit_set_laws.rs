@@ -1,11 +1,12 @@
 //! The laws of the `LimitSet` engine, as property tests on a manual clock, through the
-//! public API only.
+//! public API only. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Policies are random mixes of every algorithm, scoped globally or by the `org` or
-//! `user` tier, counting requests or cost; operations are random interleavings of
-//! acquisitions, settles (up and down), drops, cancellations and clock advances.
+//! `user` tier, counting requests or cost (the shared generator's widest draw,
+//! `PolicyGen::new()`); operations are random interleavings of acquisitions, settles (up
+//! and down), drops, cancellations and clock advances.
 //!
-//! - Law 3 on a set: a denial's `retry_after` is exact for the whole set.
+//! - Law 3 on a set: a refusal's `retry_after` is exact for the whole set.
 //! - Law 4, atomicity: a refused acquisition changes no limit's state: `peek` of every
 //!   key is the same before and after, and a twin set that never saw the refused
 //!   requests makes the same decisions afterwards.
@@ -24,6 +25,7 @@ use tower_limits_core::{
     AcquireError, Clock, Instant, KeyPart, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, OwnedPermit, Permit,
     Rate, TenantKey,
 };
+use tower_limits_tests::policies::{Kind, PolicyGen, Spec, policy_of};
 use tower_limits_tests::{describe, peek_all, proptest_config};
 
 const MS: u64 = 1_000_000;
@@ -33,105 +35,14 @@ const CASES: u32 = 160;
 // Random policies
 // ---------------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Gcra,
-    TokenBucket,
-    SlidingLog,
-    SlidingCounter,
-    FixedWindow,
-    Semaphore,
+/// Up to four limits of any kind, scope and counting.
+fn specs() -> impl Strategy<Value = Vec<Spec>> {
+    PolicyGen::new().specs(1..=4)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Tier {
-    Global,
-    Org,
-    User,
-}
-
-/// One limit of a random policy.
-#[derive(Debug, Clone, Copy)]
-struct Spec {
-    kind: Kind,
-    tier: Tier,
-    counts_cost: bool,
-    /// The rate's amount.
-    amount: u64,
-    /// The burst, limit or capacity.
-    size: u64,
-    /// The rate's period or the window, in milliseconds.
-    period_ms: u64,
-}
-
-impl Spec {
-    fn policy(&self, i: usize) -> LimitPolicy {
-        let name = format!("l{i}");
-        let period = Duration::from_millis(self.period_ms);
-        let p = match self.kind {
-            Kind::Gcra => LimitPolicy::gcra(name, Rate::new(self.amount, period), self.size),
-            Kind::TokenBucket => LimitPolicy::token_bucket(name, Rate::new(self.amount, period), self.size),
-            Kind::SlidingLog => LimitPolicy::sliding_window_log(name, self.size, period),
-            Kind::SlidingCounter => LimitPolicy::sliding_window_counter(name, self.size, period),
-            Kind::FixedWindow => LimitPolicy::fixed_window(name, self.size, period),
-            Kind::Semaphore => LimitPolicy::semaphore(name, self.capacity()),
-        };
-        let p = match self.tier {
-            Tier::Global => p,
-            Tier::Org => p.per("org"),
-            Tier::User => p.per("user"),
-        };
-        if self.counts_cost { p.counting_cost() } else { p }
-    }
-
-    /// The most it grants at once: what `remaining` reads when nothing is used.
-    fn capacity(&self) -> u64 {
-        if self.kind == Kind::Semaphore { self.size.min(4) } else { self.size }
-    }
-
-    /// What a permit acquired at `cost` holds of this limit: nothing unless it is a
-    /// semaphore.
-    fn holds(&self, cost: u64) -> u64 {
-        match (self.kind, self.counts_cost) {
-            (Kind::Semaphore, true) => cost,
-            (Kind::Semaphore, false) => 1,
-            _ => 0,
-        }
-    }
-}
-
-fn spec(kinds: &'static [Kind]) -> impl Strategy<Value = Spec> {
-    (
-        prop::sample::select(kinds),
-        prop::sample::select(&[Tier::Global, Tier::Org, Tier::User][..]),
-        any::<bool>(),
-        1u64..=5,
-        1u64..=6,
-        5u64..=60,
-    )
-        .prop_map(|(kind, tier, counts_cost, amount, size, period_ms)| Spec {
-            kind,
-            tier,
-            counts_cost,
-            amount,
-            size,
-            period_ms,
-        })
-}
-
-const ALL: &[Kind] =
-    &[Kind::Gcra, Kind::TokenBucket, Kind::SlidingLog, Kind::SlidingCounter, Kind::FixedWindow, Kind::Semaphore];
-const RATES: &[Kind] = &[Kind::Gcra, Kind::TokenBucket, Kind::SlidingLog, Kind::SlidingCounter, Kind::FixedWindow];
-
-fn specs(kinds: &'static [Kind]) -> impl Strategy<Value = Vec<Spec>> {
-    prop::collection::vec(spec(kinds), 1..=4)
-}
-
-fn policy_of(specs: &[Spec], max_keys: usize) -> LimitSetPolicy {
-    specs
-        .iter()
-        .enumerate()
-        .fold(LimitSetPolicy::new().tiers(["org", "user"]).max_keys(max_keys), |p, (i, s)| p.limit(s.policy(i)))
+/// Up to four rate limits (no semaphore: every refusal has a wait).
+fn rate_specs() -> impl Strategy<Value = Vec<Spec>> {
+    PolicyGen::new().kinds(Kind::RATES).specs(1..=4)
 }
 
 fn set_of(specs: &[Spec], max_keys: usize) -> LimitSet {
@@ -273,7 +184,7 @@ proptest! {
     #![proptest_config(proptest_config(CASES))]
 
     #[test]
-    fn a_refused_acquisition_changes_nothing((specs, ops) in (specs(ALL), ops())) {
+    fn a_refused_acquisition_changes_nothing((specs, ops) in (specs(), ops())) {
         assert_atomic(&specs, &ops);
     }
 }
@@ -373,14 +284,14 @@ proptest! {
     #![proptest_config(proptest_config(CASES))]
 
     #[test]
-    fn every_permit_gives_everything_back((specs, ops) in (specs(ALL), ops())) {
+    fn every_permit_gives_everything_back((specs, ops) in (specs(), ops())) {
         assert_conserved(&specs, &ops, false);
     }
 
     /// The same with per-limit costs. Fails on the bug shown by
     /// `acquire_each_then_settle_releases_what_was_held`.
     #[test]
-    fn every_permit_gives_everything_back_with_costs_per_limit((specs, ops) in (specs(ALL), ops())) {
+    fn every_permit_gives_everything_back_with_costs_per_limit((specs, ops) in (specs(), ops())) {
         assert_conserved(&specs, &ops, true);
     }
 }
@@ -398,7 +309,7 @@ proptest! {
 fn assert_eviction_invisible(specs: &[Spec], ops: &[SetOp], charges: bool) {
     let keeping = set_of(specs, 100_000);
     let evicting = set_of(specs, 100_000);
-    let keyed = specs.iter().filter(|s| s.tier != Tier::Global).count();
+    let keyed = specs.iter().filter(|s| s.is_keyed()).count();
     // A charge for a key evicted to make room, arriving when the table is full of active
     // keys, cannot be recorded without breaking the bound: the bound wins (see the
     // engine's docs), so the tiny table is compared only without charges.
@@ -475,13 +386,13 @@ proptest! {
     #![proptest_config(proptest_config(CASES))]
 
     #[test]
-    fn eviction_never_changes_a_decision((specs, ops) in (specs(ALL), ops())) {
+    fn eviction_never_changes_a_decision((specs, ops) in (specs(), ops())) {
         assert_eviction_invisible(&specs, &ops, false);
     }
 
     /// The same with settles above the estimate too.
     #[test]
-    fn eviction_never_changes_a_decision_even_with_charges((specs, ops) in (specs(ALL), ops())) {
+    fn eviction_never_changes_a_decision_even_with_charges((specs, ops) in (specs(), ops())) {
         assert_eviction_invisible(&specs, &ops, true);
     }
 }
@@ -532,7 +443,7 @@ fn idle_gcra_and_bucket_keys_are_dropped_without_changing_decisions() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Law 3 on a set: a denial's wait is exact for the whole set
+// Law 3 on a set: a refusal's wait is exact for the whole set
 // ---------------------------------------------------------------------------------------
 
 /// Replays `history` (the grants so far, in order) on a fresh set.
@@ -547,12 +458,12 @@ fn replay(specs: &[Spec], keys: &[TenantKey], history: &[(usize, u64, Instant)])
 proptest! {
     #![proptest_config(proptest_config(CASES))]
 
-    /// For rate limits (no semaphore), a denial at `now` with `retry_after = d` means the
-    /// same request passes at `now + d` and is denied at `now + d - 1ns`, with a wait of
+    /// For rate limits (no semaphore), a refusal at `now` with `retry_after = d` means the
+    /// same request passes at `now + d` and is refused at `now + d - 1ns`, with a wait of
     /// exactly one nanosecond, if nothing else happened in between.
     #[test]
-    fn a_denials_wait_is_exact_for_the_set(
-        specs in specs(RATES),
+    fn a_refusals_wait_is_exact_for_the_set(
+        specs in rate_specs(),
         reqs in prop::collection::vec((0..4usize, cost(), prop_oneof![Just(0u64), 0..=5 * MS, 0..=40 * MS]), 1..60),
     ) {
         let set = set_of(&specs, 100_000);
@@ -567,7 +478,7 @@ proptest! {
                     drop(p);
                     history.push((key, cost, Instant::from_nanos(now)));
                 }
-                Err(AcquireError::Denied(d)) if checked < 3 => {
+                Err(AcquireError::Refused(d)) if checked < 3 => {
                     checked += 1;
                     prop_assert!(!d.needs_release());
                     let wait = u64::try_from(d.retry_after().as_nanos()).unwrap();
@@ -576,7 +487,7 @@ proptest! {
                     prop_assert!(later.acquire(&keys[key], cost, Instant::from_nanos(now + wait)).is_ok());
                     let earlier = replay(&specs, &keys, &history);
                     match earlier.acquire(&keys[key], cost, Instant::from_nanos(now + wait - 1)) {
-                        Err(AcquireError::Denied(e)) => prop_assert_eq!(e.retry_after(), Duration::from_nanos(1)),
+                        Err(AcquireError::Refused(e)) => prop_assert_eq!(e.retry_after(), Duration::from_nanos(1)),
                         other => prop_assert!(false, "not exact: {}", outcome(&other)),
                     }
                 }
@@ -587,11 +498,11 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
-// Bugs found by these laws (ignored until the core is fixed; run with `--ignored`)
+// Bugs these laws found, kept as regressions
 // ---------------------------------------------------------------------------------------
 
-/// Law 7: a permit's key goes idle (here: its grant was refunded, or simply time
-/// passed), is evicted, then the permit is settled above its estimate. The set that
+/// Law 7, eviction: a permit's key goes idle (here: its grant was refunded, or simply
+/// time passed), is evicted, then the permit is settled above its estimate. The set that
 /// evicted drops the charge; the set that kept the key records it.
 #[test]
 fn a_charge_after_eviction_is_not_lost() {
@@ -610,12 +521,16 @@ fn a_charge_after_eviction_is_not_lost() {
     pk.settle(3, t1);
     let (e, k) = (evicting.acquire(&key, 1, t1), keeping.acquire(&key, 1, t1));
     // Three tokens used at 0, one per second, a burst of two: empty at 1s for a second.
-    assert!(matches!(&k, Err(AcquireError::Denied(d)) if d.retry_after() == Duration::from_secs(1)), "{}", outcome(&k));
+    assert!(
+        matches!(&k, Err(AcquireError::Refused(d)) if d.retry_after() == Duration::from_secs(1)),
+        "{}",
+        outcome(&k)
+    );
     assert_eq!(outcome(&e), outcome(&k), "the evicting set forgot the charge");
 }
 
-/// Law 5: a permit from `acquire_each`, settled with `settle`, releases the semaphore
-/// amount of `Costs::Uniform(0)` instead of what it holds.
+/// Law 5, conservation: a permit from `acquire_each`, settled with `settle`, releases the
+/// semaphore amount of `Costs::Uniform(0)` instead of what it holds.
 #[test]
 fn acquire_each_then_settle_releases_what_was_held() {
     let set = LimitSet::new(
@@ -632,10 +547,10 @@ fn acquire_each_then_settle_releases_what_was_held() {
     assert_eq!(held(&set), [0, 0], "the permit's 3 slots never came back");
 }
 
-/// Law 5 and law 4 (concurrency): `settle_each` documents that semaphores' entries are
-/// ignored, but the release on drop uses them: a permit releases what it was settled to,
-/// not what it holds, so the semaphore either leaks or releases other permits' slots and
-/// admits more than its capacity.
+/// Laws 5 (conservation) and 6 (concurrency): `settle_each` documents that semaphores'
+/// entries are ignored, but the release on drop uses them: a permit releases what it was
+/// settled to, not what it holds, so the semaphore either leaks or releases other
+/// permits' slots and admits more than its capacity.
 #[test]
 fn settle_each_does_not_change_what_a_permit_releases() {
     let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::semaphore("slots", 2).counting_cost())).unwrap();

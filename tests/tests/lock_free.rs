@@ -1,8 +1,9 @@
-//! The lock-free path of a set's one global rate limit, alone or beside keyed limits,
-//! under real threads: every admission, by whichever thread and path, respects the rate
-//! cap over every window, to the unit; a lone thread decides exactly as the locked engine
-//! does; and the locked operations that borrow the state (peek, settle, stats, policy
-//! changes) interleave with it without losing or inventing capacity.
+//! Laws 15, 16 and 17: the lock-free path of a set's one global rate limit, alone or
+//! beside keyed limits, under real threads: every admission, by whichever thread and
+//! path, respects the rate cap over every window, to the unit; a lone thread decides
+//! exactly as the locked engine does; and the locked operations that borrow the state
+//! (peek, settle, stats, policy changes) interleave with it without losing or inventing
+//! capacity. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Time is explicit: each thread takes its instants from a shared counter that it
 //! advances itself, so reads race as a real clock's would. No sleeps, no wall-clock
@@ -115,7 +116,7 @@ fn threads_never_over_admit() {
                     let cost = 1 + (i * 7 + t) % 3;
                     match set.acquire(global, cost, Instant::from_nanos(now)) {
                         Ok(_permit) => mine.push(Event::ended(now, clock, cost as i64)),
-                        Err(AcquireError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
+                        Err(AcquireError::Refused(d)) => assert!(d.retry_after() > Duration::ZERO),
                         Err(e) => panic!("{e}"),
                     }
                 }
@@ -128,7 +129,7 @@ fn threads_never_over_admit() {
     let admitted = Arc::try_unwrap(admitted).unwrap().into_inner().unwrap();
     let stats = set.stats();
     assert_eq!(stats.admitted, admitted.len() as u64, "every admission is counted once");
-    assert!(stats.limits[0].denied > 0);
+    assert!(stats.limits[0].refused > 0);
     assert_cap(admitted, BURST);
 }
 
@@ -154,7 +155,7 @@ fn leases_that_lead_the_clock_keep_the_cap() {
                     let now = clock.fetch_add(step, Ordering::Relaxed);
                     match set.check(global, 1, Instant::from_nanos(now)) {
                         Ok(()) => mine.push(Event::ended(now, clock, 1)),
-                        Err(SetError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
+                        Err(SetError::Refused(d)) => assert!(d.retry_after() > Duration::ZERO),
                         Err(e) => panic!("{e}"),
                     }
                 }
@@ -165,7 +166,7 @@ fn leases_that_lead_the_clock_keep_the_cap() {
     let admitted = admitted.into_inner().unwrap();
     let stats = set.stats();
     assert_eq!(stats.admitted, admitted.len() as u64);
-    assert!(stats.limits[0].denied > 0, "the fast phases reach the limit");
+    assert!(stats.limits[0].refused > 0, "the fast phases reach the limit");
     assert_cap(admitted, burst);
 }
 
@@ -287,7 +288,7 @@ fn a_charge_to_the_end_of_time_refuses_for_as_long_as_time_counts() {
     .unwrap();
     let key = TenantKey::global();
     let wait = |set: &LimitSet| match set.acquire_grant(&key, 1, Instant::ZERO) {
-        Err(AcquireError::Denied(d)) => d.retry_after(),
+        Err(AcquireError::Refused(d)) => d.retry_after(),
         other => panic!("expected a refusal, got {other:?}"),
     };
     let mut grant = set.acquire_grant(&key, 1, Instant::ZERO).unwrap();
@@ -340,7 +341,7 @@ fn beside_keyed_limits_threads_never_over_admit() {
                             }
                             set.release_grant(&key, grant);
                         }
-                        Err(AcquireError::Denied(d)) => {
+                        Err(AcquireError::Refused(d)) => {
                             assert_eq!(d.limit(), "everyone");
                             assert!(d.retry_after() > Duration::ZERO);
                             refused.fetch_add(1, Ordering::Relaxed);
@@ -361,8 +362,8 @@ fn beside_keyed_limits_threads_never_over_admit() {
         admitted.iter().filter(|e| e.units > 0).count() as u64,
         "every admission is counted once"
     );
-    assert_eq!(stats.limits[1].denied, refused.load(Ordering::Relaxed), "every refusal is counted once");
-    assert!(stats.limits[1].denied > 0, "the global bucket binds");
+    assert_eq!(stats.limits[1].refused, refused.load(Ordering::Relaxed), "every refusal is counted once");
+    assert!(stats.limits[1].refused > 0, "the global bucket binds");
     assert_eq!(stats.limits[2].held, 0, "every semaphore came back");
     assert_cap(admitted, BURST);
 }

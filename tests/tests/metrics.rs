@@ -1,8 +1,9 @@
-//! What the layers report through the `metrics` facade (feature `metrics`), read back
-//! from a debugging recorder installed for the test's thread, on tokio's paused clock:
-//! every decision counted once under its result and reason, the time in queue and the
-//! lease duration to the paused clock's nanosecond, queue depth and active leases back
-//! to zero when everything is done, and only bounded labels.
+//! Law 26: what the layers report through the `metrics` facade (feature `metrics`), read
+//! back from a debugging recorder installed for the test's thread, on tokio's paused
+//! clock: every decision counted once under its result and reason, the time in queue and
+//! the lease duration to the paused clock's nanosecond, queue depth and active leases
+//! back to zero when everything is done, and only bounded labels. Law numbers are those
+//! of `crates/tower-limits/docs/laws.md`.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

@@ -1,5 +1,6 @@
-//! One pass per request: an acquisition returns the states the answer's headers need,
-//! read as the decision left them, and the layer never looks the same states up again.
+//! Law 23, one pass per request: an acquisition returns the states the answer's headers
+//! need, read as the decision left them, and the layer never looks the same states up
+//! again. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -73,7 +74,7 @@ async fn the_headers_come_from_the_acquisition_itself() {
     let layer = LimitSetLayer::with_backend(backend.clone())
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
-        .reject_with(HttpAnswer::new().with_openai_fields().on_success());
+        .refuse_with(HttpAnswer::new().with_openai_fields().on_success());
     let svc = ServiceBuilder::new()
         .layer(layer)
         .service(tower::service_fn(|_: Request<String>| async { Ok::<_, Infallible>(Response::new(String::new())) }));
@@ -100,7 +101,7 @@ async fn a_waiter_admitted_later_gets_the_states_of_its_own_grant() {
     };
     let layer = LimitSetLayer::with_backend(backend.clone())
         .wait(Duration::from_secs(5))
-        .reject_with(HttpAnswer::new().on_success());
+        .refuse_with(HttpAnswer::new().on_success());
     let svc = ServiceBuilder::new()
         .layer(layer)
         .service(tower::service_fn(|_: Request<String>| async { Ok::<_, Infallible>(Response::new(String::new())) }));

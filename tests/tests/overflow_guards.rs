@@ -1,4 +1,5 @@
-//! Every overflow boundary is a clear error or a correct answer, never a panic.
+//! Law 12: every overflow boundary is a clear error or a correct answer, never a panic.
+//! Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! - A limit spans at most 2^62 nanoseconds (about 146 years): a burst whose emission
 //!   intervals add up to more, or a window longer than that, is refused by validation,
@@ -279,8 +280,8 @@ fn a_limit_set_takes_costs_near_u64_max() {
     permit.settle(u64::MAX, Instant::ZERO);
     drop(permit);
     match set.acquire(&key, 1, Instant::from_nanos(SPAN / 2)) {
-        Err(AcquireError::Denied(d)) => assert!(d.retry_after() > Duration::ZERO),
-        other => panic!("expected a denial after a charge of u64::MAX, got {other:?}"),
+        Err(AcquireError::Refused(d)) => assert!(d.retry_after() > Duration::ZERO),
+        other => panic!("expected a refusal after a charge of u64::MAX, got {other:?}"),
     }
     let stats = set.stats();
     assert_eq!(stats.admitted, 1);

@@ -1,7 +1,8 @@
-//! The refusals that are not denials, and policies as data, through the public API:
+//! Law 22, the errors that are not refusals, and policies as data, through the public
+//! API (law numbers are those of `crates/tower-limits/docs/laws.md`):
 //!
 //! - `KeyTableFull` when the key table is full of active keys: an error, not a panic,
-//!   and the bound holds;
+//!   and the bound holds (Law 7);
 //! - `MissingTier` for a key lacking a tier some limit is keyed by;
 //! - `CostAboveCapacity` at once for a cost above a limit's capacity, whatever else;
 //! - `replace_policy` keeping the state of the limits that survive it;
@@ -69,7 +70,7 @@ fn a_rate_limited_key_is_active_until_it_is_full_again() {
     assert!(set.acquire(&b, 1, clock.now()).is_ok(), "a is idle at 100ms and gives way");
 }
 
-/// Law 7 of the architecture for key tables: however many tenants come, the number of
+/// Law 7, bounded memory, for key tables: however many tenants come, the number of
 /// tracked states never exceeds `max_keys`, and the rest are refused, not tracked.
 #[test]
 fn the_key_table_stays_within_its_bound() {

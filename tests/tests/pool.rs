@@ -1,9 +1,10 @@
-//! LimitPool through the layer: the chosen account reaches the inner service, exhausted
-//! accounts make requests wait for the first to free, and upstream refusals bench an
-//! account. Then the pool's own laws: its members by place and name, each selection's
-//! order, the refusal it reports when every member refuses or is benched, what a grant
-//! holds, and a pool whose accounts live in a shared store (a fake one here; the Redis
-//! store has its own tests).
+//! Law 25: `LimitPool` through the layer: the chosen account reaches the inner service,
+//! exhausted accounts make requests wait for the first to free, and upstream refusals
+//! bench an account. Then the pool's own laws: its members by place and name, each
+//! selection's order, the refusal it reports when every member refuses or is benched,
+//! what a grant holds, and a pool whose accounts live in a shared store (a fake one here;
+//! the Redis store has its own tests). Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -38,7 +39,7 @@ fn upstream() -> impl tower::Service<Request<String>, Response = Response<String
 
 #[tokio::test(start_paused = true)]
 async fn the_chosen_account_reaches_the_inner_service() {
-    let layer = LimitSetLayer::with_backend(pool()).annotate(InsertChosen).reject_with(HttpAnswer::new());
+    let layer = LimitSetLayer::with_backend(pool()).annotate(InsertChosen).refuse_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(upstream());
     let a = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
     let b = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
@@ -59,7 +60,7 @@ async fn waiting_requests_take_the_first_account_to_free() {
     let layer = LimitSetLayer::with_backend(pool())
         .annotate(InsertChosen)
         .wait(Duration::from_secs(5))
-        .reject_with(HttpAnswer::new());
+        .refuse_with(HttpAnswer::new());
     let svc = ServiceBuilder::new().layer(layer).service(upstream());
     let start = tokio::time::Instant::now();
     for _ in 0..2 {
@@ -76,7 +77,7 @@ async fn waiting_requests_take_the_first_account_to_free() {
 #[tokio::test(start_paused = true)]
 async fn an_upstream_refusal_benches_the_account() {
     let pool = pool();
-    let layer = LimitSetLayer::with_backend(pool.clone()).annotate(InsertChosen).reject_with(HttpAnswer::new());
+    let layer = LimitSetLayer::with_backend(pool.clone()).annotate(InsertChosen).refuse_with(HttpAnswer::new());
     let now = layer.now();
     let svc = ServiceBuilder::new().layer(layer).service(upstream());
     // The primary's upstream answers 429 with Retry-After: 30.
@@ -152,10 +153,10 @@ fn pick(pool: &LimitPool, cost: u64, now: Instant) -> usize {
     index
 }
 
-fn denial(result: Result<PoolGrant<()>, AcquireError>) -> tower_limits_core::Denial {
+fn refusal(result: Result<PoolGrant<()>, AcquireError>) -> tower_limits_core::LimitRefusal {
     match result {
-        Err(AcquireError::Denied(d)) => d,
-        other => panic!("expected a denial, got {other:?}"),
+        Err(AcquireError::Refused(d)) => d,
+        other => panic!("expected a refusal, got {other:?}"),
     }
 }
 
@@ -254,7 +255,7 @@ fn a_pool_grant_holds_concurrency_only_when_its_member_does() {
     let pool = members(Selection::RoundRobin, vec![one_at_a_time()]);
     let held = Backend::acquire_now(&pool, &key, 1, Instant::ZERO).expect("in memory, at once").expect("granted");
     assert!(Backend::needs_release(&pool, &held));
-    assert!(pool.acquire(&key, 1, Instant::ZERO).unwrap_err().as_denial().is_some_and(|d| d.needs_release()));
+    assert!(pool.acquire(&key, 1, Instant::ZERO).unwrap_err().as_refusal().is_some_and(|d| d.needs_release()));
     Backend::release(&pool, &key, held);
     let again = pool.acquire(&key, 1, Instant::ZERO).expect("the permit came back");
     pool.release(&key, again);
@@ -292,7 +293,7 @@ fn when_every_member_refuses_the_pool_reports_the_first_to_free() {
     for sets in [vec![rate(1, 1), rate(2, 1)], vec![rate(2, 1), rate(1, 1)]] {
         let pool = members(Selection::RoundRobin, sets);
         let grants = [pool.acquire(&key, 1, now).unwrap(), pool.acquire(&key, 1, now).unwrap()];
-        assert_eq!(denial(pool.acquire(&key, 1, now)).retry_after(), Duration::from_secs(30));
+        assert_eq!(refusal(pool.acquire(&key, 1, now)).retry_after(), Duration::from_secs(30));
         grants.into_iter().for_each(|g| pool.release(&key, g));
     }
     // A cost above one member's capacity is no answer while another member only needs
@@ -300,14 +301,14 @@ fn when_every_member_refuses_the_pool_reports_the_first_to_free() {
     for sets in [vec![units(60, 5), units(2, 10)], vec![units(2, 10), units(60, 5)]] {
         let pool = members(Selection::RoundRobin, sets);
         let spent = pool.acquire(&key, 10, now).expect("the larger member takes 10");
-        let d = denial(pool.acquire(&key, 10, now));
+        let d = refusal(pool.acquire(&key, 10, now));
         assert_eq!((d.retry_after(), d.needs_release()), (Duration::from_secs(300), false));
         pool.release(&key, spent);
     }
     for sets in [vec![one_at_a_time(), rate(2, 1)], vec![rate(2, 1), one_at_a_time()]] {
         let pool = members(Selection::RoundRobin, sets);
         let grants = [pool.acquire(&key, 1, now).unwrap(), pool.acquire(&key, 1, now).unwrap()];
-        let d = denial(pool.acquire(&key, 1, now));
+        let d = refusal(pool.acquire(&key, 1, now));
         assert_eq!((d.retry_after(), d.needs_release()), (Duration::from_secs(30), false));
         grants.into_iter().for_each(|g| pool.release(&key, g));
     }
@@ -317,7 +318,7 @@ fn when_every_member_refuses_the_pool_reports_the_first_to_free() {
     };
     let pool = members(Selection::RoundRobin, vec![named("a-rpm"), named("b-rpm")]);
     let grants = [pool.acquire(&key, 1, now).unwrap(), pool.acquire(&key, 1, now).unwrap()];
-    let names: Vec<&str> = (0..2).map(|_| denial(pool.acquire(&key, 1, now)).limit()).collect();
+    let names: Vec<&str> = (0..2).map(|_| refusal(pool.acquire(&key, 1, now)).limit()).collect();
     assert_eq!(names, ["a-rpm", "b-rpm"]);
     grants.into_iter().for_each(|g| pool.release(&key, g));
     // Above every member's capacity: never, whatever the wait.
@@ -339,7 +340,7 @@ fn a_benched_member_is_skipped_until_its_upstream_said_and_its_end_can_be_the_wa
     let b = pool.acquire(&key, 1, now).expect("b serves");
     assert_eq!(b.chosen().index, 1);
     // b frees in 30 s, a's bench ends in 10: the wait is a's.
-    assert_eq!(denial(pool.acquire(&key, 1, now)).retry_after(), Duration::from_secs(10));
+    assert_eq!(refusal(pool.acquire(&key, 1, now)).retry_after(), Duration::from_secs(10));
     let ten = Instant::from_nanos(10 * SECOND);
     assert_eq!(pool.benched_until(0, ten), None, "benched until, not through, its end");
     assert_eq!(pool.acquire(&key, 1, ten).expect("a serves again").chosen().index, 0);
@@ -352,7 +353,7 @@ fn a_benched_member_is_skipped_until_its_upstream_said_and_its_end_can_be_the_wa
         let pool = members(Selection::RoundRobin, vec![roomy(), rate(2, 1)]);
         bench(&pool, 0, secs, later);
         let b = pool.acquire(&key, 1, later).unwrap();
-        assert_eq!(denial(pool.acquire(&key, 1, later)).retry_after(), Duration::from_secs(wait), "benched {secs} s");
+        assert_eq!(refusal(pool.acquire(&key, 1, later)).retry_after(), Duration::from_secs(wait), "benched {secs} s");
         pool.release(&key, b);
     }
 
@@ -360,7 +361,7 @@ fn a_benched_member_is_skipped_until_its_upstream_said_and_its_end_can_be_the_wa
     let pool = members(Selection::RoundRobin, vec![roomy(), one_at_a_time()]);
     bench(&pool, 0, 60, now);
     let b = pool.acquire(&key, 1, now).unwrap();
-    let d = denial(pool.acquire(&key, 1, now));
+    let d = refusal(pool.acquire(&key, 1, now));
     assert_eq!((d.retry_after(), d.needs_release()), (Duration::from_secs(60), false));
     pool.release(&key, b);
 
@@ -368,7 +369,7 @@ fn a_benched_member_is_skipped_until_its_upstream_said_and_its_end_can_be_the_wa
     let pool = members(Selection::RoundRobin, vec![roomy(), roomy()]);
     bench(&pool, 0, 5, now);
     bench(&pool, 1, 3, now);
-    let d = denial(pool.acquire(&key, 1, now));
+    let d = refusal(pool.acquire(&key, 1, now));
     assert_eq!((d.limit(), d.retry_after()), ("upstream", Duration::from_secs(3)));
 }
 

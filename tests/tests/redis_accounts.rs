@@ -1,8 +1,9 @@
-//! Upstream accounts shared by a fleet through Redis: several replicas (each its own
-//! connection, store and pool) draw from one mirror per account. No account is ever
+//! Law 20: upstream accounts shared by a fleet through Redis: several replicas (each its
+//! own connection, store and pool) draw from one mirror per account. No account is ever
 //! charged beyond its limits, the fleet uses all of them whichever replica the traffic
-//! lands on, upstream feedback seen by one replica holds for all, and while Redis is
-//! away the failure policy decides.
+//! lands on, upstream feedback seen by one replica holds for all, and while Redis is away
+//! the failure policy decides. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 
 mod redis_common;
 
@@ -81,7 +82,7 @@ fn replicas_sharing_accounts_never_overrun_one_and_use_them_all() {
                             tokens[m].fetch_add(cost, Ordering::Relaxed);
                             Backend::release(&pool, &key, grant);
                         }
-                        Err(AcquireError::Denied(d)) => assert!(d.is_global(), "{d:?}"),
+                        Err(AcquireError::Refused(d)) => assert!(d.is_global(), "{d:?}"),
                         Err(e) => panic!("{e}"),
                     }
                 }
@@ -141,10 +142,10 @@ fn upstream_feedback_seen_by_one_replica_holds_for_all() {
         first.observe(1, &UpstreamReport { remaining_tokens: Some(0), ..Default::default() }, Instant::ZERO);
         first_store.flush().await;
         match Backend::acquire(&second, &key, 5, Instant::ZERO).await {
-            Err(AcquireError::Denied(d)) => {
+            Err(AcquireError::Refused(d)) => {
                 assert!(d.retry_after() > Duration::ZERO && d.retry_after() <= Duration::from_secs(30), "{d:?}")
             }
-            other => panic!("expected a denial, got {other:?}"),
+            other => panic!("expected a refusal, got {other:?}"),
         }
     });
 }
@@ -182,7 +183,7 @@ fn while_redis_is_paused_the_fallback_decides_and_no_account_is_overrun() {
                     granted += 1;
                     Backend::release(&pool, &key, g);
                 }
-                Err(AcquireError::Denied(_)) => {}
+                Err(AcquireError::Refused(_)) => {}
                 Err(e) => panic!("the fallback should decide, got {e}"),
             }
         }
@@ -212,12 +213,12 @@ fn a_replica_that_stops_holds_the_turn_no_longer_than_its_wait_plus_the_grace() 
         }
         assert_eq!(grants.len() as u64, ACCOUNTS.iter().map(|(_, rpm, _)| rpm).sum::<u64>());
         // The first replica was refused last: it holds the turn, then stops (is dropped).
-        let Err(AcquireError::Denied(first_wait)) = Backend::acquire(&first, &key, 1, Instant::ZERO).await else {
+        let Err(AcquireError::Refused(first_wait)) = Backend::acquire(&first, &key, 1, Instant::ZERO).await else {
             panic!("the accounts are used up")
         };
         drop(first);
         // The second is refused for at most the first's wait plus the 50 ms grace.
-        let Err(AcquireError::Denied(second_wait)) = Backend::acquire(&second, &key, 1, Instant::ZERO).await else {
+        let Err(AcquireError::Refused(second_wait)) = Backend::acquire(&second, &key, 1, Instant::ZERO).await else {
             panic!("the accounts are used up")
         };
         let bound = first_wait.retry_after() + Duration::from_millis(50);
@@ -236,7 +237,7 @@ async fn drain(pool: &LimitPool) -> u64 {
                 granted += 1;
                 Backend::release(pool, &key, g);
             }
-            Err(AcquireError::Denied(_)) => return granted,
+            Err(AcquireError::Refused(_)) => return granted,
             Err(e) => panic!("{e}"),
         }
         assert!(granted <= 1_000, "the accounts never refused");

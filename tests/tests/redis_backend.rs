@@ -1,4 +1,4 @@
-//! What is particular to the Redis backend: the server's clock, round trips, the denial
+//! What is particular to the Redis backend: the server's clock, round trips, the refusal
 //! cache, key layout and expiries, leases, and the backend under a `LimitSetLayer`.
 
 mod redis_common;
@@ -35,8 +35,8 @@ async fn server_time_us(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
 }
 
 #[test]
-fn one_round_trip_per_acquisition_and_none_for_a_cached_denial() {
-    let Some(server) = redis_for("one_round_trip_per_acquisition_and_none_for_a_cached_denial") else { return };
+fn one_round_trip_per_acquisition_and_none_for_a_cached_refusal() {
+    let Some(server) = redis_for("one_round_trip_per_acquisition_and_none_for_a_cached_refusal") else { return };
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
         let backend = RedisBackend::builder(three_limits()).namespace(namespace("rt")).build(&conn).unwrap();
@@ -46,21 +46,21 @@ fn one_round_trip_per_acquisition_and_none_for_a_cached_denial() {
         assert_eq!((backend.stats().round_trips, backend.stats().script_loads), (2, 1));
         let second = backend.acquire(&alice, 10, Instant::ZERO).await.unwrap();
         assert_eq!(backend.stats().round_trips, 3, "one round trip once the script is cached");
-        // The third request of alice within 100 ms is denied by her GCRA (burst 2).
+        // The third request of alice within 100 ms is refused by her GCRA (burst 2).
         let now = Instant::from_nanos(1_000);
-        let denied = backend.acquire(&alice, 10, now).await.unwrap_err();
-        let AcquireError::Denied(d) = denied else { panic!("{denied}") };
+        let refused = backend.acquire(&alice, 10, now).await.unwrap_err();
+        let AcquireError::Refused(d) = refused else { panic!("{refused}") };
         assert_eq!((d.limit(), d.tier()), ("requests", Some("user")));
         assert!(d.retry_after() > Duration::ZERO && d.retry_after() <= Duration::from_millis(200));
         let trips = backend.stats().round_trips;
         for i in 0..100u64 {
             let later = now + Duration::from_nanos(i);
             let again = backend.acquire(&alice, 10, later).await.unwrap_err();
-            let AcquireError::Denied(c) = again else { panic!("{again}") };
+            let AcquireError::Refused(c) = again else { panic!("{again}") };
             assert_eq!(c.retry_after(), d.retry_after() - Duration::from_nanos(i), "the cached wait is exact");
         }
-        assert_eq!(backend.stats().round_trips, trips, "cached denials cost no round trip");
-        assert_eq!(backend.stats().cached_denials, 100);
+        assert_eq!(backend.stats().round_trips, trips, "cached refusals cost no round trip");
+        assert_eq!(backend.stats().cached_refusals, 100);
         // Releases happen in the background, one round trip each.
         backend.release(&alice, first);
         backend.release(&alice, second);
@@ -71,8 +71,8 @@ fn one_round_trip_per_acquisition_and_none_for_a_cached_denial() {
 }
 
 #[test]
-fn a_denial_writes_nothing() {
-    let Some(server) = redis_for("a_denial_writes_nothing") else { return };
+fn a_refusal_writes_nothing() {
+    let Some(server) = redis_for("a_refusal_writes_nothing") else { return };
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
         let mut admin = admin(&server.url()).await;
@@ -81,7 +81,7 @@ fn a_denial_writes_nothing() {
             .limit(LimitPolicy::sliding_window_counter("counter", 100, Duration::from_secs(10)).per("user"))
             .limit(LimitPolicy::fixed_window("fixed", 100, Duration::from_secs(10)).per("org"));
         let backend =
-            RedisBackend::builder(policy).namespace(namespace("atomic")).denial_cache(0).build(&conn).unwrap();
+            RedisBackend::builder(policy).namespace(namespace("atomic")).refusal_cache(0).build(&conn).unwrap();
         let alice = TenantKey::new(["acme", "alice"]).unwrap();
         let bob = TenantKey::new(["acme", "bob"]).unwrap();
         let _a = backend.acquire(&alice, 100, Instant::ZERO).await.unwrap();
@@ -93,12 +93,12 @@ fn a_denial_writes_nothing() {
             let v: Option<Vec<u8>> = cmd(&mut admin, &["DUMP", k]).await;
             dump.push(v);
         }
-        // Denied by the log (three per org): no key changes.
-        let denied = backend.acquire(&alice, 1, Instant::ZERO).await.unwrap_err();
-        assert_eq!(denied.as_denial().map(|d| d.limit()), Some("log"), "{denied}");
+        // Refused by the log (three per org): no key changes.
+        let refused = backend.acquire(&alice, 1, Instant::ZERO).await.unwrap_err();
+        assert_eq!(refused.as_refusal().map(|d| d.limit()), Some("log"), "{refused}");
         for (k, before) in keys.iter().zip(&dump) {
             let after: Option<Vec<u8>> = cmd(&mut admin, &["DUMP", k]).await;
-            assert_eq!(&after, before, "{k} changed on a denial");
+            assert_eq!(&after, before, "{k} changed on a refusal");
         }
     });
 }
@@ -115,10 +115,10 @@ fn the_server_clock_decides() {
         // The caller's clock is ignored: a wildly different `now` changes nothing.
         let grant = backend.acquire(&key, 1, Instant::from_nanos(999 * S)).await.unwrap();
         let granted = grant.granted_at_micros().unwrap();
-        let denied = backend.acquire(&key, 1, Instant::ZERO).await.unwrap_err();
+        let refused = backend.acquire(&key, 1, Instant::ZERO).await.unwrap_err();
         let after = server_time_us(&mut admin).await;
-        let retry = denied.as_denial().unwrap().retry_after();
-        // Denied at a server time t in [granted, after]: the wait is exactly 1 s - (t - granted),
+        let retry = refused.as_refusal().unwrap().retry_after();
+        // Refused at a server time t in [granted, after]: the wait is exactly 1 s - (t - granted),
         // in whole microseconds (the resolution of TIME).
         let elapsed = Duration::from_secs(1) - retry;
         assert_eq!(retry.subsec_nanos() % 1000, 0, "{retry:?}");
@@ -183,8 +183,8 @@ fn leases_expire_and_renewals_keep_them() {
         let key = TenantKey::single("acme").unwrap();
         // A holder that never releases (its replica died).
         let lost = backend.acquire(&key, 1, at(S)).await.unwrap();
-        let denied = backend.acquire(&key, 1, at(10 * S)).await.unwrap_err();
-        assert!(denied.as_denial().unwrap().needs_release());
+        let refused = backend.acquire(&key, 1, at(10 * S)).await.unwrap_err();
+        assert!(refused.as_refusal().unwrap().needs_release());
         // At its deadline, exactly: reclaimed.
         let taken = backend.acquire(&key, 1, at(11 * S)).await.unwrap();
         // A late release of the lost holder changes nothing (idempotent, by holder id).
@@ -230,7 +230,7 @@ fn the_release_of_a_lone_semaphore_counting_requests_is_one_zrem() {
         for i in 0..4 {
             held.push((user(i), backend.acquire(&user(i), 1, at(S)).await.unwrap()));
         }
-        assert!(backend.acquire(&user(4), 1, at(S)).await.unwrap_err().as_denial().unwrap().needs_release());
+        assert!(backend.acquire(&user(4), 1, at(S)).await.unwrap_err().as_refusal().unwrap().needs_release());
         let () = cmd(&mut admin, &["CONFIG", "RESETSTAT"]).await;
         let trips = backend.stats().round_trips;
         for (key, grant) in held.drain(..2) {
@@ -287,8 +287,8 @@ fn peek_answers_from_the_last_reply() {
 }
 
 #[test]
-fn without_a_peek_cache_a_grant_answers_briefly_and_a_denial_in_full() {
-    let Some(server) = redis_for("without_a_peek_cache_a_grant_answers_briefly_and_a_denial_in_full") else { return };
+fn without_a_peek_cache_a_grant_answers_briefly_and_a_refusal_in_full() {
+    let Some(server) = redis_for("without_a_peek_cache_a_grant_answers_briefly_and_a_refusal_in_full") else { return };
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
         let backend = manual(three_limits(), "brief").peek_cache(0).build(&conn).unwrap();
@@ -300,9 +300,9 @@ fn without_a_peek_cache_a_grant_answers_briefly_and_a_denial_in_full() {
         assert!(backend.peek(&alice, at(S)).is_empty(), "no cache, no states");
         backend.settle(&alice, &mut grant, 500, at(S + 2_000));
         backend.flush().await;
-        // A denial answers in full: the blocking limit and its state.
-        let denied = backend.acquire(&bob, 600, at(S + 2_000)).await.unwrap_err();
-        let d = denied.as_denial().expect("a denial");
+        // A refusal answers in full: the blocking limit and its state.
+        let refused = backend.acquire(&bob, 600, at(S + 2_000)).await.unwrap_err();
+        let d = refused.as_refusal().expect("a refusal");
         assert_eq!((d.limit(), d.snapshot().remaining), ("tokens", 500));
         assert!(d.retry_after() > Duration::from_millis(99) && d.retry_after() <= Duration::from_millis(100));
         backend.release(&alice, grant);
@@ -333,7 +333,7 @@ fn a_layer_enforces_the_redis_limits() {
         assert_eq!(svc.clone().oneshot("bob").await.unwrap(), "bob");
         backend.flush().await;
         let stats = backend.stats();
-        assert_eq!((stats.acquisitions, stats.granted, stats.denied), (4, 3, 1));
+        assert_eq!((stats.acquisitions, stats.granted, stats.refused), (4, 3, 1));
         // One round trip per acquisition (plus the first script load), one per release.
         assert_eq!(stats.round_trips, 4 + 1 + 3, "{stats:?}");
         assert_eq!(stats.leases_held, 0);

@@ -1,6 +1,7 @@
-//! Redis Cluster: three masters on loopback ports. A set's keys for one tenant share a
-//! slot, tenants spread over the nodes, and a set that would need two slots is refused
-//! when it is built instead of failing with `CROSSSLOT` at run time.
+//! Law 21 on Redis Cluster: three masters on loopback ports. A set's keys for one tenant
+//! share a slot, tenants spread over the nodes, and a set that would need two slots is
+//! refused when it is built instead of failing with `CROSSSLOT` at run time. Law numbers
+//! are those of `crates/tower-limits/docs/laws.md`.
 
 mod redis_common;
 
@@ -66,7 +67,7 @@ fn cluster_slots() {
             for _ in 0..3 {
                 match backend.acquire(&key, 1, Instant::ZERO).await {
                     Ok(g) => grants.push(g),
-                    Err(AcquireError::Denied(d)) => assert!(d.needs_release(), "{d:?}"),
+                    Err(AcquireError::Refused(d)) => assert!(d.needs_release(), "{d:?}"),
                     Err(e) => panic!("{e}"),
                 }
             }

@@ -1,7 +1,8 @@
-//! Faults: the script cache flushed mid-run, the server stopped and restarted, clients
-//! paused, the server asleep past the timeout. Each acquisition follows the set's failure
-//! policy, never panics and never hangs past its timeout; once Redis is back nothing is
-//! lost (semaphore holds of timed-out acquisitions are released by holder id).
+//! Law 21 under faults: the script cache flushed mid-run, the server stopped and
+//! restarted, clients paused, the server asleep past the timeout. Each acquisition
+//! follows the set's failure policy, never panics and never hangs past its timeout; once
+//! Redis is back nothing is lost (semaphore holds of timed-out acquisitions are released
+//! by holder id). Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Every acquisition runs under a hang guard of a few seconds, far above the backends'
 //! 50 ms timeout: tripping it is a failure, not a measurement.
@@ -73,7 +74,7 @@ async fn all_permits_back(b: &RedisBackend) {
     let second = acquire(b).await.expect("a second permit");
     assert_eq!((first.source(), second.source()), (GrantSource::Redis, GrantSource::Redis));
     let third = acquire(b).await.unwrap_err();
-    assert!(third.as_denial().is_some_and(|d| d.needs_release()), "{third}");
+    assert!(third.as_refusal().is_some_and(|d| d.needs_release()), "{third}");
     b.release(&alice(), first);
     b.release(&alice(), second);
     guarded("flush", b.flush()).await;
@@ -136,9 +137,9 @@ fn server_stopped_and_restarted() {
         let local = acquire(&fallback).await.unwrap();
         assert_eq!(local.source(), GrantSource::Fallback);
         let refused = acquire(&fallback).await.unwrap_err();
-        assert!(refused.as_denial().is_some_and(|d| d.needs_release()), "{refused}");
-        // The local share's state is not the fleet's: the denial states no quota.
-        assert!(refused.as_denial().is_some_and(|d| d.snapshot().quota == 0), "{refused}");
+        assert!(refused.as_refusal().is_some_and(|d| d.needs_release()), "{refused}");
+        // The local share's state is not the fleet's: the refusal states no quota.
+        assert!(refused.as_refusal().is_some_and(|d| d.snapshot().quota == 0), "{refused}");
         fallback.release(&alice(), local);
         assert!(closed.stats().breaker_opened >= 1, "{:?}", closed.stats());
         assert_eq!(open.stats().fail_open_admits, 20);

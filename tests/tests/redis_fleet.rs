@@ -1,6 +1,7 @@
-//! A fleet: several independent backends (as separate replicas would have, each with its
-//! own connection) sharing one Redis, 64 concurrent tasks, the server's own clock. The
-//! shared limits hold for the fleet as a whole.
+//! Law 21, a fleet: several independent backends (as separate replicas would have, each
+//! with its own connection) sharing one Redis, 64 concurrent tasks, the server's own
+//! clock. The shared limits hold for the fleet as a whole. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 
 mod redis_common;
 
@@ -64,7 +65,7 @@ fn the_fleet_never_admits_more_than_the_limit_plus_burst() {
                             tokens.fetch_add(cost, Ordering::Relaxed);
                             backend.release(&key, grant);
                         }
-                        Err(AcquireError::Denied(_)) => {}
+                        Err(AcquireError::Refused(_)) => {}
                         Err(e) => panic!("{e}"),
                     }
                 }
@@ -123,7 +124,7 @@ fn the_fleet_never_holds_more_than_the_capacity() {
                             held.fetch_sub(1, Ordering::SeqCst);
                             backend.release(&key, grant);
                         }
-                        Err(AcquireError::Denied(d)) => assert!(d.needs_release(), "{d:?}"),
+                        Err(AcquireError::Refused(d)) => assert!(d.needs_release(), "{d:?}"),
                         Err(e) => panic!("{e}"),
                     }
                 }

@@ -1,7 +1,8 @@
-//! Fleet-wide weighted fairness through the Redis upstream accounts: replicas whose
-//! balancer routes tenants unevenly still give every backlogged tenant its weight's share
-//! of the accounts, never overrun an account in any window, and a replica that stops
-//! coming loses its turn and its share of the demand within the documented bound.
+//! Law 27, fleet-wide weighted fairness through the Redis upstream accounts: replicas
+//! whose balancer routes tenants unevenly still give every backlogged tenant its weight's
+//! share of the accounts, never overrun an account in any window, and a replica that
+//! stops coming loses its turn and its share of the demand within the documented bound.
+//! Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Each replica is simulated as its fair queue would drive the store: a core
 //! [`FairQueue`] weighted through a [`FleetShares`] handle, the request at its gate
@@ -183,7 +184,7 @@ async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>)
                         rep.gate = None;
                         rep.enqueue(&name);
                     }
-                    Err(AcquireError::Denied(d)) => {
+                    Err(AcquireError::Refused(d)) => {
                         rep.wake = now + d.retry_after().max(Duration::from_millis(1));
                         break;
                     }

@@ -1,16 +1,20 @@
 //! What a `LimitSet` reports about itself, checked against a model, through the public
-//! API only (so that the laws hold for any implementation of the engine):
+//! API only (so that the laws hold for any implementation of the engine). Law numbers are
+//! those of `crates/tower-limits/docs/laws.md`.
 //!
-//! - `stats()` counts exactly: `admitted` is the number of grants, each limit's `denied`
-//!   the denials naming it, its `cost_above_capacity` the refusals naming it, its `held`
-//!   what outstanding permits hold of it, its `tracked_keys` add up to `tracked_keys()`;
-//!   for sets of one limit (global or keyed) as for sets of several.
+//! - Law 13, accounting: `stats()` counts exactly: `admitted` is the number of grants,
+//!   each limit's `refused` the refusals naming it, its `cost_above_capacity` the refusals
+//!   naming it, its `held` what outstanding permits hold of it, its `tracked_keys` add up
+//!   to `tracked_keys()`; for sets of one limit (global or keyed) as for sets of several.
 //! - Law 7, bounded memory: `tracked_keys()` never exceeds `max_keys`, whatever the
 //!   tenants, and an acquisition refused because the table is full tracks nothing new.
-//! - `replace_policy` keeps the counts: `admitted` across any change, and each surviving
-//!   limit's own counters; a new limit starts at zero.
-//! - A denial's snapshot is what `peek` says of the blocking limit for that key.
+//! - Law 13, policy changes keep counts: `replace_policy` keeps `admitted` across any
+//!   change, and each surviving limit's own counters; a new limit starts at zero.
+//! - A refusal's snapshot is what `peek` says of the blocking limit for that key.
 //! - A `Grant` holds concurrency exactly when the set has a semaphore.
+//! - Law 14, shadow mode: a shadow limit that would refuse (or whose tier the key lacks)
+//!   is named by the grant and counted, is neither settled, cancelled nor released, and
+//!   needs no room in the key table.
 
 use std::time::Duration;
 
@@ -19,94 +23,21 @@ use proptest::sample::Index;
 use tower_limits_core::{
     AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, OwnedPermit, Rate, SetError, TenantKey,
 };
+use tower_limits_tests::policies::{Kind, PolicyGen, Spec, TIERS, name, policy_of};
 use tower_limits_tests::{describe, proptest_config};
 
 const MS: u64 = 1_000_000;
 const CASES: u32 = 128;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Gcra,
-    TokenBucket,
-    SlidingLog,
-    SlidingCounter,
-    FixedWindow,
-    Semaphore,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Tier {
-    Global,
-    Org,
-    User,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Spec {
-    kind: Kind,
-    tier: Tier,
-    counts_cost: bool,
-    size: u64,
-    period_ms: u64,
-}
-
-impl Spec {
-    fn policy(&self, name: String) -> LimitPolicy {
-        let period = Duration::from_millis(self.period_ms);
-        let p = match self.kind {
-            Kind::Gcra => LimitPolicy::gcra(name, Rate::new(self.size, period), self.size),
-            Kind::TokenBucket => LimitPolicy::token_bucket(name, Rate::new(self.size, period), self.size),
-            Kind::SlidingLog => LimitPolicy::sliding_window_log(name, self.size, period),
-            Kind::SlidingCounter => LimitPolicy::sliding_window_counter(name, self.size, period),
-            Kind::FixedWindow => LimitPolicy::fixed_window(name, self.size, period),
-            Kind::Semaphore => LimitPolicy::semaphore(name, self.size),
-        };
-        let p = match self.tier {
-            Tier::Global => p,
-            Tier::Org => p.per("org"),
-            Tier::User => p.per("user"),
-        };
-        if self.counts_cost { p.counting_cost() } else { p }
-    }
-
-    /// What a grant of `cost` holds of this limit until released.
-    fn holds(&self, cost: u64) -> u64 {
-        match (self.kind, self.counts_cost) {
-            (Kind::Semaphore, true) => cost,
-            (Kind::Semaphore, false) => 1,
-            _ => 0,
-        }
-    }
-}
-
+/// One limit of any kind, scope and counting, of size 1 to 4 (so that a cost of 5 is
+/// above the capacity of every limit counting cost), a rate being `size` per 5 to 50 ms
+/// with a burst of `size`.
 fn spec() -> impl Strategy<Value = Spec> {
-    (
-        prop::sample::select(
-            &[
-                Kind::Gcra,
-                Kind::TokenBucket,
-                Kind::SlidingLog,
-                Kind::SlidingCounter,
-                Kind::FixedWindow,
-                Kind::Semaphore,
-            ][..],
-        ),
-        prop::sample::select(&[Tier::Global, Tier::Org, Tier::User][..]),
-        any::<bool>(),
-        1u64..=4,
-        5u64..=50,
-    )
-        .prop_map(|(kind, tier, counts_cost, size, period_ms)| Spec { kind, tier, counts_cost, size, period_ms })
-}
-
-fn policy_of(specs: &[Spec], max_keys: usize) -> LimitSetPolicy {
-    specs.iter().enumerate().fold(LimitSetPolicy::new().tiers(["org", "user"]).max_keys(max_keys), |p, (i, s)| {
-        p.limit(s.policy(format!("l{i}")))
-    })
+    PolicyGen::new().amount_is_size().sizes(1..=4).periods_ms(5..=50).spec()
 }
 
 fn keyed(specs: &[Spec]) -> usize {
-    specs.iter().filter(|s| s.tier != Tier::Global).count()
+    specs.iter().filter(|s| s.is_keyed()).count()
 }
 
 /// Keys: the global key, an org without a user, and many full keys, so that tables fill.
@@ -159,23 +90,23 @@ fn policy_and_ops() -> impl Strategy<Value = (Vec<Spec>, usize, Vec<Op>)> {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Model {
     admitted: u64,
-    denied: Vec<u64>,
+    refused: Vec<u64>,
     above: Vec<u64>,
     held: Vec<u64>,
 }
 
 impl Model {
     fn new(limits: usize) -> Self {
-        Model { admitted: 0, denied: vec![0; limits], above: vec![0; limits], held: vec![0; limits] }
+        Model { admitted: 0, refused: vec![0; limits], above: vec![0; limits], held: vec![0; limits] }
     }
 
     /// Counts a refusal where the stats count it (a full table or a missing key counts
     /// nowhere).
     fn refused(&mut self, specs: &[Spec], error: &AcquireError) {
         match error {
-            AcquireError::Denied(d) => self.denied[d.limit_index()] += 1,
+            AcquireError::Refused(d) => self.refused[d.limit_index()] += 1,
             AcquireError::CostAboveCapacity(e) => {
-                let i = (0..specs.len()).find(|&i| format!("l{i}") == e.limit()).expect("a known limit");
+                let i = (0..specs.len()).find(|&i| name(i) == e.limit()).expect("a known limit");
                 self.above[i] += 1;
             }
             AcquireError::KeyTableFull(_) | AcquireError::MissingTier(_) => {}
@@ -187,7 +118,7 @@ impl Model {
         let stats: LimitSetStats = set.stats();
         let seen = Model {
             admitted: stats.admitted,
-            denied: stats.limits.iter().map(|l| l.denied).collect(),
+            refused: stats.limits.iter().map(|l| l.refused).collect(),
             above: stats.limits.iter().map(|l| l.cost_above_capacity).collect(),
             held: stats.limits.iter().map(|l| l.held).collect(),
         };
@@ -217,8 +148,8 @@ fn run(specs: &[Spec], max_keys: usize, ops: &[Op]) -> (LimitSet, Model, Vec<(us
                         permits.push((key, permit, cost));
                     }
                     Err(e) => {
-                        if let AcquireError::Denied(d) = &e {
-                            // The denial's snapshot is the blocking limit's, for this key, now.
+                        if let AcquireError::Refused(d) = &e {
+                            // The refusal's snapshot is the blocking limit's, for this key, now.
                             let peeked = set.peek(&tenant_key(key), Instant::from_nanos(now));
                             let blocking = peeked.iter().find(|s| s.name == d.limit()).expect("the blocking limit");
                             assert_eq!(blocking.snapshot, d.snapshot(), "step {step}: {}", describe(&e));
@@ -298,11 +229,11 @@ proptest! {
         model.assert_matches(&set, max_keys, ops.len());
 
         let mut next: Vec<LimitPolicy> =
-            specs.iter().enumerate().map(|(i, s)| s.policy(format!("l{i}"))).collect();
+            specs.iter().enumerate().map(|(i, s)| s.policy(name(i))).collect();
         next.pop();
-        next.push(added.policy("added".to_owned()));
+        next.push(added.policy("added"));
         let kept = specs.len() - 1;
-        let policy = next.into_iter().fold(LimitSetPolicy::new().tiers(["org", "user"]).max_keys(max_keys), |p, l| p.limit(l));
+        let policy = next.into_iter().fold(LimitSetPolicy::new().tiers(TIERS).max_keys(max_keys), |p, l| p.limit(l));
         let before = set.stats();
         match set.replace_policy(policy) {
             Ok(()) => {
@@ -311,10 +242,10 @@ proptest! {
                 prop_assert_eq!(after.limits.len(), kept + 1);
                 for i in 0..kept {
                     prop_assert_eq!(&after.limits[i].name, &before.limits[i].name);
-                    prop_assert_eq!(after.limits[i].denied, before.limits[i].denied);
+                    prop_assert_eq!(after.limits[i].refused, before.limits[i].refused);
                     prop_assert_eq!(after.limits[i].cost_above_capacity, before.limits[i].cost_above_capacity);
                 }
-                prop_assert_eq!(after.limits[kept].denied, 0);
+                prop_assert_eq!(after.limits[kept].refused, 0);
                 prop_assert_eq!(after.limits[kept].cost_above_capacity, 0);
                 prop_assert!(set.tracked_keys() <= max_keys);
             }
@@ -332,7 +263,7 @@ proptest! {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn a_one_limit_set_counts_grants_denials_and_impossible_costs() {
+fn a_one_limit_set_counts_grants_refusals_and_impossible_costs() {
     for keyed in [false, true] {
         let limit = LimitPolicy::fixed_window("f", 2, Duration::from_secs(1)).counting_cost();
         let limit = if keyed { limit.per("tenant") } else { limit };
@@ -341,12 +272,12 @@ fn a_one_limit_set_counts_grants_denials_and_impossible_costs() {
         let now = Instant::ZERO;
         drop(set.acquire(&key, 1, now).unwrap());
         drop(set.acquire(&key, 1, now).unwrap());
-        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
-        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Refused(_))));
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Refused(_))));
         assert!(matches!(set.acquire(&key, 3, now), Err(AcquireError::CostAboveCapacity(_))));
         let stats = set.stats();
         assert_eq!(stats.admitted, 2, "keyed {keyed}: {stats:?}");
-        assert_eq!(stats.limits[0].denied, 2, "keyed {keyed}: {stats:?}");
+        assert_eq!(stats.limits[0].refused, 2, "keyed {keyed}: {stats:?}");
         assert_eq!(stats.limits[0].cost_above_capacity, 1, "keyed {keyed}: {stats:?}");
         assert_eq!(stats.limits[0].tracked_keys, usize::from(keyed));
     }
@@ -363,27 +294,27 @@ fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
     let set = LimitSet::new(one()).unwrap();
     let key = TenantKey::global();
     let now = Instant::ZERO;
-    let expect = |admitted: u64, denied: u64, impossible: u64| {
+    let expect = |admitted: u64, refused: u64, impossible: u64| {
         let stats = set.stats();
         assert_eq!(
-            (stats.admitted, stats.limits[0].denied, stats.limits[0].cost_above_capacity),
-            (admitted, denied, impossible),
+            (stats.admitted, stats.limits[0].refused, stats.limits[0].cost_above_capacity),
+            (admitted, refused, impossible),
             "{stats:?}"
         );
     };
     drop(set.acquire(&key, 1, now).unwrap());
     for _ in 0..2 {
-        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Refused(_))));
     }
     assert!(matches!(set.acquire(&key, 2, now), Err(AcquireError::CostAboveCapacity(_))));
     expect(1, 2, 1);
     set.replace_policy(two()).unwrap();
     expect(1, 2, 1);
-    assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+    assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Refused(_))));
     expect(1, 3, 1);
     set.replace_policy(one()).unwrap();
     for _ in 0..3 {
-        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Denied(_))));
+        assert!(matches!(set.acquire(&key, 1, now), Err(AcquireError::Refused(_))));
     }
     assert!(matches!(set.acquire(&key, 5, now), Err(AcquireError::CostAboveCapacity(_))));
     expect(1, 6, 2);
@@ -393,10 +324,10 @@ fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
     expect(1, 6, 2);
 }
 
-/// A limit in shadow mode that refused a grant holds nothing of it: settling the grant
-/// refunds nothing of its rate, cancelling it refunds nothing either, and releasing it
-/// gives back nothing of its semaphore. (The shadow limits come after an enforcing one,
-/// so that their bits are not the first.)
+/// Law 14: a limit in shadow mode that refused a grant holds nothing of it: settling the
+/// grant refunds nothing of its rate, cancelling it refunds nothing either, and releasing
+/// it gives back nothing of its semaphore. (The shadow limits come after an enforcing
+/// one, so that their bits are not the first.)
 #[test]
 fn a_shadow_limit_that_refused_is_neither_settled_cancelled_nor_released() {
     let set = LimitSet::new(
@@ -539,7 +470,7 @@ fn a_key_is_found_again_after_its_table_grew() {
     }
     for key in &tenants {
         assert!(
-            matches!(set.acquire_grant(key, 1, Instant::ZERO), Err(AcquireError::Denied(_))),
+            matches!(set.acquire_grant(key, 1, Instant::ZERO), Err(AcquireError::Refused(_))),
             "{key:?} was served twice"
         );
     }
@@ -616,7 +547,7 @@ fn a_grant_holds_concurrency_only_with_a_semaphore() {
     .unwrap();
     let grant = slots.acquire_grant(&key, 1, Instant::ZERO).unwrap();
     assert!(grant.holds_concurrency());
-    assert!(matches!(slots.acquire_grant(&key, 1, Instant::ZERO), Err(AcquireError::Denied(_))));
+    assert!(matches!(slots.acquire_grant(&key, 1, Instant::ZERO), Err(AcquireError::Refused(_))));
     slots.release_grant(&key, grant);
     let again = slots.acquire_grant(&key, 1, Instant::ZERO).unwrap();
     slots.release_grant(&key, again);
@@ -731,7 +662,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     assert!(one.check(&key, 1, now).is_ok());
     assert!(one.check(&key, 1, now).is_ok());
     let refused = one.check(&key, 1, now).unwrap_err();
-    assert_eq!(refused.as_denial().map(|d| d.limit()), Some("g"));
+    assert_eq!(refused.as_refusal().map(|d| d.limit()), Some("g"));
     assert!(matches!(one.check(&key, 3, now), Err(SetError::CostAboveCapacity(_))));
     assert_eq!(one.stats().admitted, 2);
 
@@ -747,7 +678,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     assert_eq!(remaining(&set), [2, 1], "the rate is charged, the slot given back");
     let held = set.acquire(&key, 1, now).unwrap();
     let refused = set.check(&key, 1, now).unwrap_err();
-    assert_eq!(refused.as_denial().map(|d| d.limit()), Some("slots"));
+    assert_eq!(refused.as_refusal().map(|d| d.limit()), Some("slots"));
     drop(held);
     assert!(set.check(&key, 1, now).is_ok());
     assert_eq!(remaining(&set), [0, 1]);

@@ -1,5 +1,6 @@
-//! The laws of settling, and the memory bound of the sliding-window log, as property
-//! tests on instants built by hand.
+//! Law 11, the laws of settling, and the memory bound of the sliding-window log, as
+//! property tests on instants built by hand. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 //!
 //! A caller estimates a cost, acquires it, and settles to what was really used: a refund
 //! when the estimate was too high (settling *down*), a charge when it was too low

@@ -1,4 +1,5 @@
-//! Shadow mode, per limit and per layer, through the public API.
+//! Law 14, shadow mode, per limit and per layer, through the public API. Law numbers are
+//! those of `crates/tower-limits/docs/laws.md`.
 //!
 //! Per limit ([`LimitPolicy::shadow`]), against two enforcing twins on the same sequence:
 //! `enforcing` holds the set's other limits, `alone` the shadow limit alone and sees
@@ -8,11 +9,11 @@
 //!   refusal: the shadow limit never refuses and leaves the others enforced.
 //! - A grant names the shadow limit among its shadow refusals exactly when `alone`
 //!   refuses the same acquisition, and `shadow_refused` counts exactly `alone`'s
-//!   refusals (denied and above capacity).
+//!   refusals (refused and above capacity).
 //! - After every step, every limit's state for every key is what the twin holding it
 //!   says (`peek` and `held`): a shadow refusal charges nothing, its settle corrects
-//!   nothing, its release gives back nothing (conservation: nothing leaks and nothing is
-//!   released twice). When every permit is gone, no limit holds anything.
+//!   nothing, its release gives back nothing (Law 5, conservation: nothing leaks and
+//!   nothing is released twice). When every permit is gone, no limit holds anything.
 //!
 //! Per layer ([`LimitLayer::shadow`]): never refuses, counts in `shadow_refused` exactly
 //! what an enforcing twin layer refuses on the same requests at the same instants, and
@@ -26,68 +27,16 @@ use proptest::sample::Index;
 use tower::{Service, ServiceExt};
 use tower_limits::{GcraLayer, LimitLayer, LimitSetLayer, Quota, nz};
 use tower_limits_core::{AcquireError, Grant, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_tests::policies::{PolicyGen, Spec, TIERS};
 use tower_limits_tests::proptest_config;
 
 const MS: u64 = 1_000_000;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Gcra,
-    TokenBucket,
-    SlidingLog,
-    SlidingCounter,
-    FixedWindow,
-    Semaphore,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Spec {
-    kind: Kind,
-    /// 0: global, 1: per org, 2: per user.
-    tier: u8,
-    counts_cost: bool,
-    size: u64,
-    period_ms: u64,
-}
-
-impl Spec {
-    fn policy(&self, name: &str) -> LimitPolicy {
-        let period = Duration::from_millis(self.period_ms);
-        let p = match self.kind {
-            Kind::Gcra => LimitPolicy::gcra(name, Rate::new(self.size, period), self.size),
-            Kind::TokenBucket => LimitPolicy::token_bucket(name, Rate::new(self.size, period), self.size),
-            Kind::SlidingLog => LimitPolicy::sliding_window_log(name, self.size, period),
-            Kind::SlidingCounter => LimitPolicy::sliding_window_counter(name, self.size, period),
-            Kind::FixedWindow => LimitPolicy::fixed_window(name, self.size, period),
-            Kind::Semaphore => LimitPolicy::semaphore(name, self.size),
-        };
-        let p = match self.tier {
-            0 => p,
-            1 => p.per("org"),
-            _ => p.per("user"),
-        };
-        if self.counts_cost { p.counting_cost() } else { p }
-    }
-}
-
+/// One limit of any kind, scope and counting, of size 1 to 4 (so that a cost of 9 is
+/// above the capacity of every limit counting cost), a rate being `size` per 5 to 50 ms
+/// with a burst of `size`.
 fn spec() -> impl Strategy<Value = Spec> {
-    (
-        prop::sample::select(
-            &[
-                Kind::Gcra,
-                Kind::TokenBucket,
-                Kind::SlidingLog,
-                Kind::SlidingCounter,
-                Kind::FixedWindow,
-                Kind::Semaphore,
-            ][..],
-        ),
-        0u8..=2,
-        any::<bool>(),
-        1u64..=4,
-        5u64..=50,
-    )
-        .prop_map(|(kind, tier, counts_cost, size, period_ms)| Spec { kind, tier, counts_cost, size, period_ms })
+    PolicyGen::new().amount_is_size().sizes(1..=4).periods_ms(5..=50).spec()
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -114,14 +63,12 @@ fn key(i: usize) -> TenantKey {
     TenantKey::new([format!("org{}", i % 2), format!("user{i}")]).unwrap()
 }
 
-const TIERS: [&str; 2] = ["org", "user"];
-
 /// A refusal, comparable across sets whose limits sit at other positions.
 fn refusal(e: &AcquireError) -> String {
     match e {
-        AcquireError::Denied(d) => {
+        AcquireError::Refused(d) => {
             format!(
-                "denied by {} {:?} retry {:?} release {} {:?}",
+                "refused by {} {:?} retry {:?} release {} {:?}",
                 d.limit(),
                 d.tier(),
                 d.retry_after(),
@@ -224,7 +171,7 @@ proptest! {
                             let named: Vec<_> = shadowed.shadow_refusals().collect();
                             let expected: Vec<_> = alone_grant
                                 .is_none()
-                                .then_some(("s", shadow.policy("s").scope_tier()))
+                                .then_some(("s", shadow.tier.name()))
                                 .into_iter()
                                 .collect();
                             prop_assert_eq!(named, expected, "step {}", step);
@@ -266,9 +213,9 @@ proptest! {
             let stats = under_test.stats();
             let s = stats.limits.iter().find(|l| l.name == "s").unwrap();
             prop_assert_eq!(s.shadow_refused, refused_alone, "step {}", step);
-            prop_assert_eq!(s.denied + s.cost_above_capacity, 0, "a shadow limit refuses nothing");
+            prop_assert_eq!(s.refused + s.cost_above_capacity, 0, "a shadow limit refuses nothing");
             let alone_stats = alone.stats();
-            prop_assert_eq!(alone_stats.limits[0].denied + alone_stats.limits[0].cost_above_capacity, refused_alone);
+            prop_assert_eq!(alone_stats.limits[0].refused + alone_stats.limits[0].cost_above_capacity, refused_alone);
         }
         for h in held.drain(..) {
             under_test.release_grant(&h.key, h.shadowed);
@@ -278,21 +225,6 @@ proptest! {
             }
         }
         prop_assert!(under_test.stats().limits.iter().all(|l| l.held == 0), "everything came back");
-    }
-}
-
-/// The tier a policy's limit is keyed by, as a denial names it.
-trait ScopeTier {
-    fn scope_tier(&self) -> Option<&'static str>;
-}
-
-impl ScopeTier for LimitPolicy {
-    fn scope_tier(&self) -> Option<&'static str> {
-        match &self.scope {
-            tower_limits_core::Scope::Global => None,
-            tower_limits_core::Scope::Tier(t) if t == "org" => Some("org"),
-            tower_limits_core::Scope::Tier(_) => Some("user"),
-        }
     }
 }
 
@@ -360,8 +292,8 @@ async fn a_shadow_layer_never_refuses_and_counts_what_its_twin_refuses() {
         assert_eq!(shadow.layer_stats().shadow_refused, refused, "after request {i}");
     }
     assert!(refused > 0, "the sequence must exercise refusals");
-    assert_eq!(shadow.layer_stats().rejected, 0);
-    assert_eq!(twin.layer_stats().rejected, refused);
+    assert_eq!(shadow.layer_stats().refused, 0);
+    assert_eq!(twin.layer_stats().refused, refused);
     assert_eq!(shadow.stats().admitted, twin.stats().admitted, "the limit was charged exactly as the twin's");
 }
 
@@ -449,7 +381,7 @@ async fn a_shadow_limit_of_a_pool_member_is_reported_through_the_layer() {
 async fn a_shadow_layer_still_tells_clients_what_is_left() {
     use tower_limits::http::HttpAnswer;
     let layer = GcraLayer::new(Quota::per_minute(nz!(60)).burst(nz!(2)))
-        .reject_with(HttpAnswer::new().with_openai_fields().on_success())
+        .refuse_with(HttpAnswer::new().with_openai_fields().on_success())
         .shadow();
     let svc = tower::ServiceBuilder::new()
         .layer(layer.clone())

@@ -1,6 +1,7 @@
-//! The waiting machine, on paused tokio time: a release wakes only the waiters of the
-//! state it freed, in FIFO order per state, a grant passes the wake-up on, and no wake-up
-//! is ever lost, whatever is cancelled when.
+//! Law 24: the waiting machine, on paused tokio time: a release wakes only the waiters of
+//! the state it freed, in FIFO order per state, a grant passes the wake-up on, and no
+//! wake-up is ever lost, whatever is cancelled when. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
 use std::future::Future;

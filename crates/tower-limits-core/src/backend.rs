@@ -9,7 +9,7 @@
 //!
 //! An implementation must guarantee, for every acquisition:
 //!
-//! 1. **All or nothing.** Either every limit of the set is charged, or none is. A denied
+//! 1. **All or nothing.** Either every limit of the set is charged, or none is. A refused
 //!    acquisition leaves every limit's state as it was.
 //! 2. **Linearizable per key.** Acquisitions, settles and releases touching the same
 //!    (limit, key) states take effect in one total order consistent with real time; no
@@ -21,7 +21,7 @@
 //!    cancel, and, for backends that can lose contact with a holder, when its lease
 //!    expires. Settling twice applies the difference once.
 //! 5. **Exact refusals.** `CostAboveCapacity` is returned for a cost no state could
-//!    ever grant; `Denied` carries the wait after which the same request would pass if
+//!    ever grant; `Refused` carries the wait after which the same request would pass if
 //!    nothing else happened, to the backend's clock resolution.
 //!
 //! # One pass per request

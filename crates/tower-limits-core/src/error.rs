@@ -11,7 +11,7 @@ use crate::algorithm::Snapshot;
 #[non_exhaustive]
 pub enum AcquireError {
     /// Not now: a limit is exhausted. Carries which one and when to retry.
-    Denied(Denial),
+    Refused(LimitRefusal),
     /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
     CostAboveCapacity(CostAboveCapacity),
     /// The tenant key lacks a tier that a limit is keyed by.
@@ -23,11 +23,11 @@ pub enum AcquireError {
 }
 
 impl AcquireError {
-    /// The denial, if this is one.
+    /// The refusal, if this is one.
     #[must_use]
-    pub fn as_denial(&self) -> Option<&Denial> {
+    pub fn as_refusal(&self) -> Option<&LimitRefusal> {
         match self {
-            AcquireError::Denied(d) => Some(d),
+            AcquireError::Refused(d) => Some(d),
             _ => None,
         }
     }
@@ -36,7 +36,7 @@ impl AcquireError {
 impl fmt::Display for AcquireError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            AcquireError::Denied(e) => e.fmt(f),
+            AcquireError::Refused(e) => e.fmt(f),
             AcquireError::CostAboveCapacity(e) => e.fmt(f),
             AcquireError::MissingTier(e) => e.fmt(f),
             AcquireError::KeyTableFull(e) => e.fmt(f),
@@ -51,7 +51,7 @@ impl From<SetError> for AcquireError {
     #[inline]
     fn from(e: SetError) -> Self {
         match e {
-            SetError::Denied(d) => AcquireError::Denied(d),
+            SetError::Refused(d) => AcquireError::Refused(d),
             SetError::CostAboveCapacity(c) => AcquireError::CostAboveCapacity(c),
             SetError::MissingTier(m) => AcquireError::MissingTier(m),
             SetError::KeyTableFull(k) => AcquireError::KeyTableFull(k),
@@ -73,14 +73,14 @@ impl From<SetError> for AcquireError {
 /// let everyone = TenantKey::global();
 /// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
 /// let refused: SetError = set.check(&everyone, 1, Instant::ZERO).unwrap_err();
-/// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_secs()), Some(1));
-/// assert!(matches!(AcquireError::from(refused), AcquireError::Denied(_)));
+/// assert_eq!(refused.as_refusal().map(|d| d.retry_after().as_secs()), Some(1));
+/// assert!(matches!(AcquireError::from(refused), AcquireError::Refused(_)));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SetError {
     /// Not now: a limit is exhausted. Carries which one and when to retry.
-    Denied(Denial),
+    Refused(LimitRefusal),
     /// Never: the cost is above what a limit can grant at once. Waiting cannot help.
     CostAboveCapacity(CostAboveCapacity),
     /// The tenant key lacks a tier that a limit is keyed by.
@@ -90,7 +90,7 @@ pub enum SetError {
 }
 
 impl SetError {
-    /// The denial, if this is one.
+    /// The refusal, if this is one.
     ///
     /// ```
     /// use tower_limits_core::{Instant, LimitSet, Quota, TenantKey, nz};
@@ -98,12 +98,12 @@ impl SetError {
     /// let set = LimitSet::gcra(Quota::per_second(nz!(1)));
     /// let everyone = TenantKey::global();
     /// let too_much = set.check(&everyone, 2, Instant::ZERO).unwrap_err();
-    /// assert!(too_much.as_denial().is_none(), "a cost above the burst is never granted");
+    /// assert!(too_much.as_refusal().is_none(), "a cost above the burst is never granted");
     /// ```
     #[must_use]
-    pub fn as_denial(&self) -> Option<&Denial> {
+    pub fn as_refusal(&self) -> Option<&LimitRefusal> {
         match self {
-            SetError::Denied(d) => Some(d),
+            SetError::Refused(d) => Some(d),
             _ => None,
         }
     }
@@ -112,7 +112,7 @@ impl SetError {
 impl fmt::Display for SetError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SetError::Denied(e) => e.fmt(f),
+            SetError::Refused(e) => e.fmt(f),
             SetError::CostAboveCapacity(e) => e.fmt(f),
             SetError::MissingTier(e) => e.fmt(f),
             SetError::KeyTableFull(e) => e.fmt(f),
@@ -127,7 +127,7 @@ impl std::error::Error for SetError {}
 /// Names the limit that blocked (when several did, the one that frees last) and carries
 /// the exact wait after which every limit of the set would pass if nothing else happened.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Denial {
+pub struct LimitRefusal {
     pub(crate) name: &'static str,
     pub(crate) tier: Option<&'static str>,
     pub(crate) limit: usize,
@@ -147,8 +147,8 @@ pub(crate) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-impl Denial {
-    /// A denial decided by a backend outside this crate (the Redis backend evaluates the
+impl LimitRefusal {
+    /// A refusal decided by a backend outside this crate (the Redis backend evaluates the
     /// same algorithms in a server-side script). `limit` is the blocking limit's index in
     /// the policy; the other fields are as their accessors describe.
     #[must_use]
@@ -160,7 +160,7 @@ impl Denial {
         needs_release: bool,
         snapshot: Snapshot,
     ) -> Self {
-        Denial {
+        LimitRefusal {
             name,
             tier,
             limit,
@@ -175,7 +175,7 @@ impl Denial {
 
     /// Every upstream of a pool refused and is benched for `wait`.
     pub(crate) fn upstream(wait: Duration) -> Self {
-        Denial::new(
+        LimitRefusal::new(
             "upstream",
             None,
             0,
@@ -236,9 +236,9 @@ impl Denial {
     }
 }
 
-impl fmt::Debug for Denial {
+impl fmt::Debug for LimitRefusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Denial")
+        f.debug_struct("LimitRefusal")
             .field("limit", &self.limit())
             .field("tier", &self.tier())
             .field("retry_after", &self.retry_after())
@@ -248,7 +248,7 @@ impl fmt::Debug for Denial {
     }
 }
 
-impl fmt::Display for Denial {
+impl fmt::Display for LimitRefusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "rate limited by {:?}", self.limit())?;
         if let Some(tier) = self.tier() {

@@ -52,7 +52,7 @@ pub mod time;
 
 pub use algorithm::{Refusal, Snapshot};
 pub use backend::{Backend, Observed};
-pub use error::{AcquireError, CostAboveCapacity, Denial, KeyTableFull, MissingTier, SetError, Unavailable};
+pub use error::{AcquireError, CostAboveCapacity, KeyTableFull, LimitRefusal, MissingTier, SetError, Unavailable};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueFull, QueueKind, Ticket};
 pub use fleet::{FleetShares, TenantDemand};
 pub use key::{KeyError, KeyPart, MAX_TIERS, TenantKey};

@@ -335,10 +335,10 @@ impl Shape {
     }
 }
 
-/// Limit and tier names live as long as the process, so that a denial can name its limit
+/// Limit and tier names live as long as the process, so that a refusal can name its limit
 /// without a reference count on the hot path. Each distinct name is stored once, so the
 /// memory this takes is bounded by the vocabulary of names a process ever uses: keep
-/// tenants in keys, not in limit names. Backends that build denials themselves use it too.
+/// tenants in keys, not in limit names. Backends that build refusals themselves use it too.
 #[must_use]
 pub fn intern(name: &str) -> &'static str {
     static NAMES: Mutex<BTreeSet<&'static str>> = Mutex::new(BTreeSet::new());

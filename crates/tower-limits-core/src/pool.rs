@@ -360,7 +360,7 @@ impl<T> LimitPool<T> {
     ///
     /// # Errors
     /// When every member refuses: the refusal that frees first (a never-passing cost if
-    /// it is above every member's capacity, a denial naming the member's limit
+    /// it is above every member's capacity, a refusal naming the member's limit
     /// otherwise).
     pub fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<PoolGrant<T>, AcquireError> {
         let members = &self.inner.members;
@@ -383,7 +383,7 @@ impl<T> LimitPool<T> {
             }
         }
         match best {
-            Some(AcquireError::Denied(mut d)) => {
+            Some(AcquireError::Refused(mut d)) => {
                 if let Some(b) = earliest_bench {
                     let bench_wait = b - now.as_nanos();
                     if bench_wait < d.retry_nanos || d.needs_release {
@@ -391,13 +391,13 @@ impl<T> LimitPool<T> {
                         d.needs_release = false;
                     }
                 }
-                Err(AcquireError::Denied(d))
+                Err(AcquireError::Refused(d))
             }
             Some(other) => Err(other),
             None => {
                 // Every member is benched by its upstream.
                 let wait = Duration::from_nanos(earliest_bench.unwrap_or(0).saturating_sub(now.as_nanos()));
-                Err(AcquireError::Denied(crate::error::Denial::upstream(wait)))
+                Err(AcquireError::Refused(crate::error::LimitRefusal::upstream(wait)))
             }
         }
     }
@@ -517,17 +517,17 @@ fn headroom(limits: &[LimitSnapshot], cost: u64) -> (u64, u64) {
         .unwrap_or((1, 1))
 }
 
-/// Of two refusals, the one to report: a denial that frees sooner beats a later one, and
-/// any denial beats a never-passing cost (another member may be larger).
+/// Of two refusals, the one to report: a refusal that frees sooner beats a later one, and
+/// any refusal beats a never-passing cost (another member may be larger).
 fn sooner(best: Option<AcquireError>, next: AcquireError) -> AcquireError {
     match (best, next) {
         (None, next) => next,
-        (Some(AcquireError::Denied(a)), AcquireError::Denied(b)) => {
-            let key = |d: &crate::Denial| (d.needs_release, d.retry_nanos);
-            AcquireError::Denied(if key(&b) < key(&a) { b } else { a })
+        (Some(AcquireError::Refused(a)), AcquireError::Refused(b)) => {
+            let key = |d: &crate::LimitRefusal| (d.needs_release, d.retry_nanos);
+            AcquireError::Refused(if key(&b) < key(&a) { b } else { a })
         }
-        (Some(AcquireError::Denied(a)), _) => AcquireError::Denied(a),
-        (Some(_), AcquireError::Denied(b)) => AcquireError::Denied(b),
+        (Some(AcquireError::Refused(a)), _) => AcquireError::Refused(a),
+        (Some(_), AcquireError::Refused(b)) => AcquireError::Refused(b),
         (Some(a), _) => a,
     }
 }
@@ -732,7 +732,7 @@ mod tests {
         let key = TenantKey::global();
         let grants: Vec<_> = (0..3).map(|_| pool.acquire(&key, 1, Instant::ZERO).unwrap()).collect();
         match pool.acquire(&key, 1, Instant::ZERO) {
-            Err(AcquireError::Denied(d)) => assert_eq!(d.retry_after(), Duration::from_secs(30), "b frees first"),
+            Err(AcquireError::Refused(d)) => assert_eq!(d.retry_after(), Duration::from_secs(30), "b frees first"),
             other => panic!("{other:?}"),
         }
         for g in grants {

@@ -33,10 +33,10 @@ fn assert_rate_cap(mut grants: Vec<u64>, interval: u64, tolerance: u64) {
 fn run(set: &LimitSet, step_nanos: u64, cost: u64) -> (Vec<u64>, u64) {
     let clock = AtomicU64::new(0);
     let grants = Mutex::new(Vec::new());
-    let denied = Mutex::new(0u64);
+    let all_refused = Mutex::new(0u64);
     thread::scope(|s| {
         for _ in 0..THREADS {
-            let (set, grants, denied, clock) = (set, &grants, &denied, &clock);
+            let (set, grants, all_refused, clock) = (set, &grants, &all_refused, &clock);
             s.spawn(move || {
                 let key = TenantKey::global();
                 let mut mine = Vec::new();
@@ -45,7 +45,7 @@ fn run(set: &LimitSet, step_nanos: u64, cost: u64) -> (Vec<u64>, u64) {
                     let now = Instant::from_nanos(clock.fetch_add(step_nanos, Ordering::Relaxed));
                     match set.acquire(&key, cost, now) {
                         Ok(p) => mine.push(p.granted_at().as_nanos()),
-                        Err(AcquireError::Denied(d)) => {
+                        Err(AcquireError::Refused(d)) => {
                             assert!(d.retry_after() > Duration::ZERO);
                             refused += 1;
                         }
@@ -53,11 +53,11 @@ fn run(set: &LimitSet, step_nanos: u64, cost: u64) -> (Vec<u64>, u64) {
                     }
                 }
                 grants.lock().unwrap().extend(mine);
-                *denied.lock().unwrap() += refused;
+                *all_refused.lock().unwrap() += refused;
             });
         }
     });
-    (grants.into_inner().unwrap(), denied.into_inner().unwrap())
+    (grants.into_inner().unwrap(), all_refused.into_inner().unwrap())
 }
 
 #[test]
@@ -65,11 +65,11 @@ fn one_global_gcra_never_over_admits_under_threads() {
     // 1,000 per second: T = 1ms, burst 5; the clock steps 100us per request, so most
     // requests are refused.
     let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000), 5))).unwrap();
-    let (grants, denied) = run(&set, 100_000, 1);
+    let (grants, refused) = run(&set, 100_000, 1);
     let stats = set.stats();
     assert_eq!(stats.admitted, grants.len() as u64, "every grant is counted");
-    assert_eq!(stats.limits[0].denied, denied, "every denial is counted");
-    assert_eq!(grants.len() as u64 + denied, THREADS * STEPS);
+    assert_eq!(stats.limits[0].refused, refused, "every refusal is counted");
+    assert_eq!(grants.len() as u64 + refused, THREADS * STEPS);
     // The whole run spans 8s: at most 8,000 + 5 grants, and (the limit being saturated)
     // at least the rate minus a burst.
     let span = THREADS * STEPS * 100_000;
@@ -85,11 +85,11 @@ fn leases_taken_under_contention_never_over_admit() {
     // so the limit is reached again and again and leases shrink to nothing near it.
     let set =
         LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000), 1_000))).unwrap();
-    let (grants, denied) = run(&set, 300, 1);
+    let (grants, refused) = run(&set, 300, 1);
     let stats = set.stats();
     assert_eq!(stats.admitted, grants.len() as u64);
-    assert_eq!(stats.limits[0].denied, denied);
-    assert!(denied > 0, "the limit was reached");
+    assert_eq!(stats.limits[0].refused, refused);
+    assert!(refused > 0, "the limit was reached");
     let span = THREADS * STEPS * 300;
     assert!(grants.len() as u64 <= span / 1_000 + 1_000 + 1);
     // Stranded leases waste some capacity, but never most of it.
@@ -107,8 +107,8 @@ fn one_global_gcra_far_from_its_limit_grants_everything_and_counts_it() {
         1_000_000_000,
     )))
     .unwrap();
-    let (grants, denied) = run(&set, 1_000, 1);
-    assert_eq!(denied, 0);
+    let (grants, refused) = run(&set, 1_000, 1);
+    assert_eq!(refused, 0);
     assert_eq!(grants.len() as u64, THREADS * STEPS);
     assert_eq!(set.stats().admitted, THREADS * STEPS);
     assert_rate_cap(grants, 1, 1_000_000_000);

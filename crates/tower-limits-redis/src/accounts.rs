@@ -92,7 +92,7 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot};
 use tower_limits_core::fleet::FleetShares;
 use tower_limits_core::{
-    AcquireError, AlgorithmKind, CostAboveCapacity, Counts, Denial, Instant, Limit, LimitSetPolicy, Scope,
+    AcquireError, AlgorithmKind, CostAboveCapacity, Counts, Instant, Limit, LimitRefusal, LimitSetPolicy, Scope,
     SharedAccounts, SharedAcquire, SharedGrant, Snapshot, TenantKey, Unavailable, UpstreamReport, intern,
 };
 
@@ -150,7 +150,7 @@ struct MemberInfo {
     name: String,
     /// The largest cost each cost-counting limit can ever grant (the smallest of them).
     max_cost: u64,
-    /// The name of the member's first limit, for denials.
+    /// The name of the member's first limit, for refusals.
     limit: &'static str,
 }
 
@@ -584,7 +584,7 @@ impl Inner {
                 let wait = Duration::from_nanos(ints[2].max(0) as u64);
                 let snapshot = Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO };
                 let limit = self.members.first().map_or("account", |m| m.limit);
-                Err(AcquireError::Denied(Denial::new(limit, None, 0, wait, false, snapshot)))
+                Err(AcquireError::Refused(LimitRefusal::new(limit, None, 0, wait, false, snapshot)))
             }
         }
     }

@@ -1,4 +1,4 @@
-//! Bounded per-key memories of the last answers: denials until their `retry_after`
+//! Bounded per-key memories of the last answers: refusals until their `retry_after`
 //! (so a flood of refused requests for one tenant costs no round trip), and the last
 //! snapshots of every limit (what [`Backend::peek`](tower_limits_core::Backend::peek)
 //! answers for headers).
@@ -59,14 +59,14 @@ impl<V> BoundedMap<V> {
     }
 }
 
-/// A denial remembered until it expires.
+/// A refusal remembered until it expires.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct CachedDenial {
-    /// When the denied request would pass, on the caller's clock.
+pub(crate) struct CachedRefusal {
+    /// When the refused request would pass, on the caller's clock.
     pub(crate) until: Instant,
-    /// When the denial was answered.
+    /// When the refusal was answered.
     pub(crate) at: Instant,
-    /// The cost that was denied.
+    /// The cost that was refused.
     pub(crate) cost: u64,
     /// Whether the blocking limit counts cost (a smaller cost may then pass sooner).
     pub(crate) counts_cost: bool,
@@ -75,11 +75,16 @@ pub(crate) struct CachedDenial {
     pub(crate) snapshot: Snapshot,
 }
 
-/// What a cached denial answers for a request of `cost` at `now`: the blocking limit,
+/// What a cached refusal answers for a request of `cost` at `now`: the blocking limit,
 /// the wait, whether a release is needed and the snapshot as it stands.
 pub(crate) type CachedAnswer = (usize, Duration, bool, Snapshot);
 
-pub(crate) fn lookup(map: &BoundedMap<CachedDenial>, key: &TenantKey, cost: u64, now: Instant) -> Option<CachedAnswer> {
+pub(crate) fn lookup(
+    map: &BoundedMap<CachedRefusal>,
+    key: &TenantKey,
+    cost: u64,
+    now: Instant,
+) -> Option<CachedAnswer> {
     map.with(key, |m| {
         let d = m.get(key)?;
         if now >= d.until {
@@ -128,11 +133,11 @@ mod tests {
     }
 
     #[test]
-    fn denials_expire_exactly() {
+    fn refusals_expire_exactly() {
         let map = BoundedMap::new(8);
         let key = TenantKey::single("a").unwrap();
         let snapshot = Snapshot { quota: 1, remaining: 0, reset: Duration::from_secs(1), window: Duration::ZERO };
-        let d = CachedDenial {
+        let d = CachedRefusal {
             until: Instant::from_nanos(1_000),
             at: Instant::ZERO,
             cost: 2,

@@ -45,7 +45,7 @@
 //! `EVAL` of the full script, which caches it again: at most two round trips.
 //!
 //! Settling to the real usage, cancelling and releasing semaphore permits are one round
-//! trip each, sent in the background on the tokio runtime, off the request path. Denials
+//! trip each, sent in the background on the tokio runtime, off the request path. Refusals
 //! are cached locally until their exact `retry_after`, so a flood of refused requests
 //! for one tenant costs no round trip at all. Refusals that need no state (a missing key
 //! tier, a cost above a limit's capacity) are answered locally too.
@@ -122,7 +122,7 @@
 //! [`RedisBackend::stats`] gives this replica's counters; on the server, `INFO
 //! commandstats` and `SLOWLOG`.
 //!
-//! - `round_trips / acquisitions` near 1 (below 1 with cached denials). A rise in
+//! - `round_trips / acquisitions` near 1 (below 1 with cached refusals). A rise in
 //!   `script_loads` means the script cache was flushed or a failover happened.
 //! - `timeouts`, `errors`, `breaker_opened`, `breaker_open`: Redis is slow or away; each
 //!   acquisition then follows the failure policy (`unavailable`, and `fail_open_admits` or

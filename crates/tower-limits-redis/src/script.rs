@@ -21,9 +21,9 @@
 //!   count as free either way), and only if all pass commit all of them. The reply is a
 //!   flat array of integers: `granted, now_us, now_sub, blocking index, retry_after_ns,
 //!   needs_release`, then `remaining, reset_ns` for every limit (after the grant, or as
-//!   they stand on a denial).
+//!   they stand on a refusal).
 //! - `b`, acquire like `a`, but a grant answers only `1, now_us, now_sub`: what the
-//!   backend sends when no peek cache keeps the states. A denial answers in full.
+//!   backend sends when no peek cache keeps the states. A refusal answers in full.
 //! - `s`, settle: correct the limits that count cost from the charged cost to the real
 //!   one (a charge or a refund), and optionally release the grant's semaphore holds.
 //!   Cancel is a settle to zero with a release.
@@ -147,15 +147,46 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
         s.push_str("  local NOWS, DEADLINE = NOW_US, NOW_US + LEASE_US\n");
     }
     let lease_ttl = lease_us / 1000 + 1002 + slack_ms;
-    let ttl = |ns: &str| format!("floor(({ns}) / 1000000) + {}", 2 + slack_ms);
     // Load and check, writing nothing.
     for (n, l) in limits.iter().enumerate() {
-        let i = n + 1;
-        let _ = writeln!(s, "  -- limit {i}");
-        let _ = match *l {
-            ScriptLimit::Gcra { cost, interval, tolerance } => write!(
-                s,
-                "  local k{i}, d{i} = KEYS[{i}], 0
+        check_limit(&mut s, n + 1, l);
+    }
+    // Commit all, only if all passed.
+    s.push_str("  if blocked == 0 then\n");
+    for (n, l) in limits.iter().enumerate() {
+        commit_limit(&mut s, n + 1, l, slack_ms, lease_ttl);
+    }
+    // A grant asked for briefly: the states are not read back (each integer of a reply
+    // costs the server about as much as a fifth of a `GET`).
+    s.push_str("    if ARGV[1] == 'b' then return {1, NOW_US, NOW_SUB} end\n  end\n");
+    // Remaining and reset of every limit, as they stand now.
+    for (n, l) in limits.iter().enumerate() {
+        report_limit(&mut s, n + 1, l);
+    }
+    s.push_str("  return {blocked == 0 and 1 or 0, NOW_US, NOW_SUB, blocked > 0 and blocked - 1 or 0, retry, release");
+    for i in 1..=limits.len() {
+        let _ = write!(s, ", r{i}, s{i}");
+    }
+    s.push_str("}\nend\n");
+    // Settle and renew: rarer, generic over a table of the limits.
+    s.push_str("local L = {\n");
+    for l in limits {
+        table_row(&mut s, l);
+    }
+    s.push_str("}\n");
+    s.push_str(MULDIV);
+    s.push_str(SETTLE);
+    s
+}
+
+/// Loads limit `i` (1-based, its key `KEYS[i]`) and checks it, writing nothing: a limit
+/// that does not pass raises `blocked` and `retry`.
+fn check_limit(s: &mut String, i: usize, l: &ScriptLimit) {
+    let _ = writeln!(s, "  -- limit {i}");
+    let _ = match *l {
+        ScriptLimit::Gcra { cost, interval, tolerance } => write!(
+            s,
+            "  local k{i}, d{i} = KEYS[{i}], 0
   do
     local v = call('GET', k{i})
     -- a theoretical arrival time well in the past is no debt: no need to read it exactly
@@ -168,11 +199,11 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
   local n{i} = d{i} + {c} * {interval}
   if n{i} > {tolerance} then local r = n{i} - {tolerance}; if r >= retry then retry, blocked = r, {i} end end
 ",
-                c = cost_of(cost)
-            ),
-            ScriptLimit::Fixed { cost, limit, window_us } => write!(
-                s,
-                "  local k{i}, w{i}, e{i}, u{i} = KEYS[{i}], 0, 0, 0
+            c = cost_of(cost)
+        ),
+        ScriptLimit::Fixed { cost, limit, window_us } => write!(
+            s,
+            "  local k{i}, w{i}, e{i}, u{i} = KEYS[{i}], 0, 0, 0
   do
     local v, st = call('GET', k{i}), 0
     if v then local a, b = match(v, '^(%d+):(%d+)$'); st, u{i} = tonumber(a), tonumber(b) end
@@ -181,30 +212,30 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
   end
   if u{i} + {c} > {limit} then local r = {w} - e{i}; if r >= retry then retry, blocked = r, {i} end end
 ",
-                c = cost_of(cost),
-                w = window_us * 1000
-            ),
-            ScriptLimit::Counter { cost, limit, window_us } => write!(
-                s,
-                "  local k{i} = KEYS[{i}]
+            c = cost_of(cost),
+            w = window_us * 1000
+        ),
+        ScriptLimit::Counter { cost, limit, window_us } => write!(
+            s,
+            "  local k{i} = KEYS[{i}]
   local w{i}, e{i}, p{i}, u{i} = cview(call('GET', k{i}), {window_us})
   do local r = ccheck({limit}, {w}, p{i}, u{i}, e{i}, {c}); if r and r >= retry then retry, blocked = r, {i} end end
 ",
-                c = cost_of(cost),
-                w = window_us * 1000
-            ),
-            ScriptLimit::Log { cost, limit, window_us } => write!(
-                s,
-                "  local k{i} = KEYS[{i}]
+            c = cost_of(cost),
+            w = window_us * 1000
+        ),
+        ScriptLimit::Log { cost, limit, window_us } => write!(
+            s,
+            "  local k{i} = KEYS[{i}]
   local l{i} = lload(k{i}, {window_us})
   do local r = lcheck(k{i}, l{i}, {limit}, {w}, {c}); if r and r >= retry then retry, blocked = r, {i} end end
 ",
-                c = cost_of(cost),
-                w = window_us * 1000
-            ),
-            ScriptLimit::Semaphore { cost: false, capacity } => write!(
-                s,
-                "  local k{i} = KEYS[{i}]
+            c = cost_of(cost),
+            w = window_us * 1000
+        ),
+        ScriptLimit::Semaphore { cost: false, capacity } => write!(
+            s,
+            "  local k{i} = KEYS[{i}]
   local h{i} = call('ZCARD', k{i})
   if h{i} + 1 > {capacity} then
     call('ZREMRANGEBYSCORE', k{i}, 0, NOWS)
@@ -212,10 +243,10 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     if h{i} + 1 > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
   end
 "
-            ),
-            ScriptLimit::Semaphore { cost: true, capacity } => write!(
-                s,
-                "  local k{i}, h{i}, x{i} = KEYS[{i}], 0, false
+        ),
+        ScriptLimit::Semaphore { cost: true, capacity } => write!(
+            s,
+            "  local k{i}, h{i}, x{i} = KEYS[{i}], 0, false
   do
     local t = call('ZSCORE', k{i}, '=')
     if t then h{i} = -tonumber(t) - 1 end
@@ -225,17 +256,18 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
   end
   if h{i} + cost > {capacity} then release = 1; if blocked == 0 then blocked = {i} end end
 "
-            ),
-        };
-    }
-    // Commit all, only if all passed.
-    s.push_str("  if blocked == 0 then\n");
-    for (n, l) in limits.iter().enumerate() {
-        let i = n + 1;
-        let _ = match *l {
-            ScriptLimit::Gcra { .. } => write!(
-                s,
-                "    do
+        ),
+    };
+}
+
+/// Commits limit `i`, checked by [`check_limit`]: its new state, with an expiry of its
+/// own (`slack_ms` longer with the test clock; `lease_ttl` for a semaphore's holds).
+fn commit_limit(s: &mut String, i: usize, l: &ScriptLimit, slack_ms: u64, lease_ttl: u64) {
+    let ttl = |ns: &str| format!("floor(({ns}) / 1000000) + {}", 2 + slack_ms);
+    let _ = match *l {
+        ScriptLimit::Gcra { .. } => write!(
+            s,
+            "    do
       local q = floor((NOW_SUB + n{i}) / 1000)
       local r = NOW_SUB + n{i} - q * 1000
       -- whole microseconds as a number (written exactly); a string only with nanoseconds
@@ -244,101 +276,88 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
       d{i} = n{i}
     end
 ",
-                t = ttl(&format!("n{i}"))
-            ),
-            ScriptLimit::Fixed { cost, window_us, .. } => write!(
-                s,
-                "    u{i} = u{i} + {c}
+            t = ttl(&format!("n{i}"))
+        ),
+        ScriptLimit::Fixed { cost, window_us, .. } => write!(
+            s,
+            "    u{i} = u{i} + {c}
     call('SET', k{i}, fmt('%.0f:%.0f', w{i}, u{i}), 'PX', {t})
 ",
-                c = cost_of(cost),
-                t = ttl(&format!("{} - e{i}", window_us * 1000))
-            ),
-            ScriptLimit::Counter { cost, window_us, .. } => write!(
-                s,
-                "    u{i} = u{i} + {c}
+            c = cost_of(cost),
+            t = ttl(&format!("{} - e{i}", window_us * 1000))
+        ),
+        ScriptLimit::Counter { cost, window_us, .. } => write!(
+            s,
+            "    u{i} = u{i} + {c}
     call('SET', k{i}, fmt('%.0f:%.0f:%.0f', w{i}, p{i}, u{i}), 'PX', {t})
 ",
-                c = cost_of(cost),
-                t = ttl(&format!("{} - e{i}", 2 * window_us * 1000))
-            ),
-            ScriptLimit::Log { cost, window_us, .. } => {
-                writeln!(s, "    lcommit(k{i}, l{i}, {}, uid, {})", cost_of(cost), window_us * 1000)
-            }
-            ScriptLimit::Semaphore { cost: false, .. } => write!(
-                s,
-                "    if NOW_US % 8 == 0 then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
+            c = cost_of(cost),
+            t = ttl(&format!("{} - e{i}", 2 * window_us * 1000))
+        ),
+        ScriptLimit::Log { cost, window_us, .. } => {
+            writeln!(s, "    lcommit(k{i}, l{i}, {}, uid, {})", cost_of(cost), window_us * 1000)
+        }
+        ScriptLimit::Semaphore { cost: false, .. } => write!(
+            s,
+            "    if NOW_US % 8 == 0 then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
     call('ZADD', k{i}, DEADLINE, uid .. ':1')
     call('PEXPIRE', k{i}, {lease_ttl})
     h{i} = h{i} + 1
 "
-            ),
-            ScriptLimit::Semaphore { cost: true, .. } => write!(
-                s,
-                "    if x{i} then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
+        ),
+        ScriptLimit::Semaphore { cost: true, .. } => write!(
+            s,
+            "    if x{i} then call('ZREMRANGEBYSCORE', k{i}, 0, NOWS) end
     if cost > 0 then call('ZADD', k{i}, DEADLINE, uid .. ':' .. fmt('%.0f', cost)) end
     h{i} = h{i} + cost
     call('ZADD', k{i}, fmt('%.0f', -h{i} - 1), '=')
     call('PEXPIRE', k{i}, {lease_ttl})
 "
-            ),
-        };
-    }
-    // A grant asked for briefly: the states are not read back (each integer of a reply
-    // costs the server about as much as a fifth of a `GET`).
-    s.push_str("    if ARGV[1] == 'b' then return {1, NOW_US, NOW_SUB} end\n  end\n");
-    // Remaining and reset of every limit, as they stand now.
-    for (n, l) in limits.iter().enumerate() {
-        let i = n + 1;
-        let _ = match *l {
-            ScriptLimit::Gcra { interval, tolerance, .. } => writeln!(
-                s,
-                "  local r{i}, s{i} = floor(({tolerance} - (d{i} < {tolerance} and d{i} or {tolerance})) / {interval}), d{i}"
-            ),
-            ScriptLimit::Fixed { limit, window_us, .. } => writeln!(
-                s,
-                "  local r{i}, s{i} = ({limit} > u{i} and {limit} - u{i} or 0), (u{i} > 0 and {} - e{i} or 0)",
-                window_us * 1000
-            ),
-            ScriptLimit::Counter { limit, window_us, .. } => {
-                writeln!(s, "  local r{i}, s{i} = cpeek({limit}, {}, p{i}, u{i}, e{i})", window_us * 1000)
-            }
-            ScriptLimit::Log { limit, window_us, .. } => {
-                writeln!(s, "  local r{i}, s{i} = lpeek(k{i}, l{i}, {limit}, {})", window_us * 1000)
-            }
-            ScriptLimit::Semaphore { capacity, .. } => {
-                writeln!(s, "  local r{i}, s{i} = ({capacity} > h{i} and {capacity} - h{i} or 0), 0")
-            }
-        };
-    }
-    s.push_str("  return {blocked == 0 and 1 or 0, NOW_US, NOW_SUB, blocked > 0 and blocked - 1 or 0, retry, release");
-    for i in 1..=limits.len() {
-        let _ = write!(s, ", r{i}, s{i}");
-    }
-    s.push_str("}\nend\n");
-    // Settle and renew: rarer, generic over a table of the limits.
-    s.push_str("local L = {\n");
-    for l in limits {
-        let _ = match *l {
-            ScriptLimit::Gcra { cost, interval, tolerance } => {
-                writeln!(s, "  {{1, {}, {interval}, {tolerance}}},", u8::from(cost))
-            }
-            ScriptLimit::Fixed { cost, limit, window_us } => {
-                writeln!(s, "  {{2, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
-            }
-            ScriptLimit::Counter { cost, limit, window_us } => {
-                writeln!(s, "  {{3, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
-            }
-            ScriptLimit::Log { cost, limit, window_us } => {
-                writeln!(s, "  {{4, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
-            }
-            ScriptLimit::Semaphore { cost, capacity } => writeln!(s, "  {{5, {}, {capacity}}},", u8::from(cost)),
-        };
-    }
-    s.push_str("}\n");
-    s.push_str(MULDIV);
-    s.push_str(SETTLE);
-    s
+        ),
+    };
+}
+
+/// What is left of limit `i` and when it resets, as it stands after the decision.
+fn report_limit(s: &mut String, i: usize, l: &ScriptLimit) {
+    let _ = match *l {
+        ScriptLimit::Gcra { interval, tolerance, .. } => writeln!(
+            s,
+            "  local r{i}, s{i} = floor(({tolerance} - (d{i} < {tolerance} and d{i} or {tolerance})) / {interval}), d{i}"
+        ),
+        ScriptLimit::Fixed { limit, window_us, .. } => writeln!(
+            s,
+            "  local r{i}, s{i} = ({limit} > u{i} and {limit} - u{i} or 0), (u{i} > 0 and {} - e{i} or 0)",
+            window_us * 1000
+        ),
+        ScriptLimit::Counter { limit, window_us, .. } => {
+            writeln!(s, "  local r{i}, s{i} = cpeek({limit}, {}, p{i}, u{i}, e{i})", window_us * 1000)
+        }
+        ScriptLimit::Log { limit, window_us, .. } => {
+            writeln!(s, "  local r{i}, s{i} = lpeek(k{i}, l{i}, {limit}, {})", window_us * 1000)
+        }
+        ScriptLimit::Semaphore { capacity, .. } => {
+            writeln!(s, "  local r{i}, s{i} = ({capacity} > h{i} and {capacity} - h{i} or 0), 0")
+        }
+    };
+}
+
+/// The row of the settle and renew table that describes `l`.
+fn table_row(s: &mut String, l: &ScriptLimit) {
+    let _ = match *l {
+        ScriptLimit::Gcra { cost, interval, tolerance } => {
+            writeln!(s, "  {{1, {}, {interval}, {tolerance}}},", u8::from(cost))
+        }
+        ScriptLimit::Fixed { cost, limit, window_us } => {
+            writeln!(s, "  {{2, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
+        }
+        ScriptLimit::Counter { cost, limit, window_us } => {
+            writeln!(s, "  {{3, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
+        }
+        ScriptLimit::Log { cost, limit, window_us } => {
+            writeln!(s, "  {{4, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
+        }
+        ScriptLimit::Semaphore { cost, capacity } => writeln!(s, "  {{5, {}, {capacity}}},", u8::from(cost)),
+    };
 }
 
 /// `r`, release (then the holder id and the cost acquired): the grant's semaphore holds

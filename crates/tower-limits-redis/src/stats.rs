@@ -11,10 +11,10 @@ pub struct RedisStats {
     pub acquisitions: u64,
     /// Acquisitions Redis granted.
     pub granted: u64,
-    /// Acquisitions Redis denied (a limit was exhausted).
-    pub denied: u64,
-    /// Denials answered from the local cache, without a round trip.
-    pub cached_denials: u64,
+    /// Acquisitions Redis refused (a limit was exhausted).
+    pub refused: u64,
+    /// Refusals answered from the local cache, without a round trip.
+    pub cached_refusals: u64,
     /// Network round trips to Redis, for every operation.
     pub round_trips: u64,
     /// `NOSCRIPT` answers, each followed by one `EVAL` (after `SCRIPT FLUSH`, a restart
@@ -51,8 +51,8 @@ pub struct RedisStats {
 pub(crate) struct Counters {
     pub(crate) acquisitions: AtomicU64,
     pub(crate) granted: AtomicU64,
-    pub(crate) denied: AtomicU64,
-    pub(crate) cached_denials: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) cached_refusals: AtomicU64,
     pub(crate) round_trips: AtomicU64,
     pub(crate) script_loads: AtomicU64,
     pub(crate) timeouts: AtomicU64,
@@ -77,8 +77,8 @@ impl Counters {
         RedisStats {
             acquisitions: l(&self.acquisitions),
             granted: l(&self.granted),
-            denied: l(&self.denied),
-            cached_denials: l(&self.cached_denials),
+            refused: l(&self.refused),
+            cached_refusals: l(&self.cached_refusals),
             round_trips: l(&self.round_trips),
             script_loads: l(&self.script_loads),
             timeouts: l(&self.timeouts),

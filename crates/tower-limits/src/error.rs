@@ -127,7 +127,7 @@ impl LimitError {
 impl From<AcquireError> for LimitError {
     fn from(e: AcquireError) -> Self {
         match e {
-            AcquireError::Denied(d) => LimitError {
+            AcquireError::Refused(d) => LimitError {
                 kind: if d.retry_after() == Duration::ZERO && d.needs_release() {
                     ErrorKind::ConcurrencyLimited
                 } else {

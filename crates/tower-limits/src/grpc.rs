@@ -64,7 +64,7 @@ impl From<LimitError> for tonic::Status {
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let svc = ServiceBuilder::new()
-///     .layer(GcraLayer::new(Quota::per_minute(nz!(1))).reject_with(GrpcAnswer))
+///     .layer(GcraLayer::new(Quota::per_minute(nz!(1))).refuse_with(GrpcAnswer))
 ///     .service_fn(|_req: http::Request<tonic::body::Body>| async {
 ///         Ok::<_, std::convert::Infallible>(http::Response::new(tonic::body::Body::empty()))
 ///     });
@@ -78,11 +78,11 @@ impl From<LimitError> for tonic::Status {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GrpcAnswer;
 
-impl<B: Default, E> crate::Rejection<http::Response<B>, E> for GrpcAnswer {
+impl<B: Default, E> crate::RefusalMode<http::Response<B>, E> for GrpcAnswer {
     type Response = http::Response<B>;
     type Error = E;
 
-    fn reject(&self, error: Box<LimitError>) -> Result<http::Response<B>, E> {
+    fn refuse(&self, error: Box<LimitError>) -> Result<http::Response<B>, E> {
         Ok(error.to_grpc_status().into_http())
     }
 

@@ -33,7 +33,7 @@
 //! use tower_limits::{GcraLayer, Quota, nz};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! let layer = GcraLayer::new(Quota::per_second(nz!(1))).reject_with(HttpAnswer::new());
+//! let layer = GcraLayer::new(Quota::per_second(nz!(1))).refuse_with(HttpAnswer::new());
 //! # let _: axum::Router = axum::Router::new().layer(layer.clone()); // it goes on a Router as it is
 //! let svc = ServiceBuilder::new().layer(layer).service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
@@ -58,7 +58,7 @@ use http_body::Body;
 use tower_limits_core::{Counts, LimitSnapshot};
 
 use crate::error::{ErrorKind, LimitError};
-use crate::reject::{Hold, Rejection};
+use crate::refusal::{Hold, RefusalMode};
 use crate::shell::body::{BodyUsage, HeldBody, HoldsBody, NoBodyUsage};
 
 mod fields;
@@ -374,7 +374,7 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 ///
 /// let app: Router = Router::new()
 ///     .route("/", get(|| async { "hello" }))
-///     .layer(SemaphoreLayer::new(nz!(64)).reject_with(HttpAnswer::new()));
+///     .layer(SemaphoreLayer::new(nz!(64)).refuse_with(HttpAnswer::new()));
 /// # drop(app);
 /// ```
 #[derive(Debug, Clone, Copy)]
@@ -557,7 +557,7 @@ impl<J, O> HttpAnswer<J, O> {
     /// let half = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(120), 1));
     /// let layer = LimitSetLayer::new(half)
     ///     .unwrap()
-    ///     .reject_with(HttpAnswer::new().with_openai_body().on_success().without_limit_fields());
+    ///     .refuse_with(HttpAnswer::new().with_openai_body().on_success().without_limit_fields());
     /// # drop(layer);
     /// ```
     pub fn without_limit_fields(self) -> Self {
@@ -612,7 +612,7 @@ impl<J, O> HttpAnswer<J, O> {
     }
 }
 
-impl<B, E, J, O> Rejection<Response<B>, E> for HttpAnswer<J, O>
+impl<B, E, J, O> RefusalMode<Response<B>, E> for HttpAnswer<J, O>
 where
     B: Body + Send + 'static,
     J: AnswerBody<B>,
@@ -621,7 +621,7 @@ where
     type Response = Response<HeldBody<B, O>>;
     type Error = E;
 
-    fn reject(&self, mut error: Box<LimitError>) -> Result<Self::Response, E> {
+    fn refuse(&self, mut error: Box<LimitError>) -> Result<Self::Response, E> {
         if let Some(wait) = self.how.unknown_wait {
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
@@ -654,7 +654,7 @@ where
     ) -> Self::Response {
         if self.how.release_at_head || response.body().is_end_stream() {
             hold.finish();
-            return <Self as Rejection<Response<B>, E>>::respond(self, response, snapshots);
+            return <Self as RefusalMode<Response<B>, E>>::respond(self, response, snapshots);
         }
         self.success_headers(response.headers_mut(), snapshots);
         let observer = self.observer.clone();

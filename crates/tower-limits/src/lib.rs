@@ -29,7 +29,7 @@ pub mod layers;
 mod meter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
-mod reject;
+mod refusal;
 pub mod shell;
 mod wait;
 
@@ -41,7 +41,7 @@ pub use grpc::{GRPC_RETRY_PUSHBACK_MS, GrpcAnswer};
 pub use layers::{
     FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer,
 };
-pub use reject::{Hold, Rejection, ReturnError};
+pub use refusal::{Hold, RefusalMode, ReturnError};
 pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};
 pub use tower_limits_core::{
     AcquireError, Backend, Chosen, Grant, Instant, KeyPart, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy,

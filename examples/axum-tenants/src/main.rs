@@ -10,7 +10,7 @@
 //! cloned per connection and every clone shares the same limits.
 //!
 //! API used: `LimitSetLayer::new(LimitSetPolicy)`, `.key(FromExtension::<TenantKey>::new())`,
-//! `.reject_with(HttpAnswer::new().with_json_body().on_success())`, `Router::layer`.
+//! `.refuse_with(HttpAnswer::new().with_json_body().on_success())`, `Router::layer`.
 //!
 //! Run: `cargo run -p example-axum-tenants` (a scripted demonstration on a loopback port,
 //! a few seconds), or `cargo run -p example-axum-tenants -- --serve` to keep the server up
@@ -55,7 +55,7 @@ fn limits() -> Limits {
     )
     .expect("the policy above is valid")
     .key(FromExtension::<TenantKey>::new())
-    .reject_with(HttpAnswer::new().with_json_body().on_success())
+    .refuse_with(HttpAnswer::new().with_json_body().on_success())
 }
 
 // ---- The application. ----

@@ -20,6 +20,7 @@ use tower::{Layer, Service};
 use tower_limits::TenantKey;
 use tower_limits::extract::AsTenantKey;
 
+use crate::access::AccessInfo;
 use crate::api;
 use crate::config::Config;
 
@@ -146,7 +147,7 @@ where
         let fut = self.inner.call(req);
         Box::pin(async move {
             let mut response = fut.await?;
-            response.extensions_mut().get_or_insert_default::<crate::gateway::AccessInfo>().tenant = Some(tenant);
+            response.extensions_mut().get_or_insert_default::<AccessInfo>().tenant = Some(tenant);
             Ok(response)
         })
     }

@@ -24,7 +24,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -45,7 +46,7 @@ use crate::config::Config;
 use tower_limits_redis::RedisConnection;
 
 use crate::gateway::{Gateway, QUEUE_TIME_HEADER, Sharing, http_transport};
-use crate::upstream;
+use crate::upstream::{self, UpstreamStats};
 
 /// The most requests one client task sends.
 pub const MAX_REQUESTS_PER_TASK: u64 = 100_000;
@@ -155,18 +156,142 @@ struct TenantInfo {
     plan: String,
 }
 
+/// The gateway replicas the demo started, each serving on a loopback port of its own.
+struct Fleet {
+    /// Where each replica listens, in the order they were built.
+    addrs: Vec<SocketAddr>,
+    /// The replicas, for their shared accounts' counters.
+    gateways: Vec<Gateway>,
+}
+
+/// What the client tasks count as they go: read by the progress lines while the load
+/// runs, and by the table, the summaries and the chart once it is over.
+struct LoadCounters {
+    /// Every finished request.
+    events: Mutex<Vec<Event>>,
+    /// Per tenant: the tokens served so far.
+    live: Vec<AtomicU64>,
+    /// Refusals so far, of every tenant.
+    refused: AtomicU64,
+    /// Per replica: answers, and tokens served.
+    per_replica: Vec<(AtomicU64, AtomicU64)>,
+    /// Per replica and tenant (`replica * tenants + tenant`): tokens served.
+    mix: Vec<AtomicU64>,
+    /// How many tenants `mix` has per replica.
+    tenants: usize,
+}
+
+impl LoadCounters {
+    fn new(tenants: usize, replicas: usize) -> Self {
+        LoadCounters {
+            events: Mutex::default(),
+            live: (0..tenants).map(|_| AtomicU64::new(0)).collect(),
+            refused: AtomicU64::new(0),
+            per_replica: (0..replicas).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
+            mix: (0..replicas * tenants).map(|_| AtomicU64::new(0)).collect(),
+            tenants,
+        }
+    }
+}
+
+/// One client task: it sends its client's requests to one replica, one at a time.
+struct ClientTask {
+    client: Client<HttpConnector, Full<Bytes>>,
+    url: http::Uri,
+    replica: usize,
+    /// The API key it sends.
+    key: String,
+    batch: usize,
+    words: usize,
+    /// The tenant the key belongs to (an index into the demo's tenants).
+    tenant: usize,
+    /// Where the task's sequence of request bodies starts.
+    seed: u64,
+}
+
+/// An answer as a client task reads it.
+struct ClientAnswer {
+    status: StatusCode,
+    /// The gateway's queueing time ([`QUEUE_TIME_HEADER`]).
+    queued: Option<Duration>,
+    /// The wait a refusal suggests.
+    wait: Option<Duration>,
+    body: Bytes,
+}
+
+/// What the upstream served over the run, against what the accounts and their mirrors
+/// allow.
+struct UpstreamSummary {
+    /// Requests the upstream served.
+    served: u64,
+    /// `429` answers the upstream gave.
+    refused: u64,
+    /// The accounts' quota, in tokens per second.
+    quota: u64,
+    /// The pace the mirrors sustain, in tokens per second.
+    mirror_rate: f64,
+    /// The tokens served, as a share of what the mirrors allowed over the run.
+    utilization: f64,
+}
+
 /// Runs the demo on `config` and prints its progress, table and verdict.
+///
+/// The steps, in order: start the mock upstream and the gateway replicas, print who
+/// drives what, drive the load while printing its progress, then print the table and the
+/// summaries, write the chart and print the verdict.
 ///
 /// # Errors
 /// A loopback port cannot be bound, or the gateway cannot be built.
-#[allow(clippy::too_many_lines)] // a script, read top to bottom
 pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport, tower::BoxError> {
     let seconds = options.seconds.unwrap_or(config.demo.seconds);
     if config.demo.clients.is_empty() {
         return Err("the configuration has no [[demo.client]]".into());
     }
+    let (upstream_addr, upstream_stats) = start_upstream(&mut config).await?;
+    let fleet = start_gateways(&config, options.redis.as_ref()).await?;
+    let (tenants, client_tenant) = demo_tenants(&config)?;
+    let gateway_addr = describe_fleet(&fleet, options.redis.as_ref());
+    print_setup(&config, upstream_addr, &gateway_addr, &tenants, &client_tenant, seconds);
 
-    // The mock upstream, on a port of the system's choosing.
+    let load = Load::new(&fleet, tenants.len(), seconds)?;
+    let uneven = options.redis.as_ref().is_some_and(|r| r.uneven);
+    let tasks = load.spawn_clients(&config, &client_tenant, uneven);
+    load.print_progress(options.progress, &tenants, &upstream_stats).await;
+    for task in tasks {
+        let _ = task.await;
+    }
+    let elapsed = load.start.elapsed().min(Duration::from_secs(seconds)).as_secs_f64();
+    let counters = &load.counters;
+    let events = std::mem::take(&mut *counters.events.lock().unwrap_or_else(PoisonError::into_inner));
+
+    let warmup = Duration::from_secs(seconds).div_f64(4.0).min(Duration::from_secs(1));
+    let rows = tally(&events, &tenants, warmup);
+    let off_share = off_share(&tenants, &rows, config.demo.tolerance);
+    print_table(&tenants, &rows, elapsed);
+    print_layer_metrics();
+    let upstream = summarize_upstream(&config, &upstream_stats, elapsed);
+    print_account_store(&fleet.gateways, upstream.served);
+    if fleet.addrs.len() > 1 {
+        print_replicas(counters, &tenants);
+    }
+    println!(
+        "shares are of the tokens admitted after a {:.2}s warm-up; tolerance ±{:.1} points",
+        warmup.as_secs_f64(),
+        config.demo.tolerance * 100.0
+    );
+    write_chart(&events, &tenants, seconds, &upstream, &options.svg)?;
+
+    // The fleet's target: the replicas together use what the shared mirrors allow.
+    let underused = fleet.addrs.len() > 1 && upstream.utilization < 0.9;
+    let report =
+        DemoReport { upstream_429: upstream.refused, off_share, underused, advisory_shares: options.advisory_shares };
+    print_verdict(&report, upstream.utilization);
+    Ok(report)
+}
+
+/// Starts the mock upstream on a port of the system's choosing and points every account
+/// of `config` at it.
+async fn start_upstream(config: &mut Config) -> Result<(SocketAddr, Arc<UpstreamStats>), tower::BoxError> {
     let upstream_listener = TcpListener::bind(("127.0.0.1", 0)).await?;
     let upstream_addr = upstream_listener.local_addr()?;
     for account in &mut config.accounts {
@@ -174,18 +299,21 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     }
     let (upstream_router, upstream_stats) = upstream::router(&config.accounts, config.upstream);
     tokio::spawn(async move { axum::serve(upstream_listener, upstream_router).await });
+    Ok((upstream_addr, upstream_stats))
+}
 
-    // The gateway: one replica in memory, or several sharing their limits in Redis.
-    let mut gateways = Vec::new();
-    let mut built = Vec::new();
-    let replicas = options.redis.as_ref().map_or(1, |r| r.replicas.max(1));
+/// Starts the gateway: one replica in memory, or `redis.replicas` replicas sharing their
+/// limits in Redis under a namespace of this run's own.
+async fn start_gateways(config: &Config, redis: Option<&RedisOptions>) -> Result<Fleet, tower::BoxError> {
+    let mut fleet = Fleet { addrs: Vec::new(), gateways: Vec::new() };
+    let replicas = redis.map_or(1, |r| r.replicas.max(1));
     let namespace = format!(
         "egw-demo-{}-{}",
         std::process::id(),
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
     );
     for _ in 0..replicas {
-        let sharing = match &options.redis {
+        let sharing = match redis {
             None => Sharing::InMemory,
             Some(r) => Sharing::Redis {
                 connection: RedisConnection::connect(&r.url).await.map_err(|e| format!("redis at {}: {e}", r.url))?,
@@ -193,25 +321,34 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
                 namespace: namespace.clone(),
             },
         };
-        let gateway = Gateway::with_sharing(&config, http_transport(), &sharing)?;
+        let gateway = Gateway::with_sharing(config, http_transport(), &sharing)?;
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let router = gateway.router.clone();
         tokio::spawn(async move { axum::serve(listener, router).await });
-        gateways.push(addr);
-        built.push(gateway);
+        fleet.addrs.push(addr);
+        fleet.gateways.push(gateway);
     }
-    let gateway_addr = match &options.redis {
-        None => gateways[0].to_string(),
+    Ok(fleet)
+}
+
+/// Where the gateway listens, as the first line of the demo names it.
+fn describe_fleet(fleet: &Fleet, redis: Option<&RedisOptions>) -> String {
+    match redis {
+        None => fleet.addrs[0].to_string(),
         Some(r) => format!(
-            "{} ({replicas} replicas sharing the tenants' limits and the accounts' mirrors through Redis at {}{})",
-            gateways.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+            "{} ({} replicas sharing the tenants' limits and the accounts' mirrors through Redis at {}{})",
+            fleet.addrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+            fleet.addrs.len(),
             r.url,
             if r.uneven { ", routed unevenly" } else { "" }
         ),
-    };
+    }
+}
 
-    // Who drives what.
+/// The tenants the demo's clients drive, in the order their first client appears, and
+/// for each client the index of its tenant among them.
+fn demo_tenants(config: &Config) -> Result<(Vec<TenantInfo>, Vec<usize>), tower::BoxError> {
     let mut tenants: Vec<TenantInfo> = Vec::new();
     let mut client_tenant = Vec::new();
     for c in &config.demo.clients {
@@ -229,7 +366,19 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         };
         client_tenant.push(index);
     }
+    Ok((tenants, client_tenant))
+}
 
+/// Prints the demo's first lines: where the upstream and the gateway listen, the
+/// accounts' limits, and what each client sends.
+fn print_setup(
+    config: &Config,
+    upstream_addr: SocketAddr,
+    gateway_addr: &str,
+    tenants: &[TenantInfo],
+    client_tenant: &[usize],
+    seconds: u64,
+) {
     println!(
         "embedding-gateway demo: upstream on {upstream_addr} ({} accounts), gateway on {gateway_addr}, {} tenants, {seconds}s",
         config.accounts.len(),
@@ -253,139 +402,184 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
             t.name, t.weight, t.plan, c.concurrency, c.batch, c.words
         );
     }
+}
 
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build_http();
-    let urls: Vec<http::Uri> =
-        gateways.iter().map(|a| format!("http://{a}/v1/embeddings").parse()).collect::<Result<_, _>>()?;
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs(seconds);
-    let events: Arc<Mutex<Vec<Event>>> = Arc::default();
-    let live: Arc<Vec<AtomicU64>> = Arc::new((0..tenants.len()).map(|_| AtomicU64::new(0)).collect());
-    let refused_live = Arc::new(AtomicU64::new(0));
-    // Per replica: answers, and tokens served.
-    let per_replica: Arc<Vec<(AtomicU64, AtomicU64)>> =
-        Arc::new((0..urls.len()).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
-    let uneven = options.redis.as_ref().is_some_and(|r| r.uneven);
-    // Per replica and tenant: tokens served.
-    let mix: Arc<Vec<AtomicU64>> = Arc::new((0..urls.len() * tenants.len()).map(|_| AtomicU64::new(0)).collect());
-    let n_tenants = tenants.len();
+/// The load the client tasks drive: where they send it, from when until when, and what
+/// they count.
+struct Load {
+    client: Client<HttpConnector, Full<Bytes>>,
+    /// Each replica's `POST /v1/embeddings`.
+    urls: Vec<http::Uri>,
+    start: Instant,
+    deadline: Instant,
+    counters: Arc<LoadCounters>,
+}
 
-    let mut tasks = Vec::new();
-    for (ci, c) in config.demo.clients.iter().enumerate() {
-        for task in 0..c.concurrency {
-            // Each client's tasks spread over the replicas (or not: --uneven).
-            let replica = route(ci, task, urls.len(), uneven);
-            let url = urls[replica].clone();
-            let (client, events, live, refused_live, per_replica, mix) =
-                (client.clone(), events.clone(), live.clone(), refused_live.clone(), per_replica.clone(), mix.clone());
-            let (key, batch, words, tenant) = (c.key.clone(), c.batch, c.words, client_tenant[ci]);
-            tasks.push(tokio::spawn(async move {
-                let mut seed = (ci as u64) << 40 | (task as u64) << 20;
-                for _ in 0..MAX_REQUESTS_PER_TASK {
-                    seed += 1;
-                    let body = request_body(seed, batch, words);
-                    let req = Request::post(url.clone())
-                        .header(header::AUTHORIZATION, format!("Bearer {key}"))
-                        .header(header::CONTENT_TYPE, "application/json")
-                        .body(Full::new(Bytes::from(body)));
-                    let Ok(req) = req else { break };
-                    let answer = async {
-                        let response = client.request(req).await.ok()?;
-                        let status = response.status();
-                        let queued = response
-                            .headers()
-                            .get(QUEUE_TIME_HEADER)
-                            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-                            .map(Duration::from_micros);
-                        // As OpenAI's SDKs: `retry-after-ms`, else `Retry-After` in seconds.
-                        let header = |name: &str| {
-                            response.headers().get(name).and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-                        };
-                        let wait = header("retry-after-ms")
-                            .map(Duration::from_millis)
-                            .or_else(|| header("retry-after").map(Duration::from_secs));
-                        let body = response.into_body().collect().await.ok()?.to_bytes();
-                        Some((status, (queued, wait), body))
-                    };
-                    let Ok(answer) = tokio::time::timeout_at(deadline, answer).await else { break };
-                    let at = start.elapsed();
-                    let mut pause = Duration::ZERO;
-                    per_replica[replica].0.fetch_add(1, Ordering::Relaxed);
-                    let outcome = match answer {
-                        Some((StatusCode::OK, (queued, _), body)) => {
-                            let tokens = serde_json::from_slice::<UsageOnly>(&body).map_or(0, |u| u.usage.total_tokens);
-                            per_replica[replica].1.fetch_add(tokens, Ordering::Relaxed);
-                            mix[replica * n_tenants + tenant].fetch_add(tokens, Ordering::Relaxed);
-                            live[tenant].fetch_add(tokens, Ordering::Relaxed);
-                            Outcome::Ok { tokens, queued: queued.unwrap_or_default() }
-                        }
-                        Some((status, (_, wait), body)) => {
-                            let r: Refusal = serde_json::from_slice(&body).unwrap_or_default();
-                            pause = wait.unwrap_or(Duration::from_millis(50));
-                            let error = r.error.unwrap_or_default();
-                            let code = error.code.unwrap_or_else(|| "?".into());
-                            // A plan's rate limit: `rate_limit_exceeded`, of `requests` or `tokens`.
-                            let own_rate_limit = code == "rate_limit_exceeded";
-                            // The limit the message names ("... for org.rpm (per org): ..."),
-                            // else the code.
-                            let what = error
-                                .message
-                                .as_deref()
-                                .and_then(|m| m.split_once(" for ")?.1.split([' ', ':']).next())
-                                .filter(|limit| !limit.is_empty())
-                                .map_or(code, str::to_owned);
-                            refused_live.fetch_add(1, Ordering::Relaxed);
-                            Outcome::Refused { reason: format!("{} {what}", status.as_u16()), own_rate_limit }
-                        }
-                        None => {
-                            pause = Duration::from_millis(50);
-                            Outcome::Refused { reason: "transport error".into(), own_rate_limit: false }
-                        }
-                    };
-                    events.lock().unwrap_or_else(PoisonError::into_inner).push(Event { tenant, at, outcome });
-                    if !pause.is_zero() {
-                        let until = (Instant::now() + pause.min(Duration::from_secs(1))).min(deadline);
-                        tokio::time::sleep_until(until).await;
-                    }
-                    if Instant::now() >= deadline {
-                        break;
-                    }
-                }
-            }));
+impl Load {
+    /// A load on `fleet` for `tenants` tenants, starting now and lasting `seconds`.
+    fn new(fleet: &Fleet, tenants: usize, seconds: u64) -> Result<Self, tower::BoxError> {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build_http();
+        let urls: Vec<http::Uri> =
+            fleet.addrs.iter().map(|a| format!("http://{a}/v1/embeddings").parse()).collect::<Result<_, _>>()?;
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(seconds);
+        let counters = Arc::new(LoadCounters::new(tenants, urls.len()));
+        Ok(Load { client, urls, start, deadline, counters })
+    }
+
+    /// Spawns `concurrency` tasks per client of `config`, each on the replica [`route`]
+    /// gives it (`uneven`: as `--uneven` routes), all sending until the deadline.
+    fn spawn_clients(
+        &self,
+        config: &Config,
+        client_tenant: &[usize],
+        uneven: bool,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = Vec::new();
+        for (ci, c) in config.demo.clients.iter().enumerate() {
+            for task in 0..c.concurrency {
+                // Each client's tasks spread over the replicas (or not: --uneven).
+                let replica = route(ci, task, self.urls.len(), uneven);
+                let spec = ClientTask {
+                    client: self.client.clone(),
+                    url: self.urls[replica].clone(),
+                    replica,
+                    key: c.key.clone(),
+                    batch: c.batch,
+                    words: c.words,
+                    tenant: client_tenant[ci],
+                    seed: (ci as u64) << 40 | (task as u64) << 20,
+                };
+                tasks.push(tokio::spawn(spec.drive(self.start, self.deadline, self.counters.clone())));
+            }
+        }
+        tasks
+    }
+
+    /// Waits until the deadline, printing once a second (when `progress`) each tenant's
+    /// tokens served in the last second, the refusals and the upstream's `429`s so far.
+    async fn print_progress(&self, progress: bool, tenants: &[TenantInfo], upstream_stats: &UpstreamStats) {
+        let mut last: Vec<u64> = vec![0; tenants.len()];
+        let mut tick = tokio::time::interval_at(self.start + Duration::from_secs(1), Duration::from_secs(1));
+        while Instant::now() + Duration::from_millis(10) < self.deadline {
+            tick.tick().await;
+            if !progress {
+                continue;
+            }
+            let mut line = format!("  {:>4.1}s ", self.start.elapsed().as_secs_f64());
+            for (i, t) in tenants.iter().enumerate() {
+                let now = self.counters.live[i].load(Ordering::Relaxed);
+                let _ = write!(line, " {} {:>6} tok/s", t.name, now - last[i]);
+                last[i] = now;
+            }
+            let _ = write!(
+                line,
+                " | refused {} | upstream 429s {}",
+                self.counters.refused.load(Ordering::Relaxed),
+                upstream_stats.refused()
+            );
+            println!("{line}");
+        }
+    }
+}
+
+impl ClientTask {
+    /// Sends one request after another until `deadline` (or [`MAX_REQUESTS_PER_TASK`]),
+    /// recording each answer in `counters` and waiting what a refusal suggests before
+    /// the next. A request still in flight at `deadline` is dropped and not recorded.
+    async fn drive(self, start: Instant, deadline: Instant, counters: Arc<LoadCounters>) {
+        let mut seed = self.seed;
+        for _ in 0..MAX_REQUESTS_PER_TASK {
+            seed += 1;
+            let body = request_body(seed, self.batch, self.words);
+            let req = Request::post(self.url.clone())
+                .header(header::AUTHORIZATION, format!("Bearer {}", self.key))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(body)));
+            let Ok(req) = req else { break };
+            let Ok(answer) = tokio::time::timeout_at(deadline, send(&self.client, req)).await else { break };
+            let at = start.elapsed();
+            counters.per_replica[self.replica].0.fetch_add(1, Ordering::Relaxed);
+            let (outcome, pause) = self.record(answer, &counters);
+            counters.events.lock().unwrap_or_else(PoisonError::into_inner).push(Event {
+                tenant: self.tenant,
+                at,
+                outcome,
+            });
+            if !pause.is_zero() {
+                let until = (Instant::now() + pause.min(Duration::from_secs(1))).min(deadline);
+                tokio::time::sleep_until(until).await;
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
         }
     }
 
-    // Live progress, once a second.
-    let mut last: Vec<u64> = vec![0; tenants.len()];
-    let mut tick = tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
-    while Instant::now() + Duration::from_millis(10) < deadline {
-        tick.tick().await;
-        if !options.progress {
-            continue;
+    /// The outcome of `answer` (`None`: the transport failed) and the pause before the
+    /// next request; counts the tokens served, or the refusal, in `counters`.
+    fn record(&self, answer: Option<ClientAnswer>, counters: &LoadCounters) -> (Outcome, Duration) {
+        match answer {
+            Some(a) if a.status == StatusCode::OK => {
+                let tokens = serde_json::from_slice::<UsageOnly>(&a.body).map_or(0, |u| u.usage.total_tokens);
+                counters.per_replica[self.replica].1.fetch_add(tokens, Ordering::Relaxed);
+                counters.mix[self.replica * counters.tenants + self.tenant].fetch_add(tokens, Ordering::Relaxed);
+                counters.live[self.tenant].fetch_add(tokens, Ordering::Relaxed);
+                (Outcome::Ok { tokens, queued: a.queued.unwrap_or_default() }, Duration::ZERO)
+            }
+            Some(a) => {
+                let pause = a.wait.unwrap_or(Duration::from_millis(50));
+                let outcome = refusal(a.status, &a.body);
+                counters.refused.fetch_add(1, Ordering::Relaxed);
+                (outcome, pause)
+            }
+            None => (
+                Outcome::Refused { reason: "transport error".into(), own_rate_limit: false },
+                Duration::from_millis(50),
+            ),
         }
-        let mut line = format!("  {:>4.1}s ", start.elapsed().as_secs_f64());
-        for (i, t) in tenants.iter().enumerate() {
-            let now = live[i].load(Ordering::Relaxed);
-            let _ = write!(line, " {} {:>6} tok/s", t.name, now - last[i]);
-            last[i] = now;
-        }
-        let _ = write!(
-            line,
-            " | refused {} | upstream 429s {}",
-            refused_live.load(Ordering::Relaxed),
-            upstream_stats.refused()
-        );
-        println!("{line}");
     }
-    for task in tasks {
-        let _ = task.await;
-    }
-    let elapsed = start.elapsed().min(Duration::from_secs(seconds)).as_secs_f64();
-    let events = std::mem::take(&mut *events.lock().unwrap_or_else(PoisonError::into_inner));
+}
 
-    // The table.
-    let warmup = Duration::from_secs(seconds).div_f64(4.0).min(Duration::from_secs(1));
+/// Sends `req` and reads the whole answer; `None` when the transport fails.
+async fn send(client: &Client<HttpConnector, Full<Bytes>>, req: Request<Full<Bytes>>) -> Option<ClientAnswer> {
+    let response = client.request(req).await.ok()?;
+    let status = response.status();
+    let queued = response
+        .headers()
+        .get(QUEUE_TIME_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .map(Duration::from_micros);
+    // As OpenAI's SDKs: `retry-after-ms`, else `Retry-After` in seconds.
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let wait =
+        header("retry-after-ms").map(Duration::from_millis).or_else(|| header("retry-after").map(Duration::from_secs));
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    Some(ClientAnswer { status, queued, wait, body })
+}
+
+/// A refusal as the table reports it: the status and the limit its message names (else
+/// its code), and whether it is the tenant's own plan's rate limit.
+fn refusal(status: StatusCode, body: &[u8]) -> Outcome {
+    let r: Refusal = serde_json::from_slice(body).unwrap_or_default();
+    let error = r.error.unwrap_or_default();
+    let code = error.code.unwrap_or_else(|| "?".into());
+    // A plan's rate limit: `rate_limit_exceeded`, of `requests` or `tokens`.
+    let own_rate_limit = code == "rate_limit_exceeded";
+    // The limit the message names ("... for org.rpm (per org): ..."), else the code.
+    let what = error
+        .message
+        .as_deref()
+        .and_then(|m| m.split_once(" for ")?.1.split([' ', ':']).next())
+        .filter(|limit| !limit.is_empty())
+        .map_or(code, str::to_owned);
+    Outcome::Refused { reason: format!("{} {what}", status.as_u16()), own_rate_limit }
+}
+
+/// Each tenant's row of the table: its answers, its share of the tokens admitted after
+/// `warmup`, and its target share.
+fn tally(events: &[Event], tenants: &[TenantInfo], warmup: Duration) -> Vec<Row> {
     let mut rows = Vec::new();
     for i in 0..tenants.len() {
         let mine = events.iter().filter(|e| e.tenant == i);
@@ -414,41 +608,52 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         queued.sort_unstable();
         rows.push(Row { requests, tokens, measured, queued, reasons, capped, share: 0.0, target: None });
     }
+    set_shares_and_targets(&mut rows, tenants);
+    rows
+}
+
+/// Each row's share of the measured tokens, and the target of each tenant not capped by
+/// its own plan: the rest after the capped tenants' shares, split by weight.
+fn set_shares_and_targets(rows: &mut [Row], tenants: &[TenantInfo]) {
     let total_measured: u64 = rows.iter().map(|r| r.measured).sum::<u64>().max(1);
-    for r in &mut rows {
+    for r in rows.iter_mut() {
         r.share = r.measured as f64 / total_measured as f64;
     }
     let capped_share: f64 = rows.iter().filter(|r| r.capped).map(|r| r.share).sum();
-    let free_weight: u32 = tenants.iter().zip(&rows).filter(|(_, r)| !r.capped).map(|(t, _)| t.weight).sum();
-    for (t, r) in tenants.iter().zip(&mut rows) {
+    let free_weight: u32 = tenants.iter().zip(rows.iter()).filter(|(_, r)| !r.capped).map(|(t, _)| t.weight).sum();
+    for (t, r) in tenants.iter().zip(rows.iter_mut()) {
         if !r.capped && free_weight > 0 {
             r.target = Some((1.0 - capped_share) * f64::from(t.weight) / f64::from(free_weight));
         }
     }
+}
 
+/// The tenants whose share strays from their target by more than `tolerance`.
+fn off_share(tenants: &[TenantInfo], rows: &[Row], tolerance: f64) -> Vec<String> {
+    tenants
+        .iter()
+        .zip(rows)
+        .filter(|(_, r)| r.target.is_some_and(|target| (r.share - target).abs() > tolerance))
+        .map(|(t, _)| t.name.clone())
+        .collect()
+}
+
+/// Prints the table: one row per tenant, over `elapsed` seconds.
+fn print_table(tenants: &[TenantInfo], rows: &[Row], elapsed: f64) {
     println!();
     println!(
-        "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7} {:>7} {:>11} {:>10} {:>10}  rejected (status limit)",
+        "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7} {:>7} {:>11} {:>10} {:>10}  refused (status limit)",
         "tenant", "weight", "plan", "requests", "tokens", "tok/s", "share", "target", "p50 queue", "p99 queue"
     );
-    let mut off_share = Vec::new();
-    for (t, r) in tenants.iter().zip(&rows) {
-        let target = match r.target {
-            Some(target) => {
-                if (r.share - target).abs() > config.demo.tolerance {
-                    off_share.push(t.name.clone());
-                }
-                format!("{:.1}%", target * 100.0)
-            }
-            None => "own limit".to_owned(),
-        };
-        let rejected = if r.reasons.is_empty() {
+    for (t, r) in tenants.iter().zip(rows) {
+        let target = r.target.map_or_else(|| "own limit".to_owned(), |target| format!("{:.1}%", target * 100.0));
+        let refused = if r.reasons.is_empty() {
             "-".to_owned()
         } else {
             r.reasons.iter().map(|(why, n)| format!("{n} × {why}")).collect::<Vec<_>>().join(", ")
         };
         println!(
-            "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7.0} {:>6.1}% {:>11} {:>10} {:>10}  {rejected}",
+            "{:<10} {:>6} {:<9} {:>8} {:>9} {:>7.0} {:>6.1}% {:>11} {:>10} {:>10}  {refused}",
             t.name,
             t.weight,
             t.plan,
@@ -461,7 +666,11 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
             millis(percentile(&r.queued, 0.99)),
         );
     }
-    // The same numbers as `/metrics` serves (every replica of this process).
+}
+
+/// Prints what the layers counted: the same numbers as `/metrics` serves (every replica
+/// of this process).
+fn print_layer_metrics() {
     let page = crate::metrics::handle().render();
     let sum = |name: &str, labels: &[&str]| crate::metrics::sum(&page, name, labels);
     let waits = sum("rate_limiting_request_time_in_queue_count", &[r#"layer="upstream""#, r#"result="admitted""#]);
@@ -474,30 +683,17 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         waited * 1000.0 / waits.max(1.0),
         sum("rate_limiting_requests", &[r#"layer="upstream""#, r#"result="refused""#]),
     );
+}
+
+/// What the upstream served over `elapsed` seconds against the accounts' quota and what
+/// their mirrors allowed; prints it.
+fn summarize_upstream(config: &Config, upstream_stats: &UpstreamStats, elapsed: f64) -> UpstreamSummary {
     let served = upstream_stats.served.load(Ordering::Relaxed);
     let upstream_tokens = upstream_stats.tokens.load(Ordering::Relaxed);
     let upstream_429 = upstream_stats.refused();
     let quota: u64 =
         config.accounts.iter().map(|a| a.tokens_per_window() as f64 / a.window.as_secs_f64()).sum::<f64>() as u64;
-    // What the mirrors let through in the long run: (L - b) / (W + J) per account (one
-    // mirror per account, shared by the replicas through Redis), plus the bursts once.
-    let mirror_rate: f64 = config
-        .accounts
-        .iter()
-        .filter_map(|a| {
-            let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1).ok()?;
-            let rate = policy.limits.iter().find(|l| l.name == "upstream.tpm")?.rate?;
-            Some(rate.amount() as f64 / rate.period().as_secs_f64())
-        })
-        .sum();
-    let mirror_burst: u64 = config
-        .accounts
-        .iter()
-        .filter_map(|a| {
-            let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1).ok()?;
-            policy.limits.iter().find(|l| l.name == "upstream.tpm")?.burst
-        })
-        .sum();
+    let (mirror_rate, mirror_burst) = mirrors_allowance(config);
     let allowed = mirror_rate * elapsed + mirror_burst as f64;
     let utilization = upstream_tokens as f64 / allowed.max(1.0);
     println!();
@@ -506,64 +702,90 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         upstream_tokens as f64 / elapsed
     );
     println!("utilization: {:.1}% of the {allowed:.0} tokens the mirrors allowed over the run", utilization * 100.0);
-    let stores: Vec<_> = built.iter().filter_map(Gateway::accounts).collect();
-    if !stores.is_empty() {
-        let (mut acquire, mut batches, mut ops) = (0, 0, 0);
-        for s in &stores {
-            let st = s.stats();
-            (acquire, batches, ops) = (acquire + st.acquire_calls, batches + st.batch_calls, ops + st.batched_ops);
-        }
-        println!(
-            "accounts in Redis: {acquire} acquisition calls and {batches} background calls carrying {ops} settles and reports, for {served} upstream calls ({:.2} and {:.2} per call)",
-            acquire as f64 / served.max(1) as f64,
-            batches as f64 / served.max(1) as f64
-        );
+    UpstreamSummary { served, refused: upstream_429, quota, mirror_rate, utilization }
+}
+
+/// What the mirrors let through in the long run: (L - b) / (W + J) tokens per second per
+/// account (one mirror per account, shared by the replicas through Redis), and the
+/// bursts, once.
+fn mirrors_allowance(config: &Config) -> (f64, u64) {
+    let tpm_limit = |a: &crate::config::Account| {
+        let policy = a.mirror_policy(&config.mirror, config.gateway.max_request_tokens, 1).ok()?;
+        policy.limits.into_iter().find(|l| l.name == "upstream.tpm")
+    };
+    let rate: f64 = config
+        .accounts
+        .iter()
+        .filter_map(|a| {
+            let rate = tpm_limit(a)?.rate?;
+            Some(rate.amount() as f64 / rate.period().as_secs_f64())
+        })
+        .sum();
+    let burst: u64 = config.accounts.iter().filter_map(|a| tpm_limit(a)?.burst).sum();
+    (rate, burst)
+}
+
+/// Prints how many calls the accounts shared in Redis took, per upstream call (nothing in
+/// memory).
+fn print_account_store(gateways: &[Gateway], served: u64) {
+    let stores: Vec<_> = gateways.iter().filter_map(Gateway::accounts).collect();
+    if stores.is_empty() {
+        return;
     }
-    if replicas > 1 {
-        let all: u64 = per_replica.iter().map(|r| r.1.load(Ordering::Relaxed)).sum::<u64>().max(1);
-        for (i, (answers, tokens)) in per_replica.iter().enumerate() {
-            let (answers, tokens) = (answers.load(Ordering::Relaxed), tokens.load(Ordering::Relaxed));
-            let by_tenant: Vec<String> = tenants
-                .iter()
-                .enumerate()
-                .map(|(t, info)| format!("{} {}", info.name, mix[i * n_tenants + t].load(Ordering::Relaxed)))
-                .collect();
-            println!(
-                "replica {i}: {answers} answers, {tokens} tokens served ({:.1}% of the fleet's: {})",
-                tokens as f64 * 100.0 / all as f64,
-                by_tenant.join(", ")
-            );
-        }
+    let (mut acquire, mut batches, mut ops) = (0, 0, 0);
+    for s in &stores {
+        let st = s.stats();
+        (acquire, batches, ops) = (acquire + st.acquire_calls, batches + st.batch_calls, ops + st.batched_ops);
     }
     println!(
-        "shares are of the tokens admitted after a {:.2}s warm-up; tolerance ±{:.1} points",
-        warmup.as_secs_f64(),
-        config.demo.tolerance * 100.0
+        "accounts in Redis: {acquire} acquisition calls and {batches} background calls carrying {ops} settles and reports, for {served} upstream calls ({:.2} and {:.2} per call)",
+        acquire as f64 / served.max(1) as f64,
+        batches as f64 / served.max(1) as f64
     );
+}
 
-    // The chart.
-    // Each point is what was admitted in the second before it: the quantity a provider
-    // enforcing its quota over one-second windows checks.
-    let steps = (Duration::from_secs(seconds).as_nanos() / STEP.as_nanos()) as usize;
-    let trailing = |tenant: usize, at: Duration| -> f64 {
-        let from = at.saturating_sub(Duration::from_secs(1));
-        let tokens: u64 = events
+/// Prints each replica's answers and tokens served, and its tokens by tenant.
+fn print_replicas(counters: &LoadCounters, tenants: &[TenantInfo]) {
+    let all: u64 = counters.per_replica.iter().map(|r| r.1.load(Ordering::Relaxed)).sum::<u64>().max(1);
+    for (i, (answers, tokens)) in counters.per_replica.iter().enumerate() {
+        let (answers, tokens) = (answers.load(Ordering::Relaxed), tokens.load(Ordering::Relaxed));
+        let by_tenant: Vec<String> = tenants
             .iter()
-            .filter(|e| e.tenant == tenant && e.at > from && e.at <= at)
-            .map(|e| if let Outcome::Ok { tokens, .. } = e.outcome { tokens } else { 0 })
-            .sum();
-        tokens as f64
-    };
+            .enumerate()
+            .map(|(t, info)| {
+                format!("{} {}", info.name, counters.mix[i * counters.tenants + t].load(Ordering::Relaxed))
+            })
+            .collect();
+        println!(
+            "replica {i}: {answers} answers, {tokens} tokens served ({:.1}% of the fleet's: {})",
+            tokens as f64 * 100.0 / all as f64,
+            by_tenant.join(", ")
+        );
+    }
+}
+
+/// Writes the SVG chart to `path` and prints where: per tenant and in all, the tokens
+/// admitted in the trailing second, every [`STEP`], with the accounts' quota and the
+/// mirrors' rate as reference lines.
+fn write_chart(
+    events: &[Event],
+    tenants: &[TenantInfo],
+    seconds: u64,
+    upstream: &UpstreamSummary,
+    path: &Path,
+) -> std::io::Result<()> {
+    let steps = (Duration::from_secs(seconds).as_nanos() / STEP.as_nanos()) as usize;
     let mut series: Vec<Series> = tenants
         .iter()
         .enumerate()
         .map(|(i, t)| Series {
             name: format!("{} (w{})", t.name, t.weight),
-            values: (0..=steps).map(|k| trailing(i, STEP * k as u32)).collect(),
+            values: (0..=steps).map(|k| trailing_second_tokens(events, i, STEP * k as u32)).collect(),
         })
         .collect();
     let total: Vec<f64> = (0..=steps).map(|k| series.iter().map(|s| s.values[k]).sum()).collect();
     series.push(Series { name: "all tenants".into(), values: total });
+    let (quota, mirror_rate) = (upstream.quota, upstream.mirror_rate);
     let references = [
         Reference { label: format!("accounts' quota {quota} tok/s"), value: quota as f64 },
         Reference { label: format!("mirrors' sustained rate {mirror_rate:.0} tok/s"), value: mirror_rate },
@@ -575,35 +797,48 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
         &series,
         &references,
     );
-    if let Some(dir) = options.svg.parent().filter(|d| !d.as_os_str().is_empty()) {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&options.svg, svg)?;
-    println!("chart: {}", options.svg.display());
+    std::fs::write(path, svg)?;
+    println!("chart: {}", path.display());
+    Ok(())
+}
 
-    // The fleet's target: the replicas together use what the shared mirrors allow.
-    let underused = replicas > 1 && utilization < 0.9;
-    let report = DemoReport { upstream_429, off_share, underused, advisory_shares: options.advisory_shares };
+/// The tokens admitted to `tenant` in the second before `at`: the quantity a provider
+/// enforcing its quota over one-second windows checks.
+fn trailing_second_tokens(events: &[Event], tenant: usize, at: Duration) -> f64 {
+    let from = at.saturating_sub(Duration::from_secs(1));
+    let tokens: u64 = events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.at > from && e.at <= at)
+        .map(|e| if let Outcome::Ok { tokens, .. } = e.outcome { tokens } else { 0 })
+        .sum();
+    tokens as f64
+}
+
+/// Prints the verdict: `PASS`, or a `FAIL` line for each reason.
+fn print_verdict(report: &DemoReport, utilization: f64) {
     if report.passed() {
         if report.off_share.is_empty() {
             println!("PASS: zero upstream 429s, every share within tolerance");
         } else {
             println!("PASS: zero upstream 429s (shares beyond tolerance, advisory: {})", report.off_share.join(", "));
         }
-    } else {
-        if upstream_429 > 0 {
-            println!("FAIL: the upstream answered 429 {upstream_429} times");
-        }
-        if !report.off_share.is_empty() {
-            println!("FAIL: shares beyond tolerance: {}", report.off_share.join(", "));
-        }
-        if report.underused {
-            println!("FAIL: the fleet used {:.1}% of what the mirrors allowed (target 90%)", utilization * 100.0);
-        }
+        return;
     }
-    Ok(report)
+    if report.upstream_429 > 0 {
+        println!("FAIL: the upstream answered 429 {} times", report.upstream_429);
+    }
+    if !report.off_share.is_empty() {
+        println!("FAIL: shares beyond tolerance: {}", report.off_share.join(", "));
+    }
+    if report.underused {
+        println!("FAIL: the fleet used {:.1}% of what the mirrors allowed (target 90%)", utilization * 100.0);
+    }
 }
 
+/// A tenant's row of the table.
 struct Row {
     requests: u64,
     tokens: u64,

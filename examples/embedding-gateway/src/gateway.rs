@@ -46,6 +46,8 @@
 //! With Redis, the plans' services sit in a [`PlanSlot`]: a gateway can start before
 //! Redis answers ([`Gateway::awaiting_redis`], following `gateway.backend_failure`) and
 //! move its limits there when it does ([`Gateway::connect_redis`]).
+//!
+//! [`AccessInfo`]: crate::access::AccessInfo
 
 use std::convert::Infallible;
 use std::fmt;
@@ -81,7 +83,7 @@ use crate::logging::Throttle;
 // The pipeline's own stages, in a module of their own.
 mod stages;
 pub use stages::{
-    ACCOUNT_HEADER, AccessInfo, BACKEND_DOWN_WAIT, PlanLimits, Prepare, PrepareLayer, QUEUE_TIME_HEADER, UpstreamCall,
+    ACCOUNT_HEADER, BACKEND_DOWN_WAIT, PlanLimits, Prepare, PrepareLayer, QUEUE_TIME_HEADER, UpstreamCall,
 };
 
 /// How the gateway reaches the upstream: HTTP in production, or a router in the same
@@ -255,7 +257,7 @@ macro_rules! plan_layer {
                         .key(FromExtension::<TenantKey>::new())
                         .cost(CostFromExtension)
                         .usage(UsageFromExtension)
-                        .reject_with($answer)
+                        .refuse_with($answer)
                         .hold_body()
                         .usage_from_body(OpenAiStreamUsage::default()),
                 )
@@ -340,7 +342,7 @@ impl Gateway {
             .annotate(InsertChosen)
             .usage(UsageFromExtension)
             .max_queue_time(config.gateway.max_wait)
-            .reject_with(HttpAnswer::new().with_openai_body())
+            .refuse_with(HttpAnswer::new().with_openai_body())
             // The turn and the account's tokens last as long as the answer's body.
             .hold_body()
             .usage_from_body(OpenAiStreamUsage::default());

@@ -14,6 +14,7 @@
 //! - [`upstream`]: the mock provider with strict limits of its own.
 //! - [`server`]: the accept loop: connection timeouts and limit, access lines, draining
 //!   on SIGTERM and SIGINT.
+//! - [`access`]: what each layer reports for a request's access line.
 //! - [`health`]: `/healthz`, `/readyz`, `/v1/models`, JSON `404` and `405`.
 //! - [`metrics`]: `/metrics`, the layers' numbers in Prometheus' text format.
 //! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
@@ -84,6 +85,7 @@
 //! [`LimitPool`]: tower_limits::LimitPool
 //! [`LimitPool::observe`]: tower_limits::LimitPool::observe
 
+pub mod access;
 pub mod api;
 pub mod auth;
 pub mod chart;

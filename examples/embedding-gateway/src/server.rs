@@ -55,8 +55,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
+use crate::access::AccessInfo;
 use crate::config::GatewaySettings;
-use crate::gateway::AccessInfo;
 use crate::health::Health;
 use crate::logging::Throttle;
 

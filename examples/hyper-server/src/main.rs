@@ -9,7 +9,7 @@
 //! and `RateLimit` fields; the in-flight limit, the server's own capacity, with `503`.
 //!
 //! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(2)))`,
-//! `SemaphoreLayer::new(nz!(4))`, `.reject_with(HttpAnswer::new())`,
+//! `SemaphoreLayer::new(nz!(4))`, `.refuse_with(HttpAnswer::new())`,
 //! `ServiceBuilder::layer`, hyper-util's `TowerToHyperService`.
 //!
 //! Run: `cargo run -p example-hyper-server` (a scripted demonstration on a loopback port,
@@ -45,7 +45,7 @@ type InFlight = SemaphoreLayer<Extractors, HttpAnswer>;
 
 /// For everyone together: `quota` (a rate with a burst), and four requests in flight.
 fn limits(quota: Quota) -> (RateLimit, InFlight) {
-    (GcraLayer::new(quota).reject_with(HttpAnswer::new()), SemaphoreLayer::new(nz!(4)).reject_with(HttpAnswer::new()))
+    (GcraLayer::new(quota).refuse_with(HttpAnswer::new()), SemaphoreLayer::new(nz!(4)).refuse_with(HttpAnswer::new()))
 }
 
 // ---- The server. ----

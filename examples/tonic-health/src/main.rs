@@ -9,7 +9,7 @@
 //! limit, would be `UNAVAILABLE`.)
 //!
 //! API used: `GcraLayer::new(Quota::per_second(nz!(1)).burst(nz!(3)))`,
-//! `.key(KeyFn::new(..))` (a limit per key), `.reject_with(GrpcAnswer)`, tonic's
+//! `.key(KeyFn::new(..))` (a limit per key), `.refuse_with(GrpcAnswer)`, tonic's
 //! `Server::builder().layer(..)`.
 //!
 //! Run: `cargo run -p example-tonic-health` (a scripted demonstration on a loopback port,
@@ -40,7 +40,7 @@ type Limits = GcraLayer<Extractors<KeyFn<fn(&GrpcRequest) -> Option<TenantKey>, 
 
 /// `quota` (a rate with a burst) for each tenant.
 fn limits(quota: Quota) -> Limits {
-    GcraLayer::new(quota).key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>)).reject_with(GrpcAnswer)
+    GcraLayer::new(quota).key(KeyFn::new(tenant as fn(&GrpcRequest) -> Option<TenantKey>)).refuse_with(GrpcAnswer)
 }
 
 // ---- The server. ----

@@ -326,7 +326,7 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// [`QueueFull`], giving `item` back, when the tenant already has
     /// `tenant_queue_limit` requests queued ([`QueueKind::Tenant`], checked first) or the
     /// queue holds `global_queue_limit` ([`QueueKind::Global`]). Nothing changes but the
-    /// rejection counters.
+    /// refusal counters.
     pub fn enqueue_weighted(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
         let weight = weight.max(1);
         let hash = self.hasher.hash_one(&key);
@@ -334,12 +334,12 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         let found = self.table.find(hash, |&s| tenant(tenants, s).key == key).copied();
         if let Some(slot) = found {
             if tenant(&self.tenants, slot).len as usize >= self.tenant_limit {
-                self.counters.rejected_tenant += 1;
+                self.counters.refused_tenant += 1;
                 return Err(QueueFull { kind: QueueKind::Tenant, limit: self.tenant_limit, item });
             }
         }
         if self.queued >= self.global_limit {
-            self.counters.rejected_global += 1;
+            self.counters.refused_global += 1;
             return Err(QueueFull { kind: QueueKind::Global, limit: self.global_limit, item });
         }
 
@@ -547,8 +547,8 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
             dispatched: self.counters.dispatched,
             dispatched_cost: self.counters.dispatched_cost,
             cancelled: self.counters.cancelled,
-            rejected_tenant_full: self.counters.rejected_tenant,
-            rejected_global_full: self.counters.rejected_global,
+            refused_tenant_full: self.counters.refused_tenant,
+            refused_global_full: self.counters.refused_global,
             evicted_idle: self.counters.evicted,
         }
     }

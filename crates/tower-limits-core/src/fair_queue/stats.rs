@@ -23,9 +23,9 @@ pub struct FairQueueStats {
     /// Requests cancelled.
     pub cancelled: u64,
     /// Requests refused because their tenant's queue was full.
-    pub rejected_tenant_full: u64,
+    pub refused_tenant_full: u64,
     /// Requests refused because the whole queue was full.
-    pub rejected_global_full: u64,
+    pub refused_global_full: u64,
     /// Idle tenant records forgotten early because too many were kept.
     pub evicted_idle: u64,
 }
@@ -55,7 +55,7 @@ pub(super) struct Counters {
     pub(super) dispatched: u64,
     pub(super) dispatched_cost: u64,
     pub(super) cancelled: u64,
-    pub(super) rejected_tenant: u64,
-    pub(super) rejected_global: u64,
+    pub(super) refused_tenant: u64,
+    pub(super) refused_global: u64,
     pub(super) evicted: u64,
 }

@@ -243,7 +243,7 @@ fn full_queues_refuse_and_count() {
     let err = q.enqueue_weighted("a", 1, 1, 6).unwrap_err();
     assert!(err.is_tenant(), "the tenant's own limit is reported first");
     let stats = q.stats();
-    assert_eq!((stats.rejected_tenant_full, stats.rejected_global_full, stats.enqueued), (2, 1, 3));
+    assert_eq!((stats.refused_tenant_full, stats.refused_global_full, stats.enqueued), (2, 1, 3));
     check(&q);
 }
 

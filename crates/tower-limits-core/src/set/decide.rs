@@ -2,7 +2,7 @@
 //!
 //! **All or nothing.** Under those locks an acquisition first *checks* every limit
 //! without writing anything ([`Algorithm::check`](crate::algorithm::Algorithm::check)),
-//! and commits only if all of them pass. A denial therefore changes no state: it names
+//! and commits only if all of them pass. A refusal therefore changes no state: it names
 //! the limit that frees last and the exact wait after which all of them would pass. A
 //! cost above some limit's capacity is refused at once as
 //! [`SetError::CostAboveCapacity`]: it can never pass, so it is never waited on.
@@ -27,7 +27,7 @@ use super::permit::{Costs, Granted, HeldAt};
 use super::shard::{Keyed, Shard};
 use super::{Counters, LimitSnapshot, Shared, lock};
 use crate::algorithm::{Refusal, Snapshot};
-use crate::error::{CostAboveCapacity, Denial, KeyTableFull, MissingTier, SetError};
+use crate::error::{CostAboveCapacity, KeyTableFull, LimitRefusal, MissingTier, SetError};
 use crate::key::{MAX_TIERS, TenantKey};
 use crate::limit::{Config, MAX_LIMITS};
 use crate::table::{Place, key_hash};
@@ -85,7 +85,7 @@ impl Shared {
                 Some(Decision::Granted(granted_at, version)) => {
                     return Ok(Granted { granted_at, version, shape: None, shadowed: 0, held: HeldAt::NONE });
                 }
-                Some(Decision::Denied(tat, at)) => return Err(SetError::Denied(fast.denial(tat, at, cost))),
+                Some(Decision::Refused(tat, at)) => return Err(SetError::Refused(fast.refusal(tat, at, cost))),
                 Some(Decision::Never(capacity)) => {
                     return Err(SetError::CostAboveCapacity(fast_never(fast, cost, capacity)));
                 }
@@ -347,7 +347,7 @@ impl Shared {
             }
         }
         if let Some((i, _)) = blocked {
-            counters(&mut shard, &mut global).denied[i] += 1;
+            counters(&mut shard, &mut global).refused[i] += 1;
             let def = &cfg.limits[i];
             let snapshot = match def.tier {
                 None if i == atomic_at => {
@@ -362,7 +362,7 @@ impl Shared {
                     }
                 }
             };
-            return Err(denied(cfg, i, retry, needs_release, snapshot));
+            return Err(refused(cfg, i, retry, needs_release, snapshot));
         }
 
         // Room for the states this grant creates.
@@ -394,7 +394,7 @@ impl Shared {
         if let Some(fast) = atomic {
             if let Err(refused) = take_atomic(cfg, fast, costs.of(atomic_at, &cfg.limits[atomic_at]), now) {
                 // Not yet: a cost above its capacity was refused in its turn, above.
-                counters(&mut shard, &mut global).denied[atomic_at] += 1;
+                counters(&mut shard, &mut global).refused[atomic_at] += 1;
                 return Err(refused);
             }
         }
@@ -467,7 +467,7 @@ impl Shared {
             // The key lacks this shadow limit's tier: it would have been refused.
             let counters = counters(&mut shard, &mut global);
             counters.admitted += 1;
-            counters.shadow_denied[0] += 1;
+            counters.shadow_refused[0] += 1;
             return Ok(Granted {
                 granted_at: now,
                 version: cfg.version,
@@ -588,7 +588,7 @@ fn answer_one(
         Err(_) if cfg.limits[0].shadow => {
             // Would have refused: admitted uncharged, and counted.
             counters.admitted += 1;
-            counters.shadow_denied[0] += 1;
+            counters.shadow_refused[0] += 1;
             Ok(Granted {
                 granted_at: now,
                 version: cfg.version,
@@ -602,8 +602,8 @@ fn answer_one(
             Err(cost_above_capacity(cfg, 0, cost, capacity))
         }
         Err((Refusal::NotYet { retry_after }, snapshot)) => {
-            counters.denied[0] += 1;
-            Err(denied(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
+            counters.refused[0] += 1;
+            Err(refused(cfg, 0, retry_after.unwrap_or(Duration::ZERO), retry_after.is_none(), snapshot))
         }
     }
 }
@@ -612,14 +612,14 @@ fn answer_one(
 #[inline(always)]
 fn take_atomic(cfg: &Config, fast: &Fast, cost: u64, now: Instant) -> Result<(), SetError> {
     let mut decision = fast.acquire(cost, now);
-    if let Some(Decision::Denied(tat, at)) = decision {
+    if let Some(Decision::Refused(tat, at)) = decision {
         // A clock read that lagged decides again at the latest instant, as it would under
         // the global lock.
         decision = fast.decide_again_if_contended(cost, tat, at);
     }
     match decision {
         Some(Decision::Granted(..)) => Ok(()),
-        Some(Decision::Denied(tat, at)) => Err(SetError::Denied(fast.denial(tat, at, cost))),
+        Some(Decision::Refused(tat, at)) => Err(SetError::Refused(fast.refusal(tat, at, cost))),
         Some(Decision::Never(capacity)) => Err(cost_above_capacity(cfg, fast.index(), cost, capacity)),
         None => unreachable!("the atomic stays enabled under any of the set's locks"),
     }
@@ -633,9 +633,16 @@ fn never_above(capacity: u64, cost: u64) -> Result<(), Refusal> {
 
 #[cold]
 #[inline(never)]
-fn denied(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> SetError {
+fn refused(cfg: &Config, limit: usize, retry_after: Duration, needs_release: bool, snapshot: Snapshot) -> SetError {
     let def = &cfg.limits[limit];
-    SetError::Denied(Denial::new(def.name, def.tier.map(|t| cfg.tiers[t]), limit, retry_after, needs_release, snapshot))
+    SetError::Refused(LimitRefusal::new(
+        def.name,
+        def.tier.map(|t| cfg.tiers[t]),
+        limit,
+        retry_after,
+        needs_release,
+        snapshot,
+    ))
 }
 
 #[cold]
@@ -657,7 +664,7 @@ fn cost_above_capacity(cfg: &Config, limit: usize, cost: u64, capacity: u64) -> 
 }
 
 fn count_shadowed(counters: &mut Counters, shadowed: u16) {
-    for (i, n) in counters.shadow_denied.iter_mut().enumerate() {
+    for (i, n) in counters.shadow_refused.iter_mut().enumerate() {
         if shadowed & (1 << i) != 0 {
             *n += 1;
         }

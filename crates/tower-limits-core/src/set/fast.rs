@@ -6,9 +6,9 @@
 //! arrival time (TAT), so here it lives in one `AtomicU64` instead of behind the global
 //! lock. An acquisition loads the TAT, runs the very same [`Gcra`] decision on a copy and
 //! publishes the new TAT with one compare-and-swap; a failed swap means another thread
-//! admitted in between, and the decision is made again on the value it wrote. A denial
+//! admitted in between, and the decision is made again on the value it wrote. A refusal
 //! only loads: it computes the exact `retry_after` from the value it read and writes
-//! nothing shared, so a denial costs no more than a grant.
+//! nothing shared, so a refusal costs no more than a grant.
 //!
 //! A token bucket makes exactly GCRA's decisions with the same rate and burst (the two
 //! are one algorithm seen from opposite ends), so a bucket is served here too, as its
@@ -81,7 +81,7 @@
 //!   core between its clock read and its decision is not refused with the limit far from
 //!   exhausted. A refusal that is not that far is answered at once, and costs no read of
 //!   the stripes.
-//! - **Counters.** Alone, grants and denials are counted in striped, padded counters picked by
+//! - **Counters.** Alone, grants and refusals are counted in striped, padded counters picked by
 //!   thread, so that far from the limit no grant writes a line another core writes.
 //!   [`LimitSet::stats`](crate::LimitSet::stats) sums the stripes (in [`stripes`]). The
 //!   first [`OWNED_STRIPES`](stripes::OWNED_STRIPES) stripes each belong to at most one
@@ -166,7 +166,7 @@
 //! nothing and costs nothing more). A thread that leaves, or leases another
 //! limit whose id maps to the same of its [`LEASE_SLOTS`] slots, strands its lease the
 //! same way. While leases
-//! are out, `peek`'s `remaining` (and a denial's retry) reads the shared TAT, so it
+//! are out, `peek`'s `remaining` (and a refusal's retry) reads the shared TAT, so it
 //! counts leased units as used: it under-reports by at most the stranded units, never
 //! over-reports. A replace voids every lease (the epoch moves), stranding them too, and so
 //! does a settle or refund that moves the shared TAT under a lease: the lease can no
@@ -198,7 +198,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use crate::algorithm::{Algorithm, Gcra, GcraState, Refusal, Snapshot};
-use crate::error::Denial;
+use crate::error::LimitRefusal;
 use crate::limit::{Config, Limit, LimitState};
 use crate::policy::Counts;
 use crate::time::Instant;
@@ -209,7 +209,7 @@ use stripes::{STRIPES, Stripe, bump, stripe, unbump};
 pub(super) const DISABLED: u64 = u64::MAX;
 
 /// A decision in two words: `(granted at, GRANTED)`, `(capacity, NEVER)`, `(_, OFF)`, or
-/// `(at, tat)` for a denial on the TAT read (which never reaches [`MAX_TAT`]).
+/// `(at, tat)` for a refusal on the TAT read (which never reaches [`MAX_TAT`]).
 #[derive(Clone, Copy)]
 struct Packed(u64, u64);
 
@@ -253,9 +253,9 @@ pub(super) struct Fast {
 pub(super) enum Decision {
     /// Granted at this instant.
     Granted(Instant, u64),
-    /// Refused on the TAT read at the instant given (see [`Fast::denial`]); kept small
-    /// so that the denial is built once, in place.
-    Denied(u64, Instant),
+    /// Refused on the TAT read at the instant given (see [`Fast::refusal`]); kept small
+    /// so that the refusal is built once, in place.
+    Refused(u64, Instant),
     /// The cost is above the burst.
     Never(u64),
 }
@@ -377,7 +377,7 @@ impl Fast {
             NEVER => Some(Decision::Never(a)),
             OFF => None,
             tat if self.lagged(tat, a) => self.decide_at_latest(cost, tat, Instant::from_nanos(a)),
-            tat => Some(Decision::Denied(tat, Instant::from_nanos(a))),
+            tat => Some(Decision::Refused(tat, Instant::from_nanos(a))),
         }
     }
 
@@ -413,7 +413,7 @@ impl Fast {
             if self.alone {
                 // This thread's stripe, where the refusal was counted a moment ago.
                 let (index, own) = stripe();
-                unbump(&self.stripes[index].denied, own);
+                unbump(&self.stripes[index].refused, own);
             }
             let Packed(a, b) = self.decide_packed(cost, latest);
             match b {
@@ -428,7 +428,7 @@ impl Fast {
                 again => (tat, at) = (again, Instant::from_nanos(a)),
             }
         }
-        Some(Decision::Denied(tat, at))
+        Some(Decision::Refused(tat, at))
     }
 
     /// The plain GCRA decision on the shared TAT `cur` at `now`: the TAT a grant stores,
@@ -506,7 +506,7 @@ impl Fast {
         match refusal {
             Refusal::NotYet { .. } => {
                 if self.alone {
-                    bump(&stripe.0.denied, stripe.1);
+                    bump(&stripe.0.refused, stripe.1);
                 }
                 Packed(now.as_nanos(), state.theoretical_arrival().as_nanos())
             }
@@ -521,7 +521,7 @@ impl Fast {
 
     /// The refusal of `cost` on `tat` at `now`, with its exact wait and snapshot.
     #[inline]
-    pub(super) fn denial(&self, tat: u64, now: Instant, cost: u64) -> Denial {
+    pub(super) fn refusal(&self, tat: u64, now: Instant, cost: u64) -> LimitRefusal {
         // GCRA's own refusal, on the TAT the decision read: the cost would end `ahead` of
         // `now`, past the tolerance by the wait.
         let now_nanos = now.as_nanos();
@@ -529,11 +529,11 @@ impl Fast {
         let retry_nanos = ahead.saturating_sub(self.tolerance);
         if cost != 1 {
             let snapshot = self.gcra.peek(&GcraState::at(Instant::from_nanos(tat)), now);
-            return Denial::new(self.name, None, self.index, Duration::from_nanos(retry_nanos), false, snapshot);
+            return LimitRefusal::new(self.name, None, self.index, Duration::from_nanos(retry_nanos), false, snapshot);
         }
         // Refused one unit: nothing remains, and the quota is the one worked out when the
         // set was built.
-        Denial {
+        LimitRefusal {
             name: self.name,
             tier: None,
             limit: self.index,
@@ -599,7 +599,7 @@ impl Fast {
         self.tat.0.store(tat, Ordering::Release);
     }
 
-    /// A refusal of the limit beside keyed limits, `Denied(tat, at)`, decided again
+    /// A refusal of the limit beside keyed limits, `Refused(tat, at)`, decided again
     /// ([`Fast::decide_at_latest`]) once the limit has seen a failed compare-and-swap:
     /// then a refusal may come from a clock read that lagged behind another thread's
     /// grant, even within the tolerance, and under the global lock every decision was
@@ -609,7 +609,7 @@ impl Fast {
         if self.contended.load(Ordering::Relaxed) {
             self.decide_at_latest(cost, tat, at)
         } else {
-            Some(Decision::Denied(tat, at))
+            Some(Decision::Refused(tat, at))
         }
     }
 
@@ -619,12 +619,12 @@ impl Fast {
         Instant::from_nanos(self.stripes.iter().map(|s| s.latest.load(Ordering::Relaxed)).max().unwrap_or(0))
     }
 
-    /// Grants, denials and impossible costs counted by the path.
+    /// Grants, refusals and impossible costs counted by the path.
     pub(super) fn counts(&self) -> (u64, u64, u64) {
         self.stripes.iter().fold((0, 0, 0), |(a, d, i), s| {
             (
                 a + s.admitted.load(Ordering::Relaxed),
-                d + s.denied.load(Ordering::Relaxed),
+                d + s.refused.load(Ordering::Relaxed),
                 i + s.impossible.load(Ordering::Relaxed),
             )
         })

@@ -3,7 +3,7 @@
 //! An acquisition takes this lock after the tenant's shard, never before. While a
 //! lock-free path rules a global limit (see [`fast`](super::fast)), the limit's state
 //! lives in its atomic instead, and the locked operations work on the atomic; the
-//! one-limit path's denial counts are moved into `counters` when a replace hands the state
+//! one-limit path's refusal counts are moved into `counters` when a replace hands the state
 //! back to the lock. A set whose one global limit lives in its atomic beside keyed limits
 //! takes this lock only for those operations and for the global key.
 
@@ -31,7 +31,7 @@ pub(super) struct GlobalStates {
     pub(super) counters: Counters,
     /// One state per limit of the config (unused for keyed limits).
     pub(super) states: Vec<LimitState>,
-    /// The one-limit path's denial counts already moved into `counters` (they never
+    /// The one-limit path's refusal counts already moved into `counters` (they never
     /// reset).
     pub(super) fast_base: (u64, u64),
 }

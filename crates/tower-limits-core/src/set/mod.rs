@@ -92,10 +92,10 @@ const ANY_VERSION: u64 = u64::MAX;
 #[repr(C)]
 struct Counters {
     admitted: u64,
-    denied: [u64; MAX_LIMITS],
+    refused: [u64; MAX_LIMITS],
     impossible: [u64; MAX_LIMITS],
     /// Grants a shadow limit would have refused (not yet, or never).
-    shadow_denied: [u64; MAX_LIMITS],
+    shadow_refused: [u64; MAX_LIMITS],
 }
 
 struct Shared {
@@ -144,7 +144,7 @@ struct Shared {
 ///
 /// let _second = set.acquire(&alice, 100, now).unwrap();
 /// match set.acquire(&alice, 100, now) {
-///     Err(AcquireError::Denied(d)) => {
+///     Err(AcquireError::Refused(d)) => {
 ///         assert_eq!(d.limit(), "requests");
 ///         assert_eq!(d.tier(), Some("user"));
 ///         assert_eq!(d.retry_after(), Duration::from_secs(1));
@@ -172,7 +172,7 @@ impl fmt::Debug for LimitSet {
 ///
 /// A macro and not a function: every branch builds its answer in the caller's place. An
 /// answer returned as an `Option<Result<..>>` and unwrapped by the caller is copied, and
-/// a denial is some ninety bytes, a copy a refusal would pay on every call.
+/// a refusal is some ninety bytes, a copy a refusal would pay on every call.
 macro_rules! return_fast_answer {
     ($set:expr, $cost:expr, $now:expr, |$grant:ident| $wrap:expr) => {
         return_fast_answer!($set, $cost, $now, |$grant| $wrap, AcquireError)
@@ -188,7 +188,7 @@ macro_rules! return_fast_answer {
                     );
                     return Ok($wrap);
                 }
-                Some(Decision::Denied(tat, at)) => return Err($error::Denied(fast.denial(tat, at, charged))),
+                Some(Decision::Refused(tat, at)) => return Err($error::Refused(fast.refusal(tat, at, charged))),
                 Some(Decision::Never(capacity)) => {
                     return Err($error::CostAboveCapacity(fast_never(fast, charged, capacity)));
                 }
@@ -257,7 +257,7 @@ impl LimitSet {
     /// count cost).
     ///
     /// # Errors
-    /// [`AcquireError::Denied`] when some limit is exhausted (no state changed),
+    /// [`AcquireError::Refused`] when some limit is exhausted (no state changed),
     /// [`AcquireError::CostAboveCapacity`] when it never could pass,
     /// [`AcquireError::MissingTier`] when `key` lacks a tier some limit is keyed by, and
     /// [`AcquireError::KeyTableFull`] when the key table is full of active keys.
@@ -282,7 +282,7 @@ impl LimitSet {
     /// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
     /// assert!(set.check(&everyone, 1, Instant::ZERO).is_ok());
     /// let refused = set.check(&everyone, 1, Instant::ZERO).unwrap_err();
-    /// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_millis()), Some(100));
+    /// assert_eq!(refused.as_refusal().map(|d| d.retry_after().as_millis()), Some(100));
     /// ```
     ///
     /// # Errors
@@ -513,9 +513,9 @@ impl LimitSet {
             for (i, table) in std::mem::take(&mut k.tables).into_iter().enumerate() {
                 if let Some(j) = moves[i] {
                     tables[j] = table;
-                    counters.denied[j] = k.counters.denied[i];
+                    counters.refused[j] = k.counters.refused[i];
                     counters.impossible[j] = k.counters.impossible[i];
-                    counters.shadow_denied[j] = k.counters.shadow_denied[i];
+                    counters.shadow_refused[j] = k.counters.shadow_refused[i];
                 }
             }
             k.len = tables.iter().map(Table::len).sum();
@@ -527,11 +527,11 @@ impl LimitSet {
         let g = &mut global.states;
         if let Some(fast) = &self.shared.fast {
             hand_back(fast, g);
-            // Its denials so far move with the limit; grants stay a set-wide total.
-            let (_, denied, impossible) = fast.counts();
-            g.counters.denied[0] += denied - g.fast_base.0;
+            // Its refusals so far move with the limit; grants stay a set-wide total.
+            let (_, refused, impossible) = fast.counts();
+            g.counters.refused[0] += refused - g.fast_base.0;
             g.counters.impossible[0] += impossible - g.fast_base.1;
-            g.fast_base = (denied, impossible);
+            g.fast_base = (refused, impossible);
         }
         if let Some(fast) = &self.shared.fast_global {
             // Its answers are counted with the tenants' shards.
@@ -542,9 +542,9 @@ impl LimitSet {
         for (i, state) in std::mem::take(&mut g.states).into_iter().enumerate() {
             if let Some(j) = moves[i] {
                 states[j] = state;
-                counters.denied[j] = g.counters.denied[i];
+                counters.refused[j] = g.counters.refused[i];
                 counters.impossible[j] = g.counters.impossible[i];
-                counters.shadow_denied[j] = g.counters.shadow_denied[i];
+                counters.shadow_refused[j] = g.counters.shadow_refused[i];
             }
         }
         g.states = states;
@@ -592,9 +592,9 @@ impl Shared {
             .map(|(i, def)| LimitStats {
                 name: def.name.to_string(),
                 tier: def.tier.map(|t| cfg.tiers[t].to_string()),
-                denied: global.states.counters.denied[i],
+                refused: global.states.counters.refused[i],
                 cost_above_capacity: global.states.counters.impossible[i],
-                shadow_refused: global.states.counters.shadow_denied[i],
+                shadow_refused: global.states.counters.shadow_refused[i],
                 held: match (&global.states.states[i], def.tier) {
                     (LimitState::Semaphore(s), None) => s.held(),
                     _ => 0,
@@ -607,7 +607,7 @@ impl Shared {
             let (a, d, i) = fast.counts();
             admitted += a;
             if let Some(first) = limits.first_mut() {
-                first.denied += d - global.states.fast_base.0;
+                first.refused += d - global.states.fast_base.0;
                 first.cost_above_capacity += i - global.states.fast_base.1;
             }
         }
@@ -621,9 +621,9 @@ impl Shared {
             let s = &s.keyed;
             admitted += s.counters.admitted;
             for (i, stats) in limits.iter_mut().enumerate() {
-                stats.denied += s.counters.denied[i];
+                stats.refused += s.counters.refused[i];
                 stats.cost_above_capacity += s.counters.impossible[i];
-                stats.shadow_refused += s.counters.shadow_denied[i];
+                stats.shadow_refused += s.counters.shadow_refused[i];
                 stats.tracked_keys += s.tables[i].len();
                 stats.held += s.tables[i].held();
             }
@@ -664,7 +664,7 @@ pub struct LimitStats {
     /// The tier it is keyed by; `None` for a global limit.
     pub tier: Option<String>,
     /// Acquisitions this limit blocked.
-    pub denied: u64,
+    pub refused: u64,
     /// Acquisitions refused because their cost was above this limit's capacity.
     pub cost_above_capacity: u64,
     /// Acquisitions this limit, in shadow mode, would have refused (not yet, or never)
@@ -708,7 +708,7 @@ impl LimitSet {
     /// assert!(bucket.acquire(&global, 5, Instant::ZERO).is_ok());
     /// let refused = bucket.acquire(&global, 1, Instant::ZERO).unwrap_err();
     /// // One token comes back every 100 ms.
-    /// assert_eq!(refused.as_denial().map(|d| d.retry_after().as_millis()), Some(100));
+    /// assert_eq!(refused.as_refusal().map(|d| d.retry_after().as_millis()), Some(100));
     /// ```
     #[must_use]
     pub fn token_bucket(quota: crate::Quota) -> LimitSet {

@@ -153,7 +153,7 @@ fn a_stale_one_keyed_hint_still_reaches_every_limit() {
     let alice = TenantKey::single("alice").unwrap();
     assert!(set.acquire_grant(&alice, 1, Instant::ZERO).is_ok());
     match set.acquire_grant(&alice, 1, Instant::ZERO) {
-        Err(AcquireError::Denied(d)) => assert_eq!(d.limit(), "everyone", "the global limit was charged"),
+        Err(AcquireError::Refused(d)) => assert_eq!(d.limit(), "everyone", "the global limit was charged"),
         other => panic!("{other:?}"),
     }
     set.replace_policy(one()).unwrap();
@@ -179,7 +179,7 @@ fn a_stale_lock_order_hint_still_reaches_the_keyed_limits() {
     let alice = TenantKey::single("alice").unwrap();
     assert!(set.acquire_grant(&alice, 1, Instant::ZERO).is_ok());
     assert!(
-        matches!(set.acquire_grant(&alice, 1, Instant::ZERO), Err(AcquireError::Denied(_))),
+        matches!(set.acquire_grant(&alice, 1, Instant::ZERO), Err(AcquireError::Refused(_))),
         "the first grant was charged on alice's own limit"
     );
     assert_eq!(set.tracked_keys(), 1);
@@ -485,14 +485,14 @@ fn the_same_global_limit_beside_keyed_ones_keeps_its_atomic() {
     assert_eq!(remaining(&set), 4, "with the state it had");
     // A refusal by the atomic names the limit at its place, and its wait.
     match set.acquire(&alice, 5, Instant::ZERO) {
-        Err(AcquireError::Denied(d)) => {
+        Err(AcquireError::Refused(d)) => {
             assert_eq!((d.limit(), d.limit_index(), d.tier()), ("everyone", 1, None));
             assert_eq!(d.retry_after(), std::time::Duration::from_millis(100));
         }
         other => panic!("{other:?}"),
     }
     let stats = set.stats();
-    assert_eq!((stats.admitted, stats.limits[1].denied), (2, 1));
+    assert_eq!((stats.admitted, stats.limits[1].refused), (2, 1));
 }
 
 /// Of equal waits the later limit names a refusal, whether or not the global limit is in
@@ -513,7 +513,7 @@ fn of_equal_waits_the_later_limit_names_the_refusal_either_way() {
             let alice = TenantKey::single("alice").unwrap();
             drop(set.acquire(&alice, 1, Instant::ZERO).unwrap());
             match set.acquire(&alice, 1, Instant::ZERO) {
-                Err(AcquireError::Denied(d)) => {
+                Err(AcquireError::Refused(d)) => {
                     assert_eq!(d.retry_after(), std::time::Duration::from_millis(100));
                     named.push(d.limit_index());
                 }
@@ -621,7 +621,7 @@ fn a_lagging_read_of_a_contended_atomic_decides_at_the_latest_instant() {
     let fast = set.shared.fast_global_live().expect("the atomic rules");
     fast.mark_contended();
     assert!(set.acquire_grant(&b, 1, at(5)).is_ok(), "decided at the latest instant");
-    assert_eq!(set.stats().limits[1].denied, 0, "the refusal decided again is not counted");
+    assert_eq!(set.stats().limits[1].refused, 0, "the refusal decided again is not counted");
 }
 
 /// The bytes from the start of `lock` (its word first, as in std's futex mutex) to `field`.

@@ -37,7 +37,7 @@ pub struct RedisBackendBuilder {
     max_hold: Duration,
     breaker_threshold: u32,
     breaker_open_for: Duration,
-    denial_cache: usize,
+    refusal_cache: usize,
     peek_cache: usize,
     max_leases: usize,
     manual_clock: bool,
@@ -48,7 +48,7 @@ impl RedisBackend {
     ///
     /// Defaults: namespace `tl`, [`SlotLayout::PerTenant`], a 50 ms timeout,
     /// [`FailurePolicy::FailClosed`], a breaker opening after 3 failures in a row for 1 s,
-    /// 30 s leases renewed for at most 1 h, and caches of 10,000 keys for denials and for
+    /// 30 s leases renewed for at most 1 h, and caches of 10,000 keys for refusals and for
     /// snapshots.
     pub fn builder(policy: LimitSetPolicy) -> RedisBackendBuilder {
         RedisBackendBuilder {
@@ -61,7 +61,7 @@ impl RedisBackend {
             max_hold: Duration::from_secs(3600),
             breaker_threshold: 3,
             breaker_open_for: Duration::from_secs(1),
-            denial_cache: 10_000,
+            refusal_cache: 10_000,
             peek_cache: 10_000,
             max_leases: 100_000,
             manual_clock: false,
@@ -116,10 +116,10 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How many keys' denials are remembered until their `retry_after` (default 10,000;
+    /// How many keys' refusals are remembered until their `retry_after` (default 10,000;
     /// 0 turns the cache off).
-    pub fn denial_cache(mut self, keys: usize) -> Self {
-        self.denial_cache = keys;
+    pub fn refusal_cache(mut self, keys: usize) -> Self {
+        self.refusal_cache = keys;
         self
     }
 
@@ -253,7 +253,7 @@ impl RedisBackendBuilder {
                     manual_clock: self.manual_clock,
                 },
                 breaker: Breaker::new(self.breaker_threshold, self.breaker_open_for),
-                denials: (self.denial_cache > 0).then(|| BoundedMap::new(self.denial_cache)),
+                refusals: (self.refusal_cache > 0).then(|| BoundedMap::new(self.refusal_cache)),
                 snapshots: (self.peek_cache > 0).then(|| BoundedMap::new(self.peek_cache)),
                 fallback,
                 stats: Counters::default(),

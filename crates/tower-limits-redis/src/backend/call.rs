@@ -1,6 +1,6 @@
 //! The request path: a tenant's keys, one `EVALSHA` (an `EVAL` after a `NOSCRIPT`) under
 //! the timeout and the breaker, and the decision read from the script's integer reply.
-//! What fails here goes to the failure policy; what is denied is cached until it frees.
+//! What fails here goes to the failure policy; what is refused is cached until it frees.
 
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
@@ -8,11 +8,11 @@ use std::time::Duration;
 use redis::Value;
 use tokio::runtime::Handle;
 use tower_limits_core::{
-    AcquireError, CostAboveCapacity, Counts, Denial, Instant, KeyPart, LimitSnapshot, MissingTier, Snapshot, TenantKey,
-    Unavailable,
+    AcquireError, CostAboveCapacity, Counts, Instant, KeyPart, LimitRefusal, LimitSnapshot, MissingTier, Snapshot,
+    TenantKey, Unavailable,
 };
 
-use crate::cache::CachedDenial;
+use crate::cache::CachedRefusal;
 use crate::failure::FailurePolicy;
 use crate::keys::{SlotLayout, escape_part_into};
 
@@ -203,9 +203,9 @@ impl Inner {
                 bump(&self.stats.fallback_acquisitions);
                 local.acquire_grant(key, cost, now).map(|g| RedisGrant { kind: GrantKind::Local(g) }).map_err(|e| {
                     match e {
-                        // The local share's state is not the fleet's: the denial keeps its wait
+                        // The local share's state is not the fleet's: the refusal keeps its wait
                         // and states no quota (a snapshot of quota 0 stands for no state).
-                        AcquireError::Denied(d) => AcquireError::Denied(Denial::new(
+                        AcquireError::Refused(d) => AcquireError::Refused(LimitRefusal::new(
                             d.limit(),
                             d.tier(),
                             d.limit_index(),
@@ -225,7 +225,7 @@ impl Inner {
         }
     }
 
-    /// Turns the script's reply into a grant or a denial. A reply carries every limit's
+    /// Turns the script's reply into a grant or a refusal. A reply carries every limit's
     /// state after the first six integers, except a grant's brief reply (`b`: granted,
     /// `now_us`, `now_sub`), asked for when no peek cache wants the states.
     pub(super) fn decide(
@@ -257,15 +257,15 @@ impl Inner {
                 }),
             })
         } else {
-            bump(&self.stats.denied);
+            bump(&self.stats.refused);
             let i = usize::try_from(reply[3]).unwrap_or(0).min(n - 1);
             let l = &self.limits[i];
             let retry = Duration::from_nanos(at(reply[4]));
             let needs_release = reply[5] == 1;
             let snapshot = snapshot(i).snapshot;
-            if let Some(cache) = &self.denials {
+            if let Some(cache) = &self.refusals {
                 if !retry.is_zero() {
-                    let denial = CachedDenial {
+                    let refusal = CachedRefusal {
                         until: now + retry,
                         at: now,
                         cost,
@@ -274,10 +274,10 @@ impl Inner {
                         needs_release,
                         snapshot,
                     };
-                    cache.insert(key, denial, |d| d.until <= now);
+                    cache.insert(key, refusal, |d| d.until <= now);
                 }
             }
-            Err(AcquireError::Denied(Denial::new(l.name, l.tier_name, i, retry, needs_release, snapshot)))
+            Err(AcquireError::Refused(LimitRefusal::new(l.name, l.tier_name, i, retry, needs_release, snapshot)))
         };
         if let Some(map) = &self.snapshots {
             if reply.len() == FULL + 2 * n {
@@ -339,7 +339,7 @@ pub(super) async fn acquire_remote(
     let keys = inner.keys_for(&key);
     let cost_arg = cost.min(EXACT).to_string();
     let id = inner.holder_id(holder);
-    // The limits' states come back only for the peek cache (and with every denial).
+    // The limits' states come back only for the peek cache (and with every refusal).
     let op = if inner.snapshots.is_some() { "a" } else { "b" };
     let result = if inner.settings.manual_clock {
         let (us, sub) = inner.now_args(now);

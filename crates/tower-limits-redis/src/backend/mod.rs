@@ -4,11 +4,11 @@
 //!
 //! [`Backend::acquire`] first answers everything it can without the network: a key that
 //! lacks a tier ([`AcquireError::MissingTier`]), a cost above some limit's capacity
-//! ([`AcquireError::CostAboveCapacity`]), a denial still cached for this key, or, when
+//! ([`AcquireError::CostAboveCapacity`]), a refusal still cached for this key, or, when
 //! the circuit breaker is open, the failure policy. Otherwise it returns a future that
 //! sends one `EVALSHA` of the set's script (see [`crate::script`]) with the set's keys
 //! for this tenant, under the configured timeout. The reply is a grant (with the server
-//! time it was made at and a holder id unique to it) or a denial naming the blocking
+//! time it was made at and a holder id unique to it) or a refusal naming the blocking
 //! limit and its exact wait, which is cached until then.
 //!
 //! # After the grant
@@ -50,10 +50,10 @@ use redis::Value;
 use tokio::runtime::Handle;
 use tokio::sync::{Notify, oneshot};
 use tower_limits_core::{
-    AcquireError, Backend, Counts, Denial, Instant, LimitSet, LimitSnapshot, TenantKey, Unavailable,
+    AcquireError, Backend, Counts, Instant, LimitRefusal, LimitSet, LimitSnapshot, TenantKey, Unavailable,
 };
 
-use crate::cache::{self, BoundedMap, CachedDenial, CachedSnapshots};
+use crate::cache::{self, BoundedMap, CachedRefusal, CachedSnapshots};
 use crate::connection::RedisConnection;
 use crate::failure::{Breaker, FailurePolicy, Gate};
 use crate::keys::SlotLayout;
@@ -150,7 +150,7 @@ pub(crate) struct Inner {
     layout: SlotLayout,
     settings: Settings,
     breaker: Breaker,
-    denials: Option<BoundedMap<CachedDenial>>,
+    refusals: Option<BoundedMap<CachedRefusal>>,
     snapshots: Option<BoundedMap<CachedSnapshots>>,
     fallback: Option<LimitSet>,
     stats: Counters,
@@ -258,12 +258,12 @@ impl Backend for RedisBackend {
         if let Some(refusal) = inner.local_refusal(key, cost) {
             return RedisAcquire::ready(Err(refusal));
         }
-        if let Some(cache) = &inner.denials {
+        if let Some(cache) = &inner.refusals {
             if let Some((i, retry, needs_release, snapshot)) = cache::lookup(cache, key, cost, now) {
-                bump(&inner.stats.cached_denials);
+                bump(&inner.stats.cached_refusals);
                 let l = &inner.limits[i];
-                let denial = Denial::new(l.name, l.tier_name, i, retry, needs_release, snapshot);
-                return RedisAcquire::ready(Err(AcquireError::Denied(denial)));
+                let refusal = LimitRefusal::new(l.name, l.tier_name, i, retry, needs_release, snapshot);
+                return RedisAcquire::ready(Err(AcquireError::Refused(refusal)));
             }
         }
         if inner.breaker.gate() == Gate::Open {

@@ -16,7 +16,7 @@ use super::shared::{Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, NoAnnotation, UsageExtractor};
 use crate::meter::{Lease, QueueWatch};
-use crate::reject::{Finish, Hold, Rejection};
+use crate::refusal::{Finish, Hold, RefusalMode};
 
 /// What an admitted request holds while the inner service works: a slot and the rate
 /// backend's grant. Dropped (the response completed, failed or was dropped), the grant
@@ -192,7 +192,7 @@ pin_project! {
     enum State<F, W, H> {
         Called { #[pin] fut: F, held: Option<H> },
         Waiting { waiting: W },
-        Rejected { error: Option<Box<LimitError>> },
+        Refused { error: Option<Box<LimitError>> },
         Done,
     }
 }
@@ -213,7 +213,7 @@ pin_project! {
     {
         #[pin]
         state: State<S::Future, Box<Waiting<S, Req, B, A>>, Held<B>>,
-        rejection: R,
+        refusal: R,
         usage: U,
     }
 }
@@ -223,23 +223,23 @@ where
     S: Service<Req>,
     B: Backend,
 {
-    pub(crate) fn called(fut: S::Future, held: Held<B>, rejection: R, usage: U) -> Self {
-        ResponseFuture { state: State::Called { fut, held: Some(held) }, rejection, usage }
+    pub(crate) fn called(fut: S::Future, held: Held<B>, refusal: R, usage: U) -> Self {
+        ResponseFuture { state: State::Called { fut, held: Some(held) }, refusal, usage }
     }
 
-    pub(crate) fn waiting(waiting: Waiting<S, Req, B, A>, rejection: R, usage: U) -> Self {
-        ResponseFuture { state: State::Waiting { waiting: Box::new(waiting) }, rejection, usage }
+    pub(crate) fn waiting(waiting: Waiting<S, Req, B, A>, refusal: R, usage: U) -> Self {
+        ResponseFuture { state: State::Waiting { waiting: Box::new(waiting) }, refusal, usage }
     }
 
-    pub(crate) fn rejected(error: Box<LimitError>, rejection: R, usage: U) -> Self {
-        ResponseFuture { state: State::Rejected { error: Some(error) }, rejection, usage }
+    pub(crate) fn refused(error: Box<LimitError>, refusal: R, usage: U) -> Self {
+        ResponseFuture { state: State::Refused { error: Some(error) }, refusal, usage }
     }
 }
 
 impl<S, Req, U, R, B, A> Future for ResponseFuture<S, Req, U, R, B, A>
 where
     S: Service<Req>,
-    R: Rejection<S::Response, S::Error>,
+    R: RefusalMode<S::Response, S::Error>,
     B: Backend,
     U: UsageExtractor<S::Response>,
     A: Annotate<Req, B::Grant>,
@@ -255,10 +255,10 @@ where
                     let held = held.take();
                     this.state.set(State::Done);
                     return Poll::Ready(match (out, held) {
-                        (Ok(response), Some(held)) if this.rejection.holds_body() => {
+                        (Ok(response), Some(held)) if this.refusal.holds_body() => {
                             // The slot goes back when the body ends.
                             let hold = Hold::new(Box::new(held), this.usage.usage(&response));
-                            Ok(this.rejection.respond_held(response, None, hold))
+                            Ok(this.refusal.respond_held(response, None, hold))
                         }
                         (Ok(response), held) => {
                             if let Some(mut held) = held {
@@ -267,11 +267,11 @@ where
                                 }
                             }
                             // The slot went back before the caller sees the response.
-                            Ok(this.rejection.respond(response, None))
+                            Ok(this.refusal.respond(response, None))
                         }
                         (Err(e), held) => {
                             drop(held);
-                            Err(this.rejection.fail(e))
+                            Err(this.refusal.fail(e))
                         }
                     });
                 }
@@ -288,17 +288,17 @@ where
                                     State::Called { fut: inner.call(req), held: Some(held) }
                                 }
                                 // Unreachable: the request is called once. The slot goes back.
-                                _ => State::Rejected { error: Some(Box::new(LimitError::new(ErrorKind::Unavailable))) },
+                                _ => State::Refused { error: Some(Box::new(LimitError::new(ErrorKind::Unavailable))) },
                             }
                         }
-                        Err(error) => State::Rejected { error: Some(error) },
+                        Err(error) => State::Refused { error: Some(error) },
                     };
                     this.state.set(next);
                 }
-                StateProj::Rejected { error } => {
+                StateProj::Refused { error } => {
                     let error = error.take().unwrap_or_else(|| Box::new(LimitError::new(ErrorKind::Unavailable)));
                     this.state.set(State::Done);
-                    return Poll::Ready(this.rejection.reject(error));
+                    return Poll::Ready(this.refusal.refuse(error));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -315,7 +315,7 @@ where
         let state = match &self.state {
             State::Called { .. } => "called",
             State::Waiting { .. } => "waiting",
-            State::Rejected { .. } => "rejected",
+            State::Refused { .. } => "refused",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture").field("state", &state).finish_non_exhaustive()

@@ -11,7 +11,7 @@ use super::service::FairQueueService;
 use super::shared::{FairQueueLayerStats, Fixed, NoRate, Shared, TenantQueueStats};
 use crate::clock::LayerClock;
 use crate::extract::Extractors;
-use crate::reject::ReturnError;
+use crate::refusal::ReturnError;
 
 /// Queues requests per tenant and admits them in weighted-fair order to the capacity it
 /// owns: concurrent slots, a rate (any [`Backend`], such as a
@@ -32,12 +32,12 @@ use crate::reject::ReturnError;
 pub struct FairQueueLayer<E = Extractors, R = ReturnError, B: Backend = NoRate> {
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) extract: E,
-    pub(crate) rejection: R,
+    pub(crate) refusal: R,
 }
 
 impl<E: Clone, R: Clone, B: Backend> Clone for FairQueueLayer<E, R, B> {
     fn clone(&self) -> Self {
-        FairQueueLayer { shared: self.shared.clone(), extract: self.extract.clone(), rejection: self.rejection.clone() }
+        FairQueueLayer { shared: self.shared.clone(), extract: self.extract.clone(), refusal: self.refusal.clone() }
     }
 }
 
@@ -45,7 +45,7 @@ impl<E: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for FairQueueLayer<E, 
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairQueueLayer")
             .field("extract", &self.extract)
-            .field("rejection", &self.rejection)
+            .field("refusal", &self.refusal)
             .field("settings", &self.shared)
             .finish()
     }
@@ -74,7 +74,7 @@ impl<B: Backend> FairQueueLayer<Extractors, ReturnError, B> {
     /// the exact instant it will, and everyone queues behind it: fairness first, then
     /// the cap.
     ///
-    /// The backend's limits should be global: a denial by a limit keyed by a tier (the
+    /// The backend's limits should be global: a refusal by a limit keyed by a tier (the
     /// tenant's own quota) refuses that request rather than holding up the others; see
     /// the [module docs](super#with-per-tenant-limits).
     ///
@@ -94,7 +94,7 @@ impl<B: Backend> FairQueueLayer<Extractors, ReturnError, B> {
 
     fn build(config: FairQueueConfig, backend: B, slots: usize) -> Result<Self, PolicyError> {
         let shared = Shared::new(Fixed::new(config, backend, slots)?)?;
-        Ok(FairQueueLayer { shared: Arc::new(shared), extract: Extractors::default(), rejection: ReturnError })
+        Ok(FairQueueLayer { shared: Arc::new(shared), extract: Extractors::default(), refusal: ReturnError })
     }
 }
 
@@ -102,15 +102,15 @@ impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
     /// How requests are keyed: each distinct key is a tenant of the queue (see
     /// [`crate::extract`]). Until one is set, every request is the same tenant.
     pub fn key<K2>(self, keys: K2) -> FairQueueLayer<Extractors<K2, C, U, A>, R, B> {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract: extract.with_keys(keys), rejection }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract: extract.with_keys(keys), refusal }
     }
 
     /// What a request costs: its share of the queue and what it acquires from the rate.
     /// Defaults to one per request.
     pub fn cost<C2>(self, cost: C2) -> FairQueueLayer<Extractors<K, C2, U, A>, R, B> {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract: extract.with_cost(cost), rejection }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract: extract.with_cost(cost), refusal }
     }
 
     /// Where the real usage is read from a response, to settle the rate backend's grant
@@ -118,8 +118,8 @@ impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
     /// tokens an upstream reports). A settle that gives cost back lets the request
     /// waiting at the rate gate try again at once. Without it the estimate stands.
     pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<Extractors<K, C, U2, A>, R, B> {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract: extract.with_usage(usage), rejection }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract: extract.with_usage(usage), refusal }
     }
 
     /// How the rate backend's grant is recorded on the request before the inner service
@@ -127,8 +127,8 @@ impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
     /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member (the
     /// upstream account to call) in the request's extensions.
     pub fn annotate<A2>(self, annotate: A2) -> FairQueueLayer<Extractors<K, C, U, A2>, R, B> {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract: extract.with_annotate(annotate), rejection }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract: extract.with_annotate(annotate), refusal }
     }
 }
 
@@ -147,9 +147,9 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     /// How refusals surface: as errors ([`ReturnError`], the default), or as HTTP
     /// answers ([`crate::http::HttpAnswer`]: 429 for a full tenant queue, 503 for a full
     /// queue or a queueing timeout).
-    pub fn reject_with<R2>(self, rejection: R2) -> FairQueueLayer<E, R2, B> {
+    pub fn refuse_with<R2>(self, refusal: R2) -> FairQueueLayer<E, R2, B> {
         let FairQueueLayer { shared, extract, .. } = self;
-        FairQueueLayer { shared, extract, rejection }
+        FairQueueLayer { shared, extract, refusal }
     }
 
     /// Keeps each admitted request's slot (and its rate grant, with the estimate to
@@ -170,8 +170,8 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     where
         R: crate::shell::body::HoldsBody,
     {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract, rejection: rejection.hold_body() }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract, refusal: refusal.hold_body() }
     }
 
     /// Holds the body and settles each request's rate grant to the usage its response
@@ -193,8 +193,8 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     where
         R: crate::shell::body::HoldsBody,
     {
-        let FairQueueLayer { shared, extract, rejection } = self;
-        FairQueueLayer { shared, extract, rejection: rejection.usage_from_body(observer) }
+        let FairQueueLayer { shared, extract, refusal } = self;
+        FairQueueLayer { shared, extract, refusal: refusal.usage_from_body(observer) }
     }
 
     /// Now, on the layer's clock: the instant to pass to the backend's own methods (for
@@ -354,7 +354,7 @@ impl<S, E: Clone, R: Clone, B: Backend> Layer<S> for FairQueueLayer<E, R, B> {
             inner,
             shared: self.shared.clone(),
             extract: self.extract.clone(),
-            rejection: self.rejection.clone(),
+            refusal: self.refusal.clone(),
         }
     }
 }

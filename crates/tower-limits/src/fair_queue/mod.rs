@@ -125,7 +125,7 @@
 //!
 //! **The gate and its timer.** When the request chosen next does not fit the rate yet,
 //! it stays at the gate, holding its turn (and its slot), and *its* waiter owns the
-//! timer: it sleeps until the instant the backend's denial named (`retry_after`, to the
+//! timer: it sleeps until the instant the backend's refusal named (`retry_after`, to the
 //! millisecond of tokio's timer), then retries. Only that task wakes at the instant: no
 //! thundering herd. The duty moves with the gate: when the gate's request is admitted,
 //! refused, times out or is dropped, the next request is put at the gate and its waiter
@@ -135,7 +135,7 @@
 //!
 //! **Limits to the guarantees.** A request chosen in fair order is charged to its tenant
 //! when it reaches the gate: dropped there, its tenant's turn is spent. The backend's
-//! limits are meant to be global; a denial by a limit keyed by a tier refuses that request
+//! limits are meant to be global; a refusal by a limit keyed by a tier refuses that request
 //! at its turn (429) and the next one goes on.
 //!
 //! # Cancellation
@@ -188,7 +188,7 @@
 //! )?
 //! .key(FromExtension::<TenantKey>::new())
 //! .cost(CostFromExtension)
-//! .reject_with(HttpAnswer::new());
+//! .refuse_with(HttpAnswer::new());
 //!
 //! // The shared upstream account: 1,000,000 tokens a minute and 64 requests at once,
 //! // shared by org in fair order.
@@ -199,7 +199,7 @@
 //! let fair = FairQueueLayer::rate_and_concurrency(config, upstream, 64)?
 //!     .key(FromExtension::<TenantKey>::new())
 //!     .cost(CostFromExtension)
-//!     .reject_with(HttpAnswer::new());
+//!     .refuse_with(HttpAnswer::new());
 //!
 //! # let _: axum::Router = axum::Router::new().layer(ServiceBuilder::new().layer(per_tenant.clone()).layer(fair.clone()));
 //! let svc = ServiceBuilder::new().layer(per_tenant).layer(fair).service_fn(|_req: http::Request<String>| async {
@@ -232,5 +232,5 @@ mod shared;
 
 pub use layer::FairQueueLayer;
 pub use service::FairQueueService;
-pub use shared::{FairQueueLayerStats, NoRate, Rejections, TenantQueueStats};
+pub use shared::{FairQueueLayerStats, NoRate, Refusals, TenantQueueStats};
 pub use tower_limits_core::fair_queue::FairQueueConfig;

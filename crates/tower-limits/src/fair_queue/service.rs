@@ -8,7 +8,7 @@ use tower_service::Service;
 use super::future::{Held, ResponseFuture, Waiter, Waiting, trace_refusal};
 use super::shared::{Arrival, FairQueueLayerStats, Shared};
 use crate::extract::{Annotate, CostExtractor, Extractors, KeyExtractor, UsageExtractor};
-use crate::reject::Rejection;
+use crate::refusal::RefusalMode;
 
 /// The service built by [`FairQueueLayer`](super::FairQueueLayer).
 ///
@@ -21,7 +21,7 @@ pub struct FairQueueService<S, E, R, B: Backend> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) extract: E,
-    pub(crate) rejection: R,
+    pub(crate) refusal: R,
 }
 
 impl<S, E, R, B: Backend> FairQueueService<S, E, R, B> {
@@ -53,7 +53,7 @@ impl<S: Clone, E: Clone, R: Clone, B: Backend> Clone for FairQueueService<S, E, 
             inner: self.inner.clone(),
             shared: self.shared.clone(),
             extract: self.extract.clone(),
-            rejection: self.rejection.clone(),
+            refusal: self.refusal.clone(),
         }
     }
 }
@@ -63,7 +63,7 @@ impl<S: fmt::Debug, E: fmt::Debug, R: fmt::Debug, B: Backend> fmt::Debug for Fai
         f.debug_struct("FairQueueService")
             .field("inner", &self.inner)
             .field("extract", &self.extract)
-            .field("rejection", &self.rejection)
+            .field("refusal", &self.refusal)
             .field("settings", &self.shared)
             .finish()
     }
@@ -74,7 +74,7 @@ where
     S: Service<Req> + Clone,
     K: KeyExtractor<Req>,
     C: CostExtractor<Req>,
-    R: Rejection<S::Response, S::Error>,
+    R: RefusalMode<S::Response, S::Error>,
     B: Backend,
     U: UsageExtractor<S::Response>,
     A: Annotate<Req, B::Grant>,
@@ -84,7 +84,7 @@ where
     type Future = ResponseFuture<S, Req, U, R, B, A>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
+        self.inner.poll_ready(cx).map_err(|e| self.refusal.fail(e))
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
@@ -101,11 +101,7 @@ where
                     shared.count_refusal(error.kind());
                     shared.fixed.meter.refused(&error);
                     trace_refusal(&error, &tower_limits_core::TenantKey::global());
-                    return ResponseFuture::rejected(
-                        Box::new(error),
-                        self.rejection.clone(),
-                        self.extract.usage.clone(),
-                    );
+                    return ResponseFuture::refused(Box::new(error), self.refusal.clone(), self.extract.usage.clone());
                 }
             },
         };
@@ -114,7 +110,7 @@ where
             Arrival::Admitted(grant) => {
                 self.extract.annotate.annotate(&mut req, &grant);
                 let held = Held::new(shared.clone(), key, grant);
-                ResponseFuture::called(self.inner.call(req), held, self.rejection.clone(), self.extract.usage.clone())
+                ResponseFuture::called(self.inner.call(req), held, self.refusal.clone(), self.extract.usage.clone())
             }
             Arrival::Queued(ticket) => {
                 tracing::trace!(target: "tower_limits", tenant = %key, cost, "queued for a fair turn");
@@ -125,14 +121,14 @@ where
                 let annotate = self.extract.annotate.clone();
                 ResponseFuture::waiting(
                     Waiting { waiter, inner: Some(inner), req: Some(req), annotate },
-                    self.rejection.clone(),
+                    self.refusal.clone(),
                     self.extract.usage.clone(),
                 )
             }
             Arrival::Refused(error) => {
                 shared.fixed.meter.refused(&error);
                 trace_refusal(&error, &key);
-                ResponseFuture::rejected(error, self.rejection.clone(), self.extract.usage.clone())
+                ResponseFuture::refused(error, self.refusal.clone(), self.extract.usage.clone())
             }
         }
     }

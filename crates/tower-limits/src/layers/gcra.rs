@@ -18,7 +18,7 @@ use crate::shell::shared::Settings;
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
 /// let svc = ServiceBuilder::new()
-///     .layer(GcraLayer::new(Quota::per_second(nz!(100)).burst(nz!(2))).reject_with(HttpAnswer::new()))
+///     .layer(GcraLayer::new(Quota::per_second(nz!(100)).burst(nz!(2))).refuse_with(HttpAnswer::new()))
 ///     .service_fn(|_req: http::Request<String>| async { Ok::<_, std::convert::Infallible>(http::Response::new(String::new())) });
 /// for _ in 0..2 {
 ///     assert_eq!(svc.clone().oneshot(http::Request::new(String::new())).await.unwrap().status(), 200);

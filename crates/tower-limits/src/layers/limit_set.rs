@@ -30,7 +30,7 @@ use crate::extract::Extractors;
 /// )?
 /// .key(FromExtension::<TenantKey>::new())
 /// .cost(CostFromExtension)
-/// .reject_with(HttpAnswer::new());
+/// .refuse_with(HttpAnswer::new());
 ///
 /// # let _: axum::Router = axum::Router::new().layer(limits.clone()); // it goes on a Router as it is
 /// let svc = ServiceBuilder::new()

@@ -15,7 +15,7 @@
 //! service ([`LimitService`](crate::LimitService)), the same response future and the same
 //! builder verbs ([`key`](LimitLayer::key), [`cost`](LimitLayer::cost),
 //! [`usage`](LimitLayer::usage), [`wait`](LimitLayer::wait),
-//! [`reject_with`](LimitLayer::reject_with), ...). Only the constructor differs,
+//! [`refuse_with`](LimitLayer::refuse_with), ...). Only the constructor differs,
 //! chosen by the type's last parameter, a [`door`]. A constant limit is a [`Quota`]
 //! (or a [`NonZeroU64`](std::num::NonZeroU64)), so building one cannot fail; limits
 //! read from data go through [`LimitSetPolicy`], whose errors name
@@ -34,8 +34,8 @@
 //! use tower_limits::{GcraLayer, Quota, SemaphoreLayer, nz};
 //!
 //! let layers = ServiceBuilder::new()
-//!     .layer(SemaphoreLayer::new(nz!(64)).reject_with(HttpAnswer::new()))
-//!     .layer(GcraLayer::new(Quota::per_second(nz!(10)).burst(nz!(5))).key(PeerIp).reject_with(HttpAnswer::new()));
+//!     .layer(SemaphoreLayer::new(nz!(64)).refuse_with(HttpAnswer::new()))
+//!     .layer(GcraLayer::new(Quota::per_second(nz!(10)).burst(nz!(5))).key(PeerIp).refuse_with(HttpAnswer::new()));
 //! let app: axum::Router = axum::Router::new().route("/", axum::routing::get(|| async { "hello" })).layer(layers);
 //! # drop(app);
 //! ```

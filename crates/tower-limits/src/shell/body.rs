@@ -30,7 +30,7 @@ use pin_project_lite::pin_project;
 use tower_limits_core::LimitSnapshot;
 
 use crate::error::LimitError;
-use crate::reject::{Hold, Rejection};
+use crate::refusal::{Hold, RefusalMode};
 
 pin_project! {
     /// A response body that holds what its request acquired until it ends, fails or is
@@ -305,9 +305,9 @@ impl<R, O> HoldBody<R, O> {
     }
 }
 
-impl<R, O, B, E> Rejection<Response<B>, E> for HoldBody<R, O>
+impl<R, O, B, E> RefusalMode<Response<B>, E> for HoldBody<R, O>
 where
-    R: Rejection<Response<HeldBody<B, O>>, E>,
+    R: RefusalMode<Response<HeldBody<B, O>>, E>,
     O: BodyUsage,
     B: Body + Send + 'static,
     E: Send + 'static,
@@ -315,8 +315,8 @@ where
     type Response = R::Response;
     type Error = R::Error;
 
-    fn reject(&self, error: Box<LimitError>) -> Result<Self::Response, Self::Error> {
-        self.inner.reject(error)
+    fn refuse(&self, error: Box<LimitError>) -> Result<Self::Response, Self::Error> {
+        self.inner.refuse(error)
     }
 
     fn respond(&self, response: Response<B>, snapshots: Option<&[LimitSnapshot]>) -> Self::Response {

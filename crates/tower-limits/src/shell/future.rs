@@ -14,7 +14,7 @@ use super::shared::{Shared, Unfinished};
 use crate::error::LimitError;
 use crate::extract::UsageExtractor;
 use crate::meter::Lease;
-use crate::reject::{Finish, Hold, Rejection};
+use crate::refusal::{Finish, Hold, RefusalMode};
 
 /// A permit held while the inner service works. On completion it settles with the real
 /// usage (or, after an error, refunds or keeps the cost as configured); dropped before
@@ -115,7 +115,7 @@ pin_project! {
         // Called, with a grant to finish or the limits' states for the answer.
         Holding { #[pin] fut: F, guard: Option<Box<G>>, snapshots: Option<Box<[LimitSnapshot]>> },
         Waiting { admission: A },
-        Rejected { error: Option<Box<LimitError>> },
+        Refused { error: Option<Box<LimitError>> },
         Done,
     }
 }
@@ -137,7 +137,7 @@ pin_project! {
         #[pin]
         state: State<S::Future, Admission<B, S, Req>, PermitGuard<B>>,
         usage: U,
-        rejection: R,
+        refusal: R,
     }
 }
 
@@ -151,27 +151,27 @@ where
         fut: S::Future,
         guard: Option<Box<PermitGuard<B>>>,
         usage: U,
-        rejection: R,
+        refusal: R,
         snapshots: Option<Box<[LimitSnapshot]>>,
     ) -> Self {
         if guard.is_none() && snapshots.is_none() {
-            return Self::plain(fut, usage, rejection);
+            return Self::plain(fut, usage, refusal);
         }
-        ResponseFuture { state: State::Holding { fut, guard, snapshots }, usage, rejection }
+        ResponseFuture { state: State::Holding { fut, guard, snapshots }, usage, refusal }
     }
 
     /// A call that holds nothing.
     #[inline(always)]
-    pub(crate) fn plain(fut: S::Future, usage: U, rejection: R) -> Self {
-        ResponseFuture { state: State::Called { fut }, usage, rejection }
+    pub(crate) fn plain(fut: S::Future, usage: U, refusal: R) -> Self {
+        ResponseFuture { state: State::Called { fut }, usage, refusal }
     }
 
-    pub(crate) fn rejected(error: Box<LimitError>, usage: U, rejection: R) -> Self {
-        ResponseFuture { state: State::Rejected { error: Some(error) }, usage, rejection }
+    pub(crate) fn refused(error: Box<LimitError>, usage: U, refusal: R) -> Self {
+        ResponseFuture { state: State::Refused { error: Some(error) }, usage, refusal }
     }
 
-    pub(crate) fn waiting(admission: Admission<B, S, Req>, usage: U, rejection: R) -> Self {
-        ResponseFuture { state: State::Waiting { admission }, usage, rejection }
+    pub(crate) fn waiting(admission: Admission<B, S, Req>, usage: U, refusal: R) -> Self {
+        ResponseFuture { state: State::Waiting { admission }, usage, refusal }
     }
 }
 
@@ -179,7 +179,7 @@ impl<S, Req, U, R, B> Future for ResponseFuture<S, Req, U, R, B>
 where
     S: Service<Req>,
     U: UsageExtractor<S::Response>,
-    R: Rejection<S::Response, S::Error>,
+    R: RefusalMode<S::Response, S::Error>,
     B: Backend,
 {
     type Output = Result<R::Response, R::Error>;
@@ -192,8 +192,8 @@ where
                     // Left as it is once answered: polling a finished future again is the
                     // inner future's affair, and nothing here is held to be given back twice.
                     return fut.poll(cx).map(|out| match out {
-                        Ok(response) => Ok(this.rejection.respond(response, None)),
-                        Err(e) => Err(this.rejection.fail(e)),
+                        Ok(response) => Ok(this.refusal.respond(response, None)),
+                        Err(e) => Err(this.refusal.fail(e)),
                     });
                 }
                 StateProj::Holding { fut, guard, snapshots } => {
@@ -208,22 +208,22 @@ where
                                 g.observe_upstream(&report);
                             }
                             match guard {
-                                Some(g) if this.rejection.holds_body() => {
+                                Some(g) if this.refusal.holds_body() => {
                                     let hold = Hold::new(g, this.usage.usage(&response));
-                                    Ok(this.rejection.respond_held(response, snapshots, hold))
+                                    Ok(this.refusal.respond_held(response, snapshots, hold))
                                 }
                                 Some(mut g) => {
                                     g.finish(Outcome::Done(this.usage.usage(&response)));
-                                    Ok(this.rejection.respond(response, snapshots))
+                                    Ok(this.refusal.respond(response, snapshots))
                                 }
-                                None => Ok(this.rejection.respond(response, snapshots)),
+                                None => Ok(this.refusal.respond(response, snapshots)),
                             }
                         }
                         Err(e) => {
                             if let Some(g) = guard.as_mut() {
                                 g.finish(Outcome::Failed);
                             }
-                            Err(this.rejection.fail(e))
+                            Err(this.refusal.fail(e))
                         }
                     });
                 }
@@ -234,14 +234,14 @@ where
                             let fut = inner.call(req);
                             this.state.set(State::Holding { fut, guard, snapshots });
                         }
-                        Err(error) => this.state.set(State::Rejected { error: Some(error) }),
+                        Err(error) => this.state.set(State::Refused { error: Some(error) }),
                     }
                 }
-                StateProj::Rejected { error } => {
+                StateProj::Refused { error } => {
                     let error =
                         error.take().unwrap_or_else(|| Box::new(LimitError::new(crate::ErrorKind::Unavailable)));
                     this.state.set(State::Done);
-                    return Poll::Ready(this.rejection.reject(error));
+                    return Poll::Ready(this.refusal.refuse(error));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

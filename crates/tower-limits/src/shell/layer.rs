@@ -12,7 +12,7 @@ use super::shared::{Settings, Shared, Source, Unfinished};
 use crate::clock::LayerClock;
 use crate::extract::{Extractors, GlobalKey};
 use crate::layers::door;
-use crate::reject::ReturnError;
+use crate::refusal::ReturnError;
 
 /// The one limit layer under every named one: applies a [`LimitSet`] (or any
 /// [`Backend`]) to every request of the wrapped service, every limit of the set, all or
@@ -35,7 +35,7 @@ use crate::reject::ReturnError;
 pub struct LimitLayer<E, R, B, D> {
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) extract: E,
-    pub(crate) rejection: R,
+    pub(crate) refusal: R,
     pub(crate) door: PhantomData<fn() -> D>,
 }
 
@@ -44,7 +44,7 @@ impl<E: Clone, R: Clone, B, D> Clone for LimitLayer<E, R, B, D> {
         LimitLayer {
             shared: self.shared.clone(),
             extract: self.extract.clone(),
-            rejection: self.rejection.clone(),
+            refusal: self.refusal.clone(),
             door: PhantomData,
         }
     }
@@ -54,7 +54,7 @@ impl<E: fmt::Debug, R: fmt::Debug, B, D: door::Door> fmt::Debug for LimitLayer<E
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct(D::NAME)
             .field("extract", &self.extract)
-            .field("rejection", &self.rejection)
+            .field("refusal", &self.refusal)
             .field("settings", &self.shared.settings)
             .finish()
     }
@@ -103,12 +103,7 @@ impl<B: Backend> crate::LimitSetLayer<Extractors, ReturnError, B> {
 
 impl<B: Backend, D> LimitLayer<Extractors, ReturnError, B, D> {
     pub(crate) fn from_shared(shared: Shared<B>) -> Self {
-        LimitLayer {
-            shared: Arc::new(shared),
-            extract: Extractors::default(),
-            rejection: ReturnError,
-            door: PhantomData,
-        }
+        LimitLayer { shared: Arc::new(shared), extract: Extractors::default(), refusal: ReturnError, door: PhantomData }
     }
 }
 
@@ -129,19 +124,19 @@ impl<K, C, U, A, R, B: Backend, D> LimitLayer<Extractors<K, C, U, A>, R, B, D> {
             }
             _ => self.shared,
         };
-        LimitLayer { shared, extract: self.extract.with_keys(keys), rejection: self.rejection, door: PhantomData }
+        LimitLayer { shared, extract: self.extract.with_keys(keys), refusal: self.refusal, door: PhantomData }
     }
 
     /// What a request costs against limits that count cost.
     pub fn cost<C2>(self, cost: C2) -> LimitLayer<Extractors<K, C2, U, A>, R, B, D> {
-        let LimitLayer { shared, extract, rejection, door } = self;
-        LimitLayer { shared, extract: extract.with_cost(cost), rejection, door }
+        let LimitLayer { shared, extract, refusal, door } = self;
+        LimitLayer { shared, extract: extract.with_cost(cost), refusal, door }
     }
 
     /// Where the real usage is read from a response, to settle the permit with.
     pub fn usage<U2>(self, usage: U2) -> LimitLayer<Extractors<K, C, U2, A>, R, B, D> {
-        let LimitLayer { shared, extract, rejection, door } = self;
-        LimitLayer { shared, extract: extract.with_usage(usage), rejection, door }
+        let LimitLayer { shared, extract, refusal, door } = self;
+        LimitLayer { shared, extract: extract.with_usage(usage), refusal, door }
     }
 
     /// How the grant is recorded on the request before the inner service sees it: for a
@@ -149,8 +144,8 @@ impl<K, C, U, A, R, B: Backend, D> LimitLayer<Extractors<K, C, U, A>, R, B, D> {
     /// [`InsertChosen`](crate::extract::InsertChosen) puts the chosen member in the
     /// request's extensions.
     pub fn annotate<A2>(self, annotate: A2) -> LimitLayer<Extractors<K, C, U, A2>, R, B, D> {
-        let LimitLayer { shared, extract, rejection, door } = self;
-        LimitLayer { shared, extract: extract.with_annotate(annotate), rejection, door }
+        let LimitLayer { shared, extract, refusal, door } = self;
+        LimitLayer { shared, extract: extract.with_annotate(annotate), refusal, door }
     }
 }
 
@@ -177,12 +172,12 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
     ///
     /// let app: Router = Router::new()
     ///     .route("/", get(|| async { "hello" }))
-    ///     .layer(GcraLayer::new(Quota::per_second(nz!(10))).reject_with(HttpAnswer::new()));
+    ///     .layer(GcraLayer::new(Quota::per_second(nz!(10))).refuse_with(HttpAnswer::new()));
     /// # drop(app);
     /// ```
-    pub fn reject_with<R2>(self, rejection: R2) -> LimitLayer<E, R2, B, D> {
+    pub fn refuse_with<R2>(self, refusal: R2) -> LimitLayer<E, R2, B, D> {
         let LimitLayer { shared, extract, door, .. } = self;
-        LimitLayer { shared, extract, rejection, door }
+        LimitLayer { shared, extract, refusal, door }
     }
 
     /// Keeps what each request holds (its concurrency, the estimate to settle) until its
@@ -206,8 +201,8 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
     where
         R: crate::shell::body::HoldsBody,
     {
-        let LimitLayer { shared, extract, rejection, door } = self;
-        LimitLayer { shared, extract, rejection: rejection.hold_body(), door }
+        let LimitLayer { shared, extract, refusal, door } = self;
+        LimitLayer { shared, extract, refusal: refusal.hold_body(), door }
     }
 
     /// Holds the body (as [`hold_body`](Self::hold_body)) and settles each request to the
@@ -224,7 +219,7 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
     /// let tokens = TokenBucketLayer::new(Quota::per_minute(nz!(100_000)))
     ///     .cost(CostFromExtension)
     ///     .usage_from_body(OpenAiStreamUsage::default())
-    ///     .reject_with(HttpAnswer::new().usage_from_body(OpenAiStreamUsage::default()));
+    ///     .refuse_with(HttpAnswer::new().usage_from_body(OpenAiStreamUsage::default()));
     /// # drop(tokens);
     /// ```
     #[cfg(feature = "http")]
@@ -232,8 +227,8 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
     where
         R: crate::shell::body::HoldsBody,
     {
-        let LimitLayer { shared, extract, rejection, door } = self;
-        LimitLayer { shared, extract, rejection: rejection.usage_from_body(observer), door }
+        let LimitLayer { shared, extract, refusal, door } = self;
+        LimitLayer { shared, extract, refusal: refusal.usage_from_body(observer), door }
     }
 
     /// Requests without a key use `key` instead of being refused.
@@ -354,8 +349,8 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
     /// ```
     pub fn on_backend<B2: Backend>(self, backend: B2) -> LimitLayer<E, R, B2, D> {
         let shared = Shared::new(backend, self.shared.clock.clone(), self.shared.settings.clone());
-        let LimitLayer { extract, rejection, door, .. } = self;
-        LimitLayer { shared: Arc::new(shared), extract, rejection, door }
+        let LimitLayer { extract, refusal, door, .. } = self;
+        LimitLayer { shared: Arc::new(shared), extract, refusal, door }
     }
 
     /// Now, on the layer's clock: the instant to pass to the backend's own methods
@@ -390,7 +385,7 @@ impl<S, E: Clone, R: Clone, B, D> Layer<S> for LimitLayer<E, R, B, D> {
             inner,
             shared: self.shared.clone(),
             extract: self.extract.clone(),
-            rejection: self.rejection.clone(),
+            refusal: self.refusal.clone(),
         }
     }
 }

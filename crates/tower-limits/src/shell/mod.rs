@@ -44,7 +44,7 @@
 //! .key(FromExtension::<TenantKey>::new())
 //! .cost(CostFromExtension)
 //! .usage(UsageFromExtension)
-//! .reject_with(HttpAnswer::new().with_json_body());
+//! .refuse_with(HttpAnswer::new().with_json_body());
 //!
 //! # let _: axum::Router = axum::Router::new().layer(limits.clone()); // it goes on a Router as it is
 //! let svc = ServiceBuilder::new().layer(limits).service_fn(|_req: http::Request<String>| async {

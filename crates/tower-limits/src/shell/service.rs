@@ -13,7 +13,7 @@ use super::shared::{Shared, Unfinished};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, CostExtractor, Extractors, KeyExtractor, UsageExtractor};
 use crate::meter::Meter;
-use crate::reject::Rejection;
+use crate::refusal::RefusalMode;
 use crate::wait::Blocked;
 
 /// The service built by [`LimitSetLayer`](crate::LimitSetLayer).
@@ -26,7 +26,7 @@ pub struct LimitService<S, E, R, B> {
     pub(crate) inner: S,
     pub(crate) shared: Arc<Shared<B>>,
     pub(crate) extract: E,
-    pub(crate) rejection: R,
+    pub(crate) refusal: R,
 }
 
 impl<S, E, R, B> LimitService<S, E, R, B> {
@@ -52,7 +52,7 @@ impl<S: Clone, E: Clone, R: Clone, B> Clone for LimitService<S, E, R, B> {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
             extract: self.extract.clone(),
-            rejection: self.rejection.clone(),
+            refusal: self.refusal.clone(),
         }
     }
 }
@@ -76,7 +76,7 @@ where
     K: KeyExtractor<Req>,
     C: CostExtractor<Req>,
     U: UsageExtractor<S::Response>,
-    R: Rejection<S::Response, S::Error>,
+    R: RefusalMode<S::Response, S::Error>,
     B: Backend,
 {
     type Response = R::Response;
@@ -84,7 +84,7 @@ where
     type Future = ResponseFuture<S, Req, U, R, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(|e| self.rejection.fail(e))
+        self.inner.poll_ready(cx).map_err(|e| self.refusal.fail(e))
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
@@ -125,7 +125,7 @@ where
             // Others of this key wait already: queue behind them.
             return self.wait(key.clone(), cost, req, None);
         }
-        if self.rejection.wants_snapshots() {
+        if self.refusal.wants_snapshots() {
             return self.call_observed(key, cost, req, now);
         }
         // In memory the answer comes at once, matched where it is returned; a remote
@@ -142,11 +142,11 @@ where
                         return ResponseFuture::plain(
                             self.inner.call(req),
                             self.extract.usage.clone(),
-                            self.rejection.clone(),
+                            self.refusal.clone(),
                         );
                     }
                     let fut = self.inner.call(req);
-                    ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.rejection.clone(), None)
+                    ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.refusal.clone(), None)
                 }
                 Err(e) => self.not_admitted(e, key, cost, req),
             };
@@ -180,7 +180,7 @@ where
         S::Future: Send,
         Req: Send + 'static,
         U: UsageExtractor<S::Response>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
         let shared = &self.shared;
@@ -215,7 +215,7 @@ where
         S::Future: Send,
         Req: Send + 'static,
         U: UsageExtractor<S::Response>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
         let settings = &self.shared.settings;
@@ -243,12 +243,12 @@ where
     where
         S: Service<Req>,
         U: UsageExtractor<S::Response>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
         let guard = self.guard(key, grant, &mut req);
         let fut = self.inner.call(req);
-        ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.rejection.clone(), snapshots)
+        ResponseFuture::called(fut, guard, self.extract.usage.clone(), self.refusal.clone(), snapshots)
     }
 
     /// What an admitted request keeps until its response is in: nothing, when nothing is
@@ -259,13 +259,13 @@ where
     where
         S: Service<Req>,
         U: UsageExtractor<S::Response>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
         let shared = &self.shared;
         let settings = &shared.settings;
         let idle = !U::REPORTS
-            && !self.rejection.reads_body_usage()
+            && !self.refusal.reads_body_usage()
             && settings.on_error == Unfinished::Keep
             && settings.on_cancel == Unfinished::Keep
             && !shared.backend.needs_release(&grant)
@@ -279,12 +279,12 @@ where
     fn refuse<Req>(&self, mut error: LimitError, seen: Option<Vec<LimitSnapshot>>) -> ResponseFuture<S, Req, U, R, B>
     where
         S: tower_service::Service<Req>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
     {
         self.shared.count_refusal(&error);
         trace_refusal(&error);
         error.snapshots = seen.map(Into::into);
-        ResponseFuture::rejected(Box::new(error), self.extract.usage.clone(), self.rejection.clone())
+        ResponseFuture::refused(Box::new(error), self.extract.usage.clone(), self.refusal.clone())
     }
 
     /// Shadow mode: records what would have been refused, and calls the inner service
@@ -297,20 +297,14 @@ where
     ) -> ResponseFuture<S, Req, U, R, B>
     where
         S: tower_service::Service<Req>,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
     {
         self.shared.shadow_refused.fetch_add(1, Ordering::Relaxed);
         self.shared.settings.meter.shadow_refused(&error);
         trace_shadow(&error);
         // The states read with the decision tell the answer's headers what is left.
         let snapshots = seen.map(Vec::into_boxed_slice);
-        ResponseFuture::called(
-            self.inner.call(req),
-            None,
-            self.extract.usage.clone(),
-            self.rejection.clone(),
-            snapshots,
-        )
+        ResponseFuture::called(self.inner.call(req), None, self.extract.usage.clone(), self.refusal.clone(), snapshots)
     }
 
     /// The slow path: wait for capacity (or for a remote backend's `pending` acquisition),
@@ -325,14 +319,14 @@ where
     where
         S: Service<Req> + Clone + Send + 'static,
         Req: Send + 'static,
-        R: Rejection<S::Response, S::Error>,
+        R: RefusalMode<S::Response, S::Error>,
         A: Annotate<Req, B::Grant>,
     {
         // The service polled ready goes with the request; the clone stays for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        let wants_snapshots = self.rejection.wants_snapshots();
+        let wants_snapshots = self.refusal.wants_snapshots();
         let annotate = self.extract.annotate.clone();
         let admitted = async move {
             let answered = match pending {
@@ -365,7 +359,7 @@ where
             annotate.annotate(&mut req, &grant);
             Ok(Admitted { guard: Some(Box::new(PermitGuard::new(grant, key, shared.clone()))), inner, req, snapshots })
         };
-        ResponseFuture::waiting(Box::pin(admitted), self.extract.usage.clone(), self.rejection.clone())
+        ResponseFuture::waiting(Box::pin(admitted), self.extract.usage.clone(), self.refusal.clone())
     }
 }
 
@@ -385,7 +379,7 @@ async fn attempt<B: Backend>(
     }
 }
 
-/// Whether waiting can help: a rate denial within `max_wait`, or a concurrency denial.
+/// Whether waiting can help: a rate refusal within `max_wait`, or a concurrency refusal.
 fn waitable(error: &LimitError, max_wait: std::time::Duration) -> bool {
     match error.kind() {
         ErrorKind::RateLimited => error.retry_after().is_some_and(|d| d <= max_wait),

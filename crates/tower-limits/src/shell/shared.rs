@@ -56,7 +56,7 @@ impl Default for Settings {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LayerStats {
     /// Requests refused (all reasons).
-    pub rejected: u64,
+    pub refused: u64,
     /// Requests that waited before being admitted.
     pub waited: u64,
     /// Requests that gave up waiting (their wait would have passed `max_wait`).
@@ -76,7 +76,7 @@ pub(crate) struct Shared<B> {
     pub(crate) clock: LayerClock,
     pub(crate) settings: Settings,
     pub(crate) waiters: Waiters,
-    pub(crate) rejected: AtomicU64,
+    pub(crate) refused: AtomicU64,
     pub(crate) waited: AtomicU64,
     pub(crate) wait_timeouts: AtomicU64,
     pub(crate) shadow_refused: AtomicU64,
@@ -91,7 +91,7 @@ impl<B> Shared<B> {
             clock,
             settings,
             waiters: Waiters::default(),
-            rejected: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             waited: AtomicU64::new(0),
             wait_timeouts: AtomicU64::new(0),
             shadow_refused: AtomicU64::new(0),
@@ -101,13 +101,13 @@ impl<B> Shared<B> {
 
     /// Counts a refusal, and reports it.
     pub(crate) fn count_refusal(&self, error: &LimitError) {
-        self.rejected.fetch_add(1, Ordering::Relaxed);
+        self.refused.fetch_add(1, Ordering::Relaxed);
         self.settings.meter.refused(error);
     }
 
     pub(crate) fn layer_stats(&self) -> LayerStats {
         LayerStats {
-            rejected: self.rejected.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
             waited: self.waited.load(Ordering::Relaxed),
             wait_timeouts: self.wait_timeouts.load(Ordering::Relaxed),
             waiting: self.waiters.len() as u64,

@@ -1,15 +1,19 @@
 //! Validation of the raw form into the typed [`Config`]: one check after another, in
 //! the order of the file, each error naming the field and where it was written.
+//!
+//! [`validate`] reads the sections in that order, one function per section; the first
+//! error stops it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::time::Duration;
 
 use toml::Spanned;
 use tower_limits::core::policy::parse_duration;
 use tower_limits::{LimitPolicy, LimitSetPolicy, Rate, Selection, TenantKey};
 
-use super::raw::{Raw, S};
+use super::raw::{Raw, RawAccount, RawDemo, RawGateway, RawMirror, RawTenant, RawTierLimits, RawUpstream, S};
 use super::{
     Account, ApiKey, BackendFailure, Config, ConfigError, DemoClient, DemoSettings, GatewaySettings, MirrorSettings,
     Plan, Source, Tenant, TimeoutCharge, UpstreamSettings, line_column,
@@ -36,35 +40,81 @@ fn address(src: &Source<'_>, value: &S<String>, field: &str) -> Result<SocketAdd
     })
 }
 
-#[allow(clippy::too_many_lines)] // one check after another, in the order of the file
-pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError> {
-    // Tiers.
-    let tiers: Vec<String> = match &raw.tiers {
-        None => ["org", "team", "user", "agent"].map(String::from).to_vec(),
-        Some(t) => {
-            if t.get_ref().is_empty() {
-                return Err(src.at(t, "tiers", "name at least one tier"));
-            }
-            if t.get_ref().len() > tower_limits::core::MAX_TIERS {
-                return Err(src.at(t, "tiers", format!("at most {} tiers", tower_limits::core::MAX_TIERS)));
-            }
-            let mut seen = HashSet::new();
-            for (i, name) in t.get_ref().iter().enumerate() {
-                let field = format!("tiers[{i}]");
-                if name.get_ref().is_empty() || name.get_ref() == "key" || name.get_ref() == "global" {
-                    return Err(src.at(name, field, "a tier needs a name other than \"key\" and \"global\""));
-                }
-                if !seen.insert(name.get_ref().clone()) {
-                    return Err(src.at(name, field, format!("{:?} is named twice", name.get_ref())));
-                }
-            }
-            t.get_ref().iter().map(|s| s.get_ref().clone()).collect()
-        }
-    };
-    let tier_list = tiers.join(", ");
+/// A duration longer than zero and at most a day; `default` when `value` is left out.
+fn positive_duration(
+    src: &Source<'_>,
+    value: Option<&S<String>>,
+    field: &str,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    let Some(v) = value else { return Ok(default) };
+    let d = duration(src, v, field)?;
+    if d.is_zero() || d > Duration::from_secs(24 * 3600) {
+        return Err(src.at(v, field, "must be longer than zero and at most 24h"));
+    }
+    Ok(d)
+}
 
-    // Gateway.
-    let g = &raw.gateway;
+/// The choice that `value` names among `choices` (each as written in the file, and what
+/// it stands for); `default` when `value` is left out.
+fn choice<T: Copy>(
+    src: &Source<'_>,
+    value: Option<&S<String>>,
+    field: &str,
+    choices: &[(&str, T)],
+    default: T,
+) -> Result<T, ConfigError> {
+    let Some(v) = value else { return Ok(default) };
+    if let Some((_, chosen)) = choices.iter().find(|(name, _)| *name == v.get_ref().as_str()) {
+        return Ok(*chosen);
+    }
+    let names: Vec<String> = choices.iter().map(|(name, _)| format!("{name:?}")).collect();
+    let expected = match names.as_slice() {
+        [first, second] => format!("{first} or {second}"),
+        _ => format!("one of {}", names.join(", ")),
+    };
+    Err(src.at(v, field, format!("{:?} is not {expected}", v.get_ref())))
+}
+
+/// Validates `raw` into a [`Config`], section by section in the order of the file.
+pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError> {
+    let tiers = tiers(src, raw.tiers.as_ref())?;
+    let gateway = gateway(src, &raw.gateway, &tiers)?;
+    let mirror = mirror(src, &raw.mirror)?;
+    let upstream = upstream(src, &raw.upstream)?;
+    let plans = plans(src, &raw.plan, &tiers, gateway.max_request_tokens)?;
+    let tenants = tenants(src, &raw.tenant, &tiers, &plans)?;
+    let accounts = accounts(src, &raw.account, &mirror, gateway.max_request_tokens)?;
+    let demo = demo(src, &raw.demo, &tenants)?;
+    Ok(Config { tiers, gateway, mirror, upstream, plans, tenants, accounts, demo })
+}
+
+/// The tiers, broadest first: `org`, `team`, `user`, `agent` when left out.
+fn tiers(src: &Source<'_>, raw: Option<&S<Vec<S<String>>>>) -> Result<Vec<String>, ConfigError> {
+    let Some(t) = raw else {
+        return Ok(["org", "team", "user", "agent"].map(String::from).to_vec());
+    };
+    if t.get_ref().is_empty() {
+        return Err(src.at(t, "tiers", "name at least one tier"));
+    }
+    if t.get_ref().len() > tower_limits::core::MAX_TIERS {
+        return Err(src.at(t, "tiers", format!("at most {} tiers", tower_limits::core::MAX_TIERS)));
+    }
+    let mut seen = HashSet::new();
+    for (i, name) in t.get_ref().iter().enumerate() {
+        let field = format!("tiers[{i}]");
+        if name.get_ref().is_empty() || name.get_ref() == "key" || name.get_ref() == "global" {
+            return Err(src.at(name, field, "a tier needs a name other than \"key\" and \"global\""));
+        }
+        if !seen.insert(name.get_ref().clone()) {
+            return Err(src.at(name, field, format!("{:?} is named twice", name.get_ref())));
+        }
+    }
+    Ok(t.get_ref().iter().map(|s| s.get_ref().clone()).collect())
+}
+
+/// The `[gateway]` section.
+fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<GatewaySettings, ConfigError> {
     let listen = match &g.listen {
         Some(v) => address(src, v, "gateway.listen")?,
         None => SocketAddr::from(([127, 0, 0, 1], 8080)),
@@ -81,19 +131,7 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         Some(v) => at_least(src, v, "gateway.max_body_bytes", 64, 1 << 30)? as usize,
         None => 1 << 20,
     };
-    let fair_tier = match &g.fair_tier {
-        Some(v) => {
-            if !tiers.contains(v.get_ref()) {
-                return Err(src.at(v, "gateway.fair_tier", format!("{:?} is not a tier ({tier_list})", v.get_ref())));
-            }
-            v.get_ref().clone()
-        }
-        None => tiers[0].clone(),
-    };
-    if fair_tier != tiers[0] {
-        let v = g.fair_tier.as_ref().map(Spanned::span);
-        return Err(src.error(v, "gateway.fair_tier", format!("tenants are the first tier ({:?}) for now", tiers[0])));
-    }
+    let fair_tier = fair_tier(src, g.fair_tier.as_ref(), tiers)?;
     let tenant_queue = match &g.tenant_queue {
         Some(v) => at_least(src, v, "gateway.tenant_queue", 1, 1 << 20)? as usize,
         None => 64,
@@ -102,52 +140,20 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         Some(v) => at_least(src, v, "gateway.queue", 1, 1 << 20)? as usize,
         None => 1024,
     };
-    let selection = match &g.selection {
-        None => Selection::MostHeadroom,
-        Some(v) => match v.get_ref().as_str() {
-            "round_robin" => Selection::RoundRobin,
-            "random" => Selection::Random,
-            "most_headroom" => Selection::MostHeadroom,
-            other => {
-                return Err(src.at(
-                    v,
-                    "gateway.selection",
-                    format!("{other:?} is not one of \"round_robin\", \"random\", \"most_headroom\""),
-                ));
-            }
-        },
-    };
-
-    let models = match &g.models {
-        None => vec!["mock-embedding-small".to_owned()],
-        Some(list) => {
-            if list.get_ref().is_empty() {
-                return Err(src.at(list, "gateway.models", "name at least one model"));
-            }
-            let mut seen = HashSet::new();
-            for (i, m) in list.get_ref().iter().enumerate() {
-                if m.get_ref().trim().is_empty() {
-                    return Err(src.at(m, format!("gateway.models[{i}]"), "must not be empty"));
-                }
-                if !seen.insert(m.get_ref().clone()) {
-                    return Err(src.at(m, format!("gateway.models[{i}]"), format!("{:?} is named twice", m.get_ref())));
-                }
-            }
-            list.get_ref().iter().map(|m| m.get_ref().clone()).collect()
-        }
-    };
-    let positive = |v: &Option<S<String>>, field: &str, default: Duration| -> Result<Duration, ConfigError> {
-        match v {
-            None => Ok(default),
-            Some(v) => {
-                let d = duration(src, v, field)?;
-                if d.is_zero() || d > Duration::from_secs(24 * 3600) {
-                    return Err(src.at(v, field, "must be longer than zero and at most 24h"));
-                }
-                Ok(d)
-            }
-        }
-    };
+    let selection = choice(
+        src,
+        g.selection.as_ref(),
+        "gateway.selection",
+        &[
+            ("round_robin", Selection::RoundRobin),
+            ("random", Selection::Random),
+            ("most_headroom", Selection::MostHeadroom),
+        ],
+        Selection::MostHeadroom,
+    )?;
+    let models = models(src, g.models.as_ref())?;
+    let positive =
+        |v: &Option<S<String>>, field: &str, default: Duration| positive_duration(src, v.as_ref(), field, default);
     let header_timeout = positive(&g.header_timeout, "gateway.header_timeout", Duration::from_secs(10))?;
     let idle_timeout = positive(&g.idle_timeout, "gateway.idle_timeout", Duration::from_secs(60))?;
     let body_timeout = positive(&g.body_timeout, "gateway.body_timeout", Duration::from_secs(30))?;
@@ -157,50 +163,99 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         Some(v) => at_least(src, v, "gateway.max_connections", 1, 1 << 20)? as usize,
         None => 512,
     };
-    let on_upstream_timeout = match &g.on_upstream_timeout {
-        None => TimeoutCharge::Keep,
-        Some(v) => match v.get_ref().as_str() {
-            "keep" => TimeoutCharge::Keep,
-            "refund" => TimeoutCharge::Refund,
-            other => {
-                return Err(src.at(
-                    v,
-                    "gateway.on_upstream_timeout",
-                    format!("{other:?} is not \"keep\" or \"refund\""),
-                ));
-            }
-        },
-    };
-    let backend_failure = match &g.backend_failure {
-        None => BackendFailure::Fallback,
-        Some(v) => match v.get_ref().as_str() {
-            "fail_closed" => BackendFailure::FailClosed,
-            "fail_open" => BackendFailure::FailOpen,
-            "fallback" => BackendFailure::Fallback,
-            other => {
-                return Err(src.at(
-                    v,
-                    "gateway.backend_failure",
-                    format!("{other:?} is not one of \"fail_closed\", \"fail_open\", \"fallback\""),
-                ));
-            }
-        },
-    };
+    let on_upstream_timeout = choice(
+        src,
+        g.on_upstream_timeout.as_ref(),
+        "gateway.on_upstream_timeout",
+        &[("keep", TimeoutCharge::Keep), ("refund", TimeoutCharge::Refund)],
+        TimeoutCharge::Keep,
+    )?;
+    let backend_failure = choice(
+        src,
+        g.backend_failure.as_ref(),
+        "gateway.backend_failure",
+        &[
+            ("fail_closed", BackendFailure::FailClosed),
+            ("fail_open", BackendFailure::FailOpen),
+            ("fallback", BackendFailure::Fallback),
+        ],
+        BackendFailure::Fallback,
+    )?;
+    Ok(GatewaySettings {
+        listen,
+        max_wait,
+        max_request_tokens,
+        max_body_bytes,
+        fair_tier,
+        tenant_queue,
+        queue,
+        selection,
+        models,
+        header_timeout,
+        idle_timeout,
+        body_timeout,
+        max_connections,
+        shutdown_grace,
+        upstream_timeout,
+        on_upstream_timeout,
+        backend_failure,
+    })
+}
 
-    // Mirror.
-    let jitter = match &raw.mirror.jitter {
+/// `gateway.fair_tier`: one of the tiers, and for now the first (the default).
+fn fair_tier(src: &Source<'_>, value: Option<&S<String>>, tiers: &[String]) -> Result<String, ConfigError> {
+    let fair_tier = match value {
+        Some(v) => {
+            if !tiers.contains(v.get_ref()) {
+                let tier_list = tiers.join(", ");
+                return Err(src.at(v, "gateway.fair_tier", format!("{:?} is not a tier ({tier_list})", v.get_ref())));
+            }
+            v.get_ref().clone()
+        }
+        None => tiers[0].clone(),
+    };
+    if fair_tier != tiers[0] {
+        let v = value.map(Spanned::span);
+        return Err(src.error(v, "gateway.fair_tier", format!("tenants are the first tier ({:?}) for now", tiers[0])));
+    }
+    Ok(fair_tier)
+}
+
+/// `gateway.models`: at least one, none empty or named twice (`mock-embedding-small`
+/// when left out).
+fn models(src: &Source<'_>, value: Option<&S<Vec<S<String>>>>) -> Result<Vec<String>, ConfigError> {
+    let Some(list) = value else { return Ok(vec!["mock-embedding-small".to_owned()]) };
+    if list.get_ref().is_empty() {
+        return Err(src.at(list, "gateway.models", "name at least one model"));
+    }
+    let mut seen = HashSet::new();
+    for (i, m) in list.get_ref().iter().enumerate() {
+        if m.get_ref().trim().is_empty() {
+            return Err(src.at(m, format!("gateway.models[{i}]"), "must not be empty"));
+        }
+        if !seen.insert(m.get_ref().clone()) {
+            return Err(src.at(m, format!("gateway.models[{i}]"), format!("{:?} is named twice", m.get_ref())));
+        }
+    }
+    Ok(list.get_ref().iter().map(|m| m.get_ref().clone()).collect())
+}
+
+/// The `[mirror]` section.
+fn mirror(src: &Source<'_>, m: &RawMirror) -> Result<MirrorSettings, ConfigError> {
+    let jitter = match &m.jitter {
         Some(v) => duration(src, v, "mirror.jitter")?,
         None => Duration::from_millis(100),
     };
-    let burst_percent = match &raw.mirror.burst_percent {
+    let burst_percent = match &m.burst_percent {
         Some(v) => at_least(src, v, "mirror.burst_percent", 1, 90)?,
         None => 10,
     };
-    let mirror = MirrorSettings { jitter, burst_percent };
+    Ok(MirrorSettings { jitter, burst_percent })
+}
 
-    // Upstream (mock).
-    let u = &raw.upstream;
-    let upstream = UpstreamSettings {
+/// The `[upstream]` section (the mock upstream).
+fn upstream(src: &Source<'_>, u: &RawUpstream) -> Result<UpstreamSettings, ConfigError> {
+    Ok(UpstreamSettings {
         listen: match &u.listen {
             Some(v) => address(src, v, "upstream.listen")?,
             None => SocketAddr::from(([127, 0, 0, 1], 9100)),
@@ -213,59 +268,24 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
             Some(v) => duration(src, v, "upstream.latency")?,
             None => Duration::ZERO,
         },
-    };
+    })
+}
 
-    // Plans.
-    if raw.plan.is_empty() {
+/// The `[plan.NAME.TIER]` sections: at least one plan.
+fn plans(
+    src: &Source<'_>,
+    raw: &BTreeMap<String, BTreeMap<String, S<RawTierLimits>>>,
+    tiers: &[String],
+    max_request_tokens: u64,
+) -> Result<Vec<Plan>, ConfigError> {
+    if raw.is_empty() {
         return Err(src.error(None, "plan", "define at least one plan ([plan.NAME] with limits per tier)"));
     }
     let mut plans = Vec::new();
-    for (name, by_tier) in &raw.plan {
+    for (name, by_tier) in raw {
         let mut policy = LimitSetPolicy::new().tiers(tiers.iter().cloned());
         for (tier, limits) in by_tier {
-            let base = format!("plan.{name}.{tier}");
-            if !tiers.contains(tier) {
-                return Err(src.at(limits, base, format!("{tier:?} is not a tier ({tier_list})")));
-            }
-            let limits = limits.get_ref();
-            let t = tier.as_str();
-            let burst = |b: &Option<S<u64>>, field: &str, rate: u64| -> Result<u64, ConfigError> {
-                match b {
-                    Some(v) => at_least(src, v, &format!("{base}.{field}"), 1, u64::MAX >> 2),
-                    // A tenth of a minute's worth, at least one.
-                    None => Ok(rate.div_ceil(10).max(1)),
-                }
-            };
-            if let Some(rpm) = &limits.rpm {
-                let rate = at_least(src, rpm, &format!("{base}.rpm"), 1, 1 << 40)?;
-                let b = burst(&limits.rpm_burst, "rpm_burst", rate)?;
-                policy = policy.limit(LimitPolicy::gcra(format!("{t}.rpm"), Rate::per_minute(rate), b).per(t));
-            } else if let Some(b) = &limits.rpm_burst {
-                return Err(src.at(b, format!("{base}.rpm_burst"), "a burst needs an `rpm`"));
-            }
-            if let Some(tpm) = &limits.tpm {
-                let rate = at_least(src, tpm, &format!("{base}.tpm"), 1, 1 << 40)?;
-                let b = burst(&limits.tpm_burst, "tpm_burst", rate)?;
-                if b < max_request_tokens {
-                    let span = limits.tpm_burst.as_ref().map_or_else(|| tpm.span(), Spanned::span);
-                    return Err(src.error(
-                        Some(span),
-                        format!("{base}.tpm_burst"),
-                        format!(
-                            "a burst of {b} tokens is below gateway.max_request_tokens ({max_request_tokens}): \
-                             such requests could never pass (the default burst is a tenth of `tpm`)"
-                        ),
-                    ));
-                }
-                policy = policy
-                    .limit(LimitPolicy::gcra(format!("{t}.tpm"), Rate::per_minute(rate), b).per(t).counting_cost());
-            } else if let Some(b) = &limits.tpm_burst {
-                return Err(src.at(b, format!("{base}.tpm_burst"), "a burst needs a `tpm`"));
-            }
-            if let Some(c) = &limits.concurrency {
-                let c = at_least(src, c, &format!("{base}.concurrency"), 1, 1 << 20)?;
-                policy = policy.limit(LimitPolicy::semaphore(format!("{t}.concurrency"), c).per(t));
-            }
+            policy = tier_limits(src, policy, &format!("plan.{name}.{tier}"), tier, limits, tiers, max_request_tokens)?;
         }
         if let Err(e) = policy.validate() {
             let span = by_tier.values().next().map(Spanned::span);
@@ -273,15 +293,75 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         }
         plans.push(Plan { name: name.clone(), policy });
     }
+    Ok(plans)
+}
 
-    // Tenants and keys.
-    if raw.tenant.is_empty() {
+/// `policy` with the limits of one tier of a plan (`base`, as `plan.NAME.TIER`): its
+/// RPM and TPM (each with its burst, a tenth of the rate by default) and its concurrency.
+fn tier_limits(
+    src: &Source<'_>,
+    mut policy: LimitSetPolicy,
+    base: &str,
+    tier: &str,
+    limits: &S<RawTierLimits>,
+    tiers: &[String],
+    max_request_tokens: u64,
+) -> Result<LimitSetPolicy, ConfigError> {
+    if !tiers.iter().any(|t| t == tier) {
+        return Err(src.at(limits, base, format!("{tier:?} is not a tier ({})", tiers.join(", "))));
+    }
+    let limits = limits.get_ref();
+    let burst = |b: &Option<S<u64>>, field: &str, rate: u64| -> Result<u64, ConfigError> {
+        match b {
+            Some(v) => at_least(src, v, &format!("{base}.{field}"), 1, u64::MAX >> 2),
+            // A tenth of a minute's worth, at least one.
+            None => Ok(rate.div_ceil(10).max(1)),
+        }
+    };
+    if let Some(rpm) = &limits.rpm {
+        let rate = at_least(src, rpm, &format!("{base}.rpm"), 1, 1 << 40)?;
+        let b = burst(&limits.rpm_burst, "rpm_burst", rate)?;
+        policy = policy.limit(LimitPolicy::gcra(format!("{tier}.rpm"), Rate::per_minute(rate), b).per(tier));
+    } else if let Some(b) = &limits.rpm_burst {
+        return Err(src.at(b, format!("{base}.rpm_burst"), "a burst needs an `rpm`"));
+    }
+    if let Some(tpm) = &limits.tpm {
+        let rate = at_least(src, tpm, &format!("{base}.tpm"), 1, 1 << 40)?;
+        let b = burst(&limits.tpm_burst, "tpm_burst", rate)?;
+        if b < max_request_tokens {
+            let span = limits.tpm_burst.as_ref().map_or_else(|| tpm.span(), Spanned::span);
+            return Err(src.error(
+                Some(span),
+                format!("{base}.tpm_burst"),
+                format!(
+                    "a burst of {b} tokens is below gateway.max_request_tokens ({max_request_tokens}): \
+                     such requests could never pass (the default burst is a tenth of `tpm`)"
+                ),
+            ));
+        }
+        policy =
+            policy.limit(LimitPolicy::gcra(format!("{tier}.tpm"), Rate::per_minute(rate), b).per(tier).counting_cost());
+    } else if let Some(b) = &limits.tpm_burst {
+        return Err(src.at(b, format!("{base}.tpm_burst"), "a burst needs a `tpm`"));
+    }
+    if let Some(c) = &limits.concurrency {
+        let c = at_least(src, c, &format!("{base}.concurrency"), 1, 1 << 20)?;
+        policy = policy.limit(LimitPolicy::semaphore(format!("{tier}.concurrency"), c).per(tier));
+    }
+    Ok(policy)
+}
+
+/// The `[[tenant]]` sections and their keys: at least one tenant, each with a name of its
+/// own, a known plan and at least one key; no key given twice.
+fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]) -> Result<Vec<Tenant>, ConfigError> {
+    if raw.is_empty() {
         return Err(src.error(None, "tenant", "define at least one [[tenant]]"));
     }
     let mut tenants = Vec::new();
     let mut names = HashMap::new();
-    let mut secrets: HashMap<String, usize> = HashMap::new();
-    for (i, t) in raw.tenant.iter().enumerate() {
+    // Every key read so far, and the index of its tenant.
+    let mut owners: HashMap<String, usize> = HashMap::new();
+    for (i, t) in raw.iter().enumerate() {
         let base = format!("tenant[{i}]");
         let name = t.name.get_ref();
         if name.is_empty() {
@@ -309,74 +389,116 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         let mut keys = Vec::new();
         for (j, k) in t.key.iter().enumerate() {
             let kbase = format!("{base}.key[{j}]");
-            let mut secret = None;
-            let mut parts: Vec<Option<&S<String>>> = vec![None; tiers.len()];
-            // Keys and values share a line: a value's position stands for its key's.
-            for (field, value) in k {
-                if field == "key" {
-                    secret = Some(value);
-                } else if let Some(p) = tiers.iter().position(|t| t == field) {
-                    if p == 0 {
-                        return Err(src.at(
-                            value,
-                            format!("{kbase}.{field}"),
-                            format!("the {:?} of a key is its tenant's name; leave it out", tiers[0]),
-                        ));
-                    }
-                    parts[p] = Some(value);
-                } else {
-                    return Err(src.at(
-                        value,
-                        format!("{kbase}.{field}"),
-                        format!("unknown field: expected `key` or a tier below {:?} ({tier_list})", tiers[0]),
-                    ));
-                }
-            }
-            // The table's own position is not kept; its first field stands for it.
-            let first_span = k.values().next().map(Spanned::span);
-            let Some(secret) = secret else {
-                return Err(src.error(first_span, format!("{kbase}.key"), "missing field `key` (the API key)"));
-            };
-            if secret.get_ref().len() < 8 || secret.get_ref().chars().any(|c| c.is_whitespace() || c.is_control()) {
+            let fields = key_fields(src, k, &kbase, tiers)?;
+            let secret = fields.secret;
+            if let Some(other) = owners.insert(secret.get_ref().clone(), i) {
                 return Err(src.at(
                     secret,
                     format!("{kbase}.key"),
-                    "an API key has at least 8 characters and no spaces",
+                    format!("this key already belongs to tenant {:?}", raw[other].name.get_ref()),
                 ));
             }
-            if let Some(other) = secrets.insert(secret.get_ref().clone(), i) {
-                return Err(src.at(
-                    secret,
-                    format!("{kbase}.key"),
-                    format!("this key already belongs to tenant {:?}", raw.tenant[other].name.get_ref()),
-                ));
-            }
-            let mut path = vec![name.clone()];
-            for (p, part) in parts.iter().enumerate().skip(1) {
-                match part {
-                    Some(v) if !v.get_ref().is_empty() => path.push(v.get_ref().clone()),
-                    Some(v) => return Err(src.at(*v, format!("{kbase}.{}", tiers[p]), "must not be empty")),
-                    None => {
-                        return Err(src.error(
-                            first_span.clone(),
-                            format!("{kbase}.{}", tiers[p]),
-                            format!("missing: every key names each tier below {:?} ({tier_list})", tiers[0]),
-                        ));
-                    }
-                }
-            }
-            let tenant_key = TenantKey::new(&path).map_err(|e| src.at(secret, &kbase, e.to_string()))?;
+            let tenant_key = key_tiers(src, fields, &kbase, name, tiers)?;
             keys.push(ApiKey { secret: secret.get_ref().clone(), tenant_key });
         }
         tenants.push(Tenant { name: name.clone(), plan, weight, keys });
     }
+    Ok(tenants)
+}
 
-    // Accounts.
-    if raw.account.is_empty() {
+/// One `[[tenant.key]]` as written, before its tiers are checked.
+struct KeyFields<'k> {
+    /// The API key.
+    secret: &'k S<String>,
+    /// The key's value at each tier, in the order of the tiers: `None` at the first (the
+    /// tenant's name) and where it names none.
+    parts: Vec<Option<&'k S<String>>>,
+    /// Where the table was written: the table's own position is not kept, so its first
+    /// field stands for it.
+    at: Option<Range<usize>>,
+}
+
+/// Reads one `[[tenant.key]]` (`kbase`, as `tenant[I].key[J]`): no field but `key` and
+/// the tiers below the first, and a well-formed API key.
+fn key_fields<'k>(
+    src: &Source<'_>,
+    key: &'k BTreeMap<String, S<String>>,
+    kbase: &str,
+    tiers: &[String],
+) -> Result<KeyFields<'k>, ConfigError> {
+    let mut secret = None;
+    let mut parts: Vec<Option<&S<String>>> = vec![None; tiers.len()];
+    // Keys and values share a line: a value's position stands for its key's.
+    for (field, value) in key {
+        if field == "key" {
+            secret = Some(value);
+        } else if let Some(p) = tiers.iter().position(|t| t == field) {
+            if p == 0 {
+                return Err(src.at(
+                    value,
+                    format!("{kbase}.{field}"),
+                    format!("the {:?} of a key is its tenant's name; leave it out", tiers[0]),
+                ));
+            }
+            parts[p] = Some(value);
+        } else {
+            return Err(src.at(
+                value,
+                format!("{kbase}.{field}"),
+                format!("unknown field: expected `key` or a tier below {:?} ({})", tiers[0], tiers.join(", ")),
+            ));
+        }
+    }
+    let at = key.values().next().map(Spanned::span);
+    let Some(secret) = secret else {
+        return Err(src.error(at, format!("{kbase}.key"), "missing field `key` (the API key)"));
+    };
+    if secret.get_ref().len() < 8 || secret.get_ref().chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(src.at(secret, format!("{kbase}.key"), "an API key has at least 8 characters and no spaces"));
+    }
+    Ok(KeyFields { secret, parts, at })
+}
+
+/// The tenant key that one `[[tenant.key]]` stands for: the tenant's `name`, then the
+/// key's value at every further tier, none missing or empty.
+fn key_tiers(
+    src: &Source<'_>,
+    fields: KeyFields<'_>,
+    kbase: &str,
+    name: &str,
+    tiers: &[String],
+) -> Result<TenantKey, ConfigError> {
+    let mut path = vec![name.to_owned()];
+    for (p, part) in fields.parts.iter().enumerate().skip(1) {
+        match part {
+            Some(v) if !v.get_ref().is_empty() => path.push(v.get_ref().clone()),
+            Some(v) => return Err(src.at(*v, format!("{kbase}.{}", tiers[p]), "must not be empty")),
+            None => {
+                return Err(src.error(
+                    fields.at,
+                    format!("{kbase}.{}", tiers[p]),
+                    format!("missing: every key names each tier below {:?} ({})", tiers[0], tiers.join(", ")),
+                ));
+            }
+        }
+    }
+    TenantKey::new(&path).map_err(|e| src.at(fields.secret, kbase, e.to_string()))
+}
+
+/// The `[[account]]` sections: at least one account, each with a name of its own, a
+/// plain HTTP base URL, a window of at most a minute, and quotas its mirror can be built
+/// from.
+fn accounts(
+    src: &Source<'_>,
+    raw: &[RawAccount],
+    mirror: &MirrorSettings,
+    max_request_tokens: u64,
+) -> Result<Vec<Account>, ConfigError> {
+    if raw.is_empty() {
         return Err(src.error(None, "account", "define at least one upstream [[account]]"));
     }
     let mut accounts = Vec::new();
-    for (i, a) in raw.account.iter().enumerate() {
+    for (i, a) in raw.iter().enumerate() {
         let base = format!("account[{i}]");
         if accounts.iter().any(|b: &Account| &b.name == a.name.get_ref()) {
             return Err(src.at(
@@ -410,7 +532,7 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
             window,
         };
         let mirrored = account
-            .mirror_policy(&mirror, max_request_tokens, 1)
+            .mirror_policy(mirror, max_request_tokens, 1)
             .and_then(|p| p.validate().map(|()| p).map_err(|e| format!("its mirror cannot be built: {e}")));
         if let Err(e) = mirrored {
             let at = if e.contains("requests per") { &a.rpm } else { &a.tpm };
@@ -419,9 +541,12 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
         }
         accounts.push(account);
     }
+    Ok(accounts)
+}
 
-    // Demo.
-    let d = &raw.demo;
+/// The `[demo]` section: its length, its tolerance and its clients, each sending the key
+/// of one of `tenants`.
+fn demo(src: &Source<'_>, d: &RawDemo, tenants: &[Tenant]) -> Result<DemoSettings, ConfigError> {
     let seconds = match &d.seconds {
         Some(v) => at_least(src, v, "demo.seconds", 1, 600)?,
         None => 10,
@@ -439,7 +564,7 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
     let mut clients = Vec::new();
     for (i, c) in d.client.iter().enumerate() {
         let base = format!("demo.client[{i}]");
-        if !secrets.contains_key(c.key.get_ref()) {
+        if !tenants.iter().flat_map(|t| &t.keys).any(|k| &k.secret == c.key.get_ref()) {
             return Err(src.at(&c.key, format!("{base}.key"), "no tenant has this key"));
         }
         clients.push(DemoClient {
@@ -449,33 +574,5 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
             concurrency: at_least(src, &c.concurrency, &format!("{base}.concurrency"), 1, 256)? as usize,
         });
     }
-
-    Ok(Config {
-        tiers,
-        gateway: GatewaySettings {
-            listen,
-            max_wait,
-            max_request_tokens,
-            max_body_bytes,
-            fair_tier,
-            tenant_queue,
-            queue,
-            selection,
-            models,
-            header_timeout,
-            idle_timeout,
-            body_timeout,
-            max_connections,
-            shutdown_grace,
-            upstream_timeout,
-            on_upstream_timeout,
-            backend_failure,
-        },
-        mirror,
-        upstream,
-        plans,
-        tenants,
-        accounts,
-        demo: DemoSettings { seconds, tolerance, clients },
-    })
+    Ok(DemoSettings { seconds, tolerance, clients })
 }

@@ -1,9 +1,10 @@
 //! The stages of the gateway's pipeline that are its own (see the parent module's
 //! diagram): [`Prepare`] reads and costs a request, [`PlanLimits`] sends it through its
-//! tenant's plan, [`UpstreamCall`] calls the chosen account; and [`AccessInfo`], what they
-//! report for the access line.
+//! tenant's plan, [`UpstreamCall`] calls the chosen account; each reports what it knows
+//! in the answer's [`AccessInfo`], for the access line.
 
 use super::*;
+use crate::access::AccessInfo;
 
 /// Reads the body (within `body_timeout`, `408` after it), checks it, counts its tokens
 /// and puts the [`Cost`] in the request's extensions.
@@ -131,22 +132,6 @@ where
             Ok(response)
         })
     }
-}
-
-/// What the access log line of a request reports beyond its status: filled in on the
-/// way out by the layers that know it.
-#[derive(Debug, Clone, Default)]
-pub struct AccessInfo {
-    /// The tenant, once authenticated.
-    pub tenant: Option<Arc<str>>,
-    /// The request's tokens: the upstream's count when it answered, the estimate otherwise.
-    pub tokens: Option<u64>,
-    /// From arrival to the upstream call.
-    pub queued: Option<Duration>,
-    /// The upstream call.
-    pub upstream: Option<Duration>,
-    /// The upstream account.
-    pub account: Option<Arc<str>>,
 }
 
 /// Sends each request through the limits of its tenant's plan.

@@ -30,7 +30,7 @@ impl Fast {
 pub(super) fn granted(d: Option<Decision>) -> Option<u64> {
     match d.expect("enabled") {
         Decision::Granted(at, _) => Some(at.as_nanos()),
-        Decision::Denied(..) | Decision::Never(_) => None,
+        Decision::Refused(..) | Decision::Never(_) => None,
     }
 }
 

@@ -33,7 +33,7 @@ pub(super) struct Stripe {
     /// The latest instant a grant counted here was made at.
     pub(super) latest: AtomicU64,
     pub(super) admitted: AtomicU64,
-    pub(super) denied: AtomicU64,
+    pub(super) refused: AtomicU64,
     pub(super) impossible: AtomicU64,
 }
 

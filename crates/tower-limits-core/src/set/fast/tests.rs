@@ -453,10 +453,10 @@ fn leasing_threads_never_over_admit() {
     let f = fast(Rate::per_second(1_000_000), 1_000);
     let clock = AtomicU64::new(0);
     let grants = Mutex::new(Vec::new());
-    let denied = AtomicU64::new(0);
+    let seen_refused = AtomicU64::new(0);
     std::thread::scope(|s| {
         for t in 0..THREADS {
-            let (f, clock, grants, denied) = (&f, &clock, &grants, &denied);
+            let (f, clock, grants, seen_refused) = (&f, &clock, &grants, &seen_refused);
             let cost = [1, 2, 3, 5][t as usize];
             s.spawn(move || {
                 f.mark_contended();
@@ -467,7 +467,7 @@ fn leasing_threads_never_over_admit() {
                     match granted(f.acquire(cost, now)) {
                         Some(at) => mine.extend((0..cost).map(|_| at)),
                         None => {
-                            denied.fetch_add(1, Ordering::Relaxed);
+                            seen_refused.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
@@ -478,7 +478,7 @@ fn leasing_threads_never_over_admit() {
     let units = grants.into_inner().unwrap();
     let (admitted, refused, _) = f.counts();
     assert_eq!(admitted + refused, THREADS * STEPS);
-    assert_eq!(refused, denied.into_inner());
+    assert_eq!(refused, seen_refused.into_inner());
     assert!(refused > 0, "the fast phases reach the limit");
     assert_rate_cap(units, 1_000, 1_000_000);
 }
@@ -504,9 +504,9 @@ fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
     // wait from that instant.
     std::thread::scope(|s| {
         s.spawn(|| match f.acquire(600, ms(1)) {
-            Some(Decision::Denied(tat, at)) => {
+            Some(Decision::Refused(tat, at)) => {
                 assert_eq!(at, ms(10), "decided at the latest grant");
-                assert_eq!(f.denial(tat, at, 600).retry_after(), Duration::from_micros(101));
+                assert_eq!(f.refusal(tat, at, 600).retry_after(), Duration::from_micros(101));
             }
             _ => panic!("600 units do not fit at 10 ms"),
         });
@@ -523,7 +523,7 @@ fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
         assert!(granted(g.acquire(500, ms(10))).is_some());
         std::thread::scope(|s| {
             s.spawn(|| match g.acquire(cost, Instant::from_nanos(at)) {
-                Some(Decision::Denied(_, when)) => assert_eq!(when.as_nanos(), at, "answered at its own instant"),
+                Some(Decision::Refused(_, when)) => assert_eq!(when.as_nanos(), at, "answered at its own instant"),
                 _ => panic!("{cost} at {at} is refused"),
             });
         });

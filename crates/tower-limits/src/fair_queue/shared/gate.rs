@@ -19,7 +19,7 @@ use tower_limits_core::{AcquireError, Backend, Instant, TenantKey};
 use super::{Fixed, Now, State, Wakers};
 use crate::error::{ErrorKind, LimitError};
 
-/// The shortest retry after a denial that names no wait (a backend that cannot say).
+/// The shortest retry after a refusal that names no wait (a backend that cannot say).
 const MIN_RETRY: Duration = Duration::from_millis(1);
 
 /// The request chosen next, holding a slot, waiting for the rate.
@@ -49,9 +49,9 @@ pub(super) enum Outcome<G> {
     Refused(Box<LimitError>),
 }
 
-/// A denial that waiting at the gate can fix: a shared limit, not yet.
+/// A refusal that waiting at the gate can fix: a shared limit, not yet.
 pub(super) fn waitable(error: &AcquireError) -> bool {
-    error.as_denial().is_some_and(|d| d.is_global())
+    error.as_refusal().is_some_and(|d| d.is_global())
 }
 
 impl<B: Backend> State<B> {
@@ -78,7 +78,7 @@ impl<B: Backend> State<B> {
             }
             Err(e) => e,
         };
-        let denial = match error.as_denial() {
+        let refusal = match error.as_refusal() {
             Some(d) if d.is_global() => *d,
             _ => {
                 self.free_slot();
@@ -86,9 +86,9 @@ impl<B: Backend> State<B> {
                 return;
             }
         };
-        let wait = denial.retry_after();
-        gate.on_release = denial.needs_release();
-        gate.stage = if wait.is_zero() && denial.needs_release() {
+        let wait = refusal.retry_after();
+        gate.on_release = refusal.needs_release();
+        gate.stage = if wait.is_zero() && refusal.needs_release() {
             Stage::AwaitRelease
         } else {
             let at = now.get() + wait.max(MIN_RETRY);
@@ -107,7 +107,7 @@ impl<B: Backend> State<B> {
     }
 
     pub(super) fn refuse(&mut self, id: u64, error: Box<LimitError>, waker: Option<Waker>, wake: &mut Wakers) {
-        self.counters.rejected.count(error.kind());
+        self.counters.refused.count(error.kind());
         self.outcomes.insert(id, Outcome::Refused(error));
         wake.push(waker);
     }

@@ -56,7 +56,7 @@ pub(crate) use fixed::Fixed;
 pub use fixed::NoRate;
 use gate::{Gate, Outcome, Stage, waitable};
 use stats::{Counters, Records};
-pub use stats::{FairQueueLayerStats, Rejections, TenantQueueStats};
+pub use stats::{FairQueueLayerStats, Refusals, TenantQueueStats};
 
 /// The name a refusal by the fair queue itself carries as its limit.
 pub(crate) const FAIR_QUEUE: &str = "fair_queue";
@@ -106,7 +106,7 @@ impl<B: Backend> Shared<B> {
     }
 
     pub(crate) fn count_refusal(&self, kind: ErrorKind) {
-        self.lock().counters.rejected.count(kind);
+        self.lock().counters.refused.count(kind);
     }
 
     /// Where a waiter stands; see [`State::poll_waiter`].
@@ -253,7 +253,7 @@ impl<B: Backend> State<B> {
             }
             Poll::Ready(Err(e)) if !waitable(&e) => {
                 let error = Box::new(LimitError::from(e));
-                self.counters.rejected.count(error.kind());
+                self.counters.refused.count(error.kind());
                 Arrival::Refused(error)
             }
             result => {
@@ -323,7 +323,7 @@ impl<B: Backend> State<B> {
     /// A full queue's refusal, with a `Retry-After` estimate for the tenant's own queue.
     fn full(&mut self, key: &TenantKey, full: &QueueFull<Queued>, now: Instant) -> Box<LimitError> {
         let kind = if full.kind() == QueueKind::Tenant { ErrorKind::TenantQueueFull } else { ErrorKind::QueueFull };
-        self.counters.rejected.count(kind);
+        self.counters.refused.count(kind);
         let mut error = LimitError::new(kind).with_detail(full.to_string());
         if kind == ErrorKind::TenantQueueFull {
             error.retry_after = self.records.map.get(key).and_then(|r| {
@@ -348,7 +348,7 @@ impl<B: Backend> State<B> {
             if queued.deadline.is_some_and(|d| now.get() >= d) {
                 self.queue.cancel(ticket);
                 let error = queue_timeout();
-                self.counters.rejected.count(error.kind());
+                self.counters.refused.count(error.kind());
                 return WaiterStep::Done(Err(error));
             }
             set_waker(&mut queued.waker, cx);
@@ -368,7 +368,7 @@ impl<B: Backend> State<B> {
                         self.gate = None;
                         self.free_slot();
                         let error = queue_timeout();
-                        self.counters.rejected.count(error.kind());
+                        self.counters.refused.count(error.kind());
                         self.pump(fx, now, wake);
                         return WaiterStep::Done(Err(error));
                     }

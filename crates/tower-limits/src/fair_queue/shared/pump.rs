@@ -2,7 +2,7 @@
 //!
 //! [`State::pump`] runs after every change that can free capacity. While no request is at
 //! the gate and a slot is free, it dispatches the next request of the fair queue: takes a
-//! slot, asks the backend, and either records the grant, refuses the request (a denial
+//! slot, asks the backend, and either records the grant, refuses the request (a refusal
 //! that waiting cannot fix: the tenant's own limit, a cost above capacity, an unavailable
 //! backend; the next request goes on) or, when a shared limit says "not yet", leaves the
 //! request at the gate. The queue is never skipped: a small request behind a large one at

@@ -16,7 +16,7 @@ use crate::error::ErrorKind;
 
 /// Requests refused, by reason.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Rejections {
+pub struct Refusals {
     /// The tenant's own queue was full (HTTP 429).
     pub tenant_queue_full: u64,
     /// The whole queue was full (HTTP 503).
@@ -34,7 +34,7 @@ pub struct Rejections {
     pub other: u64,
 }
 
-impl Rejections {
+impl Refusals {
     pub(super) fn count(&mut self, kind: ErrorKind) {
         let n = match kind {
             ErrorKind::TenantQueueFull => &mut self.tenant_queue_full,
@@ -88,7 +88,7 @@ pub struct FairQueueLayerStats {
     /// went back).
     pub cancelled: u64,
     /// Requests refused, by reason.
-    pub rejected: Rejections,
+    pub refused: Refusals,
     /// Tenants whose counters are kept now (see
     /// [`FairQueueLayer::tracked_tenants`](crate::fair_queue::FairQueueLayer::tracked_tenants)).
     pub tracked_tenants: usize,
@@ -122,7 +122,7 @@ pub(super) struct Counters {
     pub(super) wait_nanos: u64,
     pub(super) max_wait_nanos: u64,
     pub(super) cancelled: u64,
-    pub(super) rejected: Rejections,
+    pub(super) refused: Refusals,
 }
 
 /// Per-tenant counters, bounded: when full, the older half of the records of tenants
@@ -202,7 +202,7 @@ impl<B: Backend> Shared<B> {
             wait_time: Duration::from_nanos(c.wait_nanos),
             max_wait: Duration::from_nanos(c.max_wait_nanos),
             cancelled: c.cancelled,
-            rejected: c.rejected,
+            refused: c.refused,
             tracked_tenants: st.records.map.len(),
         }
     }

@@ -1,6 +1,6 @@
 //! How a limit layer's refusals reach the caller.
 //!
-//! A [`Rejection`] decides the service's response and error types: [`ReturnError`] (the
+//! A [`RefusalMode`] decides the service's response and error types: [`ReturnError`] (the
 //! default) passes refusals on as errors, boxed as tower middleware does, for axum's
 //! `HandleErrorLayer` or a client's retry logic; [`crate::http::HttpAnswer`] answers
 //! HTTP requests itself with `429`/`503` and the `RateLimit` fields.
@@ -10,7 +10,7 @@ use tower_limits_core::LimitSnapshot;
 use crate::error::{BoxError, LimitError};
 
 /// How refusals, responses and inner errors become the service's outputs.
-pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
+pub trait RefusalMode<T, E>: Clone + Send + Sync + 'static {
     /// The service's response.
     type Response;
     /// The service's error.
@@ -21,10 +21,10 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
     ///
     /// # Errors
     /// When refusals surface as errors.
-    fn reject(&self, error: Box<LimitError>) -> Result<Self::Response, Self::Error>;
+    fn refuse(&self, error: Box<LimitError>) -> Result<Self::Response, Self::Error>;
 
     /// A response of the inner service; `snapshots` holds the limits' state when
-    /// [`Rejection::wants_snapshots`] asked for it.
+    /// [`RefusalMode::wants_snapshots`] asked for it.
     fn respond(&self, response: T, snapshots: Option<&[LimitSnapshot]>) -> Self::Response;
 
     /// An error of the inner service.
@@ -46,7 +46,7 @@ pub trait Rejection<T, E>: Clone + Send + Sync + 'static {
         self.respond(response, snapshots)
     }
 
-    /// Whether [`Rejection::respond_held`] keeps the hold past the response's head.
+    /// Whether [`RefusalMode::respond_held`] keeps the hold past the response's head.
     fn holds_body(&self) -> bool {
         false
     }
@@ -102,12 +102,12 @@ pub(crate) trait Finish: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReturnError;
 
-impl<T, E: Into<BoxError>> Rejection<T, E> for ReturnError {
+impl<T, E: Into<BoxError>> RefusalMode<T, E> for ReturnError {
     type Response = T;
     type Error = BoxError;
 
     #[inline]
-    fn reject(&self, error: Box<LimitError>) -> Result<T, BoxError> {
+    fn refuse(&self, error: Box<LimitError>) -> Result<T, BoxError> {
         Err(error)
     }
 
