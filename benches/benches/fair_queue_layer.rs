@@ -147,7 +147,7 @@ fn backlogged_layer<B: Backend>(c: &mut Criterion, group: &str, make: impl Fn(Fa
             });
         });
         let stats = svc.stats();
-        assert_eq!((stats.queued, stats.rejected.total()), (2 * tenants - 1, 0), "{stats:?}");
+        assert_eq!((stats.queued, stats.refused.total()), (2 * tenants - 1, 0), "{stats:?}");
     }
     g.finish();
 }

@@ -2,12 +2,12 @@
 //! `REDIS_URL`): round trips per acquisition, Redis CPU per call (`usec_per_call` of
 //! `EVALSHA` in `INFO commandstats`), acquisitions per second at 1, 16 and 64 in flight,
 //! the raw `SET` ceiling of the same server and connection kind in the same run, and a
-//! cached denial. Criterion measures the throughputs; a table with every number is
+//! cached refusal. Criterion measures the throughputs; a table with every number is
 //! printed at the end.
 //!
 //! Targets: one round trip for any set in one slot; at most 6 us of Redis CPU
 //! for a single GCRA limit and 15 us for three limits including a semaphore; zero round
-//! trips for a cached denial.
+//! trips for a cached refusal.
 //!
 //! Run: `cargo bench -p tower-limits-benches --bench redis`.
 
@@ -313,25 +313,25 @@ fn redis_backend(c: &mut Criterion) {
     }
     group.finish();
 
-    // A denial cached until its retry_after: answered at once, no round trip.
-    let slow = backend(&env, LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Rate::per_hour(1), 1)), "denied");
+    // A refusal cached until its retry_after: answered at once, no round trip.
+    let slow = backend(&env, LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Rate::per_hour(1), 1)), "refused");
     let global = TenantKey::global();
     env.rt.block_on(async {
         let _first = slow.acquire(&global, 1, Instant::ZERO).await;
-        let _denied = slow.acquire(&global, 1, Instant::ZERO).await;
+        let _refused = slow.acquire(&global, 1, Instant::ZERO).await;
     });
     let before = slow.stats().round_trips;
     let cached = || {
         let acquire = pin!(slow.acquire(&global, 1, Instant::ZERO));
         match acquire.poll(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(r) => black_box(r.is_err()),
-            Poll::Pending => panic!("a cached denial waits for nothing"),
+            Poll::Pending => panic!("a cached refusal waits for nothing"),
         }
     };
-    c.bench_function("redis/cached_denial", |bench| bench.iter(cached));
-    let denials = slow.stats().cached_denials;
-    let denial_trips = (slow.stats().round_trips - before) as f64 / denials.max(1) as f64;
-    let denial_ns = {
+    c.bench_function("redis/cached_refusal", |bench| bench.iter(cached));
+    let refusals = slow.stats().cached_refusals;
+    let refusal_trips = (slow.stats().round_trips - before) as f64 / refusals.max(1) as f64;
+    let refusal_ns = {
         let n = 100_000u32;
         let start = std::time::Instant::now();
         for _ in 0..n {
@@ -384,7 +384,7 @@ fn redis_backend(c: &mut Criterion) {
         "{:<26} {:>14.3} {:>12.2} us {:>12.0} {:>12.0} {:>12.0}",
         "raw SET (ceiling)", 1.0, set_cpu, set_rates[0], set_rates[1], set_rates[2]
     );
-    println!("{:<26} {:>14.3} {:>15} {:>12.0} ns per denial", "cached denial", denial_trips, "0 us", denial_ns);
+    println!("{:<26} {:>14.3} {:>15} {:>12.0} ns per refusal", "cached refusal", refusal_trips, "0 us", refusal_ns);
     for (name, cpu) in baselines {
         println!("{name:<26} {:>14} {cpu:>12.2} us   (Redis CPU of a reference script, same run)", "");
     }

@@ -106,7 +106,7 @@ fn main() {
     let mut gov_layer = GovernorLayer::<_, _, Body>::new(global_config).layer(bare());
     let mut headers = GcraLayer::new(open_quota)
         .system_clock()
-        .reject_with(tower_limits::http::HttpAnswer::new().on_success())
+        .refuse_with(tower_limits::http::HttpAnswer::new().on_success())
         .layer(bare());
     let mut gov_headers = GovernorLayer::<_, _, Body>::new(headers_config).layer(bare());
     let mut peer = GcraLayer::new(open_quota).key(tower_limits::extract::PeerIp).system_clock().layer(bare());
