@@ -116,3 +116,20 @@ pub fn on_threads(threads: usize, per_thread: u64, op: std::sync::Arc<dyn Fn() +
     }
     start.elapsed()
 }
+
+/// The set of three that the Redis rows acquire: a GCRA per user, a token bucket counting
+/// cost and a semaphore per organisation, none ever refusing in a benchmark.
+///
+/// ```
+/// assert_eq!(tower_limits_benches::open_set_of_three().limits.len(), 3);
+/// ```
+#[must_use]
+pub fn open_set_of_three() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
+        .limit(
+            LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).per("org").counting_cost(),
+        )
+        .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
+}

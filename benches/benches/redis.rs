@@ -73,16 +73,6 @@ fn single_gcra() -> LimitSetPolicy {
         .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
 }
 
-fn three_limits() -> LimitSetPolicy {
-    LimitSetPolicy::new()
-        .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
-        .limit(
-            LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).per("org").counting_cost(),
-        )
-        .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
-}
-
 fn backend(env: &Env, policy: LimitSetPolicy, name: &str) -> RedisBackend {
     RedisBackend::builder(policy)
         .namespace(format!("bench-{name}-{}-{}", std::process::id(), NAMESPACES.fetch_add(1, Ordering::Relaxed)))
@@ -297,7 +287,7 @@ fn measure(env: &Env, name: &'static str, policy: &LimitSetPolicy, keys: &Arc<[T
 fn redis_backend(c: &mut Criterion) {
     let Some(env) = env() else { return };
     let gcra = backend(&env, single_gcra(), "gcra");
-    let three = backend(&env, three_limits(), "three");
+    let three = backend(&env, tower_limits_benches::open_set_of_three(), "three");
     let (keys1, keys2) = (tenants(1), tenants(2));
 
     let mut group = c.benchmark_group("redis/acquire");
@@ -342,10 +332,13 @@ fn redis_backend(c: &mut Criterion) {
 
     let mut rows = [
         measure(&env, "single GCRA", &single_gcra(), &keys1),
-        measure(&env, "3 limits incl. semaphore", &three_limits(), &keys2),
+        measure(&env, "3 limits incl. semaphore", &tower_limits_benches::open_set_of_three(), &keys2),
     ];
     let set_rates: Vec<f64> = IN_FLIGHT.iter().map(|&k| per_second(20_000, sets(&env, k, 20_000))).collect();
-    let (ours1, ours3) = (acquire_runner(&env, single_gcra(), &keys1), acquire_runner(&env, three_limits(), &keys2));
+    let (ours1, ours3) = (
+        acquire_runner(&env, single_gcra(), &keys1),
+        acquire_runner(&env, tower_limits_benches::open_set_of_three(), &keys2),
+    );
     let (empty, get_set, known) = (
         script_runner(&env, EMPTY_SCRIPT),
         script_runner(&env, GET_SET_SCRIPT),

@@ -46,7 +46,7 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
             .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user")),
         "single",
     );
-    let three = bench.backend(three_policy(), "three");
+    let three = bench.backend(tower_limits_benches::open_set_of_three(), "three");
     rows.push(bench.throughput_row(&three, &single));
     let sha: String = bench
         .rt
@@ -56,21 +56,9 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
     // A backend of its own: the rows above never release, and their semaphores' sets hold
     // every grant they made for a lease, which makes each write to them dearer than in a
     // service, where a set holds only the requests in flight.
-    let three = bench.backend(three_policy(), "three-released");
+    let three = bench.backend(tower_limits_benches::open_set_of_three(), "three-released");
     rows.push(bench.release_row(&three, &sha));
     drop(server);
-}
-
-/// The set of three on Redis: a GCRA per user, a token bucket counting cost and a
-/// semaphore per organisation, none ever refusing in a benchmark.
-fn three_policy() -> LimitSetPolicy {
-    LimitSetPolicy::new()
-        .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
-        .limit(
-            LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).per("org").counting_cost(),
-        )
-        .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
 }
 
 /// What the Redis rows share: a runtime, our connection and a raw one to the same
