@@ -15,7 +15,7 @@ use std::task::{Context, Poll, Waker};
 use axum::body::Body;
 use http::{Request, Response};
 use tower::Service;
-use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Quota, nz};
 
 /// The set of the keyed rows: one GCRA per tenant, a billion a second with a burst of a
 /// million (never refusing in a benchmark), room for 200,000 keys.
@@ -31,7 +31,7 @@ pub fn open_keyed_set() -> LimitSet {
     let policy = LimitSetPolicy::new()
         .tiers(["tenant"])
         .max_keys(200_000)
-        .limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000_000), 1_000_000).per("tenant"));
+        .limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000))).per("tenant"));
     // A constant policy that passes its own validation.
     LimitSet::new(policy).expect("a valid policy")
 }
@@ -127,9 +127,11 @@ pub fn on_threads(threads: usize, per_thread: u64, op: std::sync::Arc<dyn Fn() +
 pub fn open_set_of_three() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user"))
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000))).per("user"))
         .limit(
-            LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).per("org").counting_cost(),
+            LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000)))
+                .per("org")
+                .counting_cost(),
         )
         .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
 }

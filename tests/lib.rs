@@ -1,7 +1,9 @@
 //! Shared support for the integration tests in `tests/tests/`.
 
+use std::time::Duration;
+
 use proptest::test_runner::{Config, FileFailurePersistence};
-use tower_limits_core::{AcquireError, Instant, LimitSet, LimitSnapshot, TenantKey};
+use tower_limits_core::{AcquireError, Instant, LimitSet, LimitSnapshot, Quota, TenantKey};
 
 /// A proptest configuration running `cases` cases, that keeps failing cases next to the
 /// test file as `tests/tests/<file>.proptest-regressions` (proptest's default would put
@@ -44,6 +46,18 @@ pub fn peek_all(set: &LimitSet, keys: &[TenantKey], now: Instant) -> Vec<Vec<Lim
     keys.iter().map(|k| set.peek(k, now)).collect()
 }
 
+/// `amount` per `period` with a burst of `burst`, for quotas of computed numbers (a
+/// constant one is `Quota::per_second(nz!(10)).burst(nz!(5))`).
+///
+/// # Panics
+/// When the numbers make no valid quota (see `Quota::try_new` and `Quota::try_burst`).
+#[must_use]
+pub fn quota(amount: u64, period: Duration, burst: u64) -> Quota {
+    Quota::try_new(amount, period)
+        .and_then(|q| q.try_burst(burst))
+        .unwrap_or_else(|e| panic!("{amount} per {period:?} with a burst of {burst}: {e}"))
+}
+
 /// Tenant keys from `["org", "user"]` pairs.
 ///
 /// # Panics
@@ -58,7 +72,7 @@ pub mod params {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tower_limits_core::Rate;
+    use tower_limits_core::Quota;
     use tower_limits_core::algorithm::{FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, TokenBucket};
 
     /// `amount` per `period` nanoseconds, with a burst. The period is at least a hundred
@@ -75,9 +89,9 @@ pub mod params {
     }
 
     impl RateParams {
-        /// The rate.
-        pub fn rate(self) -> Rate {
-            Rate::new(self.amount, Duration::from_nanos(self.period))
+        /// The quota: the rate and the burst.
+        pub fn quota(self) -> Quota {
+            super::quota(self.amount, Duration::from_nanos(self.period), self.burst)
         }
 
         /// The emission interval, rounded up as the core documents.
@@ -87,12 +101,12 @@ pub mod params {
 
         /// A GCRA of these parameters.
         pub fn gcra(self) -> Gcra {
-            Gcra::new(self.rate(), self.burst).expect("a valid rate and burst")
+            Gcra::new(self.quota())
         }
 
         /// A token bucket of these parameters.
         pub fn bucket(self) -> TokenBucket {
-            TokenBucket::new(self.rate(), self.burst).expect("a valid rate and burst")
+            TokenBucket::new(self.quota())
         }
     }
 
@@ -166,7 +180,7 @@ pub mod policies {
     use std::time::Duration;
 
     use proptest::prelude::*;
-    use tower_limits_core::{LimitPolicy, LimitSetPolicy, Rate};
+    use tower_limits_core::{LimitPolicy, LimitSetPolicy};
 
     /// The tiers of every set [`policy_of`] makes, outermost first.
     pub const TIERS: [&str; 2] = ["org", "user"];
@@ -272,8 +286,8 @@ pub mod policies {
             let name = name.into();
             let period = Duration::from_millis(self.period_ms);
             let p = match self.kind {
-                Kind::Gcra => LimitPolicy::gcra(name, Rate::new(self.amount, period), self.size),
-                Kind::TokenBucket => LimitPolicy::token_bucket(name, Rate::new(self.amount, period), self.size),
+                Kind::Gcra => LimitPolicy::gcra(name, super::quota(self.amount, period, self.size)),
+                Kind::TokenBucket => LimitPolicy::token_bucket(name, super::quota(self.amount, period, self.size)),
                 Kind::SlidingLog => LimitPolicy::sliding_window_log(name, self.size, period),
                 Kind::SlidingCounter => LimitPolicy::sliding_window_counter(name, self.size, period),
                 Kind::FixedWindow => LimitPolicy::fixed_window(name, self.size, period),

@@ -28,7 +28,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use tower::{Layer, Service};
 use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{CostFn, KeyFn};
-use tower_limits::{Backend, FairQueueLayer, LimitSet, Rate, SemaphoreLayer, TenantKey, nz};
+use tower_limits::{Backend, FairQueueLayer, LimitSet, Quota, SemaphoreLayer, TenantKey, nz};
 
 const SIZES: [usize; 3] = [10, 1_000, 10_000];
 
@@ -155,11 +155,10 @@ fn backlogged_layer<B: Backend>(c: &mut Criterion, group: &str, make: impl Fn(Fa
 fn backlogged(c: &mut Criterion) {
     backlogged_layer(c, "backlogged", |config| FairQueueLayer::concurrency(config, 1).unwrap());
     backlogged_layer(c, "backlogged_with_rate", |config| {
-        let rate = LimitSet::new(tower_limits::LimitSetPolicy::new().limit(tower_limits::LimitPolicy::gcra(
-            "rate",
-            Rate::per_second(1_000_000_000),
-            1_000_000_000,
-        )))
+        let rate = LimitSet::new(
+            tower_limits::LimitSetPolicy::new()
+                .limit(tower_limits::LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000_000_000)))),
+        )
         .unwrap();
         FairQueueLayer::rate_and_concurrency(config, rate, 1).unwrap()
     });

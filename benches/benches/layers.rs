@@ -34,7 +34,7 @@ use tower_governor::governor::GovernorConfigBuilder;
 use tower_governor::key_extractor::GlobalKeyExtractor;
 use tower_limits::extract::Extractors;
 use tower_limits::http::HttpAnswer;
-use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, nz};
+use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, nz};
 use tower_limits_benches::{Req, bare};
 
 /// One request through `svc`, polled to completion with a no-op waker: the status (0 for
@@ -60,28 +60,22 @@ where
     c.bench_function(name, |b| b.iter(|| black_box(drive(&mut svc))));
 }
 
-const HUGE: u64 = 1_000_000_000;
+/// One unit a nanosecond, with a burst of a millisecond of it: never refusing here.
+const OPEN: Quota = Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000));
 
-fn ours_gcra(rate: Rate, burst: u64) -> GcraLayer<Extractors, HttpAnswer> {
-    GcraLayer::new(Quota::try_new(rate.amount(), rate.period()).and_then(|q| q.try_burst(burst)).expect("quota"))
-        .system_clock()
-        .refuse_with(HttpAnswer::new())
+fn ours_gcra(quota: Quota) -> GcraLayer<Extractors, HttpAnswer> {
+    GcraLayer::new(quota).system_clock().refuse_with(HttpAnswer::new())
 }
 
 fn allow(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
     let _enter = rt.enter();
     bench_service(c, "allow/bare_service_fn", bare(), StatusCode::OK);
-    bench_service(
-        c,
-        "allow/tower_limits_gcra",
-        ours_gcra(Rate::per_second(HUGE), 1_000_000).layer(bare()),
-        StatusCode::OK,
-    );
+    bench_service(c, "allow/tower_limits_gcra", ours_gcra(OPEN).layer(bare()), StatusCode::OK);
     let three = LimitSetLayer::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(HUGE), 1_000_000))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(HUGE), 1_000_000).counting_cost())
+            .limit(LimitPolicy::gcra("requests", OPEN))
+            .limit(LimitPolicy::token_bucket("tokens", OPEN).counting_cost())
             .limit(LimitPolicy::semaphore("concurrent", 64)),
     )
     .expect("policy")
@@ -95,7 +89,7 @@ fn allow(c: &mut Criterion) {
 fn deny(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
     let _enter = rt.enter();
-    let mut ours = ours_gcra(Rate::per_hour(1), 1).layer(bare());
+    let mut ours = ours_gcra(Quota::per_hour(nz!(1))).layer(bare());
     assert_eq!(drive(&mut ours), 200);
     bench_service(c, "deny/tower_limits_gcra", ours, StatusCode::TOO_MANY_REQUESTS);
     let mut plain = GcraLayer::new(Quota::per_hour(nz!(1)).burst(nz!(1))).system_clock().layer(bare());

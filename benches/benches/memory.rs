@@ -12,7 +12,7 @@ use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use governor::{Quota, RateLimiter};
-use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, TenantKey, nz};
 
 struct Counting;
 
@@ -63,7 +63,7 @@ fn row<K: std::hash::Hash + Eq + Clone>(name: &str, ours: &[TenantKey], theirs: 
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(2 * KEYS)
-            .limit(LimitPolicy::gcra("r", Rate::per_second(1_000), 1_000).per("tenant")),
+            .limit(LimitPolicy::gcra("r", tower_limits_core::Quota::per_second(nz!(1_000))).per("tenant")),
     )
     .expect("policy");
     let o = per_key(|| {

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use tokio::runtime::Runtime;
-use tower_limits_core::{Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
 use tower_limits_redis::test_support::RedisServer;
 use tower_limits_redis::{RedisBackend, RedisConnection};
@@ -70,7 +70,7 @@ fn env() -> Option<Env> {
 fn single_gcra() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["tenant"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000))).per("tenant"))
 }
 
 fn backend(env: &Env, policy: LimitSetPolicy, name: &str) -> RedisBackend {
@@ -304,7 +304,8 @@ fn redis_backend(c: &mut Criterion) {
     group.finish();
 
     // A refusal cached until its retry_after: answered at once, no round trip.
-    let slow = backend(&env, LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Rate::per_hour(1), 1)), "refused");
+    let slow =
+        backend(&env, LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Quota::per_hour(nz!(1)))), "refused");
     let global = TenantKey::global();
     env.rt.block_on(async {
         let _first = slow.acquire(&global, 1, Instant::ZERO).await;

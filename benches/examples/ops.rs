@@ -36,7 +36,7 @@ use tower_governor::key_extractor::{GlobalKeyExtractor, PeerIpKeyExtractor};
 use tower_limits::{GcraLayer, nz};
 use tower_limits_benches::floor::{SetOfThreeFloor, SetOfThreeLockFree};
 use tower_limits_benches::{bare, drive, from_peer, open_keyed_set};
-use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, SystemClock, TenantKey};
 
 /// The `i`-th of the 100,000 numeric ids of the `peers` row, in turn.
 fn spread(i: u64) -> u64 {
@@ -50,14 +50,15 @@ fn main() {
     let nz = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
     let clock = SystemClock::new();
     let global = TenantKey::global();
-    let huge = Rate::per_second(1_000_000_000);
-    let open = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", huge, 1_000_000))).ok();
-    let shut = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_hour(1), 1))).ok();
+    let huge = tower_limits::Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000));
+    let open = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", huge))).ok();
+    let shut =
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", tower_limits::Quota::per_hour(nz!(1))))).ok();
     let set3 = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("requests", huge, 1_000_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("tokens", huge, 1_000_000).counting_cost())
+            .limit(LimitPolicy::gcra("requests", huge).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", huge).counting_cost())
             .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
     )
     .ok();

@@ -23,7 +23,7 @@ use proptest::sample::Index;
 use tower_limits_core::algorithm::{
     Algorithm, FixedWindow, Gcra, Refusal, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
 };
-use tower_limits_core::{Instant, Rate};
+use tower_limits_core::{Instant, Quota, Rate, nz};
 use tower_limits_tests::params::{RateParams, WindowParams, rate_params, window_params};
 use tower_limits_tests::proptest_config;
 
@@ -594,7 +594,7 @@ proptest! {
 fn rounding_the_interval_up_keeps_the_cap() {
     // 3 per second: the interval rounds up to 333_333_334ns, so three grants after the
     // burst take one second and two nanoseconds, never less.
-    let gcra = Gcra::new(Rate::per_second(3), 1).unwrap();
+    let gcra = Gcra::new(Quota::per_second(nz!(3)).burst(nz!(1)));
     assert_eq!(gcra.interval_nanos(), 333_333_334);
     let mut s = gcra.fresh();
     let mut now = 0;
@@ -626,17 +626,18 @@ fn cost_above_capacity_is_never_for_every_algorithm() {
 /// Every algorithm reports the parameters it was built with, and a fresh state is full.
 #[test]
 fn accessors_report_the_parameters() {
-    let rate = Rate::new(7, Duration::from_secs(3));
-    let gcra = Gcra::new(rate, 5).unwrap();
-    assert_eq!((gcra.rate(), gcra.burst(), gcra.capacity()), (rate, 5, 5));
+    let quota = Quota::try_new(7, Duration::from_secs(3)).unwrap().burst(nz!(5));
+    let gcra = Gcra::new(quota);
+    assert_eq!((gcra.quota(), gcra.capacity()), (quota, 5));
+    assert_eq!(quota.rate(), Rate::new(7, Duration::from_secs(3)));
     assert_eq!(gcra.interval_nanos(), 428_571_429);
     let mut state = gcra.fresh();
     assert_eq!(state.theoretical_arrival(), Instant::ZERO);
     gcra.acquire(&mut state, at(1_000), 2).unwrap();
     assert_eq!(state.theoretical_arrival(), at(1_000 + 2 * 428_571_429));
 
-    let bucket = TokenBucket::new(rate, 5).unwrap();
-    assert_eq!((bucket.rate(), bucket.burst(), bucket.capacity()), (rate, 5, 5));
+    let bucket = TokenBucket::new(quota);
+    assert_eq!((bucket.quota(), bucket.capacity()), (quota, 5));
 
     let window = Duration::from_millis(1_500);
     let log = SlidingWindowLog::new(9, window).unwrap();
@@ -651,8 +652,8 @@ fn accessors_report_the_parameters() {
     // Rate limits state their rate's amount per period (the plan), and can grant their
     // burst right now; windowed limits and semaphores state what they grant.
     for ((quota, window), full, snap) in [
-        ((rate.amount(), rate.period()), 5, gcra.peek(&gcra.fresh(), Instant::ZERO)),
-        ((rate.amount(), rate.period()), 5, bucket.peek(&bucket.fresh(), Instant::ZERO)),
+        ((quota.amount(), quota.period()), 5, gcra.peek(&gcra.fresh(), Instant::ZERO)),
+        ((quota.amount(), quota.period()), 5, bucket.peek(&bucket.fresh(), Instant::ZERO)),
         ((9, window), 9, log.peek(&log.fresh(), Instant::ZERO)),
         ((9, window), 9, counter.peek(&counter.fresh(), Instant::ZERO)),
         ((9, window), 9, fixed.peek(&fixed.fresh(), Instant::ZERO)),

@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Clock, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, Rate, TenantKey};
+use tower_limits_core::{
+    AcquireError, Clock, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, Quota, TenantKey, nz,
+};
 
 const THREADS: usize = 4;
 const PER_THREAD: u64 = 20_000;
@@ -51,7 +53,7 @@ fn a_global_semaphore_never_admits_more_than_its_capacity() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             // A rate limit that never blocks: 80,000 grants fit in its burst.
-            .limit(LimitPolicy::gcra("rate", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000))).per("tenant"))
             .limit(LimitPolicy::semaphore("concurrent", CAPACITY)),
     )
     .unwrap();
@@ -106,7 +108,10 @@ fn weighted_semaphores_hold_under_threads() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000_000).counting_cost())
+            .limit(
+                LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000)))
+                    .counting_cost(),
+            )
             .limit(LimitPolicy::semaphore("per-tenant", PER_TENANT).per("tenant").counting_cost())
             .limit(LimitPolicy::semaphore("global", GLOBAL).counting_cost()),
     )
@@ -184,7 +189,7 @@ fn per_tenant_semaphores_hold_while_their_tables_grow() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(1_000_000)
-            .limit(LimitPolicy::gcra("rate", Rate::per_second(1_000_000), 1_000_000_000).per("tenant"))
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000))).per("tenant"))
             .limit(LimitPolicy::semaphore("concurrent", CAPACITY).per("tenant")),
     )
     .unwrap();

@@ -13,11 +13,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use tower_limits_core::{
-    AcquireError, Backend, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Refusal, TenantKey,
+    AcquireError, Backend, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, Refusal, TenantKey, nz,
 };
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{RedisBackend, RedisConnection};
-use tower_limits_tests::describe;
+use tower_limits_tests::{describe, quota};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
@@ -121,12 +121,12 @@ async fn rate_cap<H: Harness>(h: &H) {
     };
     let cases = [
         Case {
-            policy: LimitPolicy::gcra("r", Rate::per_second(10), 5).counting_cost(),
+            policy: LimitPolicy::gcra("r", Quota::per_second(nz!(10)).burst(nz!(5))).counting_cost(),
             bounds: gcra_bounds(5),
             step: 60 * MS,
         },
         Case {
-            policy: LimitPolicy::token_bucket("r", Rate::per_second(10), 5).counting_cost(),
+            policy: LimitPolicy::token_bucket("r", Quota::per_second(nz!(10)).burst(nz!(5))).counting_cost(),
             bounds: gcra_bounds(5),
             step: 60 * MS,
         },
@@ -182,9 +182,13 @@ async fn rate_cap<H: Harness>(h: &H) {
 
 /// Law 2: GCRA and the token bucket with the same parameters decide the same way.
 async fn gcra_is_token_bucket<H: Harness>(h: &H) {
-    let gcra = h.make(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(3), 4).counting_cost()));
-    let bucket =
-        h.make(LimitSetPolicy::new().limit(LimitPolicy::token_bucket("r", Rate::per_second(3), 4).counting_cost()));
+    let gcra = h.make(
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(3)).burst(nz!(4))).counting_cost()),
+    );
+    let bucket = h.make(
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::token_bucket("r", Quota::per_second(nz!(3)).burst(nz!(4))).counting_cost()),
+    );
     let mut rng = Rng(42);
     let mut now = S;
     for _ in 0..200 {
@@ -203,15 +207,17 @@ async fn gcra_is_token_bucket<H: Harness>(h: &H) {
 fn exact_policies() -> Vec<LimitSetPolicy> {
     let one = |l: LimitPolicy| LimitSetPolicy::new().limit(l.counting_cost());
     vec![
-        one(LimitPolicy::gcra("r", Rate::per_second(3), 2)),
-        one(LimitPolicy::token_bucket("r", Rate::new(7, Duration::from_millis(1300)), 3)),
+        one(LimitPolicy::gcra("r", Quota::per_second(nz!(3)).burst(nz!(2)))),
+        one(LimitPolicy::token_bucket("r", quota(7, Duration::from_millis(1300), 3))),
         one(LimitPolicy::sliding_window_log("r", 4, Duration::from_millis(900))),
         one(LimitPolicy::fixed_window("r", 4, Duration::from_millis(700))),
         one(LimitPolicy::sliding_window_counter("r", 5, Duration::from_millis(800))),
         LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(4), 3).per("user"))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(5), 4).per("org").counting_cost())
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(4)).burst(nz!(3))).per("user"))
+            .limit(
+                LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(5)).burst(nz!(4))).per("org").counting_cost(),
+            )
             .limit(LimitPolicy::sliding_window_counter("window", 6, Duration::from_millis(1500)).counting_cost()),
     ]
 }
@@ -254,8 +260,10 @@ async fn exact_retry_after<H: Harness>(h: &H) {
 fn mixed_policy() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(5), 3).per("user"))
-        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(100), 50).per("org").counting_cost())
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(5)).burst(nz!(3))).per("user"))
+        .limit(
+            LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(100)).burst(nz!(50))).per("org").counting_cost(),
+        )
         .limit(LimitPolicy::semaphore("concurrent", 3).per("org"))
         .limit(LimitPolicy::sliding_window_log("log", 20, Duration::from_secs(2)))
         .limit(LimitPolicy::sliding_window_counter("counter", 40, Duration::from_secs(1)).per("user").counting_cost())

@@ -23,8 +23,9 @@ use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{CostFn, FromExtension, KeyFn};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{
-    ErrorKind, FairQueueLayer, Instant, LimitError, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey,
+    ErrorKind, FairQueueLayer, Instant, LimitError, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz,
 };
+use tower_limits_tests::quota;
 use tower_test::mock;
 
 /// A request: its tenant's number and its cost.
@@ -55,9 +56,8 @@ fn config(weights: &[u32]) -> FairQueueConfig {
 }
 
 /// One global token bucket counting cost.
-fn bucket(rate: Rate, burst: u64) -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::token_bucket("tokens", rate, burst).counting_cost()))
-        .unwrap()
+fn bucket(quota: Quota) -> LimitSet {
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::token_bucket("tokens", quota).counting_cost())).unwrap()
 }
 
 fn tokens_left(set: &LimitSet) -> u64 {
@@ -265,7 +265,7 @@ async fn slots_are_shared_by_weight() {
 async fn a_rate_is_shared_by_weight_and_never_exceeded() {
     let (rate, burst) = (1_000, 100);
     let target = 2 * guaranteed_from(&WEIGHTS, &MAX_COSTS) + 100;
-    let fair = FairQueueLayer::rate(config(&WEIGHTS), bucket(Rate::per_second(rate), burst))
+    let fair = FairQueueLayer::rate(config(&WEIGHTS), bucket(quota(rate, Duration::from_secs(1), burst)))
         .unwrap()
         .key(keys())
         .cost(costs());
@@ -358,8 +358,10 @@ impl<F: Future> Future for Counted<F> {
 #[tokio::test(start_paused = true)]
 async fn the_rate_gate_wakes_one_waiter_at_the_exact_instant() {
     let n = 20;
-    let fair =
-        FairQueueLayer::rate(config(&[1, 1]), bucket(Rate::per_second(10), 1)).unwrap().key(keys()).cost(costs());
+    let fair = FairQueueLayer::rate(config(&[1, 1]), bucket(Quota::per_second(nz!(10)).burst(nz!(1))))
+        .unwrap()
+        .key(keys())
+        .cost(costs());
     let (log, reached) = (Log::default(), Arc::new(Notify::new()));
     let mut svc =
         ServiceBuilder::new().layer(fair.clone()).service(recorder(log.clone(), u64::MAX, reached, Duration::ZERO));
@@ -383,8 +385,10 @@ async fn the_rate_gate_wakes_one_waiter_at_the_exact_instant() {
 #[tokio::test(start_paused = true)]
 async fn dropping_the_request_at_the_gate_hands_the_timer_on() {
     for polls_before_drop in 0..3 {
-        let fair =
-            FairQueueLayer::rate(config(&[1, 1]), bucket(Rate::per_second(10), 1)).unwrap().key(keys()).cost(costs());
+        let fair = FairQueueLayer::rate(config(&[1, 1]), bucket(Quota::per_second(nz!(10)).burst(nz!(1))))
+            .unwrap()
+            .key(keys())
+            .cost(costs());
         let (log, reached) = (Log::default(), Arc::new(Notify::new()));
         let mut svc =
             ServiceBuilder::new().layer(fair.clone()).service(recorder(log.clone(), u64::MAX, reached, Duration::ZERO));
@@ -527,7 +531,7 @@ async fn waiters_time_out_after_the_maximum_queueing_time() {
 
 #[tokio::test(start_paused = true)]
 async fn a_rate_instant_past_the_deadline_is_refused_at_once() {
-    let fair = FairQueueLayer::rate(config(&[1]), bucket(Rate::per_second(1), 1))
+    let fair = FairQueueLayer::rate(config(&[1]), bucket(Quota::per_second(nz!(1))))
         .unwrap()
         .key(keys())
         .cost(costs())
@@ -548,12 +552,11 @@ async fn a_rate_instant_past_the_deadline_is_refused_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_tenants_own_limit_in_the_backend_refuses_at_its_turn_and_the_next_goes_on() {
-    let set = LimitSet::new(
-        LimitSetPolicy::new()
-            .tiers(["tenant"])
-            .limit(LimitPolicy::token_bucket("own", Rate::per_hour(1), 5).per("tenant").counting_cost()),
-    )
-    .unwrap();
+    let set =
+        LimitSet::new(LimitSetPolicy::new().tiers(["tenant"]).limit(
+            LimitPolicy::token_bucket("own", Quota::per_hour(nz!(1)).burst(nz!(5))).per("tenant").counting_cost(),
+        ))
+        .unwrap();
     let fair = FairQueueLayer::rate_and_concurrency(config(&[1, 1]), set, 1).unwrap().key(keys()).cost(costs());
     let (inner, mut handle) = mock::pair::<Job, ()>();
     handle.allow(100);
@@ -667,7 +670,7 @@ async fn dropped_queued_requests_leave_the_queue() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_dropped_right_after_its_grant_gives_everything_back() {
-    let fair = FairQueueLayer::rate_and_concurrency(config(&[1, 1]), bucket(Rate::per_hour(1), 10), 1)
+    let fair = FairQueueLayer::rate_and_concurrency(config(&[1, 1]), bucket(Quota::per_hour(nz!(1)).burst(nz!(10))), 1)
         .unwrap()
         .key(keys())
         .cost(costs());
@@ -701,7 +704,7 @@ async fn a_request_dropped_right_after_its_grant_gives_everything_back() {
 
 #[tokio::test(start_paused = true)]
 async fn a_called_request_dropped_releases_its_slot_and_keeps_its_cost() {
-    let fair = FairQueueLayer::rate_and_concurrency(config(&[1, 1]), bucket(Rate::per_hour(1), 10), 1)
+    let fair = FairQueueLayer::rate_and_concurrency(config(&[1, 1]), bucket(Quota::per_hour(nz!(1)).burst(nz!(10))), 1)
         .unwrap()
         .key(keys())
         .cost(costs());
@@ -751,7 +754,7 @@ async fn random_run(seed: u64) {
     type Answers = Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>;
     let set = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000), 40).counting_cost())
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1_000)).burst(nz!(40))).counting_cost())
             .limit(LimitPolicy::semaphore("upstream", 3)),
     )
     .unwrap();

@@ -12,14 +12,16 @@ use tokio::sync::oneshot;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::core::fair_queue::FairQueueConfig;
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
-use tower_limits::{
-    Chosen, FairQueueLayer, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Rate, Selection, TenantKey,
-};
+use tower_limits::{Chosen, FairQueueLayer, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey};
+use tower_limits_tests::quota;
 
 /// An account allowing `burst` tokens at once, refilled at 60 a second.
 fn account(burst: u64) -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("tokens", Rate::per_second(60), burst).counting_cost()))
-        .unwrap()
+    LimitSet::new(
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("tokens", quota(60, Duration::from_secs(1), burst)).counting_cost()),
+    )
+    .unwrap()
 }
 
 fn pool() -> LimitPool<&'static str> {

@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::{FromExtension, PeerIp};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate, SemaphoreLayer, TenantKey, nz};
+use tower_limits::{GcraLayer, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, SemaphoreLayer, TenantKey, nz};
 
 /// One `GET path` over a fresh connection: the whole answer, head and body.
 async fn fetch(addr: SocketAddr, path: &str, headers: &str) -> String {
@@ -141,7 +141,7 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
 async fn a_per_tenant_set_reads_the_key_an_auth_middleware_inserted() {
     let policy = LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_minute(2), 2).per("user"))
+        .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(2))).per("user"))
         .limit(LimitPolicy::semaphore("concurrent", 8).per("org"));
     let limits = LimitSetLayer::new(policy)
         .unwrap()

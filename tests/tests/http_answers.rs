@@ -14,15 +14,19 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension, KeyFn, Usage, UsageFromExtension};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{
-    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate,
-    SemaphoreLayer, TenantKey, nz,
+    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, SemaphoreLayer,
+    TenantKey, nz,
 };
 
 fn policy() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 2).per("user"))
-        .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(60_000), 10_000).per("org").counting_cost())
+        .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(60)).burst(nz!(2))).per("user"))
+        .limit(
+            LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(60_000)).burst(nz!(10_000)))
+                .per("org")
+                .counting_cost(),
+        )
         .limit(LimitPolicy::semaphore("shared", 100))
 }
 
@@ -292,14 +296,15 @@ async fn openai_refusals_carry_the_error_object_and_both_waits() {
 /// 60 s (its 0.5 s burst window, rounded up to 1 s, read as 120 per minute).
 #[tokio::test(start_paused = true)]
 async fn fields_state_the_plan_not_the_burst() {
-    for (gcra, rate, burst, policy, after_one, reset) in [
-        (true, Rate::per_minute(6_000), 600, "\"plan\";q=6000;w=60", "599", "10ms"),
-        (false, Rate::per_minute(6_000), 600, "\"plan\";q=6000;w=60", "599", "10ms"),
-        (true, Rate::per_minute(240), 2, "\"plan\";q=240;w=60", "1", "250ms"),
-        (false, Rate::per_minute(240), 2, "\"plan\";q=240;w=60", "1", "250ms"),
+    const PLAN: Quota = Quota::per_minute(nz!(6_000)).burst(nz!(600));
+    const SMALL_BURST: Quota = Quota::per_minute(nz!(240)).burst(nz!(2));
+    for (gcra, quota, policy, after_one, reset) in [
+        (true, PLAN, "\"plan\";q=6000;w=60", "599", "10ms"),
+        (false, PLAN, "\"plan\";q=6000;w=60", "599", "10ms"),
+        (true, SMALL_BURST, "\"plan\";q=240;w=60", "1", "250ms"),
+        (false, SMALL_BURST, "\"plan\";q=240;w=60", "1", "250ms"),
     ] {
-        let limit =
-            if gcra { LimitPolicy::gcra("plan", rate, burst) } else { LimitPolicy::token_bucket("plan", rate, burst) };
+        let limit = if gcra { LimitPolicy::gcra("plan", quota) } else { LimitPolicy::token_bucket("plan", quota) };
         let layer = LimitSetLayer::new(LimitSetPolicy::new().tiers(["org", "user"]).limit(limit.per("org")))
             .unwrap()
             .key(FromExtension::<TenantKey>::new())
@@ -308,10 +313,10 @@ async fn fields_state_the_plan_not_the_burst() {
         let ok = svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
         let h = ok.headers();
         assert_eq!(h["ratelimit-policy"], policy, "gcra {gcra}");
-        assert_eq!(h["x-ratelimit-limit-requests"], rate.amount().to_string().as_str());
+        assert_eq!(h["x-ratelimit-limit-requests"], quota.amount().to_string().as_str());
         assert_eq!(h["x-ratelimit-remaining-requests"], after_one, "what can be granted right now");
         assert_eq!(h["x-ratelimit-reset-requests"], reset, "one interval until full again");
-        for _ in 1..burst {
+        for _ in 1..quota.max_burst() {
             svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
         }
         let refused = svc.clone().oneshot(request(Some(["acme", "alice"]), 1)).await.unwrap();
@@ -327,7 +332,7 @@ async fn fields_state_the_plan_not_the_burst() {
 async fn openai_bodies_name_the_plan_and_the_wait() {
     let policy = LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("org.rpm", Rate::per_minute(240), 2).per("org"))
+        .limit(LimitPolicy::gcra("org.rpm", Quota::per_minute(nz!(240)).burst(nz!(2))).per("org"))
         .limit(LimitPolicy::semaphore("org.concurrency", 1).per("org"));
     let layer = LimitSetLayer::new(policy)
         .unwrap()

@@ -12,8 +12,8 @@ use tokio::time::Instant as TokioInstant;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Extractors, KeyFn, UsageFn};
 use tower_limits::{
-    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, Rate,
-    SemaphoreLayer, TenantKey, Unfinished, nz,
+    BoxError, ErrorKind, GcraLayer, LimitError, LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, SemaphoreLayer,
+    TenantKey, Unfinished, nz,
 };
 use tower_test::mock;
 
@@ -97,7 +97,7 @@ fn tenant_layer() -> LimitSetLayer<Extractors<TenantKeys, TenantCost>> {
     LimitSetLayer::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(100), 100).per("tenant").counting_cost()),
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(100))).per("tenant").counting_cost()),
     )
     .unwrap()
     .key(KeyFn::new((|r: &Req| (!r.0.is_empty()).then(|| TenantKey::single(&r.0).unwrap())) as fn(&Req) -> _))
@@ -249,7 +249,7 @@ async fn dropping_a_waiter_at_any_point_leaves_nothing_behind() {
     for polls in 0..4 {
         let layer = LimitSetLayer::new(
             LimitSetPolicy::new()
-                .limit(LimitPolicy::gcra("rate", Rate::per_second(1), 1))
+                .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1))))
                 .limit(LimitPolicy::semaphore("concurrent", 1)),
         )
         .unwrap()

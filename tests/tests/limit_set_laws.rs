@@ -23,7 +23,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use tower_limits_core::{
     AcquireError, Clock, Instant, KeyPart, LimitPolicy, LimitSet, LimitSetPolicy, ManualClock, OwnedPermit, Permit,
-    Rate, TenantKey,
+    Quota, TenantKey, nz,
 };
 use tower_limits_tests::policies::{Kind, PolicyGen, Spec, policy_of};
 use tower_limits_tests::{describe, peek_all, proptest_config};
@@ -402,8 +402,8 @@ proptest! {
 #[test]
 fn idle_gcra_and_bucket_keys_are_dropped_without_changing_decisions() {
     for limit in [
-        LimitPolicy::gcra("rps", Rate::per_second(10), 3).per("user"),
-        LimitPolicy::token_bucket("rps", Rate::per_second(10), 3).per("user"),
+        LimitPolicy::gcra("rps", Quota::per_second(nz!(10)).burst(nz!(3))).per("user"),
+        LimitPolicy::token_bucket("rps", Quota::per_second(nz!(10)).burst(nz!(3))).per("user"),
     ] {
         let policy = LimitSetPolicy::new().tiers(["user"]).limit(limit);
         let (evicting, keeping) = (LimitSet::new(policy.clone()).unwrap(), LimitSet::new(policy).unwrap());
@@ -508,7 +508,7 @@ proptest! {
 fn a_charge_after_eviction_is_not_lost() {
     let policy = LimitSetPolicy::new()
         .tiers(["user"])
-        .limit(LimitPolicy::gcra("tokens", Rate::per_second(1), 2).per("user").counting_cost());
+        .limit(LimitPolicy::gcra("tokens", Quota::per_second(nz!(1)).burst(nz!(2))).per("user").counting_cost());
     let (evicting, keeping) = (LimitSet::new(policy.clone()).unwrap(), LimitSet::new(policy).unwrap());
     let key = TenantKey::single("u").unwrap();
     let t0 = Instant::ZERO;
@@ -535,7 +535,7 @@ fn a_charge_after_eviction_is_not_lost() {
 fn acquire_each_then_settle_releases_what_was_held() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("rps", Rate::per_second(100), 100))
+            .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(100))))
             .limit(LimitPolicy::semaphore("slots", 4).counting_cost()),
     )
     .unwrap();

@@ -14,13 +14,14 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SetError, TenantKey};
+use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, SetError, TenantKey, nz};
 
 const INTERVAL: u64 = 1_000; // ns: a million a second
 const BURST: u64 = 50;
 
 fn policy(burst: u64) -> LimitSetPolicy {
-    LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000), burst).counting_cost())
+    LimitSetPolicy::new()
+        .limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000_000)).try_burst(burst).unwrap()).counting_cost())
 }
 
 /// One admission (`units > 0`) or refund (`units < 0`). Its decision was made at some
@@ -176,8 +177,10 @@ fn leases_that_lead_the_clock_keep_the_cap() {
 #[test]
 fn alone_it_decides_as_the_lock_does() {
     let fast = LimitSet::new(policy(5)).unwrap();
-    let locked =
-        LimitSet::new(policy(5).limit(LimitPolicy::gcra("never", Rate::per_second(1_000_000_000), 1_000_000))).unwrap();
+    let locked = LimitSet::new(
+        policy(5).limit(LimitPolicy::gcra("never", Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000)))),
+    )
+    .unwrap();
     let global = TenantKey::global();
     let mut now = 10_000u64;
     let mut seed = 0x9e37_79b9_u64;
@@ -223,8 +226,10 @@ fn policy_changes_keep_or_move_the_state() {
     // Two limits: the locked engine takes over, with the state.
     set.replace_policy(policy(3).limit(LimitPolicy::semaphore("c", 10))).unwrap();
     assert!(set.acquire(&global, 1, t).is_err(), "the GCRA state came along");
-    set.replace_policy(LimitSetPolicy::new().limit(LimitPolicy::gcra("renamed", Rate::per_second(1_000_000), 3)))
-        .unwrap();
+    set.replace_policy(
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("renamed", Quota::per_second(nz!(1_000_000)).burst(nz!(3)))),
+    )
+    .unwrap();
     assert!(set.acquire(&global, 3, t).is_ok(), "a renamed limit starts fresh");
     let stats = set.stats();
     assert_eq!(stats.admitted, 3);
@@ -283,7 +288,8 @@ fn a_charge_to_the_end_of_time_refuses_for_as_long_as_time_counts() {
     const YEAR: u64 = 365 * 86_400;
     // One unit a nanosecond: a charge of `n` units moves the state `n` nanoseconds.
     let set = LimitSet::new(
-        LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000_000), 10).counting_cost()),
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000_000_000)).burst(nz!(10))).counting_cost()),
     )
     .unwrap();
     let key = TenantKey::global();
@@ -312,8 +318,11 @@ fn beside_keyed_limits_threads_never_over_admit() {
     let policy = || {
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000_000_000), 1_000_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("everyone", Rate::per_second(1_000_000), BURST).counting_cost())
+            .limit(LimitPolicy::gcra("each", Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000))).per("tenant"))
+            .limit(
+                LimitPolicy::token_bucket("everyone", Quota::per_second(nz!(1_000_000)).burst(nz!(BURST)))
+                    .counting_cost(),
+            )
             .limit(LimitPolicy::semaphore("concurrent", 1_000).per("tenant"))
     };
     let set = LimitSet::new(policy()).unwrap();

@@ -17,7 +17,7 @@ use tower_limits::metrics::{
     ACTIVE_LEASES, LEASE_DURATION, POOL_SELECTIONS, QUEUED_REQUESTS, REQUESTS, TIME_IN_QUEUE, UPSTREAM_RESPONSES,
 };
 use tower_limits::{
-    FairQueueLayer, GcraLayer, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, Rate, Selection,
+    FairQueueLayer, GcraLayer, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, Selection,
     TenantKey, UpstreamReport, nz,
 };
 
@@ -113,8 +113,12 @@ fn decisions_are_counted_by_result_reason_limit_and_tier() {
         let layer = LimitSetLayer::new(
             LimitSetPolicy::new()
                 .tiers(["org", "user"])
-                .limit(LimitPolicy::gcra("requests", Rate::per_hour(60), 2).per("user"))
-                .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(1_000), 100).per("org").counting_cost()),
+                .limit(LimitPolicy::gcra("requests", Quota::per_hour(nz!(60)).burst(nz!(2))).per("user"))
+                .limit(
+                    LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(1_000)).burst(nz!(100)))
+                        .per("org")
+                        .counting_cost(),
+                ),
         )
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
@@ -189,8 +193,8 @@ fn shadow_refusals_are_reported_as_such() {
         }
         let set = LimitSetLayer::new(
             LimitSetPolicy::new()
-                .limit(LimitPolicy::gcra("enforced", Rate::per_minute(100), 100))
-                .limit(LimitPolicy::gcra("trial", Rate::per_minute(1), 1).shadow()),
+                .limit(LimitPolicy::gcra("enforced", Quota::per_minute(nz!(100))))
+                .limit(LimitPolicy::gcra("trial", Quota::per_minute(nz!(1))).shadow()),
         )
         .unwrap()
         .metrics_name("trial");
@@ -278,8 +282,12 @@ fn the_fair_queue_reports_depth_per_configured_tenant_only() {
 #[test]
 fn a_pool_counts_its_choices_and_what_upstreams_said() {
     with_recorder(|m| async move {
-        let account =
-            || LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(60), 1))).unwrap();
+        let account = || {
+            LimitSet::new(
+                LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)).burst(nz!(1)))),
+            )
+            .unwrap()
+        };
         let pool = LimitPool::builder(Selection::RoundRobin)
             .member("east", account(), ())
             .member("west", account(), ())

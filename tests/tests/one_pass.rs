@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension};
 use tower_limits::http::HttpAnswer;
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_core::{AcquireError, Backend, Grant, Instant, LimitSet, LimitSnapshot, Observed};
 
 /// An in-memory backend that counts the peeks made of it.
@@ -56,8 +56,12 @@ impl Backend for Counting {
 fn policy() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 2).per("user"))
-        .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(60_000), 10_000).per("org").counting_cost())
+        .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(60)).burst(nz!(2))).per("user"))
+        .limit(
+            LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(60_000)).burst(nz!(10_000)))
+                .per("org")
+                .counting_cost(),
+        )
         .limit(LimitPolicy::semaphore("shared", 100))
 }
 
@@ -95,7 +99,7 @@ async fn the_headers_come_from_the_acquisition_itself() {
 #[tokio::test(start_paused = true)]
 async fn a_waiter_admitted_later_gets_the_states_of_its_own_grant() {
     let backend = Counting {
-        set: LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("requests", Rate::per_second(1), 1)))
+        set: LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1)))))
             .expect("a valid policy"),
         peeks: Arc::default(),
     };
@@ -137,7 +141,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
 fn twin_policies() -> impl Strategy<Value = LimitSetPolicy> {
     prop_oneof![
         // One global GCRA: the lock-free path.
-        Just(LimitSetPolicy::new().limit(LimitPolicy::gcra("one", Rate::per_second(5), 3))),
+        Just(LimitSetPolicy::new().limit(LimitPolicy::gcra("one", Quota::per_second(nz!(5)).burst(nz!(3))))),
         // Keyed and global limits of every kind together.
         Just(policy().limit(LimitPolicy::sliding_window_log("daily", 20, Duration::from_secs(10)).per("org"))),
         Just(
@@ -198,7 +202,7 @@ proptest! {
     fn the_lock_free_path_observes_what_the_locked_path_does(
         steps in prop::collection::vec((0..4u64, 0..500u64), 1..100),
     ) {
-        let gcra = || LimitPolicy::gcra("one", Rate::per_second(5), 3);
+        let gcra = || LimitPolicy::gcra("one", Quota::per_second(nz!(5)).burst(nz!(3)));
         let fast = LimitSet::new(LimitSetPolicy::new().limit(gcra())).expect("valid");
         let locked = LimitSet::new(LimitSetPolicy::new().limit(gcra()).limit(LimitPolicy::semaphore("never", 1 << 40)))
             .expect("valid");

@@ -2,8 +2,9 @@
 //! Law numbers are those of `crates/tower-limits/docs/laws.md`.
 //!
 //! - A limit spans at most 2^62 nanoseconds (about 146 years): a burst whose emission
-//!   intervals add up to more, or a window longer than that, is refused by validation,
-//!   naming the field; exactly 2^62 is accepted.
+//!   intervals add up to more, or a window longer than that, is refused by validation
+//!   (of a `Quota` read from data, or of a policy's fields), naming the field; exactly
+//!   2^62 is accepted.
 //! - Rates near `u64::MAX` units, periods near `Duration::MAX`, bursts and limits near
 //!   `u64::MAX`: errors naming the field, or limits that work.
 //! - Once built, no algorithm panics on any cost, refund or charge up to `u64::MAX`, at
@@ -16,7 +17,9 @@ use proptest::prelude::*;
 use tower_limits_core::algorithm::{
     Algorithm, FixedWindow, Gcra, Refusal, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
 };
-use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, PolicyError, Rate, TenantKey};
+use tower_limits_core::{
+    AcquireError, Instant, Limit, LimitPolicy, LimitSet, LimitSetPolicy, PolicyError, Quota, Rate, TenantKey, nz,
+};
 use tower_limits_tests::proptest_config;
 
 /// The longest span a limit can cover, in nanoseconds.
@@ -24,6 +27,21 @@ const SPAN: u64 = 1 << 62;
 
 fn nanos(n: u64) -> Duration {
     Duration::from_nanos(n)
+}
+
+/// `limit` with `rate` and `burst` as a policy file gives them: data, checked when the
+/// limit is built, so they may be invalid (a quota cannot be).
+fn with_data(mut limit: LimitPolicy, rate: Rate, burst: u64) -> LimitPolicy {
+    limit.rate = Some(rate);
+    limit.burst = Some(burst);
+    limit
+}
+
+/// The GCRA and the token bucket of a policy with this `rate` and `burst`.
+fn from_data(rate: Rate, burst: u64) -> [Result<Limit, PolicyError>; 2] {
+    let any = Quota::per_second(nz!(1));
+    [LimitPolicy::gcra("g", any), LimitPolicy::token_bucket("t", any)]
+        .map(|limit| Limit::from_policy(&with_data(limit, rate, burst)))
 }
 
 #[track_caller]
@@ -40,47 +58,76 @@ fn assert_field<T: std::fmt::Debug>(result: Result<T, PolicyError>, field: &str,
 #[test]
 fn a_burst_spanning_exactly_the_limit_is_accepted_and_one_more_is_not() {
     // An interval of 2^40ns: 2^22 units span exactly 2^62ns.
-    let rate = Rate::new(1, nanos(1 << 40));
-    assert_eq!(Gcra::new(rate, 1 << 22).unwrap().burst(), 1 << 22);
-    assert_eq!(TokenBucket::new(rate, 1 << 22).unwrap().burst(), 1 << 22);
-    assert_field(Gcra::new(rate, (1 << 22) + 1), "burst", "146 years");
-    assert_field(TokenBucket::new(rate, (1 << 22) + 1), "burst", "146 years");
+    let quota = Quota::try_new(1, nanos(1 << 40)).unwrap();
+    let widest = quota.try_burst(1 << 22).unwrap();
+    assert_eq!(Gcra::new(widest).capacity(), 1 << 22);
+    assert_eq!(TokenBucket::new(widest).capacity(), 1 << 22);
+    assert_field(quota.try_burst((1 << 22) + 1), "burst", "146 years");
+    for limit in from_data(quota.rate(), 1 << 22) {
+        assert_eq!(limit.unwrap().capacity(), 1 << 22);
+    }
+    for limit in from_data(quota.rate(), (1 << 22) + 1) {
+        assert_field(limit, "burst", "146 years");
+    }
     // One nanosecond per unit: 2^62 units is the longest burst.
-    let fast = Rate::per_second(1_000_000_000);
-    assert!(Gcra::new(fast, SPAN).is_ok());
-    assert_field(Gcra::new(fast, SPAN + 1), "burst", "146 years");
-    assert_field(TokenBucket::new(fast, SPAN + 1), "burst", "146 years");
+    let fast = Quota::per_second(nz!(1_000_000_000));
+    assert!(fast.try_burst(SPAN).is_ok());
+    assert_field(fast.try_burst(SPAN + 1), "burst", "146 years");
+    for limit in from_data(fast.rate(), SPAN + 1) {
+        assert_field(limit, "burst", "146 years");
+    }
 }
 
 #[test]
 fn a_burst_whose_span_overflows_u64_is_an_error() {
     // 2ns per unit: u64::MAX units overflow the multiplication itself.
-    let rate = Rate::per_second(500_000_000);
+    let quota = Quota::per_second(nz!(500_000_000));
     for burst in [u64::MAX, u64::MAX / 2 + 1, SPAN / 2 + 1] {
-        assert_field(Gcra::new(rate, burst), "burst", "146 years");
-        assert_field(TokenBucket::new(rate, burst), "burst", "146 years");
+        assert_field(quota.try_burst(burst), "burst", "146 years");
+        for limit in from_data(quota.rate(), burst) {
+            assert_field(limit, "burst", "146 years");
+        }
     }
-    assert!(Gcra::new(rate, SPAN / 2).is_ok());
-    assert_field(Gcra::new(rate, 0), "burst", "at least 1");
+    assert!(quota.try_burst(SPAN / 2).is_ok());
+    assert_field(quota.try_burst(0), "burst", "at least 1");
+    for limit in from_data(quota.rate(), 0) {
+        assert_field(limit, "burst", "at least 1");
+    }
 }
 
 #[test]
 fn rates_near_the_edges_are_errors_or_limits_that_work() {
     // Too fast to represent, up to u64::MAX per nanosecond.
-    for rate in [Rate::per_second(u64::MAX), Rate::new(u64::MAX, nanos(1)), Rate::new(2, nanos(1))] {
-        assert_field(Gcra::new(rate, 1), "rate", "too fast");
-        assert_field(TokenBucket::new(rate, 1), "rate", "too fast");
+    for (amount, period) in [(u64::MAX, Duration::from_secs(1)), (u64::MAX, nanos(1)), (2, nanos(1))] {
+        assert_field(Quota::try_new(amount, period), "rate", "too fast");
+        for limit in from_data(Rate::new(amount, period), 1) {
+            assert_field(limit, "rate", "too fast");
+        }
     }
-    assert_field(Gcra::new(Rate::new(0, nanos(1)), 1), "rate", "at least 1");
-    assert_field(Gcra::new(Rate::new(1, Duration::ZERO), 1), "rate", "longer than zero");
+    for (amount, period, says) in [(0, nanos(1), "at least 1"), (1, Duration::ZERO, "longer than zero")] {
+        assert_field(Quota::try_new(amount, period), "rate", says);
+        for limit in from_data(Rate::new(amount, period), 1) {
+            assert_field(limit, "rate", says);
+        }
+    }
     // A period beyond u64::MAX nanoseconds: one unit alone spans more than a limit can.
-    assert_field(Gcra::new(Rate::new(1, Duration::MAX), 1), "burst", "146 years");
-    assert_field(TokenBucket::new(Rate::new(1, Duration::MAX), 1), "burst", "146 years");
-    assert_field(Gcra::new(Rate::new(1, nanos(SPAN + 1)), 1), "burst", "146 years");
-    // u64::MAX units over the longest period: an interval of whole nanoseconds that fits.
-    let slow = Rate::new(u64::MAX, Duration::MAX);
-    assert!(Gcra::new(slow, 1 << 20).is_ok());
-    assert!(Gcra::new(Rate::new(1, nanos(SPAN)), 1).is_ok());
+    // A quota's own amount must fit (`rate`); a policy's burst of one does not (`burst`).
+    for period in [Duration::MAX, nanos(SPAN + 1)] {
+        assert_field(Quota::try_new(1, period), "rate", "146 years");
+        for limit in from_data(Rate::new(1, period), 1) {
+            assert_field(limit, "burst", "146 years");
+        }
+    }
+    // u64::MAX units over the longest period: an interval of whole nanoseconds that fits
+    // a policy's burst (a quota's default burst, all u64::MAX units, does not).
+    for limit in from_data(Rate::new(u64::MAX, Duration::MAX), 1 << 20) {
+        assert_eq!(limit.unwrap().capacity(), 1 << 20);
+    }
+    assert_field(Quota::try_new(u64::MAX, Duration::MAX), "rate", "146 years");
+    assert_eq!(Quota::try_new(1, nanos(SPAN)).unwrap().max_burst(), 1);
+    for limit in from_data(Rate::new(1, nanos(SPAN)), 1) {
+        assert!(limit.is_ok());
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -108,14 +155,17 @@ fn a_window_longer_than_a_limit_can_span_is_an_error() {
 fn a_policy_at_an_overflow_boundary_names_its_field() {
     let set = |limit: LimitPolicy| LimitSet::new(LimitSetPolicy::new().limit(limit));
     let field = |limit: LimitPolicy| set(limit).expect_err("an invalid policy").field().to_owned();
-    assert!(field(LimitPolicy::gcra("g", Rate::per_second(1_000_000_000), SPAN + 1)).ends_with("burst"));
-    assert!(field(LimitPolicy::token_bucket("t", Rate::new(1, Duration::MAX), 1)).ends_with("burst"));
-    assert!(field(LimitPolicy::gcra("g", Rate::per_second(u64::MAX), 1)).ends_with("rate"));
+    let fast = Quota::per_second(nz!(1_000_000_000));
+    assert!(field(with_data(LimitPolicy::gcra("g", fast), fast.rate(), SPAN + 1)).ends_with("burst"));
+    let any = Quota::per_second(nz!(1));
+    assert!(field(with_data(LimitPolicy::token_bucket("t", any), Rate::new(1, Duration::MAX), 1)).ends_with("burst"));
+    let too_fast = Rate::new(u64::MAX, Duration::from_secs(1));
+    assert!(field(with_data(LimitPolicy::gcra("g", any), too_fast, 1)).ends_with("rate"));
     assert!(field(LimitPolicy::sliding_window_log("l", 1, Duration::MAX)).ends_with("window"));
     assert!(field(LimitPolicy::sliding_window_counter("c", u64::MAX, nanos(SPAN + 1))).ends_with("window"));
     assert!(field(LimitPolicy::fixed_window("f", 1, nanos(u64::MAX))).ends_with("window"));
     // At the boundary itself, the policies build.
-    assert!(set(LimitPolicy::gcra("g", Rate::per_second(1_000_000_000), SPAN)).is_ok());
+    assert!(set(LimitPolicy::gcra("g", fast.try_burst(SPAN).unwrap())).is_ok());
     assert!(set(LimitPolicy::fixed_window("f", u64::MAX, nanos(SPAN))).is_ok());
     assert!(set(LimitPolicy::semaphore("s", u64::MAX)).is_ok());
 }
@@ -208,12 +258,9 @@ proptest! {
 
     #[test]
     fn rate_algorithms_never_panic(interval in edgy(SPAN), burst in edgy(u64::MAX), steps in steps()) {
-        let rate = Rate::new(1, nanos(interval));
-        if let Ok(gcra) = Gcra::new(rate, burst) {
-            run_without_panic(&gcra, &steps);
-        }
-        if let Ok(bucket) = TokenBucket::new(rate, burst) {
-            run_without_panic(&bucket, &steps);
+        if let Ok(quota) = Quota::try_new(1, nanos(interval)).and_then(|q| q.try_burst(burst)) {
+            run_without_panic(&Gcra::new(quota), &steps);
+            run_without_panic(&TokenBucket::new(quota), &steps);
         }
     }
 
@@ -242,7 +289,7 @@ proptest! {
 /// snapshot, instead of an overflow.
 #[test]
 fn a_token_bucket_deep_in_debt_still_answers() {
-    let bucket = TokenBucket::new(Rate::per_second(1), 1).unwrap();
+    let bucket = TokenBucket::new(Quota::per_second(nz!(1)));
     let mut state = bucket.fresh();
     for _ in 0..3 {
         bucket.charge(&mut state, Instant::ZERO, Instant::ZERO, u64::MAX);
@@ -263,8 +310,8 @@ fn a_limit_set_takes_costs_near_u64_max() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("g", Rate::per_second(10), 10).per("tenant").counting_cost())
-            .limit(LimitPolicy::token_bucket("t", Rate::per_second(10), 10).counting_cost())
+            .limit(LimitPolicy::gcra("g", Quota::per_second(nz!(10))).per("tenant").counting_cost())
+            .limit(LimitPolicy::token_bucket("t", Quota::per_second(nz!(10))).counting_cost())
             .limit(LimitPolicy::sliding_window_log("l", 10, Duration::from_secs(1)).counting_cost())
             .limit(LimitPolicy::sliding_window_counter("c", 10, Duration::from_secs(1)).counting_cost())
             .limit(LimitPolicy::fixed_window("f", 10, Duration::from_secs(1)).counting_cost())

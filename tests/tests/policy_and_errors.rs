@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use tower_limits_core::{
-    AcquireError, Clock, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LoadError, ManualClock, Rate, TenantKey,
+    AcquireError, Clock, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LoadError, ManualClock, Quota, TenantKey, nz,
 };
 use tower_limits_tests::{describe, keys, peek_all};
 
@@ -58,7 +58,7 @@ fn a_rate_limited_key_is_active_until_it_is_full_again() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(1)
-            .limit(LimitPolicy::gcra("rps", Rate::per_second(10), 2).per("tenant")),
+            .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(10)).burst(nz!(2))).per("tenant")),
     )
     .unwrap();
     let (a, b) = (TenantKey::single("a").unwrap(), TenantKey::single("b").unwrap());
@@ -106,8 +106,8 @@ fn a_key_lacking_a_tier_is_refused_naming_the_tier() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("org-rate", Rate::per_second(10), 10).per("org"))
-            .limit(LimitPolicy::gcra("user-rate", Rate::per_second(1), 1).per("user")),
+            .limit(LimitPolicy::gcra("org-rate", Quota::per_second(nz!(10))).per("org"))
+            .limit(LimitPolicy::gcra("user-rate", Quota::per_second(nz!(1))).per("user")),
     )
     .unwrap();
     for (key, tier) in [(TenantKey::single("acme").unwrap(), "user"), (TenantKey::global(), "org")] {
@@ -131,7 +131,9 @@ fn a_cost_above_capacity_is_refused_at_once_whatever_else() {
     for reversed in [false, true] {
         let mut limits = vec![
             LimitPolicy::semaphore("slots", 1).per("user"),
-            LimitPolicy::token_bucket("tokens", Rate::per_minute(1000), 500).per("org").counting_cost(),
+            LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(1000)).burst(nz!(500)))
+                .per("org")
+                .counting_cost(),
         ];
         if reversed {
             limits.reverse();
@@ -162,11 +164,9 @@ fn a_cost_above_capacity_is_refused_at_once_whatever_else() {
 #[test]
 fn acquire_each_with_the_wrong_number_of_costs_never_passes() {
     let set = LimitSet::new(
-        LimitSetPolicy::new().limit(LimitPolicy::gcra("a", Rate::per_second(10), 10)).limit(LimitPolicy::gcra(
-            "b",
-            Rate::per_second(10),
-            10,
-        )),
+        LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("a", Quota::per_second(nz!(10))))
+            .limit(LimitPolicy::gcra("b", Quota::per_second(nz!(10)))),
     )
     .unwrap();
     let key = TenantKey::global();
@@ -185,7 +185,7 @@ fn acquire_each_with_the_wrong_number_of_costs_never_passes() {
 fn replacing_a_policy_keeps_the_state_of_surviving_limits() {
     let old = LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("rpm", Rate::per_minute(60), 5).per("user"))
+        .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)).burst(nz!(5))).per("user"))
         .limit(LimitPolicy::semaphore("slots", 2).per("org"))
         .limit(LimitPolicy::fixed_window("daily", 3, Duration::from_secs(86_400)).per("org"))
         .limit(LimitPolicy::sliding_window_log("global", 4, Duration::from_secs(60)));
@@ -199,13 +199,9 @@ fn replacing_a_policy_keeps_the_state_of_surviving_limits() {
     assert_eq!(remaining(&set, alice, now), pairs(&[("rpm", 2), ("slots", 1), ("daily", 0), ("global", 1)]));
 
     // A bad policy is refused, naming the field, and changes nothing.
-    let err = set
-        .replace_policy(LimitSetPolicy::new().tiers(["org", "user"]).limit(LimitPolicy::gcra(
-            "rpm",
-            Rate::per_minute(60),
-            0,
-        )))
-        .unwrap_err();
+    let mut bad = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)));
+    bad.burst = Some(0);
+    let err = set.replace_policy(LimitSetPolicy::new().tiers(["org", "user"]).limit(bad)).unwrap_err();
     assert_eq!(err.field(), "limits[0] (rpm).burst");
     assert_eq!(set.limit_names(), ["rpm", "slots", "daily", "global"]);
     assert_eq!(remaining(&set, alice, now), pairs(&[("rpm", 2), ("slots", 1), ("daily", 0), ("global", 1)]));
@@ -215,9 +211,9 @@ fn replacing_a_policy_keeps_the_state_of_surviving_limits() {
     // starts fresh; `global` is gone; `new` is new.
     let new = LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("rpm", Rate::per_minute(60), 10).per("user"))
+        .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)).burst(nz!(10))).per("user"))
         .limit(LimitPolicy::semaphore("slots", 2).per("org"))
-        .limit(LimitPolicy::token_bucket("daily", Rate::per_day(3), 3).per("org"))
+        .limit(LimitPolicy::token_bucket("daily", Quota::per_day(nz!(3))).per("org"))
         .limit(LimitPolicy::semaphore("new", 1));
     set.replace_policy(new).unwrap();
     assert_eq!(set.limit_names(), ["rpm", "slots", "daily", "new"]);
@@ -231,7 +227,7 @@ fn replacing_a_policy_keeps_the_state_of_surviving_limits() {
     // A limit whose scope changes starts fresh.
     let rescoped = LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("rpm", Rate::per_minute(60), 10).per("org"));
+        .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)).burst(nz!(10))).per("org"));
     set.replace_policy(rescoped).unwrap();
     assert_eq!(remaining(&set, alice, now), pairs(&[("rpm", 10)]));
 }
@@ -313,14 +309,17 @@ fn a_small_key_table_still_admits_one_key() {
     let cases = [
         (
             10,
-            vec![LimitPolicy::gcra("o", Rate::per_second(1), 1).per("org"), LimitPolicy::semaphore("u", 1).per("user")],
+            vec![
+                LimitPolicy::gcra("o", Quota::per_second(nz!(1))).per("org"),
+                LimitPolicy::semaphore("u", 1).per("user"),
+            ],
         ),
         (
             100,
             vec![
-                LimitPolicy::gcra("o", Rate::per_second(1), 1).per("org"),
-                LimitPolicy::token_bucket("ot", Rate::per_second(1), 1).per("org").counting_cost(),
-                LimitPolicy::gcra("u", Rate::per_second(1), 1).per("user"),
+                LimitPolicy::gcra("o", Quota::per_second(nz!(1))).per("org"),
+                LimitPolicy::token_bucket("ot", Quota::per_second(nz!(1))).per("org").counting_cost(),
+                LimitPolicy::gcra("u", Quota::per_second(nz!(1))).per("user"),
                 LimitPolicy::semaphore("uc", 1).per("user"),
             ],
         ),
@@ -347,7 +346,7 @@ fn the_key_table_never_exceeds_max_keys() {
         LimitSetPolicy::new()
             .tiers(["org", "user"])
             .max_keys(64)
-            .limit(LimitPolicy::gcra("org-rate", Rate::new(1, Duration::from_millis(10)), 1).per("org"))
+            .limit(LimitPolicy::gcra("org-rate", Quota::per_second(nz!(100)).burst(nz!(1))).per("org"))
             .limit(LimitPolicy::semaphore("user-slots", 1).per("user")),
     )
     .unwrap();

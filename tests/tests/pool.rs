@@ -13,10 +13,13 @@ use http::{Request, Response, StatusCode};
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::InsertChosen;
 use tower_limits::http::{HttpAnswer, upstream_report};
-use tower_limits::{Chosen, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
+use tower_limits::{Chosen, LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, Selection, nz};
+use tower_limits_tests::quota;
+
+const MINUTE: Duration = Duration::from_secs(60);
 
 fn account(rpm: u64) -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), 1))).unwrap()
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(rpm, MINUTE, 1)))).unwrap()
 }
 
 fn pool() -> LimitPool<&'static str> {
@@ -108,18 +111,18 @@ const SECOND: u64 = 1_000_000_000;
 
 /// An account with room for a thousand requests at once.
 fn roomy() -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rps", Rate::per_second(1_000), 1_000))).unwrap()
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(1_000))))).unwrap()
 }
 
 /// An account of `per_minute` requests with a burst of `burst`.
 fn rate(per_minute: u64, burst: u64) -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(per_minute), burst))).unwrap()
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(per_minute, MINUTE, burst)))).unwrap()
 }
 
 /// An account of `per_minute` units (a request's cost) with a burst of `burst` units.
 fn units(per_minute: u64, burst: u64) -> LimitSet {
     LimitSet::new(
-        LimitSetPolicy::new().limit(LimitPolicy::gcra("upm", Rate::per_minute(per_minute), burst).counting_cost()),
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("upm", quota(per_minute, MINUTE, burst)).counting_cost()),
     )
     .unwrap()
 }
@@ -128,7 +131,7 @@ fn units(per_minute: u64, burst: u64) -> LimitSet {
 fn one_at_a_time() -> LimitSet {
     LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("rps", Rate::per_second(1_000), 1_000))
+            .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(1_000))))
             .limit(LimitPolicy::semaphore("concurrent", 1)),
     )
     .unwrap()
@@ -224,8 +227,8 @@ fn most_headroom_tries_the_member_with_the_largest_tightest_fraction_first() {
     let tokens = |rpm: u64, tpm: u64| {
         LimitSet::new(
             LimitSetPolicy::new()
-                .limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), rpm))
-                .limit(LimitPolicy::token_bucket("tpm", Rate::per_minute(tpm), tpm).counting_cost()),
+                .limit(LimitPolicy::gcra("rpm", quota(rpm, MINUTE, rpm)))
+                .limit(LimitPolicy::token_bucket("tpm", quota(tpm, MINUTE, tpm)).counting_cost()),
         )
         .unwrap()
     };
@@ -272,8 +275,8 @@ fn a_grant_names_the_shadow_limit_that_would_have_refused_it() {
     let key = TenantKey::global();
     let set = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("rps", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("strict", Rate::per_minute(1), 1).shadow()),
+            .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("strict", Quota::per_minute(nz!(1))).shadow()),
     )
     .unwrap();
     let pool = members(Selection::RoundRobin, vec![set]);
@@ -314,7 +317,7 @@ fn when_every_member_refuses_the_pool_reports_the_first_to_free() {
     }
     // Equal waits: the refusal of the member tried first, which turns with the selection.
     let named = |name: &'static str| {
-        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra(name, Rate::per_minute(1), 1))).unwrap()
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra(name, Quota::per_minute(nz!(1))))).unwrap()
     };
     let pool = members(Selection::RoundRobin, vec![named("a-rpm"), named("b-rpm")]);
     let grants = [pool.acquire(&key, 1, now).unwrap(), pool.acquire(&key, 1, now).unwrap()];

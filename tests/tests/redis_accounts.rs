@@ -12,11 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tower_limits_core::{
-    AcquireError, Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Rate, Selection, TenantKey,
+    AcquireError, Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey,
     UpstreamReport,
 };
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{FailurePolicy, RedisAccounts, RedisConnection};
+use tower_limits_tests::quota;
 
 use redis_common::{admin, cmd, connect, namespace, runtime};
 
@@ -26,8 +27,8 @@ const TASKS: usize = 48;
 /// An account: `rpm` requests a minute (all of them as a burst) and `tpm` tokens.
 fn account(rpm: u64, tpm: u64) -> LimitSetPolicy {
     LimitSetPolicy::new()
-        .limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), rpm))
-        .limit(LimitPolicy::token_bucket("tpm", Rate::per_minute(tpm), tpm).counting_cost())
+        .limit(LimitPolicy::gcra("rpm", quota(rpm, Duration::from_secs(60), rpm)))
+        .limit(LimitPolicy::token_bucket("tpm", quota(tpm, Duration::from_secs(60), tpm)).counting_cost())
 }
 
 const ACCOUNTS: [(&str, u64, u64); 2] = [("a", 40, 400), ("b", 20, 150)];

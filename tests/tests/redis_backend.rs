@@ -9,7 +9,9 @@ use std::time::Duration;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::KeyFn;
 use tower_limits::{BoxError, ErrorKind, LimitError, LimitSetLayer};
-use tower_limits_core::{AcquireError, Backend, Instant, KeyPart, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{
+    AcquireError, Backend, Instant, KeyPart, LimitPolicy, LimitSetPolicy, Quota, Rate, TenantKey, nz,
+};
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{GrantSource, RedisBackend, key_slot, redis};
 
@@ -24,8 +26,8 @@ fn at(nanos: u64) -> Instant {
 fn three_limits() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(10), 2).per("user"))
-        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1000), 1000).per("org").counting_cost())
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10)).burst(nz!(2))).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1000))).per("org").counting_cost())
         .limit(LimitPolicy::semaphore("concurrent", 4).per("org"))
 }
 
@@ -109,7 +111,7 @@ fn the_server_clock_decides() {
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
         let mut admin = admin(&server.url()).await;
-        let policy = LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Rate::per_second(1), 1));
+        let policy = LimitSetPolicy::new().limit(LimitPolicy::gcra("slow", Quota::per_second(nz!(1))));
         let backend = RedisBackend::builder(policy).namespace(namespace("clock")).build(&conn).unwrap();
         let key = TenantKey::global();
         // The caller's clock is ignored: a wildly different `now` changes nothing.
@@ -349,14 +351,17 @@ fn sets_are_checked_when_built() {
         let window = |d: Duration| LimitSetPolicy::new().limit(LimitPolicy::fixed_window("w", 1, d));
         assert!(build(window(Duration::from_nanos(1500))).unwrap_err().contains("whole number of microseconds"));
         assert!(build(window(Duration::from_secs(200 * 86_400))).unwrap_err().contains("52 days"));
-        let long_burst = LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_day(1), 200));
+        let long_burst = LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Quota::per_day(nz!(1)).burst(nz!(200))));
         assert!(build(long_burst).unwrap_err().contains("52 days"));
-        let bad = LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_second(0), 1));
+        // A policy's fields are data: a rate of zero reaches the builder as it would from a file.
+        let mut zero = LimitPolicy::gcra("g", Quota::per_second(nz!(1)));
+        zero.rate = Some(Rate::new(0, Duration::from_secs(1)));
+        let bad = LimitSetPolicy::new().limit(zero);
         assert!(build(bad).unwrap_err().contains("rate"));
         let braces = RedisBackend::builder(three_limits()).namespace("a{b}").build(&conn).unwrap_err();
         assert!(braces.to_string().contains("braces"), "{braces}");
         // A standalone server takes a set mixing global and keyed limits in one script.
-        let mixed = three_limits().limit(LimitPolicy::gcra("global", Rate::per_second(100), 100));
+        let mixed = three_limits().limit(LimitPolicy::gcra("global", Quota::per_second(nz!(100))));
         let backend = RedisBackend::builder(mixed).namespace(namespace("mixed")).build(&conn).unwrap();
         let alice = TenantKey::new(["acme", "alice"]).unwrap();
         let grant = backend.acquire(&alice, 1, Instant::ZERO).await.unwrap();

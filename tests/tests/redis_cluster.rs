@@ -8,7 +8,7 @@ mod redis_common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::test_support::cluster_for;
 use tower_limits_redis::{BuildError, RedisBackend, RedisConnection, SlotLayout, key_slot};
 
@@ -17,8 +17,8 @@ use redis_common::{namespace, runtime};
 fn keyed() -> LimitSetPolicy {
     LimitSetPolicy::new()
         .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(10), 3).per("user"))
-        .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(100), 100).per("org").counting_cost())
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10)).burst(nz!(3))).per("user"))
+        .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(100))).per("org").counting_cost())
         .limit(LimitPolicy::semaphore("concurrent", 2).per("org"))
         .limit(LimitPolicy::sliding_window_log("log", 50, Duration::from_secs(60)).per("user"))
 }
@@ -32,7 +32,7 @@ fn cluster_slots() {
         assert!(conn.is_cluster());
 
         // Global and keyed limits in one set would need two slots: refused at build time.
-        let mixed = keyed().limit(LimitPolicy::gcra("everyone", Rate::per_second(1000), 1000));
+        let mixed = keyed().limit(LimitPolicy::gcra("everyone", Quota::per_second(nz!(1000))));
         let err = RedisBackend::builder(mixed.clone()).namespace(namespace("c")).build(&conn).unwrap_err();
         assert!(matches!(&err, BuildError::CrossSlot { global, keyed } if global == "everyone" && keyed == "requests"));
         assert!(err.to_string().contains("OneSlot"), "{err}");

@@ -12,7 +12,7 @@ mod redis_common;
 use std::future::Future;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{FailurePolicy, GrantSource, RedisBackend, RedisConnection, RedisGrant};
 
@@ -29,7 +29,7 @@ fn policy() -> LimitSetPolicy {
         .tiers(["org", "user"])
         .limit(LimitPolicy::semaphore("concurrent", 2).per("org"))
         .limit(LimitPolicy::sliding_window_log("hourly", 1_000, Duration::from_secs(3600)).per("org"))
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1000), 1000).per("user"))
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1000))).per("user"))
 }
 
 fn backend(conn: &RedisConnection, failure: FailurePolicy, ns: &str) -> RedisBackend {
@@ -190,7 +190,7 @@ fn server_asleep_past_the_timeout() {
         b.release(&alice(), warm);
         guarded("flush", b.flush()).await;
         // A rate-only set notices when the server falls asleep.
-        let fast = LimitSetPolicy::new().limit(LimitPolicy::gcra("fast", Rate::per_second(1_000_000), 1_000_000));
+        let fast = LimitSetPolicy::new().limit(LimitPolicy::gcra("fast", Quota::per_second(nz!(1_000_000))));
         let probe = RedisBackend::builder(fast)
             .namespace(&ns)
             .timeout(TIMEOUT)

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::RedisBackend;
 use tower_limits_redis::test_support::redis_for;
+use tower_limits_tests::quota;
 
 use redis_common::{admin, cmd, connect, namespace, runtime};
 
@@ -44,8 +45,12 @@ fn the_fleet_never_admits_more_than_the_limit_plus_burst() {
         let (burst, window_limit) = (40u64, 25u64);
         let policy = LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("requests", Rate::new(1, interval), burst).per("org"))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(60), 300).per("org").counting_cost())
+            .limit(LimitPolicy::gcra("requests", quota(1, interval, burst)).per("org"))
+            .limit(
+                LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(60)).burst(nz!(300)))
+                    .per("org")
+                    .counting_cost(),
+            )
             .limit(LimitPolicy::sliding_window_log("exact", window_limit * 4, Duration::from_secs(3600)).per("org"));
         let replicas = fleet(&url, &policy, &namespace("fleet-rate")).await;
         let requests = Arc::new(AtomicU64::new(0));
@@ -100,7 +105,7 @@ fn the_fleet_never_holds_more_than_the_capacity() {
         let policy = LimitSetPolicy::new()
             .tiers(["org"])
             .limit(LimitPolicy::semaphore("concurrent", capacity).per("org"))
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000).per("org"));
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000_000))).per("org"));
         let replicas = fleet(&url, &policy, &namespace("fleet-sem")).await;
         let held = Arc::new(AtomicU64::new(0));
         let most = Arc::new(AtomicU64::new(0));

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
 use tower_limits_core::{
-    AcquireError, FleetShares, Instant, LimitPolicy, LimitSetPolicy, Rate, SharedAccounts, TenantKey,
+    AcquireError, FleetShares, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, TenantKey, nz,
 };
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{RedisAccounts, RedisConnection};
@@ -40,7 +40,8 @@ const TENANTS: [(&str, u32, u64, [usize; 3]); 3] =
     [("acme", 3, 100, [6, 0, 0]), ("globex", 2, 50, [4, 2, 1]), ("initech", 1, 80, [5, 2, 1])];
 
 fn account() -> LimitSetPolicy {
-    LimitSetPolicy::new().limit(LimitPolicy::token_bucket("tpm", Rate::per_second(RATE), BURST).counting_cost())
+    LimitSetPolicy::new()
+        .limit(LimitPolicy::token_bucket("tpm", Quota::per_second(nz!(RATE)).burst(nz!(BURST))).counting_cost())
 }
 
 struct Replica {

@@ -21,7 +21,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use tower_limits_core::{
-    AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, OwnedPermit, Rate, SetError, TenantKey,
+    AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, LimitSetStats, OwnedPermit, Quota, SetError,
+    TenantKey, nz,
 };
 use tower_limits_tests::policies::{Kind, PolicyGen, Spec, TIERS, name, policy_of};
 use tower_limits_tests::{describe, proptest_config};
@@ -288,7 +289,7 @@ fn a_one_limit_set_counts_grants_refusals_and_impossible_costs() {
 /// each hand-over moves only what was counted since the last one.
 #[test]
 fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
-    let gcra = || LimitPolicy::gcra("g", Rate::per_hour(1), 1).counting_cost();
+    let gcra = || LimitPolicy::gcra("g", Quota::per_hour(nz!(1))).counting_cost();
     let one = || LimitSetPolicy::new().limit(gcra());
     let two = || LimitSetPolicy::new().limit(gcra()).limit(LimitPolicy::semaphore("s", 4));
     let set = LimitSet::new(one()).unwrap();
@@ -332,8 +333,8 @@ fn counts_survive_the_one_limit_path_switching_off_and_on_again() {
 fn a_shadow_limit_that_refused_is_neither_settled_cancelled_nor_released() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("rate", Rate::per_hour(1), 10).counting_cost().shadow())
+            .limit(LimitPolicy::gcra("open", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("rate", Quota::per_hour(nz!(1)).burst(nz!(10))).counting_cost().shadow())
             .limit(LimitPolicy::semaphore("slots", 1).shadow()),
     )
     .unwrap();
@@ -365,9 +366,9 @@ fn shadow_refusals_of_keyed_and_global_limits_are_counted() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("per-tenant", Rate::per_hour(1), 1).per("tenant").shadow())
-            .limit(LimitPolicy::gcra("everyone", Rate::per_hour(1), 2).shadow()),
+            .limit(LimitPolicy::gcra("open", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("per-tenant", Quota::per_hour(nz!(1))).per("tenant").shadow())
+            .limit(LimitPolicy::gcra("everyone", Quota::per_hour(nz!(1)).burst(nz!(2))).shadow()),
     )
     .unwrap();
     let key = TenantKey::single("a").unwrap();
@@ -387,8 +388,8 @@ fn a_key_too_shallow_for_a_shadow_limit_is_its_refusal() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("per-user", Rate::per_hour(1), 5).per("user").shadow()),
+            .limit(LimitPolicy::gcra("open", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("per-user", Quota::per_hour(nz!(1)).burst(nz!(5))).per("user").shadow()),
     )
     .unwrap();
     let org_only = TenantKey::single("acme").unwrap();
@@ -407,9 +408,9 @@ fn a_shadow_limit_that_refused_needs_no_room_after_a_sweep() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(3)
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("each", Rate::per_hour(1), 10).per("tenant").counting_cost())
-            .limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).per("tenant").counting_cost().shadow()),
+            .limit(LimitPolicy::gcra("open", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("each", Quota::per_hour(nz!(1)).burst(nz!(10))).per("tenant").counting_cost())
+            .limit(LimitPolicy::gcra("trial", Quota::per_second(nz!(1))).per("tenant").counting_cost().shadow()),
     )
     .unwrap();
     let [a, b, c] = ["a", "b", "c"].map(|t| TenantKey::single(t).unwrap());
@@ -431,7 +432,8 @@ fn a_shadow_limit_that_refused_needs_no_room_after_a_sweep() {
 #[test]
 fn one_shadow_limit_alone_refuses_only_what_it_should() {
     let global =
-        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Rate::per_hour(1), 1).shadow())).unwrap();
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Quota::per_hour(nz!(1))).shadow()))
+            .unwrap();
     let key = TenantKey::global();
     assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 0);
     assert_eq!(global.acquire_grant(&key, 1, Instant::ZERO).unwrap().shadow_refusals().count(), 1);
@@ -441,7 +443,7 @@ fn one_shadow_limit_alone_refuses_only_what_it_should() {
     let keyed = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("per-user", Rate::per_hour(1), 5).per("user").shadow()),
+            .limit(LimitPolicy::gcra("per-user", Quota::per_hour(nz!(1)).burst(nz!(5))).per("user").shadow()),
     )
     .unwrap();
     let org_only = TenantKey::single("acme").unwrap();
@@ -460,8 +462,8 @@ fn a_key_is_found_again_after_its_table_grew() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(10_000)
-            .limit(LimitPolicy::gcra("open", Rate::per_second(1_000_000), 1_000_000))
-            .limit(LimitPolicy::gcra("each", Rate::per_hour(1), 1).per("tenant")),
+            .limit(LimitPolicy::gcra("open", Quota::per_second(nz!(1_000_000))))
+            .limit(LimitPolicy::gcra("each", Quota::per_hour(nz!(1))).per("tenant")),
     )
     .unwrap();
     let tenants: Vec<TenantKey> = (0..300).map(|i| TenantKey::single(format!("t{i}")).unwrap()).collect();
@@ -485,7 +487,7 @@ fn a_charge_after_eviction_comes_back_when_a_sweep_makes_room() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(2)
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(10), 10).counting_cost().per("tenant")),
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(10))).counting_cost().per("tenant")),
     )
     .unwrap();
     let [a, b, c] = ["a", "b", "c"].map(|t| TenantKey::single(t).unwrap());
@@ -509,7 +511,7 @@ fn a_full_table_refuses_after_a_sweep_that_frees_nothing() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(4)
-            .limit(LimitPolicy::gcra("global", Rate::per_second(1000), 1000))
+            .limit(LimitPolicy::gcra("global", Quota::per_second(nz!(1000))))
             .limit(LimitPolicy::semaphore("slots", 1).per("tenant")),
     )
     .unwrap();
@@ -534,14 +536,14 @@ fn a_full_table_refuses_after_a_sweep_that_frees_nothing() {
 #[test]
 fn a_grant_holds_concurrency_only_with_a_semaphore() {
     let key = TenantKey::single("a").unwrap();
-    let rates = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_second(10), 10))).unwrap();
+    let rates = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Quota::per_second(nz!(10))))).unwrap();
     let grant = rates.acquire_grant(&key, 1, Instant::ZERO).unwrap();
     assert!(!grant.holds_concurrency());
     rates.release_grant(&key, grant);
 
     let slots = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("g", Rate::per_second(10), 10))
+            .limit(LimitPolicy::gcra("g", Quota::per_second(nz!(10))))
             .limit(LimitPolicy::semaphore("s", 1)),
     )
     .unwrap();
@@ -562,7 +564,7 @@ fn after_a_sweep_only_the_states_a_key_lacks_need_room() {
         LimitSetPolicy::new()
             .tiers(["org", "user"])
             .max_keys(4)
-            .limit(LimitPolicy::gcra("org-rate", Rate::per_hour(1000), 1000).per("org"))
+            .limit(LimitPolicy::gcra("org-rate", Quota::per_hour(nz!(1000))).per("org"))
             .limit(LimitPolicy::semaphore("user-slots", 1).per("user")),
     )
     .unwrap();
@@ -590,7 +592,7 @@ fn grants_settle_and_cancel_like_permits() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("tokens", Rate::per_hour(100), 100).per("tenant").counting_cost())
+            .limit(LimitPolicy::gcra("tokens", Quota::per_hour(nz!(100))).per("tenant").counting_cost())
             .limit(LimitPolicy::semaphore("slots", 2)),
     )
     .unwrap();
@@ -622,7 +624,7 @@ fn grants_settle_and_cancel_like_permits() {
 fn settles_of_one_cost_and_of_costs_per_limit_mix() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_hour(100), 100).counting_cost())
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_hour(nz!(100))).counting_cost())
             .limit(LimitPolicy::semaphore("slots", 10).counting_cost()),
     )
     .unwrap();
@@ -657,8 +659,9 @@ fn settles_of_one_cost_and_of_costs_per_limit_mix() {
 fn a_check_charges_rates_and_holds_no_concurrency() {
     let key = TenantKey::single("a").unwrap();
     let now = Instant::ZERO;
-    let one = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Rate::per_hour(2), 2).counting_cost()))
-        .unwrap();
+    let one =
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("g", Quota::per_hour(nz!(2))).counting_cost()))
+            .unwrap();
     assert!(one.check(&key, 1, now).is_ok());
     assert!(one.check(&key, 1, now).is_ok());
     let refused = one.check(&key, 1, now).unwrap_err();
@@ -669,7 +672,7 @@ fn a_check_charges_rates_and_holds_no_concurrency() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["user"])
-            .limit(LimitPolicy::gcra("rate", Rate::per_hour(3), 3).per("user"))
+            .limit(LimitPolicy::gcra("rate", Quota::per_hour(nz!(3))).per("user"))
             .limit(LimitPolicy::semaphore("slots", 1)),
     )
     .unwrap();
@@ -727,8 +730,8 @@ fn tier_depth_names_how_deep_each_tier_keeps_its_state() {
 /// keyed, the release takes only the key's shard).
 #[test]
 fn a_release_after_a_reordering_replace_finds_a_keyed_semaphore_by_name() {
-    let a = || LimitPolicy::gcra("a", Rate::per_hour(1), 100).per("tenant");
-    let b = || LimitPolicy::gcra("b", Rate::per_hour(1), 100);
+    let a = || LimitPolicy::gcra("a", Quota::per_hour(nz!(1)).burst(nz!(100))).per("tenant");
+    let b = || LimitPolicy::gcra("b", Quota::per_hour(nz!(1)).burst(nz!(100)));
     let s = || LimitPolicy::semaphore("s", 10).per("tenant").counting_cost();
     let policy = |limits: Vec<LimitPolicy>| {
         limits.into_iter().fold(LimitSetPolicy::new().tiers(["tenant"]), LimitSetPolicy::limit)
@@ -745,8 +748,8 @@ fn a_release_after_a_reordering_replace_finds_a_keyed_semaphore_by_name() {
 
 #[test]
 fn a_settle_after_a_reordering_replace_finds_each_limit_by_name() {
-    let a = || LimitPolicy::token_bucket("a", Rate::per_hour(1), 100).counting_cost();
-    let b = || LimitPolicy::token_bucket("b", Rate::per_hour(1), 100).counting_cost();
+    let a = || LimitPolicy::token_bucket("a", Quota::per_hour(nz!(1)).burst(nz!(100))).counting_cost();
+    let b = || LimitPolicy::token_bucket("b", Quota::per_hour(nz!(1)).burst(nz!(100))).counting_cost();
     let s = || LimitPolicy::semaphore("s", 4);
     let set = LimitSet::new(LimitSetPolicy::new().limit(a()).limit(b()).limit(s())).expect("a valid policy");
     let key = TenantKey::global();
@@ -764,11 +767,9 @@ fn a_settle_after_a_reordering_replace_finds_each_limit_by_name() {
 fn a_refund_for_an_evicted_key_does_not_bring_it_back() {
     // Five tokens a second, ten at most, per user; alice's grant is settled after her
     // state went idle and was forgotten.
-    let set = LimitSet::new(
-        LimitSetPolicy::new()
-            .tiers(["user"])
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(5), 10).per("user").counting_cost()),
-    )
+    let set = LimitSet::new(LimitSetPolicy::new().tiers(["user"]).limit(
+        LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(5)).burst(nz!(10))).per("user").counting_cost(),
+    ))
     .unwrap();
     let alice = TenantKey::single("alice").unwrap();
     let mut permit = set.acquire_owned(&alice, 8, Instant::ZERO).unwrap();

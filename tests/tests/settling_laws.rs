@@ -29,7 +29,7 @@ use proptest::sample::Index;
 use tower_limits_core::algorithm::{
     Algorithm, FixedWindow, Gcra, SlidingWindowCounter, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
-use tower_limits_core::{Instant, Rate};
+use tower_limits_core::{Instant, Quota, nz};
 use tower_limits_tests::params::{RateParams, WindowParams, rate_params, window_params};
 use tower_limits_tests::proptest_config;
 
@@ -354,7 +354,6 @@ fn a_steady_log_forgets_what_left_the_window() {
 #[test]
 fn settling_up_and_down_on_concrete_numbers() {
     let window = Duration::from_secs(1);
-    let rate = Rate::per_second(4);
     fn room<A: Algorithm>(alg: &A, state: &A::State) -> u64 {
         (0..=alg.capacity()).rev().find(|&c| alg.check(state, Instant::ZERO, c).is_ok()).unwrap()
     }
@@ -367,8 +366,8 @@ fn settling_up_and_down_on_concrete_numbers() {
         alg.refund(&mut s, Instant::ZERO, Instant::ZERO, 3);
         assert_eq!(room(&alg, &s), 4, "{alg:?} after settling down: {s:?}");
     }
-    up_then_down(Gcra::new(rate, 4).unwrap());
-    up_then_down(TokenBucket::new(rate, 4).unwrap());
+    up_then_down(Gcra::new(Quota::per_second(nz!(4))));
+    up_then_down(TokenBucket::new(Quota::per_second(nz!(4))));
     up_then_down(SlidingWindowLog::new(4, window).unwrap());
     up_then_down(SlidingWindowCounter::new(4, window).unwrap());
     up_then_down(FixedWindow::new(4, window).unwrap());

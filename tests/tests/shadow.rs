@@ -26,7 +26,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use tower::{Service, ServiceExt};
 use tower_limits::{GcraLayer, LimitLayer, LimitSetLayer, Quota, nz};
-use tower_limits_core::{AcquireError, Grant, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Grant, Instant, LimitPolicy, LimitSet, LimitSetPolicy, TenantKey};
 use tower_limits_tests::policies::{PolicyGen, Spec, TIERS};
 use tower_limits_tests::proptest_config;
 
@@ -143,7 +143,7 @@ proptest! {
         // With no other limit, the set under test is the shadow limit alone, and its
         // enforcing twin grants everything.
         let enforcing = if others.is_empty() {
-            LimitSet::new(enforcing.limit(LimitPolicy::gcra("unbounded", Rate::per_second(1_000_000), 1_000_000))).unwrap()
+            LimitSet::new(enforcing.limit(LimitPolicy::gcra("unbounded", Quota::per_second(nz!(1_000_000))))).unwrap()
         } else {
             LimitSet::new(enforcing).unwrap()
         };
@@ -233,8 +233,8 @@ fn a_key_too_short_for_a_shadow_limit_is_admitted_and_counted() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(TIERS)
-            .limit(LimitPolicy::gcra("org_rate", Rate::per_second(10), 10).per("org"))
-            .limit(LimitPolicy::gcra("user_rate", Rate::per_second(10), 10).per("user").shadow()),
+            .limit(LimitPolicy::gcra("org_rate", Quota::per_second(nz!(10))).per("org"))
+            .limit(LimitPolicy::gcra("user_rate", Quota::per_second(nz!(10))).per("user").shadow()),
     )
     .unwrap();
     let org_only = TenantKey::single("acme").unwrap();
@@ -246,7 +246,7 @@ fn a_key_too_short_for_a_shadow_limit_is_admitted_and_counted() {
 #[test]
 fn a_shadow_limit_survives_a_policy_change_to_enforcing_with_its_state() {
     let trial = |shadow: bool| {
-        let p = LimitPolicy::gcra("trial", Rate::per_second(1), 2);
+        let p = LimitPolicy::gcra("trial", Quota::per_second(nz!(1)).burst(nz!(2)));
         LimitSetPolicy::new().limit(if shadow { p.shadow() } else { p })
     };
     let set = LimitSet::new(trial(true)).unwrap();
@@ -335,8 +335,8 @@ async fn a_shadow_layer_holds_no_concurrency_for_what_it_lets_through() {
 async fn a_shadow_limit_in_a_layer_is_counted_and_the_other_limits_still_refuse() {
     let layer = LimitSetLayer::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("enforced", Rate::per_second(10), 4))
-            .limit(LimitPolicy::gcra("trial", Rate::per_second(10), 2).shadow()),
+            .limit(LimitPolicy::gcra("enforced", Quota::per_second(nz!(10)).burst(nz!(4))))
+            .limit(LimitPolicy::gcra("trial", Quota::per_second(nz!(10)).burst(nz!(2))).shadow()),
     )
     .unwrap();
     let svc = echo(layer.clone());
@@ -361,8 +361,8 @@ async fn a_shadow_limit_in_a_layer_is_counted_and_the_other_limits_still_refuse(
 async fn a_shadow_limit_of_a_pool_member_is_reported_through_the_layer() {
     let member = LimitSet::new(
         LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("rpm", Rate::per_minute(100), 100))
-            .limit(LimitPolicy::gcra("trial", Rate::per_minute(1), 1).shadow()),
+            .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(100))))
+            .limit(LimitPolicy::gcra("trial", Quota::per_minute(nz!(1))).shadow()),
     )
     .unwrap();
     let pool = tower_limits::LimitPool::builder(tower_limits::Selection::RoundRobin)

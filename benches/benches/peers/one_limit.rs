@@ -6,14 +6,14 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use governor::{Quota as GovQuota, RateLimiter};
-use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Quota, SystemClock, TenantKey, nz};
 
 use crate::table::{Op, Row, pair, thread_counts, throughput_rounds};
 use crate::{HUGE, nz_u32, open_governor};
 
 fn open_set() -> LimitSet {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), 1_000_000)))
-        .expect("policy")
+    let open = Quota::per_second(nz!(HUGE as u64)).burst(nz!(1_000_000));
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", open))).expect("policy")
 }
 
 /// One limit, allow and deny, on one thread; then on threads (see [`thread_rows`]).
@@ -45,7 +45,7 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
     ));
 
     let shut =
-        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_hour(1), 1))).expect("policy");
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_hour(nz!(1))))).expect("policy");
     let _first = shut.acquire(&global, 1, clock.now()).expect("first passes");
     let gov_shut = RateLimiter::direct(GovQuota::per_hour(nz_u32(1)));
     let _ = gov_shut.check();
@@ -101,8 +101,7 @@ fn thread_rows(rows: &mut Vec<Row>, cost: u32) {
         // A thread's lease is as large either way (a quarter of the headroom is far more
         // than the largest lease).
         let ours = LimitSet::new(
-            LimitSetPolicy::new()
-                .limit(LimitPolicy::gcra("r", Rate::per_second(u64::from(HUGE)), u64::from(HUGE)).counting_cost()),
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(HUGE as u64))).counting_cost()),
         )
         .expect("policy");
         let theirs = Arc::new(RateLimiter::direct(GovQuota::per_second(nz_u32(HUGE)).allow_burst(nz_u32(HUGE))));

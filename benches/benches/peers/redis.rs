@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use tokio::runtime::Runtime;
-use tower_limits_core::{Backend, LimitPolicy, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{Backend, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
 use tower_limits_redis::test_support::RedisServer;
 use tower_limits_redis::{RedisBackend, RedisConnection};
@@ -41,9 +41,9 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
         (0..1_000).map(|i| TenantKey::new([format!("org-{}", i / 10), format!("user-{i}")]).expect("key")).collect();
     let bench = Bench { rt, conn, raw, keys };
     let single = bench.backend(
-        LimitSetPolicy::new()
-            .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000_000), 1_000_000_000).per("user")),
+        LimitSetPolicy::new().tiers(["org", "user"]).limit(
+            LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000_000_000))).per("user"),
+        ),
         "single",
     );
     let three = bench.backend(tower_limits_benches::open_set_of_three(), "three");

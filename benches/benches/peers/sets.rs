@@ -7,18 +7,19 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use tower_limits_benches::floor::{SetOfThreeFloor, SetOfThreeLockFree};
-use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Rate, SystemClock, TenantKey};
+use tower_limits_core::{Clock, LimitPolicy, LimitSet, LimitSetPolicy, Quota, SystemClock, TenantKey, nz};
 
 use crate::table::{Op, Row, pair, thread_counts, throughput_rounds};
 use crate::{HUGE, open_governor};
 
 /// The set of three, never refusing in a benchmark.
 fn set_of_three() -> LimitSet {
+    let open = Quota::per_second(nz!(HUGE as u64)).burst(nz!(1_000_000));
     LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(u64::from(HUGE)), 1_000_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(u64::from(HUGE)), 1_000_000).counting_cost())
+            .limit(LimitPolicy::gcra("requests", open).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", open).counting_cost())
             .limit(LimitPolicy::semaphore("concurrent", 64).per("tenant")),
     )
     .expect("policy")

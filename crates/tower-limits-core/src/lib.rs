@@ -16,12 +16,12 @@
 //! - [`backend`]: the seam through which a set's state can live elsewhere.
 //!
 //! ```
-//! use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+//! use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
 //!
 //! let set = LimitSet::new(
 //!     LimitSetPolicy::new()
 //!         .tiers(["tenant"])
-//!         .limit(LimitPolicy::gcra("rps", Rate::per_second(5), 5).per("tenant")),
+//!         .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(5))).per("tenant")),
 //! )
 //! .unwrap();
 //! let key = TenantKey::single("acme").unwrap();

@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 use crate::algorithm::{FixedWindow, Gcra, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket};
 use crate::key::MAX_TIERS;
 use crate::limit::{Config, LimitDef, Shape, VERSIONS, intern};
-use crate::rate::Rate;
+use crate::rate::{Quota, Rate};
 
 pub use crate::limit::{AlgorithmKind, Counts, Limit, MAX_LIMITS, Scope};
 pub use crate::policy_error::PolicyError;
@@ -92,7 +92,11 @@ impl std::error::Error for LoadError {
 /// One limit of a set.
 ///
 /// The fields a limit needs depend on its algorithm: `rate` and `burst` for `gcra` and
-/// `token_bucket`, `limit` and `window` for the windows, `capacity` for `semaphore`.
+/// `token_bucket`, `limit` and `window` for the windows, `capacity` for `semaphore`. The
+/// fields are data, as a policy file gives them, and are checked when the policy is
+/// validated; in code, the constructors take what they need ready-made:
+/// [`LimitPolicy::gcra`] and [`LimitPolicy::token_bucket`] fill `rate` and `burst` from a
+/// [`Quota`], valid by construction.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitPolicy {
@@ -107,7 +111,8 @@ pub struct LimitPolicy {
     /// What a request costs against it: one (the default) or the request's cost.
     #[serde(default)]
     pub counts: Counts,
-    /// For `gcra` and `token_bucket`: the sustained rate, as `"600/1m"` or `"10/s"`.
+    /// For `gcra` and `token_bucket`: the sustained rate, as `"600/1m"` or `"10/s"` (a
+    /// [`Quota`]'s [`rate`](Quota::rate)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<Rate>,
     /// For `gcra` and `token_bucket`: the most that can be granted at once. Defaults to
@@ -148,16 +153,28 @@ impl LimitPolicy {
         }
     }
 
-    /// A GCRA limit.
+    /// A GCRA limit of `quota`: its `rate` and `burst` fields are the quota's.
+    ///
+    /// ```
+    /// use tower_limits_core::{LimitPolicy, Quota, nz};
+    ///
+    /// let limit = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(600)).burst(nz!(20)));
+    /// assert_eq!(limit.rate.map(|r| r.to_string()).as_deref(), Some("600/1m"));
+    /// assert_eq!(limit.burst, Some(20));
+    /// ```
     #[must_use]
-    pub fn gcra(name: impl Into<String>, rate: Rate, burst: u64) -> Self {
-        LimitPolicy { rate: Some(rate), burst: Some(burst), ..Self::bare(name, AlgorithmKind::Gcra) }
+    pub fn gcra(name: impl Into<String>, quota: Quota) -> Self {
+        Self::rate_limit(name, AlgorithmKind::Gcra, quota)
     }
 
-    /// A token bucket.
+    /// A token bucket of `quota`: the bucket holds its burst and refills at its rate.
     #[must_use]
-    pub fn token_bucket(name: impl Into<String>, rate: Rate, burst: u64) -> Self {
-        LimitPolicy { rate: Some(rate), burst: Some(burst), ..Self::bare(name, AlgorithmKind::TokenBucket) }
+    pub fn token_bucket(name: impl Into<String>, quota: Quota) -> Self {
+        Self::rate_limit(name, AlgorithmKind::TokenBucket, quota)
+    }
+
+    fn rate_limit(name: impl Into<String>, algorithm: AlgorithmKind, quota: Quota) -> Self {
+        LimitPolicy { rate: Some(quota.rate()), burst: Some(quota.max_burst()), ..Self::bare(name, algorithm) }
     }
 
     /// An exact sliding-window log.
@@ -206,10 +223,10 @@ impl LimitPolicy {
     /// [`LimitPolicy::shadow`](LimitPolicy#structfield.shadow)).
     ///
     /// ```
-    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
     ///
     /// let set = LimitSet::new(
-    ///     LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).shadow()),
+    ///     LimitSetPolicy::new().limit(LimitPolicy::gcra("trial", Quota::per_second(nz!(1))).shadow()),
     /// )?;
     /// let now = Instant::ZERO;
     /// let global = TenantKey::global();
@@ -369,11 +386,11 @@ impl Limit {
                 unused("window", p.window.is_some())?;
                 unused("capacity", p.capacity.is_some())?;
                 let rate = p.rate.ok_or_else(|| required("rate"))?;
-                let burst = p.burst.unwrap_or(rate.amount());
+                let quota = Quota::of_policy(rate, p.burst.unwrap_or(rate.amount()))?;
                 Ok(if kind == AlgorithmKind::Gcra {
-                    Limit::Gcra(Gcra::new(rate, burst)?)
+                    Limit::Gcra(Gcra::new(quota))
                 } else {
-                    Limit::TokenBucket(TokenBucket::new(rate, burst)?)
+                    Limit::TokenBucket(TokenBucket::new(quota))
                 })
             }
             AlgorithmKind::SlidingWindowLog | AlgorithmKind::SlidingWindowCounter | AlgorithmKind::FixedWindow => {
@@ -495,15 +512,17 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nz;
 
     /// Grants refer to their policy's shape without a reference count: it is stored once
     /// per distinct shape, however often a set is built or replaced with it.
     #[test]
     fn a_shape_is_stored_once() {
-        let policy = |quota: u64| {
+        let policy = |per_second: u64| {
+            let quota = Quota::try_new(per_second, Duration::from_secs(1)).unwrap().burst(nz!(2));
             LimitSetPolicy::new()
                 .tiers(["org", "user"])
-                .limit(LimitPolicy::gcra("requests", Rate::per_second(quota), 2).per("user"))
+                .limit(LimitPolicy::gcra("requests", quota).per("user"))
                 .limit(LimitPolicy::semaphore("concurrent", 4).per("org"))
         };
         let (a, b) = (Config::build(&policy(10)).unwrap(), Config::build(&policy(20)).unwrap());
@@ -529,9 +548,10 @@ mod tests {
 
     #[test]
     fn rates_parse() {
-        assert_eq!(parse_rate("600/1m").unwrap(), Rate::per_minute(600));
-        assert_eq!(parse_rate("10/s").unwrap(), Rate::per_second(10));
-        assert_eq!(parse_rate("1_000_000/minute").unwrap(), Rate::per_minute(1_000_000));
+        let minute = Duration::from_secs(60);
+        assert_eq!(parse_rate("600/1m").unwrap(), Rate::new(600, minute));
+        assert_eq!(parse_rate("10/s").unwrap(), Rate::new(10, Duration::from_secs(1)));
+        assert_eq!(parse_rate("1_000_000/minute").unwrap(), Rate::new(1_000_000, minute));
         assert!(parse_rate("ten/s").is_err());
         assert!(parse_rate("10").is_err());
     }
@@ -540,7 +560,7 @@ mod tests {
     fn json_and_toml_agree() {
         let policy = LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("rpm", Rate::per_minute(60), 10).per("user"))
+            .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(60)).burst(nz!(10))).per("user"))
             .limit(LimitPolicy::semaphore("concurrent", 4).per("org"))
             .limit(LimitPolicy::sliding_window_log("daily", 1000, Duration::from_secs(86_400)).counting_cost());
         let json = serde_json::to_string(&policy).unwrap();
@@ -567,6 +587,7 @@ mod validation_tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::nz;
 
     fn err(policy: &LimitSetPolicy) -> String {
         Config::build(policy).unwrap_err().to_string()
@@ -575,14 +596,13 @@ mod validation_tests {
     #[test]
     fn validation_names_the_field() {
         let base = || LimitSetPolicy::new().tiers(["org", "user"]);
-        assert_eq!(
-            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(0), 1))),
-            "limits[0] (rpm).rate: the amount must be at least 1"
-        );
-        assert_eq!(
-            err(&base().limit(LimitPolicy::gcra("rpm", Rate::per_minute(10), 0))),
-            "limits[0] (rpm).burst: must be at least 1"
-        );
+        // A policy's fields are data, and may be invalid: a quota cannot be.
+        let mut p = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(10)).burst(nz!(1)));
+        p.rate = Some(Rate::new(0, Duration::from_secs(60)));
+        assert_eq!(err(&base().limit(p)), "limits[0] (rpm).rate: the amount must be at least 1");
+        let mut p = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(10)));
+        p.burst = Some(0);
+        assert_eq!(err(&base().limit(p)), "limits[0] (rpm).burst: must be at least 1");
         assert_eq!(
             err(&base().limit(LimitPolicy::semaphore("c", 1)).limit(LimitPolicy::semaphore("c", 2))),
             "limits[1] (c).name: \"c\" is already the name of limits[0]"
@@ -593,7 +613,7 @@ mod validation_tests {
         );
         assert_eq!(err(&base()), "limit: a limit set needs at least one limit");
         let mut p = LimitPolicy::semaphore("c", 1);
-        p.rate = Some(Rate::per_second(1));
+        p.rate = Some(Rate::new(1, Duration::from_secs(1)));
         assert_eq!(err(&base().limit(p)), "limits[0] (c).rate: is not used by semaphore");
         let mut p = LimitPolicy::fixed_window("w", 1, Duration::from_secs(1));
         p.window = None;
@@ -606,10 +626,10 @@ mod validation_tests {
 
     #[test]
     fn burst_defaults_to_the_rate_amount() {
-        let mut p = LimitPolicy::gcra("rpm", Rate::per_minute(600), 1);
+        let mut p = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(600)).burst(nz!(1)));
         p.burst = None;
         match Limit::from_policy(&p).unwrap() {
-            Limit::Gcra(g) => assert_eq!(g.burst(), 600),
+            Limit::Gcra(g) => assert_eq!(g.quota(), Quota::per_minute(nz!(600))),
             other => panic!("{other:?}"),
         }
     }

@@ -205,12 +205,13 @@ struct Inner<T> {
 ///
 /// ```
 /// use tower_limits_core::pool::{LimitPool, Selection};
-/// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+/// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
 ///
-/// let account = |rpm| LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), 1))).unwrap();
+/// let rpm = Quota::per_minute(nz!(60)).burst(nz!(1));
+/// let account = || LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", rpm))).unwrap();
 /// let pool = LimitPool::builder(Selection::RoundRobin)
-///     .member("primary", account(60), "sk-primary")
-///     .member("secondary", account(60), "sk-secondary")
+///     .member("primary", account(), "sk-primary")
+///     .member("secondary", account(), "sk-secondary")
 ///     .build()
 ///     .unwrap();
 /// let key = TenantKey::global();
@@ -652,13 +653,14 @@ impl<T> Future for PoolAcquire<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{LimitPolicy, LimitSetPolicy, Rate};
+    use crate::{LimitPolicy, LimitSetPolicy, Quota};
 
     fn account(rpm: u64, tpm: u64) -> LimitSet {
+        let per_minute = |n| Quota::try_new(n, Duration::from_secs(60)).unwrap();
         LimitSet::new(
             LimitSetPolicy::new()
-                .limit(LimitPolicy::gcra("rpm", Rate::per_minute(rpm), rpm))
-                .limit(LimitPolicy::token_bucket("tpm", Rate::per_minute(tpm), tpm).counting_cost()),
+                .limit(LimitPolicy::gcra("rpm", per_minute(rpm)))
+                .limit(LimitPolicy::token_bucket("tpm", per_minute(tpm)).counting_cost()),
         )
         .unwrap()
     }

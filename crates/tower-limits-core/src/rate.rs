@@ -1,12 +1,17 @@
-//! Rates as integer emission intervals.
+//! Quotas, and rates as integer emission intervals.
 //!
-//! A [`Rate`] is "`amount` units every `period`". The algorithms never see it as a
-//! floating-point number: it becomes an emission interval, the whole number of
-//! nanoseconds one unit costs, rounded **up**. Rounding up can only make the effective
-//! rate lower than the policy, never higher, so every admission bound proved for the
-//! integer algorithms holds for the policy as written. A rate whose rounding would cost
-//! more than 1% of its throughput (more than about ten million units per second) is
-//! refused by validation rather than silently weakened.
+//! A rate limit is built from a [`Quota`]: a rate with its burst, valid by construction
+//! (`Quota::per_minute(nz!(600)).burst(nz!(20))`), or checked once when read from data
+//! ([`Quota::try_new`], [`Quota::try_burst`]). A [`Rate`] is the data form of the rate
+//! alone, "`amount` units every `period`", as the `rate` field of a policy file spells it
+//! (`rate = "600/1m"`); a policy's rate is checked when the policy is validated.
+//!
+//! The algorithms never see a rate as a floating-point number: it becomes an emission
+//! interval, the whole number of nanoseconds one unit costs, rounded **up**. Rounding up
+//! can only make the effective rate lower than the policy, never higher, so every
+//! admission bound proved for the integer algorithms holds for the policy as written. A
+//! rate whose rounding would cost more than 1% of its throughput (more than about ten
+//! million units per second) is refused rather than silently weakened.
 
 use std::fmt;
 use std::num::NonZeroU64;
@@ -17,14 +22,26 @@ use serde::{Deserialize, Serialize};
 use crate::policy_error::PolicyError;
 use crate::time::{MAX_SPAN_NANOS, duration_to_nanos, parse_duration};
 
-/// `amount` units per `period`: requests per minute, tokens per second, and so on.
+/// The spelling of a rate in a policy file: `amount` units per `period`, the `rate` field
+/// of a [`LimitPolicy`](crate::LimitPolicy) (`rate = "600/1m"`, `"10/s"`).
+///
+/// In code, build a [`Quota`] instead, a rate with its burst that is valid by
+/// construction: `Quota::per_minute(nz!(600)).burst(nz!(20))`. The layers, the
+/// algorithms, [`LimitPolicy::gcra`](crate::LimitPolicy::gcra) and
+/// [`LimitPolicy::token_bucket`](crate::LimitPolicy::token_bucket) take one, and
+/// [`Quota::rate`] is its rate in this form. A `Rate` is plain data and may be invalid (a
+/// zero amount or period, a rate too fast to represent): a policy holding one is refused
+/// when it is validated, with an error naming the field.
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_limits_core::Rate;
+/// use tower_limits_core::{LimitPolicy, Quota, Rate, nz};
 ///
-/// let rpm = Rate::per_minute(600);
-/// assert_eq!(rpm.interval().unwrap(), Duration::from_millis(100));
+/// let limit = LimitPolicy::gcra("rpm", Quota::per_minute(nz!(600)).burst(nz!(20)));
+/// let rate = limit.rate.unwrap();
+/// assert_eq!(rate, Rate::new(600, Duration::from_secs(60)));
+/// assert_eq!(rate.to_string(), "600/1m");
+/// assert_eq!(rate.interval().unwrap(), Duration::from_millis(100));
 /// assert_eq!(Rate::new(3, Duration::from_secs(1)).interval().unwrap().as_nanos(), 333_333_334);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -36,34 +53,10 @@ pub struct Rate {
 
 impl Rate {
     /// `amount` units every `period`. Validity (non-zero, representable) is checked when
-    /// the rate is used to build a limit, with an error naming the field.
+    /// a policy holding the rate is validated, with an error naming the field.
     #[must_use]
     pub const fn new(amount: u64, period: Duration) -> Self {
         Rate { amount, period }
-    }
-
-    /// `amount` units per second.
-    #[must_use]
-    pub const fn per_second(amount: u64) -> Self {
-        Self::new(amount, Duration::from_secs(1))
-    }
-
-    /// `amount` units per minute.
-    #[must_use]
-    pub const fn per_minute(amount: u64) -> Self {
-        Self::new(amount, Duration::from_secs(60))
-    }
-
-    /// `amount` units per hour.
-    #[must_use]
-    pub const fn per_hour(amount: u64) -> Self {
-        Self::new(amount, Duration::from_secs(3600))
-    }
-
-    /// `amount` units per day.
-    #[must_use]
-    pub const fn per_day(amount: u64) -> Self {
-        Self::new(amount, Duration::from_secs(86_400))
     }
 
     /// The number of units per period.
@@ -126,7 +119,11 @@ const fn burst_fits(interval: u64, burst: u64) -> bool {
     }
 }
 
-/// A rate with its burst, valid by construction: what a rate limit is built from.
+/// A rate with its burst, valid by construction: what a rate limit is built from, by the
+/// layers, [`LimitSet::gcra`](crate::LimitSet::gcra),
+/// [`LimitPolicy::gcra`](crate::LimitPolicy::gcra) and
+/// [`LimitPolicy::token_bucket`](crate::LimitPolicy::token_bucket), and the algorithms
+/// ([`Gcra::new`](crate::algorithm::Gcra::new)).
 ///
 /// The constructors take [`NonZeroU64`] (write constants with [`nz!`](crate::nz)), so a
 /// constant quota needs no `Result` and no `unwrap`. The burst, the most admitted at once,
@@ -255,6 +252,16 @@ impl Quota {
         Ok(Quota { burst, ..self })
     }
 
+    /// The quota a policy's `rate` and `burst` fields describe, with the errors that
+    /// validating a policy gives: the rate's first (naming `rate`), then the burst's
+    /// (naming `burst`). Unlike `try_new(..)?.try_burst(..)`, it does not ask the rate's
+    /// own amount to fit in the span of a limit: only the burst the policy gives.
+    pub(crate) fn of_policy(rate: Rate, burst: u64) -> Result<Quota, PolicyError> {
+        let interval = rate.interval_nanos()?;
+        let period = duration_to_nanos(rate.period);
+        Quota { amount: rate.amount, period, interval, burst: rate.amount }.try_burst(burst)
+    }
+
     /// Units per period.
     #[must_use]
     pub const fn amount(&self) -> u64 {
@@ -277,6 +284,12 @@ impl Quota {
     #[must_use]
     pub const fn interval(&self) -> Duration {
         Duration::from_nanos(self.interval)
+    }
+
+    /// [`Quota::interval`] in nanoseconds: at least 1, and at most 2^62 divided by the
+    /// burst.
+    pub(crate) const fn interval_nanos(&self) -> u64 {
+        self.interval
     }
 
     /// The rate, as policies write it.
@@ -340,18 +353,19 @@ mod tests {
 
     #[test]
     fn intervals_round_up() {
-        assert_eq!(Rate::per_second(1).interval_nanos().unwrap(), 1_000_000_000);
-        assert_eq!(Rate::per_second(3).interval_nanos().unwrap(), 333_333_334);
-        assert_eq!(Rate::per_minute(10_000_000).interval_nanos().unwrap(), 6_000);
-        assert_eq!(Rate::per_second(1_000_000_000).interval_nanos().unwrap(), 1);
+        let second = Duration::from_secs(1);
+        assert_eq!(Rate::new(1, second).interval_nanos().unwrap(), 1_000_000_000);
+        assert_eq!(Rate::new(3, second).interval_nanos().unwrap(), 333_333_334);
+        assert_eq!(Rate::new(10_000_000, Duration::from_secs(60)).interval_nanos().unwrap(), 6_000);
+        assert_eq!(Rate::new(1_000_000_000, second).interval_nanos().unwrap(), 1);
     }
 
     #[test]
     fn bad_rates_are_errors() {
-        assert!(Rate::per_second(0).interval_nanos().is_err());
+        assert!(Rate::new(0, Duration::from_secs(1)).interval_nanos().is_err());
         assert!(Rate::new(5, Duration::ZERO).interval_nanos().is_err());
         // 600M/s would round to 2ns per unit: 17% below the policy.
-        let err = Rate::per_second(600_000_000).interval_nanos().unwrap_err();
+        let err = Rate::new(600_000_000, Duration::from_secs(1)).interval_nanos().unwrap_err();
         assert!(err.to_string().contains("too fast"), "{err}");
     }
 }
@@ -400,13 +414,22 @@ impl From<Rate> for RateRepr {
 #[cfg(test)]
 mod quota_tests {
     use super::*;
-    use crate::{LimitPolicy, LimitSet, LimitSetPolicy};
+    use crate::{Limit, LimitPolicy, LimitSet, LimitSetPolicy};
 
-    /// Every quota the infallible constructors accept builds every rate algorithm.
+    /// Every quota the infallible constructors accept builds every rate algorithm, and a
+    /// policy's `rate` and `burst` fields hold it whole: the limit built from them has
+    /// the very quota.
     fn builds(quota: Quota) {
+        for limit in [LimitPolicy::gcra("q", quota), LimitPolicy::token_bucket("q", quota)] {
+            match Limit::from_policy(&limit) {
+                Ok(Limit::Gcra(g)) => assert_eq!(g.quota(), quota),
+                Ok(Limit::TokenBucket(t)) => assert_eq!(t.quota(), quota),
+                other => panic!("{quota}: {other:?}"),
+            }
+        }
         for limit in [
-            LimitPolicy::gcra("q", quota.rate(), quota.max_burst()),
-            LimitPolicy::token_bucket("q", quota.rate(), quota.max_burst()),
+            LimitPolicy::gcra("q", quota),
+            LimitPolicy::token_bucket("q", quota),
             LimitPolicy::sliding_window_log("q", quota.amount(), quota.period()),
             LimitPolicy::sliding_window_counter("q", quota.amount(), quota.period()),
             LimitPolicy::fixed_window("q", quota.amount(), quota.period()),

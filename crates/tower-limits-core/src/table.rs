@@ -648,7 +648,7 @@ mod tests {
         }
         // No place of a key absent from the table, and nothing for another kind of limit.
         assert!(table.acquire_semaphore_at(&limit, key_hash(&hasher, b"initech"), b"initech", now, 1).is_none());
-        let gcra = Limit::Gcra(crate::algorithm::Gcra::new(crate::Rate::per_second(1), 1).unwrap());
+        let gcra = Limit::Gcra(crate::algorithm::Gcra::new(crate::Quota::per_second(crate::nz!(1))));
         let mut rates = Table::for_limit(&gcra);
         assert!(rates.commit(&gcra, &hasher, key_hash(&hasher, b"acme"), b"acme", now, 1));
         let place = rates.check(&gcra, key_hash(&hasher, b"acme"), b"acme", now, 0).0.expect("found");

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
 
 const THREADS: u64 = 4;
 const STEPS: u64 = 20_000;
@@ -64,7 +64,9 @@ fn run(set: &LimitSet, step_nanos: u64, cost: u64) -> (Vec<u64>, u64) {
 fn one_global_gcra_never_over_admits_under_threads() {
     // 1,000 per second: T = 1ms, burst 5; the clock steps 100us per request, so most
     // requests are refused.
-    let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000), 5))).unwrap();
+    let set =
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000)).burst(nz!(5)))))
+            .unwrap();
     let (grants, refused) = run(&set, 100_000, 1);
     let stats = set.stats();
     assert_eq!(stats.admitted, grants.len() as u64, "every grant is counted");
@@ -83,8 +85,10 @@ fn leases_taken_under_contention_never_over_admit() {
     // T = 1us, burst 1,000: a headroom large enough for threads that collide to lease
     // up to 64 units ahead; the clock steps 300ns per request, over three times the rate,
     // so the limit is reached again and again and leases shrink to nothing near it.
-    let set =
-        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1_000_000), 1_000))).unwrap();
+    let set = LimitSet::new(
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)))),
+    )
+    .unwrap();
     let (grants, refused) = run(&set, 300, 1);
     let stats = set.stats();
     assert_eq!(stats.admitted, grants.len() as u64);
@@ -101,12 +105,8 @@ fn leases_taken_under_contention_never_over_admit() {
 fn one_global_gcra_far_from_its_limit_grants_everything_and_counts_it() {
     // A burst of one second, longer than the whole run (80ms of the clock), so that no
     // lag of a preempted thread's instant can matter.
-    let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra(
-        "r",
-        Rate::per_second(1_000_000_000),
-        1_000_000_000,
-    )))
-    .unwrap();
+    let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1_000_000_000)))))
+        .unwrap();
     let (grants, refused) = run(&set, 1_000, 1);
     assert_eq!(refused, 0);
     assert_eq!(grants.len() as u64, THREADS * STEPS);
@@ -119,8 +119,7 @@ fn settles_and_peeks_race_grants_and_every_charge_lands() {
     // Cost-counted: each grant takes 3, then settles to 1 (refunding 2) from another
     // thread's point of view; the set must end exactly where the net charges put it.
     let set = LimitSet::new(
-        LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("tokens", Rate::per_second(1_000_000), 1_000_000).counting_cost()),
+        LimitSetPolicy::new().limit(LimitPolicy::gcra("tokens", Quota::per_second(nz!(1_000_000))).counting_cost()),
     )
     .unwrap();
     let now = Instant::ZERO;
@@ -151,7 +150,8 @@ fn settles_and_peeks_race_grants_and_every_charge_lands() {
 
 #[test]
 fn a_replace_racing_grants_keeps_the_state_and_the_counts() {
-    let policy = |burst| LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_hour(1), burst));
+    let policy =
+        |burst| LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_hour(nz!(1)).try_burst(burst).unwrap()));
     let set = LimitSet::new(policy(100_000)).unwrap();
     let now = Instant::ZERO;
     let total = std::sync::atomic::AtomicU64::new(0);

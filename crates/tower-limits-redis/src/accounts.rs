@@ -402,12 +402,13 @@ impl RedisAccountsBuilder {
                 if p.scope != Scope::Global {
                     return Err(unsupported("an account's limits cover the whole account (no tier)"));
                 }
-                let (rate, burst) = match Limit::from_policy(p)? {
-                    Limit::Gcra(g) => (g.rate(), g.burst()),
-                    Limit::TokenBucket(t) => (t.rate(), t.burst()),
+                let quota = match Limit::from_policy(p)? {
+                    Limit::Gcra(g) => g.quota(),
+                    Limit::TokenBucket(t) => t.quota(),
                     _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
                 };
-                let interval = u64::try_from(rate.interval()?.as_nanos()).unwrap_or(u64::MAX);
+                let burst = quota.max_burst();
+                let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
                 let tolerance = interval.saturating_mul(burst);
                 if tolerance >= 1 << 52 {
                     return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));

@@ -10,14 +10,18 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tower_limits_core::{LimitPolicy, LimitSetPolicy, Rate};
+//! use tower_limits_core::{LimitPolicy, LimitSetPolicy, Quota, nz};
 //! use tower_limits_redis::{FailurePolicy, RedisBackend, RedisConnection};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let policy = LimitSetPolicy::new()
 //!     .tiers(["org", "user"])
-//!     .limit(LimitPolicy::gcra("requests", Rate::per_minute(600), 20).per("user"))
-//!     .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(1_000_000), 100_000).per("org").counting_cost())
+//!     .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(600)).burst(nz!(20))).per("user"))
+//!     .limit(
+//!         LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(1_000_000)).burst(nz!(100_000)))
+//!             .per("org")
+//!             .counting_cost(),
+//!     )
 //!     .limit(LimitPolicy::semaphore("concurrent", 8).per("org"));
 //! let redis = RedisConnection::connect("redis://127.0.0.1:6379/").await?;
 //! let backend = RedisBackend::builder(policy)

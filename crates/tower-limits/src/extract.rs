@@ -527,10 +527,11 @@ pub trait UsageExtractor<Resp>: Clone + Send + Sync + 'static {
 /// use std::time::Duration;
 /// use tower::{ServiceBuilder, ServiceExt};
 /// use tower_limits::extract::UpstreamReports;
-/// use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
+/// use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, Selection, nz};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
-/// let account = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(600), 10))).unwrap();
+/// let rpm = Quota::per_minute(nz!(600)).burst(nz!(10));
+/// let account = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", rpm))).unwrap();
 /// let pool = LimitPool::builder(Selection::RoundRobin).member("provider", account, ()).build().unwrap();
 /// let client = ServiceBuilder::new()
 ///     .layer(LimitSetLayer::with_backend(pool).usage(UpstreamReports::new()).wait(Duration::from_secs(60)))

@@ -551,10 +551,10 @@ impl<J, O> HttpAnswer<J, O> {
     ///
     /// ```
     /// use tower_limits::http::HttpAnswer;
-    /// use tower_limits::{LimitSetLayer, LimitSetPolicy, LimitPolicy, Rate};
+    /// use tower_limits::{LimitSetLayer, LimitSetPolicy, LimitPolicy, Quota, nz};
     ///
     /// // This replica's half of a 240-per-minute plan, while the fleet's store is away.
-    /// let half = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Rate::per_minute(120), 1));
+    /// let half = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(120)).burst(nz!(1))));
     /// let layer = LimitSetLayer::new(half)
     ///     .unwrap()
     ///     .refuse_with(HttpAnswer::new().with_openai_body().on_success().without_limit_fields());

@@ -31,7 +31,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tower_limits::extract::{Extractors, FromExtension};
 use tower_limits::http::{HttpAnswer, JsonBody};
-use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
 
 /// The tenants this example knows: API key, org, user.
 const KEYS: [(&str, &str, &str); 3] =
@@ -49,8 +49,8 @@ fn limits() -> Limits {
     LimitSetLayer::new(
         LimitSetPolicy::new()
             .tiers(["org", "user"])
-            .limit(LimitPolicy::gcra("user-requests", Rate::per_second(1), 3).per("user"))
-            .limit(LimitPolicy::gcra("org-requests", Rate::per_second(2), 5).per("org"))
+            .limit(LimitPolicy::gcra("user-requests", Quota::per_second(nz!(1)).burst(nz!(3))).per("user"))
+            .limit(LimitPolicy::gcra("org-requests", Quota::per_second(nz!(2)).burst(nz!(5))).per("org"))
             .limit(LimitPolicy::semaphore("user-concurrency", 2).per("user")),
     )
     .expect("the policy above is valid")

@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
-use tower_limits::{LimitPolicy, LimitSetPolicy, Rate, Selection, TenantKey};
+use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
 mod raw;
 mod validate;
@@ -237,7 +237,9 @@ impl Account {
     /// `max_request_tokens` tokens.
     ///
     /// # Errors
-    /// The quota (or its share) is too small for that burst.
+    /// The quota (or its share) is too small for that burst, or its mirror is too fast
+    /// or its burst too long to represent; the message says "requests per" or "tokens
+    /// per", for the field it is about.
     pub fn mirror_policy(
         &self,
         mirror: &MirrorSettings,
@@ -249,20 +251,22 @@ impl Account {
         let share = |quota: u64, at_least: u64, what: &str| {
             let l = quota / replicas.max(1);
             let b = mirror_burst(l, mirror, at_least);
+            let of = if replicas > 1 { format!(" ({replicas} replicas' share)") } else { String::new() };
             if b >= l {
-                let of = if replicas > 1 { format!(" ({replicas} replicas' share)") } else { String::new() };
                 return Err(format!(
                     "{l} {what} per {window} window{of} leave no room for a burst of {b} \
                      (mirror.burst_percent, gateway.max_request_tokens): raise it or lengthen `window`"
                 ));
             }
-            Ok((l, b))
+            Quota::try_new(l - b, period)
+                .and_then(|q| q.try_burst(b))
+                .map_err(|e| format!("the mirror of {l} {what} per {window} window{of} cannot be built: {e}"))
         };
-        let (lr, br) = share(self.requests_per_window(), 1, "requests")?;
-        let (lt, bt) = share(self.tokens_per_window(), max_request_tokens, "tokens")?;
+        let rpm = share(self.requests_per_window(), 1, "requests")?;
+        let tpm = share(self.tokens_per_window(), max_request_tokens, "tokens")?;
         Ok(LimitSetPolicy::new()
-            .limit(LimitPolicy::gcra("upstream.rpm", Rate::new(lr - br, period), br))
-            .limit(LimitPolicy::gcra("upstream.tpm", Rate::new(lt - bt, period), bt).counting_cost()))
+            .limit(LimitPolicy::gcra("upstream.rpm", rpm))
+            .limit(LimitPolicy::gcra("upstream.tpm", tpm).counting_cost()))
     }
 }
 

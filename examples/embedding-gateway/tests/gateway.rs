@@ -155,6 +155,15 @@ fn validation_errors_carry_field_and_line() {
     let err = config_error(&text);
     assert_eq!(err.field, "plan.basic.org.tpm_burst", "{err}");
     assert_eq!(err.line, Some(line_of(&text, "tpm = 600 }")), "{err}");
+    // A rate too fast to represent, and a burst too long to, name their own fields.
+    for (limits, field, message) in [
+        ("org = { rpm = 1099511627776 }", "plan.basic.org.rpm", "too fast"),
+        ("org = { rpm = 1, rpm_burst = 4611686018427387903 }", "plan.basic.org.rpm_burst", "146 years"),
+    ] {
+        let err = config_error(&config_text(limits, ""));
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.message.contains(message), "{err}");
+    }
 }
 
 #[test]

@@ -20,7 +20,7 @@ use std::time::Duration;
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
 use tower_limits::extract::UpstreamReports;
 use tower_limits::http::upstream_report;
-use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, Selection};
+use tower_limits::{LimitPolicy, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, Selection};
 
 /// How much the network delay of one request can differ from another's: the mirror
 /// spaces `limit` requests over `window + JITTER_MARGIN`, so that no `window` at the
@@ -29,16 +29,20 @@ pub(crate) const JITTER_MARGIN: Duration = Duration::from_millis(100);
 
 // ---- The limits: the one place this example builds them. ----
 
-/// The mirror's rate for a provider that allows `limit` requests in any `window`.
-pub(crate) fn mirror_rate(limit: u64, window: Duration) -> Rate {
-    Rate::new(limit, window + JITTER_MARGIN)
+/// The mirror's quota for a provider that allows `limit` requests in any `window`:
+/// `limit` per `window + JITTER_MARGIN`, with a burst of one.
+///
+/// # Errors
+/// A limit of zero requests, or a window too short to represent.
+pub(crate) fn mirror_quota(limit: u64, window: Duration) -> Result<Quota, tower_limits::PolicyError> {
+    Quota::try_new(limit, window + JITTER_MARGIN)?.try_burst(1)
 }
 
-/// One account's mirror of the provider's limit: a GCRA with a burst of one at
-/// [`mirror_rate`]. It admits at most `rate · T + 1` requests in any span `T`, so at most
-/// `limit` in any `window + JITTER_MARGIN`.
+/// One account's mirror of the provider's limit: a GCRA of [`mirror_quota`]. It admits
+/// at most `rate · T + 1` requests in any span `T`, so at most `limit` in any
+/// `window + JITTER_MARGIN`.
 fn mirror(limit: u64, window: Duration) -> Result<LimitSet, tower_limits::PolicyError> {
-    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("provider", mirror_rate(limit, window), 1)))
+    LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("provider", mirror_quota(limit, window)?)))
 }
 
 // ---- The client. ----

@@ -276,7 +276,7 @@ fn count(statuses: &[u16], status: u16) -> usize {
 async fn demo() -> Result<(), String> {
     const N: usize = 10;
     let bare = transport()?.map_err(BoxError::from);
-    let interval = client::mirror_rate(LIMIT, WINDOW).interval().map_err(|e| e.to_string())?;
+    let interval = client::mirror_quota(LIMIT, WINDOW).map_err(|e| e.to_string())?.interval();
     println!("reqwest-client: client-side pacing against a provider that enforces its published limit strictly");
     println!("the provider: at most {LIMIT} requests in any {}s, else 429 with Retry-After", WINDOW.as_secs());
     let mut wrong = Vec::new();

@@ -9,19 +9,18 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, MAX_SPAN_NANOS, Refusal, Snapshot};
-use crate::policy_error::PolicyError;
-use crate::rate::Rate;
+use super::{Algorithm, Refusal, Snapshot};
+use crate::rate::Quota;
 use crate::time::Instant;
 
 /// GCRA: a rate with a burst, one integer of state per key.
 ///
 /// ```
 /// use tower_limits_core::algorithm::{Algorithm, Gcra, Refusal};
-/// use tower_limits_core::{Instant, Rate};
+/// use tower_limits_core::{Instant, Quota, nz};
 /// use std::time::Duration;
 ///
-/// let gcra = Gcra::new(Rate::per_second(10), 5).unwrap();
+/// let gcra = Gcra::new(Quota::per_second(nz!(10)).burst(nz!(5)));
 /// let mut state = gcra.fresh();
 /// let now = Instant::ZERO;
 /// for _ in 0..5 {
@@ -34,9 +33,8 @@ use crate::time::Instant;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Gcra {
-    rate: Rate,
-    burst: u64,
-    interval: u64,
+    quota: Quota,
+    /// `burst * interval`: at most 2^62 nanoseconds, which a quota guarantees.
     tolerance: u64,
 }
 
@@ -60,52 +58,36 @@ impl GcraState {
 }
 
 impl Gcra {
-    /// GCRA with `rate` and room for `burst` units at once.
-    ///
-    /// # Errors
-    /// A zero or unrepresentable rate, a zero burst, or a burst whose duration (`burst`
-    /// emission intervals) does not fit in 2^62 nanoseconds.
-    pub fn new(rate: Rate, burst: u64) -> Result<Self, PolicyError> {
-        let interval = rate.interval_nanos()?;
-        let tolerance = tolerance(interval, burst)?;
-        Ok(Gcra { rate, burst, interval, tolerance })
+    /// GCRA of `quota`: its rate, and room for its burst at once. A quota is valid by
+    /// construction (a rate of at least one unit per non-zero period, an interval within
+    /// 1% of it, a burst of at least one spanning at most 2^62 nanoseconds), so this
+    /// cannot fail.
+    #[must_use]
+    pub const fn new(quota: Quota) -> Self {
+        Gcra { quota, tolerance: quota.interval_nanos() * quota.max_burst() }
     }
 
-    /// The rate.
+    /// The quota: the rate, and the burst, the most that can be granted at once.
     #[must_use]
-    pub fn rate(&self) -> Rate {
-        self.rate
-    }
-
-    /// The burst: the most that can be granted at once.
-    #[must_use]
-    pub fn burst(&self) -> u64 {
-        self.burst
+    pub const fn quota(&self) -> Quota {
+        self.quota
     }
 
     /// The emission interval in nanoseconds (rounded up).
     #[must_use]
-    pub fn interval_nanos(&self) -> u64 {
-        self.interval
+    pub const fn interval_nanos(&self) -> u64 {
+        self.quota.interval_nanos()
+    }
+
+    #[inline]
+    fn burst(&self) -> u64 {
+        self.quota.max_burst()
     }
 
     #[inline]
     fn cost_nanos(&self, cost: u64) -> u64 {
-        // cost <= burst is checked first, and burst * interval fits (see `tolerance`).
-        cost.saturating_mul(self.interval)
-    }
-}
-
-pub(super) fn tolerance(interval: u64, burst: u64) -> Result<u64, PolicyError> {
-    if burst == 0 {
-        return Err(PolicyError::new("burst", "must be at least 1"));
-    }
-    match interval.checked_mul(burst) {
-        Some(t) if t <= MAX_SPAN_NANOS => Ok(t),
-        _ => Err(PolicyError::new(
-            "burst",
-            format!("{burst} units at {interval}ns each is longer than the 146 years a limit can span"),
-        )),
+        // cost <= burst is checked first, and burst * interval fits (see `Quota`).
+        cost.saturating_mul(self.interval_nanos())
     }
 }
 
@@ -117,13 +99,13 @@ impl Algorithm for Gcra {
     }
 
     fn capacity(&self) -> u64 {
-        self.burst
+        self.burst()
     }
 
     #[inline]
     fn check(&self, state: &GcraState, now: Instant, cost: u64) -> Result<(), Refusal> {
-        if cost > self.burst {
-            return Err(Refusal::Never { capacity: self.burst });
+        if cost > self.burst() {
+            return Err(Refusal::Never { capacity: self.burst() });
         }
         let base = state.tat.max(now).as_nanos();
         let new_tat = base.saturating_add(self.cost_nanos(cost));
@@ -143,8 +125,8 @@ impl Algorithm for Gcra {
 
     #[inline]
     fn acquire(&self, state: &mut GcraState, now: Instant, cost: u64) -> Result<(), Refusal> {
-        if cost > self.burst {
-            return Err(Refusal::Never { capacity: self.burst });
+        if cost > self.burst() {
+            return Err(Refusal::Never { capacity: self.burst() });
         }
         let base = state.tat.max(now).as_nanos();
         let new_tat = base.saturating_add(self.cost_nanos(cost));
@@ -159,21 +141,21 @@ impl Algorithm for Gcra {
     /// Moves the TAT back by the refunded cost, never before `now` (which is full
     /// capacity): a refund cannot raise the key above its burst. Exact at any time.
     fn refund(&self, state: &mut GcraState, now: Instant, _granted_at: Instant, amount: u64) {
-        let back = state.tat.as_nanos().saturating_sub(amount.saturating_mul(self.interval));
+        let back = state.tat.as_nanos().saturating_sub(amount.saturating_mul(self.interval_nanos()));
         state.tat = Instant::from_nanos(back).max(now.min(state.tat));
     }
 
     fn charge(&self, state: &mut GcraState, now: Instant, _granted_at: Instant, amount: u64) {
         let base = state.tat.max(now).as_nanos();
-        state.tat = Instant::from_nanos(base.saturating_add(amount.saturating_mul(self.interval)));
+        state.tat = Instant::from_nanos(base.saturating_add(amount.saturating_mul(self.interval_nanos())));
     }
 
     fn peek(&self, state: &GcraState, now: Instant) -> Snapshot {
         let debt = state.tat.nanos_since(now);
-        let (quota, window) = Snapshot::rate_quota(self.rate, self.burst);
+        let (quota, window) = Snapshot::rate_quota(self.quota);
         Snapshot {
             quota,
-            remaining: self.tolerance.saturating_sub(debt) / self.interval,
+            remaining: self.tolerance.saturating_sub(debt) / self.interval_nanos(),
             reset: Duration::from_nanos(debt),
             window,
         }

@@ -45,7 +45,7 @@ pub use sliding_log::{SlidingWindowLog, SlidingWindowLogState};
 pub use token_bucket::{TokenBucket, TokenBucketState};
 
 use crate::policy_error::PolicyError;
-use crate::rate::Rate;
+use crate::rate::Quota;
 use crate::time::{Instant, duration_to_nanos};
 
 pub(crate) use crate::time::MAX_SPAN_NANOS;
@@ -106,30 +106,30 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The quota and window that a rate limit of `rate` with `burst` advertises: the
-    /// rate's own `amount` per `period` (6,000 per minute stays 6,000 per minute, whatever
-    /// its burst), or, when the burst is larger than the amount, the burst per the time
-    /// it takes to refill (`burst * interval`), so that `remaining <= quota` always holds.
+    /// The quota and window that a rate limit of `quota` advertises: its rate's own
+    /// `amount` per `period` (6,000 per minute stays 6,000 per minute, whatever its
+    /// burst), or, when the burst is larger than the amount, the burst per the time it
+    /// takes to refill (`burst * interval`), so that `remaining <= quota` always holds.
     /// Either way `quota / window` is the rate.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_limits_core::{Rate, Snapshot};
+    /// use tower_limits_core::{Quota, Snapshot, nz};
     ///
     /// let minute = Duration::from_secs(60);
-    /// assert_eq!(Snapshot::rate_quota(Rate::per_minute(6_000), 600), (6_000, minute));
-    /// assert_eq!(Snapshot::rate_quota(Rate::per_minute(240), 2), (240, minute));
+    /// assert_eq!(Snapshot::rate_quota(Quota::per_minute(nz!(6_000)).burst(nz!(600))), (6_000, minute));
+    /// assert_eq!(Snapshot::rate_quota(Quota::per_minute(nz!(240)).burst(nz!(2))), (240, minute));
     /// // A burst above the amount: 100 per 10 s, still 10 per second.
-    /// assert_eq!(Snapshot::rate_quota(Rate::per_second(10), 100), (100, Duration::from_secs(10)));
+    /// assert_eq!(Snapshot::rate_quota(Quota::per_second(nz!(10)).burst(nz!(100))), (100, Duration::from_secs(10)));
     /// ```
     #[must_use]
     #[inline]
-    pub fn rate_quota(rate: Rate, burst: u64) -> (u64, Duration) {
-        if burst <= rate.amount() {
-            return (rate.amount(), rate.period());
+    pub fn rate_quota(quota: Quota) -> (u64, Duration) {
+        let burst = quota.max_burst();
+        if burst <= quota.amount() {
+            return (quota.amount(), quota.period());
         }
-        let interval = rate.interval_nanos().unwrap_or(0);
-        (burst, Duration::from_nanos(interval.saturating_mul(burst)))
+        (burst, Duration::from_nanos(quota.interval_nanos() * burst))
     }
 }
 

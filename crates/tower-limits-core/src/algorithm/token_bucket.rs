@@ -9,28 +9,25 @@
 
 use std::time::Duration;
 
-use super::gcra::tolerance;
 use super::{Algorithm, Refusal, Snapshot};
-use crate::policy_error::PolicyError;
-use crate::rate::Rate;
+use crate::rate::Quota;
 use crate::time::Instant;
 
-/// A token bucket: `burst` tokens, refilled at `rate`.
+/// A token bucket: a quota's burst of tokens, refilled at its rate.
 ///
 /// ```
 /// use tower_limits_core::algorithm::{Algorithm, TokenBucket};
-/// use tower_limits_core::{Instant, Rate};
+/// use tower_limits_core::{Instant, Quota, nz};
 ///
-/// let bucket = TokenBucket::new(Rate::per_second(100), 100).unwrap();
+/// let bucket = TokenBucket::new(Quota::per_second(nz!(100)));
 /// let mut state = bucket.fresh();
 /// bucket.acquire(&mut state, Instant::ZERO, 60).unwrap();
 /// assert_eq!(bucket.peek(&state, Instant::ZERO).remaining, 40);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenBucket {
-    rate: Rate,
-    burst: u64,
-    interval: u64,
+    quota: Quota,
+    /// `burst * interval`: at most 2^62 nanoseconds, which a quota guarantees.
     capacity: i64,
 }
 
@@ -44,26 +41,27 @@ pub struct TokenBucketState {
 }
 
 impl TokenBucket {
-    /// A bucket of `burst` tokens refilled at `rate`.
-    ///
-    /// # Errors
-    /// A zero or unrepresentable rate, or a zero or too large burst.
-    pub fn new(rate: Rate, burst: u64) -> Result<Self, PolicyError> {
-        let interval = rate.interval_nanos()?;
-        let capacity = tolerance(interval, burst)? as i64;
-        Ok(TokenBucket { rate, burst, interval, capacity })
+    /// A bucket of `quota`'s burst in tokens, refilled at its rate. A quota is valid by
+    /// construction, so this cannot fail (see [`Gcra::new`](super::Gcra::new)).
+    #[must_use]
+    pub const fn new(quota: Quota) -> Self {
+        TokenBucket { quota, capacity: (quota.interval_nanos() * quota.max_burst()) as i64 }
     }
 
-    /// The refill rate.
+    /// The quota: the refill rate, and the burst, the size of the bucket in tokens.
     #[must_use]
-    pub fn rate(&self) -> Rate {
-        self.rate
+    pub const fn quota(&self) -> Quota {
+        self.quota
     }
 
-    /// The size of the bucket in tokens.
-    #[must_use]
-    pub fn burst(&self) -> u64 {
-        self.burst
+    #[inline]
+    fn burst(&self) -> u64 {
+        self.quota.max_burst()
+    }
+
+    #[inline]
+    fn interval(&self) -> u64 {
+        self.quota.interval_nanos()
     }
 
     /// The state that makes GCRA's decisions on theoretical arrival time `tat`: the
@@ -93,7 +91,7 @@ impl TokenBucket {
 
     #[inline]
     fn nanos(&self, amount: u64) -> i64 {
-        amount.saturating_mul(self.interval).min(1 << 62) as i64
+        amount.saturating_mul(self.interval()).min(1 << 62) as i64
     }
 }
 
@@ -105,13 +103,13 @@ impl Algorithm for TokenBucket {
     }
 
     fn capacity(&self) -> u64 {
-        self.burst
+        self.burst()
     }
 
     #[inline]
     fn check(&self, state: &TokenBucketState, now: Instant, cost: u64) -> Result<(), Refusal> {
-        if cost > self.burst {
-            return Err(Refusal::Never { capacity: self.burst });
+        if cost > self.burst() {
+            return Err(Refusal::Never { capacity: self.burst() });
         }
         let level = self.level_at(state, now);
         let need = self.nanos(cost);
@@ -145,10 +143,10 @@ impl Algorithm for TokenBucket {
 
     fn peek(&self, state: &TokenBucketState, now: Instant) -> Snapshot {
         let level = self.level_at(state, now);
-        let (quota, window) = Snapshot::rate_quota(self.rate, self.burst);
+        let (quota, window) = Snapshot::rate_quota(self.quota);
         Snapshot {
             quota,
-            remaining: (level.max(0) as u64) / self.interval,
+            remaining: (level.max(0) as u64) / self.interval(),
             reset: Duration::from_nanos(self.capacity.saturating_sub(level) as u64),
             window,
         }

@@ -281,16 +281,16 @@ impl Fast {
         let def = &config.limits[index];
         let gcra = match &def.limit {
             Limit::Gcra(gcra) => *gcra,
-            Limit::TokenBucket(bucket) => Gcra::new(bucket.rate(), bucket.burst()).ok()?,
+            Limit::TokenBucket(bucket) => Gcra::new(bucket.quota()),
             _ => return None,
         };
         static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let (quota, window) = Snapshot::rate_quota(gcra.rate(), gcra.burst());
+        let (quota, window) = Snapshot::rate_quota(gcra.quota());
         Some(Fast {
             tat: Line(AtomicU64::new(0)),
             id: IDS.fetch_add(1, Ordering::Relaxed),
             epoch: AtomicU64::new(0),
-            tolerance: gcra.interval_nanos() * gcra.burst(),
+            tolerance: gcra.interval_nanos() * gcra.quota().max_burst(),
             quota,
             window_nanos: crate::error::nanos(window),
             version: AtomicU64::new(config.version),

@@ -125,13 +125,17 @@ struct Shared {
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+/// use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
 ///
 /// let set = LimitSet::new(
 ///     LimitSetPolicy::new()
 ///         .tiers(["org", "user"])
-///         .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 2).per("user"))
-///         .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(10_000), 1_000).per("org").counting_cost())
+///         .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(60)).burst(nz!(2))).per("user"))
+///         .limit(
+///             LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(10_000)).burst(nz!(1_000)))
+///                 .per("org")
+///                 .counting_cost(),
+///         )
 ///         .limit(LimitPolicy::semaphore("concurrent", 8).per("org")),
 /// )
 /// .unwrap();
@@ -462,11 +466,11 @@ impl LimitSet {
     /// broadest tier, 2 for the next, ...; `None` if the policy has no such tier.
     ///
     /// ```
-    /// use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+    /// use tower_limits_core::{LimitPolicy, LimitSet, LimitSetPolicy, Quota, nz};
     ///
     /// let policy = LimitSetPolicy::new()
     ///     .tiers(["org", "user"])
-    ///     .limit(LimitPolicy::gcra("per-user", Rate::per_second(10), 10).per("user"));
+    ///     .limit(LimitPolicy::gcra("per-user", Quota::per_second(nz!(10))).per("user"));
     /// let set = LimitSet::new(policy)?;
     /// assert_eq!(set.tier_depth("org"), Some(1));
     /// assert_eq!(set.tier_depth("user"), Some(2));
@@ -693,7 +697,7 @@ impl LimitSet {
     /// ```
     #[must_use]
     pub fn gcra(quota: crate::Quota) -> LimitSet {
-        Self::of_quota(crate::LimitPolicy::gcra("gcra", quota.rate(), quota.max_burst()))
+        Self::of_quota(crate::LimitPolicy::gcra("gcra", quota))
     }
 
     /// One global token bucket of `quota` (its burst is the bucket's size), named
@@ -712,7 +716,7 @@ impl LimitSet {
     /// ```
     #[must_use]
     pub fn token_bucket(quota: crate::Quota) -> LimitSet {
-        Self::of_quota(crate::LimitPolicy::token_bucket("token_bucket", quota.rate(), quota.max_burst()))
+        Self::of_quota(crate::LimitPolicy::token_bucket("token_bucket", quota))
     }
 
     fn of_quota(limit: crate::LimitPolicy) -> LimitSet {

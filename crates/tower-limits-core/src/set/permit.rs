@@ -162,12 +162,12 @@ impl Grant {
     /// order of the policy. They were not charged.
     ///
     /// ```
-    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Rate, TenantKey};
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, TenantKey, nz};
     ///
     /// let set = LimitSet::new(
     ///     LimitSetPolicy::new()
     ///         .tiers(["user"])
-    ///         .limit(LimitPolicy::gcra("trial", Rate::per_second(1), 1).per("user").shadow()),
+    ///         .limit(LimitPolicy::gcra("trial", Quota::per_second(nz!(1))).per("user").shadow()),
     /// )?;
     /// let alice = TenantKey::single("alice")?;
     /// let first = set.acquire_grant(&alice, 1, Instant::ZERO).unwrap();

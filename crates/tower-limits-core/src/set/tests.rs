@@ -2,14 +2,15 @@
 //! one, and the hints read without a lock.
 
 use super::*;
+use crate::nz;
 use crate::policy::{LimitPolicy, LimitSetPolicy};
-use crate::rate::Rate;
+use crate::rate::Quota;
 
 /// Replacing a one-limit policy by the same one keeps the lock-free path, its state
 /// carried over; any other policy turns it off.
 #[test]
 fn the_same_one_limit_policy_keeps_the_lock_free_path() {
-    let policy = || LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(10), 5));
+    let policy = || LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10)).burst(nz!(5))));
     let set = LimitSet::new(policy()).unwrap();
     let key = TenantKey::global();
     assert!(set.shared.fast_live().is_some());
@@ -17,7 +18,8 @@ fn the_same_one_limit_policy_keeps_the_lock_free_path() {
     set.replace_policy(policy()).unwrap();
     assert!(set.shared.fast_live().is_some(), "the very same limit");
     assert_eq!(set.peek(&key, Instant::ZERO)[0].snapshot.remaining, 4, "its state carried over");
-    set.replace_policy(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(10), 6))).unwrap();
+    set.replace_policy(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10)).burst(nz!(6)))))
+        .unwrap();
     assert!(set.shared.fast_live().is_none(), "another burst");
     set.replace_policy(policy()).unwrap();
     assert!(set.shared.fast_live().is_some(), "back to the first limit: on again");
@@ -27,7 +29,9 @@ fn the_same_one_limit_policy_keeps_the_lock_free_path() {
 /// A read of a one-limit set raises its instant to the latest grant, as decisions do.
 #[test]
 fn a_peek_at_an_earlier_instant_reads_the_state_as_of_the_latest_grant() {
-    let set = LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Rate::per_second(1), 5))).unwrap();
+    let set =
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(1)).burst(nz!(5)))))
+            .unwrap();
     let key = TenantKey::global();
     let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
     drop(set.acquire(&key, 1, at(10)).unwrap());
@@ -40,8 +44,8 @@ fn a_peek_at_an_earlier_instant_reads_the_state_as_of_the_latest_grant() {
 fn one_keyed_set(limit: usize, tier: usize, on: bool) -> LimitSet {
     let tiers = ["org", "user"];
     let policy = match limit {
-        0 => LimitPolicy::gcra("r", Rate::per_second(10), 3),
-        1 => LimitPolicy::token_bucket("t", Rate::per_second(20), 8).counting_cost(),
+        0 => LimitPolicy::gcra("r", Quota::per_second(nz!(10)).burst(nz!(3))),
+        1 => LimitPolicy::token_bucket("t", Quota::per_second(nz!(20)).burst(nz!(8))).counting_cost(),
         2 => LimitPolicy::semaphore("c", 2),
         _ => LimitPolicy::sliding_window_counter("w", 4, std::time::Duration::from_millis(500)),
     };
@@ -145,9 +149,9 @@ fn a_stale_one_keyed_hint_still_reaches_every_limit() {
     let one = || {
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::gcra("each", Quota::per_second(nz!(1_000))).per("tenant"))
     };
-    let set = LimitSet::new(one().limit(LimitPolicy::gcra("everyone", Rate::per_hour(1), 1))).unwrap();
+    let set = LimitSet::new(one().limit(LimitPolicy::gcra("everyone", Quota::per_hour(nz!(1))))).unwrap();
     assert!(!set.shared.one_keyed.load(Ordering::Relaxed));
     set.shared.one_keyed.store(true, Ordering::Relaxed);
     let alice = TenantKey::single("alice").unwrap();
@@ -158,7 +162,7 @@ fn a_stale_one_keyed_hint_still_reaches_every_limit() {
     }
     set.replace_policy(one()).unwrap();
     assert!(set.shared.one_keyed.load(Ordering::Relaxed), "one keyed limit now");
-    set.replace_policy(one().limit(LimitPolicy::gcra("everyone", Rate::per_hour(1), 1))).unwrap();
+    set.replace_policy(one().limit(LimitPolicy::gcra("everyone", Quota::per_hour(nz!(1))))).unwrap();
     assert!(!set.shared.one_keyed.load(Ordering::Relaxed), "two limits again");
 }
 
@@ -171,8 +175,8 @@ fn a_stale_lock_order_hint_still_reaches_the_keyed_limits() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("everyone", Rate::per_second(1_000), 1_000))
-            .limit(LimitPolicy::gcra("each", Rate::per_hour(1), 1).per("tenant")),
+            .limit(LimitPolicy::gcra("everyone", Quota::per_second(nz!(1_000))))
+            .limit(LimitPolicy::gcra("each", Quota::per_hour(nz!(1))).per("tenant")),
     )
     .unwrap();
     set.shared.tiered.store(false, Ordering::Release);
@@ -192,8 +196,8 @@ fn set_of_three(max_keys: usize) -> LimitSet {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(max_keys)
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000).counting_cost())
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000))).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1_000_000))).counting_cost())
             .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant")),
     )
     .unwrap()
@@ -282,7 +286,7 @@ fn a_release_by_its_place_gives_back_its_own_tenant_only() {
         .tiers(["tenant"])
         .max_keys(100_000)
         .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant"))
-        .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"));
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000))).per("tenant"));
     set.replace_policy(policy).unwrap();
     assert_eq!(set.stats().limits[0].held, 1, "the permit moved with the limit");
     set.release_grant(&acme, acme_grant);
@@ -315,7 +319,7 @@ fn a_kept_place_is_not_trusted_across_a_replace() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(8)
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000))).per("tenant"))
             .limit(LimitPolicy::semaphore(name, 2).per("tenant"))
     };
     let set = LimitSet::new(policy("concurrent")).unwrap();
@@ -358,8 +362,8 @@ fn the_release_by_place_is_taken_only_when_it_holds() {
         LimitSetPolicy::new()
             .tiers(["tenant"])
             .max_keys(1_000)
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("tokens", Rate::per_second(1_000_000), 1_000_000).counting_cost())
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000))).per("tenant"))
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(1_000_000))).counting_cost())
             .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant")),
     )
     .unwrap();
@@ -385,7 +389,7 @@ fn the_release_by_place_is_taken_only_when_it_holds() {
     let shadow = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("requests", Rate::per_second(1_000), 1_000).per("tenant"))
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1_000))).per("tenant"))
             .limit(LimitPolicy::semaphore("trial", 1).per("tenant").shadow()),
     )
     .unwrap();
@@ -407,12 +411,12 @@ fn the_release_by_place_is_taken_only_when_it_holds() {
 /// One shard (`max_keys` below 8), so that both sets evict alike.
 fn global_beside_set(global: usize, at: usize, on: bool) -> LimitSet {
     let mut limits = vec![
-        LimitPolicy::gcra("per-user", Rate::per_second(20), 4).per("user"),
+        LimitPolicy::gcra("per-user", Quota::per_second(nz!(20)).burst(nz!(4))).per("user"),
         LimitPolicy::semaphore("per-org", 3).per("org"),
     ];
     let everyone = match global {
-        0 => LimitPolicy::gcra("everyone", Rate::per_second(10), 5),
-        _ => LimitPolicy::token_bucket("everyone", Rate::per_second(30), 12).counting_cost(),
+        0 => LimitPolicy::gcra("everyone", Quota::per_second(nz!(10)).burst(nz!(5))),
+        _ => LimitPolicy::token_bucket("everyone", Quota::per_second(nz!(30)).burst(nz!(12))).counting_cost(),
     };
     limits.insert(at, everyone);
     let policy = limits.into_iter().fold(LimitSetPolicy::new().tiers(["org", "user"]).max_keys(6), |p, l| p.limit(l));
@@ -464,8 +468,11 @@ fn the_same_global_limit_beside_keyed_ones_keeps_its_atomic() {
     let with = |burst: u64| {
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000), 1_000).per("tenant"))
-            .limit(LimitPolicy::token_bucket("everyone", Rate::per_second(10), burst).counting_cost())
+            .limit(LimitPolicy::gcra("each", Quota::per_second(nz!(1_000))).per("tenant"))
+            .limit(
+                LimitPolicy::token_bucket("everyone", Quota::per_second(nz!(10)).try_burst(burst).unwrap())
+                    .counting_cost(),
+            )
     };
     let set = LimitSet::new(with(8)).unwrap();
     let alice = TenantKey::single("alice").unwrap();
@@ -502,8 +509,8 @@ fn of_equal_waits_the_later_limit_names_the_refusal_either_way() {
     for at in 0..2 {
         let mut named = Vec::new();
         for on in [true, false] {
-            let mut limits = vec![LimitPolicy::gcra("each", Rate::per_second(10), 1).per("tenant")];
-            limits.insert(at, LimitPolicy::gcra("everyone", Rate::per_second(10), 1));
+            let mut limits = vec![LimitPolicy::gcra("each", Quota::per_second(nz!(10)).burst(nz!(1))).per("tenant")];
+            limits.insert(at, LimitPolicy::gcra("everyone", Quota::per_second(nz!(10)).burst(nz!(1))));
             let set =
                 LimitSet::new(limits.into_iter().fold(LimitSetPolicy::new().tiers(["tenant"]), |p, l| p.limit(l)))
                     .unwrap();
@@ -534,7 +541,7 @@ proptest::proptest! {
         steps in proptest::collection::vec((0..4u8, 0..12u64, 0..300_000_000u64), 1..80),
     ) {
         let bucket = || {
-            let limit = LimitPolicy::token_bucket("tokens", Rate::per_second(40), 10);
+            let limit = LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(40)).burst(nz!(10)));
             let limit = if counting_cost { limit.counting_cost() } else { limit };
             LimitSet::new(LimitSetPolicy::new().limit(limit)).unwrap()
         };
@@ -580,8 +587,8 @@ fn the_global_key_decides_on_the_atomic_not_on_the_locked_state() {
     let with = |burst: u64| {
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("each", Rate::per_second(1), 1).per("tenant").shadow())
-            .limit(LimitPolicy::gcra("everyone", Rate::per_second(1), burst).counting_cost())
+            .limit(LimitPolicy::gcra("each", Quota::per_second(nz!(1))).per("tenant").shadow())
+            .limit(LimitPolicy::gcra("everyone", Quota::per_second(nz!(1)).try_burst(burst).unwrap()).counting_cost())
     };
     let set = LimitSet::new(with(2)).unwrap();
     let everyone = TenantKey::global();
@@ -602,8 +609,8 @@ fn a_lagging_read_of_a_contended_atomic_decides_at_the_latest_instant() {
     let set = LimitSet::new(
         LimitSetPolicy::new()
             .tiers(["tenant"])
-            .limit(LimitPolicy::gcra("each", Rate::per_second(1_000), 1_000).per("tenant"))
-            .limit(LimitPolicy::gcra("everyone", Rate::per_second(1), 2)),
+            .limit(LimitPolicy::gcra("each", Quota::per_second(nz!(1_000))).per("tenant"))
+            .limit(LimitPolicy::gcra("everyone", Quota::per_second(nz!(1)).burst(nz!(2)))),
     )
     .unwrap();
     let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);

@@ -307,19 +307,21 @@ fn describe(
     };
     let (script, window) = match &limit {
         Limit::Gcra(_) | Limit::TokenBucket(_) => {
-            let (rate, burst) = match &limit {
-                Limit::Gcra(g) => (g.rate(), g.burst()),
-                Limit::TokenBucket(t) => (t.rate(), t.burst()),
+            let quota = match &limit {
+                Limit::Gcra(g) => g.quota(),
+                Limit::TokenBucket(t) => t.quota(),
                 _ => unreachable!("matched above"),
             };
-            let interval = u64::try_from(rate.interval()?.as_nanos()).unwrap_or(u64::MAX);
+            let burst = quota.max_burst();
+            let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
             let tolerance = interval.saturating_mul(burst);
             if tolerance >= EXACT {
                 return Err(unsupported(format!(
-                    "its burst of {burst} at {rate} spans more than the 52 days a script counts exactly"
+                    "its burst of {burst} at {} spans more than the 52 days a script counts exactly",
+                    quota.rate()
                 )));
             }
-            (ScriptLimit::Gcra { cost, interval, tolerance }, Snapshot::rate_quota(rate, burst).1)
+            (ScriptLimit::Gcra { cost, interval, tolerance }, Snapshot::rate_quota(quota).1)
         }
         Limit::FixedWindow(w) => (
             ScriptLimit::Fixed { cost, limit: exact("limit", w.limit())?, window_us: window_us(w.window())? },
@@ -353,8 +355,8 @@ fn describe(
         capacity: limit.capacity(),
         is_semaphore: limit.is_semaphore(),
         quota: match &limit {
-            Limit::Gcra(g) => Snapshot::rate_quota(g.rate(), g.burst()).0,
-            Limit::TokenBucket(t) => Snapshot::rate_quota(t.rate(), t.burst()).0,
+            Limit::Gcra(g) => Snapshot::rate_quota(g.quota()).0,
+            Limit::TokenBucket(t) => Snapshot::rate_quota(t.quota()).0,
             _ => limit.capacity(),
         },
         window,

@@ -238,11 +238,11 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     /// use std::sync::Arc;
     /// use tower_limits::core::fair_queue::FairQueueConfig;
     /// use tower_limits::core::fleet::FleetShares;
-    /// use tower_limits::{FairQueueLayer, LimitPolicy, LimitSet, LimitSetPolicy, Rate};
+    /// use tower_limits::{FairQueueLayer, LimitPolicy, LimitSet, LimitSetPolicy, Quota, nz};
     ///
     /// let fleet = Arc::new(FleetShares::new());
     /// let upstream = LimitSet::new(LimitSetPolicy::new().limit(
-    ///     LimitPolicy::token_bucket("tokens", Rate::per_minute(600_000), 10_000).counting_cost(),
+    ///     LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(600_000)).burst(nz!(10_000))).counting_cost(),
     /// ))?;
     /// let layer = FairQueueLayer::rate(FairQueueConfig::new().weight("acme", 3), upstream)?.fleet(fleet.clone());
     /// // Hand `fleet` to the shared store too (RedisAccountsBuilder::fleet).

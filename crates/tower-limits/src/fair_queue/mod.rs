@@ -178,13 +178,17 @@
 //! use tower_limits::core::fair_queue::FairQueueConfig;
 //! use tower_limits::extract::{CostFromExtension, FromExtension};
 //! use tower_limits::http::HttpAnswer;
-//! use tower_limits::{FairQueueLayer, LimitPolicy, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+//! use tower_limits::{FairQueueLayer, LimitPolicy, LimitSet, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
 //!
 //! // Each org's own quota, refused fast with 429.
 //! let per_tenant = LimitSetLayer::new(
 //!     LimitSetPolicy::new()
 //!         .tiers(["org"])
-//!         .limit(LimitPolicy::token_bucket("org_tokens", Rate::per_minute(200_000), 50_000).per("org").counting_cost()),
+//!         .limit(
+//!             LimitPolicy::token_bucket("org_tokens", Quota::per_minute(nz!(200_000)).burst(nz!(50_000)))
+//!                 .per("org")
+//!                 .counting_cost(),
+//!         ),
 //! )?
 //! .key(FromExtension::<TenantKey>::new())
 //! .cost(CostFromExtension)
@@ -193,7 +197,8 @@
 //! // The shared upstream account: 1,000,000 tokens a minute and 64 requests at once,
 //! // shared by org in fair order.
 //! let upstream = LimitSet::new(LimitSetPolicy::new().limit(
-//!     LimitPolicy::token_bucket("upstream_tokens", Rate::per_minute(1_000_000), 100_000).counting_cost(),
+//!     LimitPolicy::token_bucket("upstream_tokens", Quota::per_minute(nz!(1_000_000)).burst(nz!(100_000)))
+//!         .counting_cost(),
 //! ))?;
 //! let config = FairQueueConfig::new().weight("acme", 4).tenant_queue_limit(32);
 //! let fair = FairQueueLayer::rate_and_concurrency(config, upstream, 64)?

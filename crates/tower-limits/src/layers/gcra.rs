@@ -33,6 +33,6 @@ pub type GcraLayer<E = Extractors, R = ReturnError, B = LimitSet> = LimitLayer<E
 impl GcraLayer {
     /// One global GCRA limit of `quota`, counting each request's cost (one by default).
     pub fn new(quota: Quota) -> Self {
-        single(LimitPolicy::gcra("gcra", quota.rate(), quota.max_burst()), Settings::default())
+        single(LimitPolicy::gcra("gcra", quota), Settings::default())
     }
 }

@@ -1,4 +1,4 @@
-use tower_limits_core::{LimitPolicy, LimitSet, Quota};
+use tower_limits_core::{LimitPolicy, LimitSet, Quota, nz};
 
 use super::{LimitLayer, door, single};
 use crate::ReturnError;
@@ -39,6 +39,7 @@ impl LeakyBucketLayer {
     pub fn new(quota: Quota) -> Self {
         let depth = quota.interval().saturating_mul(u32::try_from(quota.max_burst()).unwrap_or(u32::MAX));
         let settings = Settings { max_wait: Some(depth), ..Settings::default() };
-        single(LimitPolicy::gcra("leaky_bucket", quota.rate(), 1), settings)
+        // Paced one at a time: the depth is the wait. (A burst of one always fits.)
+        single(LimitPolicy::gcra("leaky_bucket", quota.burst(nz!(1))), settings)
     }
 }

@@ -37,6 +37,6 @@ pub type TokenBucketLayer<E = Extractors, R = ReturnError, B = LimitSet> = Limit
 impl TokenBucketLayer {
     /// One global token bucket of `quota`: its burst is the bucket's size.
     pub fn new(quota: Quota) -> Self {
-        single(LimitPolicy::token_bucket("token_bucket", quota.rate(), quota.max_burst()), Settings::default())
+        single(LimitPolicy::token_bucket("token_bucket", quota), Settings::default())
     }
 }

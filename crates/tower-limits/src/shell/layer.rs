@@ -67,12 +67,12 @@ impl crate::LimitSetLayer {
     /// ```
     /// use tower::ServiceBuilder;
     /// use tower_limits::extract::FromExtension;
-    /// use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+    /// use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
     ///
     /// // Policies are data (a file, a database row): building them can fail, naming the field.
     /// let policy = LimitSetPolicy::new()
     ///     .tiers(["org", "user"])
-    ///     .limit(LimitPolicy::gcra("requests", Rate::per_minute(600), 20).per("user"))
+    ///     .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(600)).burst(nz!(20))).per("user"))
     ///     .limit(LimitPolicy::semaphore("concurrent", 8).per("org"));
     /// let limits = LimitSetLayer::new(policy)?.key(FromExtension::<TenantKey>::new());
     /// let svc = ServiceBuilder::new()

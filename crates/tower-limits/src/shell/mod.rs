@@ -31,14 +31,18 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //! use tower_limits::extract::{Cost, CostFromExtension, FromExtension, Usage, UsageFromExtension};
 //! use tower_limits::http::HttpAnswer;
-//! use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Rate, TenantKey};
+//! use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_limits::BoxError> {
 //! let limits = LimitSetLayer::new(
 //!     LimitSetPolicy::new()
 //!         .tiers(["org", "user"])
-//!         .limit(LimitPolicy::gcra("requests", Rate::per_minute(60), 10).per("user"))
-//!         .limit(LimitPolicy::token_bucket("tokens", Rate::per_minute(100_000), 20_000).per("org").counting_cost())
+//!         .limit(LimitPolicy::gcra("requests", Quota::per_minute(nz!(60)).burst(nz!(10))).per("user"))
+//!         .limit(
+//!             LimitPolicy::token_bucket("tokens", Quota::per_minute(nz!(100_000)).burst(nz!(20_000)))
+//!                 .per("org")
+//!                 .counting_cost(),
+//!         )
 //!         .limit(LimitPolicy::semaphore("concurrent", 4).per("org")),
 //! )?
 //! .key(FromExtension::<TenantKey>::new())

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use toml::Spanned;
 use tower_limits::core::policy::parse_duration;
-use tower_limits::{LimitPolicy, LimitSetPolicy, Rate, Selection, TenantKey};
+use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
 use super::raw::{Raw, RawAccount, RawDemo, RawGateway, RawMirror, RawTenant, RawTierLimits, RawUpstream, S};
 use super::{
@@ -311,23 +311,32 @@ fn tier_limits(
         return Err(src.at(limits, base, format!("{tier:?} is not a tier ({})", tiers.join(", "))));
     }
     let limits = limits.get_ref();
-    let burst = |b: &Option<S<u64>>, field: &str, rate: u64| -> Result<u64, ConfigError> {
-        match b {
-            Some(v) => at_least(src, v, &format!("{base}.{field}"), 1, u64::MAX >> 2),
-            // A tenth of a minute's worth, at least one.
-            None => Ok(rate.div_ceil(10).max(1)),
+    // `field` a minute, with the burst `field_burst` (a tenth of a minute's worth by
+    // default, at least one), or the error naming the field at fault.
+    let per_minute = |rate: &S<u64>, field: &str, burst: &Option<S<u64>>| -> Result<Quota, ConfigError> {
+        let amount = at_least(src, rate, &format!("{base}.{field}"), 1, 1 << 40)?;
+        let quota = Quota::try_new(amount, Duration::from_secs(60))
+            .map_err(|e| src.at(rate, format!("{base}.{field}"), e.message()))?;
+        match burst {
+            Some(b) => {
+                let field = format!("{base}.{field}_burst");
+                quota.try_burst(at_least(src, b, &field, 1, u64::MAX >> 2)?).map_err(|e| src.at(b, field, e.message()))
+            }
+            // A tenth of the amount: it fits whenever the rate does.
+            None => quota
+                .try_burst(amount.div_ceil(10).max(1))
+                .map_err(|e| src.at(rate, format!("{base}.{field}"), e.message())),
         }
     };
     if let Some(rpm) = &limits.rpm {
-        let rate = at_least(src, rpm, &format!("{base}.rpm"), 1, 1 << 40)?;
-        let b = burst(&limits.rpm_burst, "rpm_burst", rate)?;
-        policy = policy.limit(LimitPolicy::gcra(format!("{tier}.rpm"), Rate::per_minute(rate), b).per(tier));
+        let quota = per_minute(rpm, "rpm", &limits.rpm_burst)?;
+        policy = policy.limit(LimitPolicy::gcra(format!("{tier}.rpm"), quota).per(tier));
     } else if let Some(b) = &limits.rpm_burst {
         return Err(src.at(b, format!("{base}.rpm_burst"), "a burst needs an `rpm`"));
     }
     if let Some(tpm) = &limits.tpm {
-        let rate = at_least(src, tpm, &format!("{base}.tpm"), 1, 1 << 40)?;
-        let b = burst(&limits.tpm_burst, "tpm_burst", rate)?;
+        let quota = per_minute(tpm, "tpm", &limits.tpm_burst)?;
+        let b = quota.max_burst();
         if b < max_request_tokens {
             let span = limits.tpm_burst.as_ref().map_or_else(|| tpm.span(), Spanned::span);
             return Err(src.error(
@@ -339,8 +348,7 @@ fn tier_limits(
                 ),
             ));
         }
-        policy =
-            policy.limit(LimitPolicy::gcra(format!("{tier}.tpm"), Rate::per_minute(rate), b).per(tier).counting_cost());
+        policy = policy.limit(LimitPolicy::gcra(format!("{tier}.tpm"), quota).per(tier).counting_cost());
     } else if let Some(b) = &limits.tpm_burst {
         return Err(src.at(b, format!("{base}.tpm_burst"), "a burst needs a `tpm`"));
     }

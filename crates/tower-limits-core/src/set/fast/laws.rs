@@ -1,13 +1,13 @@
 //! What the unit tests and the loom models of the lock-free path share: a fast state
-//! for a rate and burst, and the rate cap every run of grants must keep.
+//! for a quota, and the rate cap every run of grants must keep.
 
 use super::lease::*;
 use super::*;
 use crate::policy::{LimitPolicy, LimitSetPolicy};
-use crate::rate::Rate;
+use crate::rate::Quota;
 
-pub(super) fn fast(rate: Rate, burst: u64) -> Fast {
-    let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", rate, burst))).unwrap();
+pub(super) fn fast(quota: Quota) -> Fast {
+    let config = Config::build(&LimitSetPolicy::new().limit(LimitPolicy::gcra("r", quota))).unwrap();
     Fast::for_config(&config).unwrap()
 }
 

@@ -11,7 +11,8 @@ use loom::thread;
 
 use super::laws::{assert_rate_cap, fast, granted};
 use super::*;
-use crate::rate::Rate;
+use crate::nz;
+use crate::rate::Quota;
 
 /// T = 1 us; a burst of `burst` units.
 const T: u64 = 1_000;
@@ -82,7 +83,7 @@ fn loom_a_replace_racing_leases_never_over_admits() {
         // A replace that keeps the limit: disabled (voiding every lease taken before),
         // then enabled again with the TAT it took back, as `replace_policy` does under the
         // set's locks (which lock-free acquisitions never take).
-        let limit = Arc::new(fast(Rate::per_second(1_000_000), 10));
+        let limit = Arc::new(fast(Quota::per_second(nz!(1_000_000)).burst(nz!(10))));
         let replacer = {
             let limit = limit.clone();
             thread::spawn(move || {
@@ -104,7 +105,7 @@ fn loom_a_replace_racing_leases_never_over_admits() {
 /// give-back that undid another thread's grant) shows as one grant too many.
 fn drained(burst: u64, calls: &'static [&'static [u64]]) {
     model(move || {
-        let limit = Arc::new(fast(Rate::per_second(1_000_000), burst));
+        let limit = Arc::new(fast(Quota::per_second(nz!(1_000_000)).try_burst(burst).unwrap()));
         let mut grants = run(&limit, calls);
         assert_slots_fit(&limit, &grants);
         let end = calls.iter().flat_map(|c| c.iter()).copied().max().unwrap_or(T);

@@ -6,7 +6,8 @@ use super::laws::{assert_rate_cap, fast, granted};
 use super::lease::*;
 use super::stripes::{OWNED_STRIPES, STRIPE, shared_stripe};
 use super::*;
-use crate::rate::Rate;
+use crate::nz;
+use crate::rate::Quota;
 
 /// The first two of `limits` that `fit` each other.
 fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
@@ -21,7 +22,7 @@ fn pair(limits: &[Fast], fit: impl Fn(&Fast, &Fast) -> bool) -> (&Fast, &Fast) {
 #[test]
 fn a_lease_is_taken_used_without_a_shared_write_and_given_back() {
     // T = 1us, burst 1,000.
-    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
     let now = Instant::from_nanos(5_000_000);
     // A lone thread never leases.
     assert_eq!(granted(f.acquire(1, now)), Some(now.as_nanos()));
@@ -105,7 +106,7 @@ fn shared_stripes_are_taken_in_turn() {
 /// Counts made by many threads at once, more than the owned stripes, are all kept.
 #[test]
 fn counts_from_more_threads_than_stripes_are_exact() {
-    let f = fast(Rate::per_second(1_000_000_000), 1_000_000);
+    let f = fast(Quota::per_second(nz!(1_000_000_000)).burst(nz!(1_000_000)));
     let now = Instant::from_nanos(1_000_000_000);
     std::thread::scope(|s| {
         for _ in 0..2 * OWNED_STRIPES {
@@ -123,7 +124,8 @@ fn counts_from_more_threads_than_stripes_are_exact() {
 #[test]
 fn a_thread_keeps_a_lease_per_limit() {
     // Ids come from a counter other tests draw from too: pick two in different slots.
-    let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+    let limits: Vec<Fast> =
+        (0..LEASE_SLOTS + 1).map(|_| fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)))).collect();
     let (one, two) = pair(&limits, |x, y| x.slot() != y.slot());
     let now = Instant::from_nanos(5_000_000);
     one.mark_contended();
@@ -141,8 +143,8 @@ fn a_thread_keeps_a_lease_per_limit() {
 /// whether it may lease now); one of another limit, or of an earlier epoch, is dropped.
 #[test]
 fn a_failed_swap_marks_the_slot_as_this_limits() {
-    let f = fast(Rate::per_second(1_000_000), 1_000);
-    let other = fast(Rate::per_second(1_000_000), 1_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
+    let other = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
     // As after three replaces: a slot of an earlier epoch is not this one's.
     f.epoch.store(3, Ordering::Release);
     let epoch = f.epoch.load(Ordering::Acquire);
@@ -190,7 +192,8 @@ fn a_failed_swap_marks_the_slot_as_this_limits() {
 #[test]
 fn a_lease_in_the_slot_of_another_limit_is_not_used() {
     // Ids come from a counter other tests draw from too: pick two that share a slot.
-    let limits: Vec<Fast> = (0..LEASE_SLOTS + 1).map(|_| fast(Rate::per_second(1_000_000), 1_000)).collect();
+    let limits: Vec<Fast> =
+        (0..LEASE_SLOTS + 1).map(|_| fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)))).collect();
     let (a, b) = pair(&limits, |x, y| x.slot() == y.slot());
     assert_eq!(a.epoch.load(Ordering::Acquire), b.epoch.load(Ordering::Acquire));
     let now = Instant::from_nanos(5_000_000);
@@ -214,7 +217,7 @@ fn a_lease_in_the_slot_of_another_limit_is_not_used() {
 #[test]
 fn an_expired_lease_is_given_back_and_the_next_one_leads_the_clock() {
     // T = 1us, burst 100,000.
-    let f = fast(Rate::per_second(1_000_000), 100_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(100_000)));
     let t0 = 5_000_000;
     f.mark_contended();
     assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
@@ -264,7 +267,7 @@ fn an_expired_lease_is_given_back_and_the_next_one_leads_the_clock() {
 #[test]
 fn a_lead_is_cut_to_a_quarter_of_the_headroom() {
     // T = 1us, burst 100: the tolerance is 100us.
-    let f = fast(Rate::per_second(1_000_000), 100);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(100)));
     let t0 = 5_000_000;
     f.mark_contended();
     assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
@@ -282,7 +285,7 @@ fn a_lead_is_cut_to_a_quarter_of_the_headroom() {
 /// 5 ms, goes stale unused and, given back 10us on, teaches a lead, so the lease taken
 /// then begins past the clock. The limit, and the instant of that second lease.
 fn leading_lease() -> (Fast, u64) {
-    let f = fast(Rate::per_second(1_000_000), 100_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(100_000)));
     let t0 = 5_000_000;
     f.mark_contended();
     assert!(granted(f.acquire(1, Instant::from_nanos(t0))).is_some());
@@ -339,18 +342,18 @@ fn assert_leases_double(f: &Fast, cost: u64) -> Instant {
 /// went back with four units: one shared write every six grants, for good.)
 #[test]
 fn a_lease_holds_whole_grants_of_its_cost_and_grows_by_grants() {
-    let f = fast(Rate::per_second(1_000_000), 1_000_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)));
     assert_leases_double(&f, 10);
     // A cost that does not divide the quarter of the headroom: the lease is cut down to
     // whole grants. T = 1us, burst 1,000: after a grant of 7 at an idle limit, 993 units
     // are left, a quarter is 248, and 35 grants of 7 (245 units) are leased.
-    let g = fast(Rate::per_second(1_000_000), 1_000);
+    let g = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
     g.mark_contended();
     let now = Instant::from_nanos(5_000_000);
     assert!(granted(g.acquire(7, now)).is_some());
     assert_eq!(g.tat(), now.as_nanos() + (7 + 245) * 1_000);
     // Near the limit a quarter of the headroom is less than one more grant: none.
-    let h = fast(Rate::per_second(1_000_000), 100);
+    let h = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(100)));
     h.mark_contended();
     assert!(granted(h.acquire(30, now)).is_some());
     assert_eq!(h.tat(), now.as_nanos() + 30_000, "70 left, a quarter is 17: no grant of 30 leased");
@@ -380,7 +383,7 @@ fn a_lease_used_up_leaves_no_cooldown() {
 /// `FIRST_LEASE`; a lease with too few units left for a cost keeps it.
 #[test]
 fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() {
-    let f = fast(Rate::per_second(1_000_000), 1_000_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)));
     let size = || LEASES.with(|l| l[f.slot()].get().size);
     let t0 = assert_leases_double(&f, 1);
     // One more grant takes a lease of 1,024; a call far later finds its slots begun
@@ -391,14 +394,14 @@ fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() 
     assert!(granted(f.acquire(1, Instant::from_nanos(t))).is_some());
     assert_eq!(size(), MAX_LEASE / 2, "after a stale lease");
     // A first lease gone stale leaves the first size: no lower.
-    let g = fast(Rate::per_second(1_000_000), 1_000_000);
+    let g = fast(Quota::per_second(nz!(1_000_000)));
     g.mark_contended();
     assert!(granted(g.acquire(1, t0)).is_some());
     assert!(granted(g.acquire(1, Instant::from_nanos(t))).is_some());
     assert_eq!(LEASES.with(|l| l[g.slot()].get().size), FIRST_LEASE);
     // Too few units left in a lease for a cost: the size stays, also when the lease's next
     // slot begins at that very instant (it has not begun unused).
-    let h = fast(Rate::per_second(1_000_000), 1_000_000);
+    let h = fast(Quota::per_second(nz!(1_000_000)));
     h.mark_contended();
     let h_size = || LEASES.with(|l| l[h.slot()].get().size);
     // A lease of 63 grants of 1; a call of 64 finds too few units in it.
@@ -421,7 +424,7 @@ fn a_threads_lease_grows_while_it_is_used_up_and_shrinks_when_slots_go_unused() 
 /// reads of the locked side, so a clock read that lags decides as if on time.
 #[test]
 fn an_earlier_now_is_raised_to_the_latest_grant() {
-    let f = fast(Rate::per_second(1), 5);
+    let f = fast(Quota::per_second(nz!(1)).burst(nz!(5)));
     let at = |s: u64| Instant::from_nanos(s * 1_000_000_000);
     assert_eq!(granted(f.acquire(1, at(10))), Some(at(10).as_nanos()));
     assert_eq!(granted(f.acquire(1, at(3))), Some(at(10).as_nanos()), "raised to the latest grant");
@@ -430,7 +433,7 @@ fn an_earlier_now_is_raised_to_the_latest_grant() {
 
 #[test]
 fn near_the_limit_a_lease_shrinks_to_nothing() {
-    let f = fast(Rate::per_second(1_000_000), 8);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(8)));
     f.mark_contended();
     let now = Instant::from_nanos(1_000_000);
     for _ in 0..8 {
@@ -450,7 +453,7 @@ fn leasing_threads_never_over_admit() {
     // whole grants of that cost; every unit is checked against the cap.
     const THREADS: u64 = 4;
     const STEPS: u64 = 20_000;
-    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
     let clock = AtomicU64::new(0);
     let grants = Mutex::new(Vec::new());
     let seen_refused = AtomicU64::new(0);
@@ -491,7 +494,7 @@ fn leasing_threads_never_over_admit() {
 #[test]
 fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
     // T = 1us, burst 1,000: a tolerance of 1 ms.
-    let f = fast(Rate::per_second(1_000_000), 1_000);
+    let f = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
     let ms = |n: u64| Instant::from_nanos(n * 1_000_000);
     // This thread's grants at 10 ms: 500 units of the 1,000.
     assert_eq!(granted(f.acquire(500, ms(10))), Some(ms(10).as_nanos()));
@@ -519,7 +522,7 @@ fn a_clock_read_that_lagged_is_decided_at_the_latest_grant() {
     // past it), and one of 300 at 9.7 ms (granted at 10 ms, refused at 9.7).
     for (cost, at) in [(1, 9_500_000), (300, 9_700_000)] {
         // A limit of its own: stripes that no other thread wrote.
-        let g = fast(Rate::per_second(1_000_000), 1_000);
+        let g = fast(Quota::per_second(nz!(1_000_000)).burst(nz!(1_000)));
         assert!(granted(g.acquire(500, ms(10))).is_some());
         std::thread::scope(|s| {
             s.spawn(|| match g.acquire(cost, Instant::from_nanos(at)) {
