@@ -11,7 +11,9 @@ use http::{Request, Response};
 use tokio::sync::oneshot;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::core::fair_queue::FairQueueConfig;
-use tower_limits::extract::{Cost, CostFromExtension, FromExtension, InsertChosen, Usage, UsageFromExtension};
+use tower_limits::extract::{
+    Cost, CostFromExtension, FromExtension, InsertChosen, UpstreamReports, Usage, UsageFromExtension,
+};
 use tower_limits::{Chosen, FairQueueLayer, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey};
 use tower_limits_tests::quota;
 
@@ -122,4 +124,37 @@ async fn a_settle_that_gives_back_lets_the_gate_through_at_once() {
     first.await.unwrap().unwrap();
     assert_eq!(second.await.unwrap().unwrap().into_body(), "sk-only");
     assert_eq!(start.elapsed(), Duration::ZERO, "no wait for the rate once the settle refunded");
+}
+
+/// Answers `429` with `Retry-After: 30` from the primary account, `200` from the others.
+async fn one_account_refuses(req: Request<()>) -> Result<Response<String>, Infallible> {
+    let chosen = req.extensions().get::<Chosen<&'static str>>().expect("the pool's choice");
+    let mut response = Response::new(chosen.config.to_string());
+    if *chosen.config == "sk-primary" {
+        *response.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+        response.headers_mut().insert("retry-after", http::HeaderValue::from_static("30"));
+    }
+    Ok(response)
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_the_upstream_says_of_its_limits_reaches_the_pool() {
+    let pool = pool();
+    let fair = FairQueueLayer::rate(FairQueueConfig::new(), pool.clone())
+        .unwrap()
+        .key(FromExtension::<TenantKey>::new())
+        .cost(CostFromExtension)
+        .annotate(InsertChosen)
+        .usage(UpstreamReports::new());
+    let svc = ServiceBuilder::new().layer(fair).service_fn(one_account_refuses);
+    let now = tower_limits::Instant::from_nanos(0);
+    assert_eq!(pool.benched_until(0, now), None);
+    // Round robin: the first request goes to the primary account, which answers 429.
+    let first = svc.clone().oneshot(request("acme", 1)).await.unwrap();
+    assert_eq!(first.status(), http::StatusCode::TOO_MANY_REQUESTS);
+    assert!(pool.benched_until(0, now).is_some(), "the primary is benched for its Retry-After");
+    // Every later request goes to the secondary.
+    for _ in 0..3 {
+        assert_eq!(svc.clone().oneshot(request("acme", 1)).await.unwrap().into_body(), "sk-secondary");
+    }
 }

@@ -124,6 +124,18 @@ async fn the_default_error_mode_goes_on_a_router_through_handle_error_layer() {
     assert!(text.starts_with("rate limited by \"gcra\""), "{text}");
 }
 
+#[tokio::test]
+async fn the_error_mode_answers_a_missing_key_with_its_challenge() {
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(tower_limits::http::error_response))
+            .layer(GcraLayer::new(Quota::per_minute(nz!(1))).key(FromExtension::<TenantKey>::new())),
+    );
+    let refused = app.oneshot(Request::new(Body::empty())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(refused.headers()["www-authenticate"], "Bearer", "every 401 names its challenge");
+}
+
 /// Maps `Bearer <user>` to the tiers `acme > user`; no token is `401`.
 async fn authenticate(mut req: Request, next: Next) -> Response {
     let token = req.headers().get("authorization").and_then(|v| v.to_str().ok());

@@ -680,10 +680,11 @@ where
 
 /// The answer to an error of a layer stack, for axum's `HandleErrorLayer` (or any error
 /// handler): a refusal of a limit layer answers as an [`HttpAnswer`] would (its status,
-/// `Retry-After`, the `RateLimit` fields of the limit that refused, and its message as
-/// plain text); any other error is `500 Internal Server Error`, logged at error level
-/// with its message, which the client does not see. A one-line way to put a layer that
-/// returns its refusals as errors on an axum `Router`.
+/// `Retry-After`, the `RateLimit` fields of the limit that refused, a missing key's
+/// `401` with `WWW-Authenticate: Bearer`, and its message as plain text); any other
+/// error is `500 Internal Server Error`, logged at error level with its message, which
+/// the client does not see. A one-line way to put a layer that returns its refusals as
+/// errors on an axum `Router`.
 ///
 /// ```
 /// use axum::error_handling::HandleErrorLayer;
@@ -709,7 +710,8 @@ pub async fn error_response(error: crate::BoxError) -> Response<String> {
     match error.downcast_ref::<LimitError>() {
         Some(refusal) => {
             *response.status_mut() = refusal.status();
-            refusal.write_headers(response.headers_mut());
+            // The same headers as the default answer, the challenge of a 401 included.
+            HttpAnswer::new().headers(response.headers_mut(), refusal);
             let mut text = refusal.to_string();
             if let Some(detail) = refusal.detail().filter(|_| refusal.kind() == ErrorKind::KeySourceMissing) {
                 // The server's own setup: say what to fix.

@@ -12,7 +12,7 @@ use tower_limits_core::fair_queue::Ticket;
 use tower_limits_core::{Backend, Clock, Instant, TenantKey};
 use tower_service::Service;
 
-use super::shared::{Shared, WaiterStep};
+use super::shared::{Admitted, Shared, WaiterStep};
 use crate::error::{ErrorKind, LimitError};
 use crate::extract::{Annotate, NoAnnotation, UsageExtractor};
 use crate::meter::{Lease, QueueWatch};
@@ -32,13 +32,21 @@ pub(crate) struct Held<B: Backend> {
 }
 
 impl<B: Backend> Held<B> {
-    /// What an admitted request holds; where admissions are counted.
-    pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant) -> Self {
-        if let Some(fleet) = &shared.fixed.fleet {
-            fleet.admitted(&key, shared.weight(&key));
+    /// What an admitted request holds; where admissions are counted. `weight` is the
+    /// tenant's, read with the admission, when the fleet publishes admissions.
+    pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant, weight: Option<u32>) -> Self {
+        if let (Some(fleet), Some(weight)) = (&shared.fixed.fleet, weight) {
+            fleet.admitted(&key, weight);
         }
         let lease = shared.fixed.meter.admitted(&shared.fixed.clock);
         Held { shared, key, grant: Some(grant), settled: false, lease }
+    }
+
+    /// Tells the backend what the upstream answered of its own limits.
+    fn observe_upstream(&self, report: &tower_limits_core::UpstreamReport) {
+        if let Some(grant) = self.grant.as_ref() {
+            self.shared.fixed.backend.observe_upstream(grant, report, self.shared.now());
+        }
     }
 
     /// Corrects the grant's cost to the real usage.
@@ -98,7 +106,7 @@ impl<B: Backend> Waiter<B> {
     }
 
     /// Ready with the grant once the request is admitted, or with its refusal.
-    pub(crate) fn poll_admit(&mut self, cx: &mut Context<'_>) -> Poll<Result<B::Grant, Box<LimitError>>> {
+    pub(crate) fn poll_admit(&mut self, cx: &mut Context<'_>) -> Poll<Result<Admitted<B::Grant>, Box<LimitError>>> {
         if self.done {
             return Poll::Ready(Err(Box::new(LimitError::new(ErrorKind::Unavailable))));
         }
@@ -117,7 +125,7 @@ impl<B: Backend> Waiter<B> {
                                 );
                             }
                             self.watch.leave(true);
-                            Ok(admitted.grant)
+                            Ok(admitted)
                         }
                         Err(error) => {
                             self.watch.leave(false);
@@ -254,6 +262,13 @@ where
                     let out = ready!(fut.poll(cx));
                     let held = held.take();
                     this.state.set(State::Done);
+                    if let (Ok(response), Some(held)) = (&out, &held) {
+                        // What the upstream said of its own limits (a `Retry-After`, its
+                        // remaining quota) goes to the backend, as the limit layers do.
+                        if let Some(report) = this.usage.upstream(response) {
+                            held.observe_upstream(&report);
+                        }
+                    }
                     return Poll::Ready(match (out, held) {
                         (Ok(response), Some(held)) if this.refusal.holds_body() => {
                             // The slot goes back when the body ends.
@@ -278,8 +293,9 @@ where
                 StateProj::Waiting { waiting } => {
                     let admitted = ready!(waiting.waiter.poll_admit(cx));
                     let next = match admitted {
-                        Ok(grant) => {
-                            let held = Held::new(waiting.waiter.shared.clone(), waiting.waiter.key.clone(), grant);
+                        Ok(Admitted { grant, weight, .. }) => {
+                            let held =
+                                Held::new(waiting.waiter.shared.clone(), waiting.waiter.key.clone(), grant, weight);
                             match (waiting.inner.take(), waiting.req.take()) {
                                 (Some(mut inner), Some(mut req)) => {
                                     if let Some(grant) = held.grant.as_ref() {

@@ -116,7 +116,10 @@ impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
     /// Where the real usage is read from a response, to settle the rate backend's grant
     /// with (for example [`UsageFromExtension`](crate::extract::UsageFromExtension): the
     /// tokens an upstream reports). A settle that gives cost back lets the request
-    /// waiting at the rate gate try again at once. Without it the estimate stands.
+    /// waiting at the rate gate try again at once. Without it the estimate stands. An
+    /// extractor that also reads what the upstream said of its own limits
+    /// ([`UpstreamReports`](crate::extract::UpstreamReports)) hands it to the rate
+    /// backend, so a `LimitPool` benches an account that answered `429`.
     pub fn usage<U2>(self, usage: U2) -> FairQueueLayer<Extractors<K, C, U2, A>, R, B> {
         let FairQueueLayer { shared, extract, refusal } = self;
         FairQueueLayer { shared, extract: extract.with_usage(usage), refusal }

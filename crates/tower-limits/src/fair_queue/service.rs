@@ -107,9 +107,9 @@ where
         };
         let cost = self.extract.cost.cost(&req);
         match shared.arrive(&key, cost) {
-            Arrival::Admitted(grant) => {
+            Arrival::Admitted(grant, weight) => {
                 self.extract.annotate.annotate(&mut req, &grant);
-                let held = Held::new(shared.clone(), key, grant);
+                let held = Held::new(shared.clone(), key, grant, weight);
                 ResponseFuture::called(self.inner.call(req), held, self.refusal.clone(), self.extract.usage.clone())
             }
             Arrival::Queued(ticket) => {

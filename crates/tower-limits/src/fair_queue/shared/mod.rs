@@ -153,8 +153,9 @@ impl<B: Backend> fmt::Debug for Shared<B> {
 
 /// What became of an arriving request.
 pub(crate) enum Arrival<G> {
-    /// Admitted at once: call the inner service.
-    Admitted(G),
+    /// Admitted at once: call the inner service. With the tenant's weight when the fleet
+    /// publishes admissions.
+    Admitted(G, Option<u32>),
     /// Queued (or at the gate): wait with this ticket.
     Queued(Ticket),
     /// Refused.
@@ -172,10 +173,12 @@ pub(crate) enum WaiterStep<G> {
     Again,
 }
 
-/// A grant and what the admission tells the tracing.
+/// A grant and what the admission tells the tracing (and, when the fleet publishes
+/// admissions, the tenant's weight, read under the same lock).
 pub(crate) struct Admitted<G> {
     pub(crate) grant: G,
     pub(crate) waited: Duration,
+    pub(crate) weight: Option<u32>,
 }
 
 /// A request in the fair queue.
@@ -222,6 +225,11 @@ pub(crate) struct State<B: Backend> {
 }
 
 impl<B: Backend> State<B> {
+    /// The weight an admission publishes to the fleet, when there is one.
+    fn fleet_weight(&self, fx: &Fixed<B>, key: &TenantKey) -> Option<u32> {
+        fx.fleet.as_ref().map(|_| self.queue.weight(key))
+    }
+
     fn arrive(
         &mut self,
         fx: &Fixed<B>,
@@ -249,7 +257,7 @@ impl<B: Backend> State<B> {
             Poll::Ready(Ok(grant)) => {
                 self.in_flight += 1;
                 self.count_admission(key, cost, None, t);
-                Arrival::Admitted(grant)
+                Arrival::Admitted(grant, self.fleet_weight(fx, key))
             }
             Poll::Ready(Err(e)) if !waitable(&e) => {
                 let error = Box::new(LimitError::from(e));
@@ -390,7 +398,7 @@ impl<B: Backend> State<B> {
             Some(Outcome::Granted { grant, cost, since, at }) => {
                 let waited = at.saturating_since(since);
                 self.count_admission(key, cost, Some(waited), at);
-                WaiterStep::Done(Ok(Admitted { grant, waited }))
+                WaiterStep::Done(Ok(Admitted { grant, waited, weight: self.fleet_weight(fx, key) }))
             }
             Some(Outcome::Refused(error)) => WaiterStep::Done(Err(error)),
             None => WaiterStep::Done(Err(Box::new(
