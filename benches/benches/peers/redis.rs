@@ -2,7 +2,9 @@
 //! (group `redis`): a set of three limits against a single GCRA, 64 acquisitions in
 //! flight on one connection (throughput), and the server CPU per call of our three-limit
 //! script against a plain hand-written script over the same three keys, for acquisitions
-//! alone and for whole requests.
+//! alone and for whole requests; and a set of two rates decided from capacity shares
+//! against the same set decided per request, in throughput and in server CPU per
+//! admitted request.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use tokio::runtime::Runtime;
 use tower_limits_core::{Backend, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
 use tower_limits_redis::test_support::RedisServer;
-use tower_limits_redis::{RedisBackend, RedisConnection};
+use tower_limits_redis::{RedisBackend, RedisConnection, Shares};
 
 use crate::table::{ROUNDS, Row};
 
@@ -20,6 +22,18 @@ use crate::table::{ROUNDS, Row};
 const IN_FLIGHT: usize = 64;
 /// Calls per measurement in the Redis rows.
 const CALLS: u64 = 6_400;
+/// How long the shares rows call untimed (shares are granted within two refresh
+/// periods), then timed (ten refresh periods).
+const WARM: Duration = Duration::from_millis(300);
+const TIMED: Duration = Duration::from_secs(1);
+
+/// A global rate and a rate per user, open: what the shares rows acquire.
+fn two_rates() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10_000_000))))
+        .limit(LimitPolicy::gcra("per-user", Quota::per_second(nz!(1_000_000))).per("user"))
+}
 
 /// The Redis rows, in the order of the table: throughput, server CPU per acquisition (and
 /// its ceiling), server CPU per whole request.
@@ -58,6 +72,10 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
     // service, where a set holds only the requests in flight.
     let three = bench.backend(tower_limits_benches::open_set_of_three(), "three-released");
     rows.push(bench.release_row(&three, &sha));
+    let per_request = bench.backend(two_rates(), "two-per-request");
+    let shared =
+        bench.backend_with(two_rates(), "two-shared", |b| b.timeout(Duration::from_millis(200)).shares(Shares::new()));
+    rows.extend(bench.shares_rows(&shared, &per_request));
     drop(server);
 }
 
@@ -72,14 +90,96 @@ struct Bench {
 
 impl Bench {
     fn backend(&self, policy: LimitSetPolicy, name: &str) -> RedisBackend {
-        RedisBackend::builder(policy)
+        self.backend_with(policy, name, |b| b)
+    }
+
+    fn backend_with(
+        &self,
+        policy: LimitSetPolicy,
+        name: &str,
+        more: impl FnOnce(tower_limits_redis::RedisBackendBuilder) -> tower_limits_redis::RedisBackendBuilder,
+    ) -> RedisBackend {
+        let builder = RedisBackend::builder(policy)
             .namespace(format!("peers-{name}"))
             .timeout(Duration::from_secs(5))
             .max_leases(0)
             // Neither side reports the limits' states (nor does the plain script).
-            .peek_cache(0)
-            .build(&self.conn)
-            .expect("a backend")
+            .peek_cache(0);
+        // The shares' lifetime must outlast two refreshes and the timeout.
+        more(builder).build(&self.conn).expect("a backend")
+    }
+
+    /// Acquisitions through `b` with the clock running, [`IN_FLIGHT`] at once: for
+    /// `WARM` untimed (long enough for shares to be granted), then for `TIMED`, over
+    /// several refresh periods. Answers thousands of acquisitions a second and the
+    /// server's CPU per admitted one.
+    fn sustained(&self, b: &RedisBackend) -> (f64, f64) {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        // One clock for every run: a backend's instants never go back.
+        static ORIGIN: std::sync::OnceLock<StdInstant> = std::sync::OnceLock::new();
+        let origin = *ORIGIN.get_or_init(StdInstant::now);
+        let run = |length: Duration| {
+            let (calls, admitted) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+            let start = StdInstant::now();
+            self.rt.block_on(async {
+                let tasks: Vec<_> = (0..IN_FLIGHT)
+                    .map(|t| {
+                        let (b, keys) = (b.clone(), self.keys.clone());
+                        let (calls, admitted) = (calls.clone(), admitted.clone());
+                        tokio::spawn(async move {
+                            let mut i = 0;
+                            while start.elapsed() < length {
+                                let key = &keys[(t * 7919 + i) % keys.len()];
+                                i += 1;
+                                let now = tower_limits_core::Instant::from_nanos(origin.elapsed().as_nanos() as u64);
+                                if b.acquire(key, 1, now).await.is_ok() {
+                                    admitted.fetch_add(1, Ordering::Relaxed);
+                                }
+                                calls.fetch_add(1, Ordering::Relaxed);
+                            }
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.expect("a task");
+                }
+            });
+            let elapsed = start.elapsed().as_secs_f64();
+            (calls.load(Ordering::Relaxed) as f64 / elapsed / 1e3, admitted.load(Ordering::Relaxed).max(1) as f64)
+        };
+        run(WARM);
+        self.reset();
+        let (speed, admitted) = run(TIMED);
+        let info: String =
+            self.rt.block_on(redis::cmd("INFO").arg("commandstats").query_async(&mut self.raw.clone())).expect("INFO");
+        let usec: f64 = info
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_eval"))
+            .filter_map(|l| l.split([':', ',']).find_map(|f| f.strip_prefix("usec=")))
+            .filter_map(|v| v.parse::<f64>().ok())
+            .sum();
+        (speed, usec / admitted)
+    }
+
+    /// Two rates (a global one and one per user over 1,000 users) decided from capacity
+    /// shares against the same set decided per request, interleaved.
+    fn shares_rows(&self, shared: &RedisBackend, per_request: &RedisBackend) -> [Row; 2] {
+        let mut speed = Row::new(format!("Redis, {IN_FLIGHT} in flight: 2 rates, shares / per request kop/s"), "kop/s");
+        let mut cpu = Row::new("Redis CPU per admitted request: 2 rates, shares / per request", "us");
+        for round in 0..ROUNDS {
+            let (ours, theirs) = if round % 2 == 0 {
+                let ours = self.sustained(shared);
+                (ours, self.sustained(per_request))
+            } else {
+                let theirs = self.sustained(per_request);
+                (self.sustained(shared), theirs)
+            };
+            speed.ours.push(ours.0);
+            speed.theirs.push(theirs.0);
+            cpu.ours.push(ours.1);
+            cpu.theirs.push(theirs.1);
+        }
+        [speed, cpu]
     }
 
     /// Thousands of acquisitions a second through `b`, [`IN_FLIGHT`] at once.

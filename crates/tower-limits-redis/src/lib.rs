@@ -1,5 +1,6 @@
 //! Redis backend for tower-limits: one [`LimitSet`](tower_limits_core::LimitSet) policy
-//! enforced across a fleet of replicas, one round trip per acquisition.
+//! enforced across a fleet of replicas, one round trip per acquisition, or, with
+//! [capacity shares](#capacity-shares), one call per replica per refresh period.
 //!
 //! When one gateway becomes several replicas, a limit kept in each process multiplies by
 //! the number of replicas. A [`RedisBackend`] keeps the limits' state in Redis (or
@@ -53,6 +54,17 @@
 //! are cached locally until their exact `retry_after`, so a flood of refused requests
 //! for one tenant costs no round trip at all. Refusals that need no state (a missing key
 //! tier, a cost above a limit's capacity) are answered locally too.
+//!
+//! # Capacity shares
+//!
+//! Per request, the fleet waits on one Redis core. Built with
+//! [`RedisBackendBuilder::shares`], each replica decides its rate limits from a share it
+//! holds, and refreshes all of them in one call per period (100 ms by default): Redis work
+//! grows with the replicas and the tenants they are busy with, not with requests. The
+//! fleet still admits at most each limit's burst plus its rate over every window, with no
+//! excess; capacity follows the demand replicas report; a dead replica's share comes back
+//! within its lifetime. Cold tenants take from a pool in Redis, one round trip each. See
+//! [`Shares`] and the [guide](guide::operations) for the scheme and its bounds.
 //!
 //! # State and key layout
 //!
@@ -167,7 +179,7 @@ mod stats;
 pub mod test_support;
 
 pub use accounts::{AccountStats, RedisAccounts, RedisAccountsBuilder};
-pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant};
+pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant, Shares};
 pub use connection::RedisConnection;
 pub use error::BuildError;
 pub use failure::FailurePolicy;

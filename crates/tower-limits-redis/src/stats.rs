@@ -45,6 +45,12 @@ pub struct RedisStats {
     pub leases_renewed: u64,
     /// Semaphore grants whose leases this replica renews now.
     pub leases_held: u64,
+    /// Acquisitions granted from this replica's capacity shares, without a round trip.
+    pub shared_grants: u64,
+    /// Acquisitions refused by an exhausted share, without a round trip.
+    pub shared_refusals: u64,
+    /// Calls refreshing the shares (one per refresh period, per Cluster slot).
+    pub share_refreshes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -65,6 +71,9 @@ pub(crate) struct Counters {
     pub(crate) background_failures: AtomicU64,
     pub(crate) background_pending: AtomicU64,
     pub(crate) leases_renewed: AtomicU64,
+    pub(crate) shared_grants: AtomicU64,
+    pub(crate) shared_refusals: AtomicU64,
+    pub(crate) share_refreshes: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -93,6 +102,9 @@ impl Counters {
             background_pending: l(&self.background_pending),
             leases_renewed: l(&self.leases_renewed),
             leases_held,
+            shared_grants: l(&self.shared_grants),
+            shared_refusals: l(&self.shared_refusals),
+            share_refreshes: l(&self.share_refreshes),
         }
     }
 }

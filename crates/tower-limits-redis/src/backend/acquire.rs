@@ -43,6 +43,10 @@ impl RedisAcquire {
     pub(super) fn ready(result: Result<RedisGrant, AcquireError>) -> Self {
         RedisAcquire { state: AcquireState::Ready(Some(result)) }
     }
+
+    pub(super) fn remote(fut: RemoteFuture, backend: RedisBackend, key: TenantKey, now: Instant) -> Self {
+        RedisAcquire { state: AcquireState::Remote { fut, backend, key, now } }
+    }
 }
 
 impl Future for RedisAcquire {

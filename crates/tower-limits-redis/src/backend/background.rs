@@ -38,7 +38,15 @@ impl Op {
 }
 
 /// Tracks one background operation in the pending count, even if its task is dropped.
-struct PendingGuard(Arc<Inner>);
+pub(super) struct PendingGuard(Arc<Inner>);
+
+impl PendingGuard {
+    /// Counts one more background operation until the guard drops.
+    pub(super) fn new(inner: &Arc<Inner>) -> PendingGuard {
+        inner.stats.background_pending.fetch_add(1, Ordering::AcqRel);
+        PendingGuard(inner.clone())
+    }
+}
 
 impl Drop for PendingGuard {
     fn drop(&mut self) {
@@ -62,8 +70,7 @@ pub(super) fn spawn_op(
         tracing::warn!(target: "tower_limits_redis", "no tokio runtime to send a release or settle on");
         return;
     };
-    inner.stats.background_pending.fetch_add(1, Ordering::AcqRel);
-    let guard = PendingGuard(inner.clone());
+    let guard = PendingGuard::new(inner);
     handle.spawn(async move {
         let inner = &guard.0;
         if let Some(after) = after {

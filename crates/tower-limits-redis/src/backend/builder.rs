@@ -21,6 +21,7 @@ use crate::failure::{Breaker, FailurePolicy};
 use crate::keys::{SlotLayout, escape_into};
 use crate::script::{self, ScriptLimit};
 
+use super::shares::{self, ShareLimit, Shares};
 use super::{EXACT, Inner, LimitInfo, RedisBackend, Settings};
 use crate::stats::Counters;
 
@@ -41,6 +42,7 @@ pub struct RedisBackendBuilder {
     peek_cache: usize,
     max_leases: usize,
     manual_clock: bool,
+    shares: Option<Shares>,
 }
 
 impl RedisBackend {
@@ -65,6 +67,7 @@ impl RedisBackend {
             peek_cache: 10_000,
             max_leases: 100_000,
             manual_clock: false,
+            shares: None,
         }
     }
 }
@@ -140,6 +143,36 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// Splits the set's limits among the replicas in capacity shares: each replica decides
+    /// from the share it holds, and asks Redis once per refresh period for all of them,
+    /// instead of once per request. The fleet still admits at most what each limit allows
+    /// over every window. Scopes (a tenant's limit) busy with fewer than
+    /// [`Shares::hot_after`] requests a period take from a pool in Redis, one round trip
+    /// each. See [`Shares`] and the guide for the scheme and its bounds.
+    ///
+    /// Every limit of the set must be a GCRA or a token bucket.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_limits_core::{LimitPolicy, LimitSetPolicy, Quota, nz};
+    /// use tower_limits_redis::{RedisBackend, RedisConnection, Shares};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = LimitSetPolicy::new()
+    ///     .tiers(["tenant"])
+    ///     .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10_000))))
+    ///     .limit(LimitPolicy::gcra("per-tenant", Quota::per_second(nz!(100))).per("tenant"));
+    /// let redis = RedisConnection::connect("redis://127.0.0.1:6379/").await?;
+    /// let backend = RedisBackend::builder(policy).shares(Shares::new()).build(&redis)?;
+    /// # let _ = backend;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn shares(mut self, shares: Shares) -> Self {
+        self.shares = Some(shares);
+        self
+    }
+
     /// Test support: decide with the `now` each call is given (a
     /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`, so
     /// that a test can compare with the in-memory set instant by instant and expire
@@ -181,6 +214,10 @@ impl RedisBackendBuilder {
         if self.timeout.is_zero() || self.lease < Duration::from_millis(3) {
             return Err(BuildError::Invalid { field: "timeout", message: "timeout and lease must be positive".into() });
         }
+        if let Some(shares) = &self.shares {
+            // A test's clock is not the one the timeout runs on.
+            shares.validate(if self.manual_clock { Duration::ZERO } else { self.timeout })?;
+        }
         let tiers: Box<[&'static str]> = self.policy.tiers.iter().map(|t| intern(t)).collect();
         let mut limits = Vec::with_capacity(self.policy.limits.len());
         let mut script_limits = Vec::with_capacity(self.policy.limits.len());
@@ -193,7 +230,7 @@ impl RedisBackendBuilder {
                         .into(),
                 });
             }
-            let (info, script) = describe(p, &self.policy.tiers, &tiers)?;
+            let (info, script) = describe(p, &self.policy.tiers, &tiers, self.shares.is_some())?;
             limits.push(info);
             script_limits.push(script);
         }
@@ -263,6 +300,7 @@ impl RedisBackendBuilder {
                 leases: Mutex::new(HashMap::new()),
                 runtime: OnceLock::new(),
                 renewing: AtomicBool::new(false),
+                shares: self.shares.map(|s| shares::Table::new(s, instance)),
             }),
         })
     }
@@ -280,6 +318,7 @@ fn describe(
     p: &LimitPolicy,
     tier_names: &[String],
     tiers: &[&'static str],
+    shared: bool,
 ) -> Result<(LimitInfo, ScriptLimit), BuildError> {
     let unsupported = |reason: String| BuildError::Unsupported { limit: p.name.clone(), reason };
     let limit = Limit::from_policy(p)?;
@@ -343,10 +382,12 @@ fn describe(
         Scope::Global => None,
         Scope::Tier(t) => tier_names.iter().position(|x| x == t),
     };
+    let share = if shared { Some(share_limit(&limit).map_err(unsupported)?) } else { None };
     let mut suffix = String::from(":");
     escape_into(&mut suffix, &p.name);
     suffix.push(':');
-    suffix.push(script.kind());
+    // A share table is not the limit's per-request state: its own kind.
+    suffix.push(if shared { 'S' } else { script.kind() });
     let info = LimitInfo {
         name: intern(&p.name),
         tier,
@@ -361,8 +402,35 @@ fn describe(
         },
         window,
         suffix: suffix.into(),
+        share,
     };
     Ok((info, script))
+}
+
+/// A limit as the share tables count it: GCRA and token buckets only, with every number
+/// the script multiplies below 2^53.
+fn share_limit(limit: &Limit) -> Result<ShareLimit, String> {
+    let quota = match limit {
+        Limit::Gcra(g) => g.quota(),
+        Limit::TokenBucket(t) => t.quota(),
+        _ => return Err("capacity shares split rates: only GCRA and token-bucket limits can be shared".into()),
+    };
+    let (rate, burst) = (quota.rate(), quota.max_burst());
+    let nanos = rate.period().as_nanos();
+    if nanos % 1000 != 0 {
+        return Err(format!(
+            "its period {:?} is not a whole number of microseconds, the resolution of the share tables",
+            rate.period()
+        ));
+    }
+    let period_us = u64::try_from(nanos / 1000).unwrap_or(u64::MAX);
+    if u128::from(burst) * u128::from(period_us) >= 1 << 53 {
+        return Err(format!(
+            "its burst of {burst} times its period in microseconds ({period_us}) is above 2^53, \
+             the largest integer a share table counts exactly: count in larger units"
+        ));
+    }
+    Ok(ShareLimit { amount: rate.amount(), period_us, burst })
 }
 
 /// The policy with every limit scaled to `share`, for the local fallback.

@@ -116,26 +116,42 @@ impl Inner {
         }
     }
 
-    /// One call of the script: `EVALSHA`, and after `NOSCRIPT` one `EVAL`.
-    pub(super) async fn eval(&self, keys: &[String], args: &[&str]) -> redis::RedisResult<Value> {
+    /// One call of a script: `EVALSHA`, and after `NOSCRIPT` one `EVAL`.
+    async fn eval<K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
+        &self,
+        (sha, source): (&str, &str),
+        keys: &[K],
+        args: &[A],
+    ) -> redis::RedisResult<Value> {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&*self.sha).arg(keys.len()).arg(keys).arg(args);
+        cmd.arg(sha).arg(keys.len()).arg(keys).arg(args);
         bump(&self.stats.round_trips);
         match self.conn.query(&cmd).await {
             Err(e) if e.code() == Some("NOSCRIPT") => {
                 bump(&self.stats.script_loads);
                 bump(&self.stats.round_trips);
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg(&*self.source).arg(keys.len()).arg(keys).arg(args);
+                cmd.arg(source).arg(keys.len()).arg(keys).arg(args);
                 self.conn.query(&cmd).await
             }
             other => other,
         }
     }
 
-    /// One call of the script under the timeout, feeding the breaker.
+    /// One call of the set's script under the timeout, feeding the breaker.
     pub(super) async fn call(&self, keys: &[String], args: &[&str]) -> Result<Value, CallError> {
-        self.guarded(self.eval(keys, args)).await
+        self.guarded(self.eval((&self.sha, &self.source), keys, args)).await
+    }
+
+    /// One call of another script under the timeout, feeding the breaker.
+    pub(super) async fn call_script(
+        &self,
+        sha: &str,
+        source: &str,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Value, CallError> {
+        self.guarded(self.eval((sha, source), keys, args)).await
     }
 
     /// One plain command under the timeout, feeding the breaker.
@@ -317,6 +333,12 @@ pub(super) struct CallError {
 const FULL: usize = 6;
 /// A brief grant: granted, `now_us`, `now_sub`.
 const BRIEF: usize = 3;
+
+/// A reply of integers only.
+pub(super) fn int_array(value: &Value) -> Option<Vec<i64>> {
+    let Value::Array(items) = value else { return None };
+    items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect()
+}
 
 /// The script's reply as integers: a full one, or a brief grant.
 fn ints(value: &Value, n: usize) -> Option<Vec<i64>> {

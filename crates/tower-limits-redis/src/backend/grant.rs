@@ -16,6 +16,10 @@ pub enum GrantSource {
     FailOpen,
     /// Granted by the local fallback limiter ([`FailurePolicy::Fallback`](crate::FailurePolicy::Fallback)).
     Fallback,
+    /// Granted from this replica's capacity shares alone, without a round trip
+    /// ([`Shares`](crate::Shares)). A grant that also took from a pool, for a scope
+    /// where this replica holds no share, is [`GrantSource::Redis`].
+    Share,
 }
 
 /// A grant from a [`RedisBackend`](super::RedisBackend): plain data, handed back to
@@ -28,6 +32,7 @@ pub struct RedisGrant {
 
 pub(super) enum GrantKind {
     Remote(Remote),
+    Shared(super::shares::SharedGrant),
     Open,
     Local(tower_limits_core::Grant),
 }
@@ -51,10 +56,12 @@ impl RedisGrant {
     /// Where the grant came from: Redis, or the failure policy.
     #[must_use]
     pub fn source(&self) -> GrantSource {
-        match self.kind {
+        match &self.kind {
             GrantKind::Remote(_) => GrantSource::Redis,
             GrantKind::Open => GrantSource::FailOpen,
             GrantKind::Local(_) => GrantSource::Fallback,
+            GrantKind::Shared(g) if g.pooled.is_empty() => GrantSource::Share,
+            GrantKind::Shared(_) => GrantSource::Redis,
         }
     }
 

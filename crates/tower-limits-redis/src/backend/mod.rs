@@ -64,6 +64,7 @@ mod background;
 mod builder;
 mod call;
 mod grant;
+mod shares;
 
 use acquire::AcquireState;
 pub use acquire::RedisAcquire;
@@ -72,6 +73,7 @@ pub use builder::RedisBackendBuilder;
 use call::acquire_remote;
 use grant::GrantKind;
 pub use grant::{GrantSource, RedisGrant};
+pub use shares::Shares;
 
 /// The bound below which the script's double arithmetic (divisions included) is exact:
 /// 2^52, which as nanoseconds is 52 days.
@@ -111,6 +113,8 @@ struct LimitInfo {
     window: Duration,
     /// `:<escaped name>:<kind>`, appended to the tenant's part of the key.
     suffix: Box<str>,
+    /// With capacity shares: the limit as the share tables count it.
+    share: Option<shares::ShareLimit>,
 }
 
 struct Settings {
@@ -160,6 +164,8 @@ pub(crate) struct Inner {
     leases: Mutex<HashMap<u64, Lease>>,
     runtime: OnceLock<Handle>,
     renewing: AtomicBool,
+    /// With capacity shares: this replica's.
+    shares: Option<shares::Table>,
 }
 
 impl RedisBackend {
@@ -258,6 +264,10 @@ impl Backend for RedisBackend {
         if let Some(refusal) = inner.local_refusal(key, cost) {
             return RedisAcquire::ready(Err(refusal));
         }
+        if inner.shares.is_some() {
+            // The shares decide first and count the demand; the cache answers for the pools.
+            return self.acquire_shared(key, cost, now);
+        }
         if let Some(cache) = &inner.refusals {
             if let Some((i, retry, needs_release, snapshot)) = cache::lookup(cache, key, cost, now) {
                 bump(&inner.stats.cached_refusals);
@@ -287,6 +297,13 @@ impl Backend for RedisBackend {
                 }
             }
             GrantKind::Open => {}
+            GrantKind::Shared(g) => {
+                let (from, to) = (g.charged, actual);
+                g.charged = actual;
+                let limits = &self.inner.limits;
+                let back = i128::from(from) - i128::from(to);
+                self.inner.settle_shared(g, now, |p| if limits[p.limit].counts == Counts::Cost { back } else { 0 });
+            }
             GrantKind::Remote(r) => {
                 let (from, to) = (r.charged, actual);
                 r.charged = actual;
@@ -317,7 +334,7 @@ impl Backend for RedisBackend {
                     local.release_grant(key, g);
                 }
             }
-            GrantKind::Open => {}
+            GrantKind::Open | GrantKind::Shared(_) => {}
             GrantKind::Remote(r) => {
                 if !self.inner.has_semaphore {
                     return;
@@ -346,6 +363,11 @@ impl Backend for RedisBackend {
                 }
             }
             GrantKind::Open => {}
+            GrantKind::Shared(g) => {
+                let limits = &self.inner.limits;
+                let charged = i128::from(g.charged);
+                self.inner.settle_shared(&g, now, |p| if limits[p.limit].counts == Counts::Cost { charged } else { 1 });
+            }
             GrantKind::Remote(r) => {
                 self.inner.drop_lease(r.holder);
                 let op = Op {
@@ -368,7 +390,7 @@ impl Backend for RedisBackend {
     fn needs_release(&self, grant: &RedisGrant) -> bool {
         match &grant.kind {
             GrantKind::Remote(_) => self.inner.has_semaphore,
-            GrantKind::Open => false,
+            GrantKind::Open | GrantKind::Shared(_) => false,
             GrantKind::Local(g) => g.holds_concurrency(),
         }
     }

@@ -1,0 +1,376 @@
+//! Law 29, capacity shares: replicas deciding from the shares they hold admit, over every
+//! window, at most what the limit allows; capacity follows demand; a replica that stops
+//! refreshing gives its share back within the lifetime. Against a real `redis-server`,
+//! several replicas (backends with their own connections), random traffic, a manual
+//! clock. Law numbers are those of `crates/tower-limits/docs/laws.md`.
+
+mod redis_common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
+use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::{GrantSource, RedisBackend, Shares};
+
+use redis_common::{connect, manual, namespace, runtime};
+
+const MS: u64 = 1_000_000;
+
+/// A small deterministic generator: the traffic of a seed is the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+fn shares() -> Shares {
+    Shares::new().refresh_every(Duration::from_millis(20)).lifetime(Duration::from_millis(100)).hot_after(2)
+}
+
+async fn fleet(url: &str, policy: &LimitSetPolicy, ns: &str, n: usize) -> Vec<RedisBackend> {
+    let mut replicas = Vec::new();
+    for _ in 0..n {
+        let conn = connect(url).await;
+        replicas.push(manual(policy.clone(), "shares").namespace(ns).shares(shares()).build(&conn).unwrap());
+    }
+    replicas
+}
+
+/// Over every window between two admissions, the units used are at most
+/// `burst + window * amount / period`.
+fn assert_bound(what: &str, used: &[(u64, u64)], amount: u64, period: u64, burst: u64) {
+    for i in 0..used.len() {
+        let mut units = 0;
+        for &(at, n) in &used[i..] {
+            units += n;
+            let window = at - used[i].0;
+            let allowed = u128::from(burst) + u128::from(window) * u128::from(amount) / u128::from(period);
+            assert!(
+                u128::from(units) <= allowed,
+                "{what}: {units} units in {window} ns from {} (allowed {allowed})",
+                used[i].0
+            );
+        }
+    }
+}
+
+#[test]
+fn a_fleet_on_shares_never_admits_more_than_the_limit_over_any_window() {
+    let Some(server) = redis_for("a_fleet_on_shares_never_admits_more_than_the_limit_over_any_window") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        // A global rate of 200/s with a burst of 20, and per tenant 50/s, burst 10,
+        // counting cost.
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("global", Quota::per_second(nz!(200)).burst(nz!(20))))
+            .limit(
+                LimitPolicy::token_bucket("tenant", Quota::per_second(nz!(50)).burst(nz!(10)))
+                    .per("tenant")
+                    .counting_cost(),
+            );
+        for seed in [7u64, 1234, 98_765, 31_337, 4_242] {
+            let mut rng = Rng(seed);
+            let replicas = fleet(&url, &policy, &namespace("shares-bound"), 3).await;
+            let tenants = ["a", "b", "c", "d"].map(|t| TenantKey::new([t]).unwrap());
+            let mut global = Vec::new();
+            let mut per_tenant: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
+            let (mut local, mut remote) = (0, 0);
+            let start = 1_000_000 * MS;
+            // Phases of 100 ms: idle, a flood from every replica, traffic on one replica,
+            // or one replica whose refreshes go unheard (Redis applies them, the replica
+            // never learns) or unsent.
+            let (mut phase, mut busy, mut deaf) = (0, 0usize, usize::MAX);
+            for step in 0..3_000u64 {
+                let now = Instant::from_nanos(start + step * MS);
+                if step % 100 == 0 {
+                    phase = rng.below(4);
+                    busy = rng.below(3) as usize;
+                    deaf = if phase == 3 { rng.below(3) as usize } else { usize::MAX };
+                }
+                if step % 20 == 0 {
+                    for (i, r) in replicas.iter().enumerate() {
+                        match (i == deaf, rng.below(6)) {
+                            (true, 0) => {}
+                            (true, _) => {
+                                r.refresh_shares_unheard(now).await;
+                            }
+                            (false, 0) => {}
+                            (false, _) => {
+                                r.refresh_shares(now).await;
+                            }
+                        }
+                    }
+                }
+                let requests = match phase {
+                    0 => rng.below(2),
+                    1 => 2 + rng.below(12),
+                    _ => rng.below(8),
+                };
+                for _ in 0..requests {
+                    let replica = if phase == 2 { busy } else { rng.below(3) as usize };
+                    let r = &replicas[replica];
+                    let t = rng.below(4) as usize;
+                    let cost = 1 + rng.below(3);
+                    match r.acquire(&tenants[t], cost, now).await {
+                        Ok(mut grant) => {
+                            if grant.source() == GrantSource::Share {
+                                local += 1;
+                            } else {
+                                remote += 1;
+                            }
+                            // A third settle at once to a real usage below what they took (a
+                            // refund); what counts is the usage. Charges beyond it are debts,
+                            // checked on their own below.
+                            let used = if rng.below(3) == 0 { rng.below(cost + 1) } else { cost };
+                            if used != cost {
+                                r.settle(&tenants[t], &mut grant, used, now);
+                                // A pool's settle is a call in the background: in place
+                                // before the next decision, as the law's order has it.
+                                r.flush().await;
+                            }
+                            global.push((now.as_nanos(), 1));
+                            per_tenant.entry(t).or_default().push((now.as_nanos(), used));
+                            r.release(&tenants[t], grant);
+                        }
+                        Err(AcquireError::Refused(_)) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }
+            for r in &replicas {
+                r.flush().await;
+            }
+            assert_bound("global", &global, 200, 1_000 * MS, 20);
+            for (t, admitted) in &per_tenant {
+                assert_bound(&format!("tenant {t}"), admitted, 50, 1_000 * MS, 10);
+            }
+            // The traffic asks for more than the limits allow: they are used, mostly from shares.
+            assert!(global.len() > 200, "seed {seed}: only {} admitted in 3 s", global.len());
+            assert!(local > remote, "seed {seed}: {local} from shares, {remote} from the pools");
+        }
+    });
+}
+
+#[test]
+fn capacity_follows_demand_and_a_silent_replica_gives_its_share_back() {
+    let Some(server) = redis_for("capacity_follows_demand_and_a_silent_replica_gives_its_share_back") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("global", Quota::per_second(nz!(1_000)).burst(nz!(50))));
+        let replicas = fleet(&url, &policy, &namespace("shares-demand"), 2).await;
+        let key = TenantKey::global();
+        let start = 1_000_000 * MS;
+        // Both replicas ask for far more than the limit: each settles near half.
+        let mut admitted = [0u64; 2];
+        let mut last_second = [0u64; 2];
+        for step in 0..2_000u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            let silent = step >= 1_000;
+            if step % 20 == 0 {
+                for (i, r) in replicas.iter().enumerate() {
+                    // From the second second on, replica 1 stops refreshing, as a replica
+                    // that died would.
+                    if !(silent && i == 1) {
+                        r.refresh_shares(now).await;
+                    }
+                }
+            }
+            for (i, r) in replicas.iter().enumerate() {
+                if silent && i == 1 {
+                    continue;
+                }
+                for _ in 0..4 {
+                    if let Ok(grant) = r.acquire(&key, 1, now).await {
+                        admitted[i] += 1;
+                        if step >= 1_200 {
+                            last_second[i] += 1;
+                        }
+                        r.release(&key, grant);
+                    }
+                }
+            }
+            if step == 999 {
+                // Fair shares while both ask: neither has less than 40% of what was admitted.
+                let total = admitted[0] + admitted[1];
+                assert!(total >= 900, "the limit is used: {admitted:?}");
+                assert!(
+                    admitted[0] * 10 >= total * 4 && admitted[1] * 10 >= total * 4,
+                    "shares by demand: {admitted:?}"
+                );
+            }
+        }
+        // Replica 1 went silent at 1 s; its share ended at 1.1 s at the latest, and from
+        // 1.2 s replica 0 has (nearly) the whole limit: at least 90% of 800 admissions.
+        assert!(last_second[0] >= 720, "the silent replica's share came back: {last_second:?}");
+        let stats = replicas[0].stats();
+        assert!(stats.shared_grants > stats.granted, "{stats:?}");
+    });
+}
+
+/// One replica holds the whole limit, then all three flood it; `adversary` decides how
+/// the first replica refreshes from then on. Answers every admission of the fleet.
+async fn hand_over(url: &str, adversary: fn(u64) -> Refresh) -> Vec<(u64, u64)> {
+    let policy = LimitSetPolicy::new().limit(LimitPolicy::gcra("global", Quota::per_second(nz!(300)).burst(nz!(30))));
+    let replicas = fleet(url, &policy, &namespace("shares-hand-over"), 3).await;
+    let key = TenantKey::global();
+    let start = 1_000_000 * MS;
+    let mut admitted = Vec::new();
+    for step in 0..600u64 {
+        let now = Instant::from_nanos(start + step * MS);
+        let everyone = step >= 200;
+        if step % 20 == 0 {
+            for (i, r) in replicas.iter().enumerate() {
+                match (i, adversary(step)) {
+                    (0, Refresh::Unheard) if everyone => {
+                        r.refresh_shares_unheard(now).await;
+                    }
+                    (0, Refresh::Unsent) if everyone => {}
+                    _ => {
+                        r.refresh_shares(now).await;
+                    }
+                }
+            }
+        }
+        for (i, r) in replicas.iter().enumerate() {
+            if i > 0 && !everyone {
+                continue;
+            }
+            for _ in 0..3 {
+                if let Ok(grant) = r.acquire(&key, 1, now).await {
+                    admitted.push((now.as_nanos(), 1));
+                    r.release(&key, grant);
+                }
+            }
+        }
+    }
+    admitted
+}
+
+#[derive(Clone, Copy)]
+enum Refresh {
+    Heard,
+    /// Redis applies it; the replica never learns the answer.
+    Unheard,
+    /// Never sent: the replica keeps serving from its share until it expires.
+    Unsent,
+}
+
+#[test]
+fn a_share_moves_only_once_its_holder_cannot_be_using_it() {
+    let Some(server) = redis_for("a_share_moves_only_once_its_holder_cannot_be_using_it") else { return };
+    runtime().block_on(async {
+        let url = server.url();
+        for adversary in [|_| Refresh::Heard, |_| Refresh::Unheard, |_| Refresh::Unsent] as [fn(u64) -> Refresh; 3] {
+            let admitted = hand_over(&url, adversary).await;
+            assert_bound("global", &admitted, 300, 1_000 * MS, 30);
+            // The limit is used: 30 + 0.6 s at 300/s is 210; at least 80% of it.
+            assert!(admitted.len() >= 168, "{} admitted", admitted.len());
+        }
+    });
+}
+
+#[test]
+fn a_refund_to_a_pool_that_refilled_meanwhile_does_not_raise_it_above_its_burst() {
+    let Some(server) = redis_for("a_refund_to_a_pool_that_refilled_meanwhile_does_not_raise_it_above_its_burst") else {
+        return;
+    };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new()
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(10)).burst(nz!(20))).counting_cost());
+        // Never hot: every grant comes from the pool.
+        let backend = manual(policy, "shares-refund").shares(shares().hot_after(u32::MAX)).build(&conn).unwrap();
+        let key = TenantKey::global();
+        let t0 = Instant::from_nanos(1_000_000 * MS);
+        let grant = backend.acquire(&key, 20, t0).await.unwrap();
+        assert_eq!(grant.source(), GrantSource::Redis);
+        // Three seconds later the pool is full again; the grant is cancelled then.
+        let t1 = t0 + Duration::from_secs(3);
+        backend.cancel(&key, grant, t1);
+        backend.flush().await;
+        assert!(backend.acquire(&key, 20, t1).await.is_ok());
+        assert!(matches!(backend.acquire(&key, 1, t1).await, Err(AcquireError::Refused(_))));
+    });
+}
+
+#[test]
+fn a_charge_beyond_what_a_share_granted_is_repaid_before_it_grants_again() {
+    let Some(server) = redis_for("a_charge_beyond_what_a_share_granted_is_repaid_before_it_grants_again") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy = LimitSetPolicy::new()
+            .limit(LimitPolicy::token_bucket("tokens", Quota::per_second(nz!(100)).burst(nz!(10))).counting_cost());
+        let replicas = fleet(&url, &policy, &namespace("shares-debt"), 1).await;
+        let r = &replicas[0];
+        let key = TenantKey::global();
+        let start = 1_000_000 * MS;
+        // Hot, then a share of the whole limit.
+        for step in 0..60u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                r.refresh_shares(now).await;
+            }
+            if let Ok(grant) = r.acquire(&key, 1, now).await {
+                r.release(&key, grant);
+            }
+        }
+        let now = Instant::from_nanos(start + 60 * MS);
+        let mut grant = r.acquire(&key, 1, now).await.unwrap();
+        assert_eq!(grant.source(), GrantSource::Share);
+        // It used 30, 29 beyond what it took. The share held from nothing to its burst
+        // (10), so it owes 20 to 30 units: 200 to 310 ms of its 100/s before it grants
+        // again, not sooner (the debt is kept), nor much later (it is repaid).
+        r.settle(&key, &mut grant, 30, now);
+        r.release(&key, grant);
+        let mut first = None;
+        for step in 61..400u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                r.refresh_shares(now).await;
+            }
+            if let Ok(grant) = r.acquire(&key, 1, now).await {
+                assert_eq!(grant.source(), GrantSource::Share);
+                first.get_or_insert(step);
+                r.release(&key, grant);
+            }
+        }
+        let first = first.expect("the share grants again once repaid");
+        assert!((260..=380).contains(&first), "first grant after the debt at {first} ms");
+    });
+}
+
+#[test]
+fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
+    let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {
+        return;
+    };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let semaphore = LimitSetPolicy::new().limit(LimitPolicy::semaphore("concurrent", 4));
+        let err = RedisBackend::builder(semaphore).shares(Shares::new()).build(&conn).unwrap_err();
+        assert!(err.to_string().contains("only GCRA and token-bucket limits can be shared"), "{err}");
+        let rate = LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10))));
+        let err = RedisBackend::builder(rate.clone())
+            .shares(Shares::new().lifetime(Duration::from_millis(100)))
+            .build(&conn)
+            .unwrap_err();
+        assert!(err.to_string().starts_with("shares.lifetime: must be at least"), "{err}");
+        let err =
+            RedisBackend::builder(rate).shares(Shares::new().refresh_every(Duration::ZERO)).build(&conn).unwrap_err();
+        assert!(err.to_string().starts_with("shares.refresh:"), "{err}");
+    });
+}
