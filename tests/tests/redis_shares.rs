@@ -354,15 +354,90 @@ fn a_charge_beyond_what_a_share_granted_is_repaid_before_it_grants_again() {
 }
 
 #[test]
+fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
+    let Some(server) = redis_for("a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        // Per tenant: 8 requests at once, and a rate; the rate is generous, so the
+        // semaphore decides.
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"))
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(100_000))).per("tenant"));
+        for seed in [11u64, 2_024, 77_777, 5, 909] {
+            let mut rng = Rng(seed);
+            let replicas = fleet(&url, &policy, &namespace("shares-permits"), 3).await;
+            let tenants = ["a", "b"].map(|t| TenantKey::new([t]).unwrap());
+            // Grants held, with the step they end at.
+            let mut held: Vec<(u64, usize, usize, tower_limits_redis::RedisGrant)> = Vec::new();
+            let (mut admitted, mut most) = (0u64, [0usize; 2]);
+            let start = 1_000_000 * MS;
+            // Phases of 100 ms: quiet, busy, busy on one replica only (which then holds
+            // most permits when the others come back), or with one replica deaf.
+            let (mut phase, mut busy, mut deaf) = (0, 0usize, usize::MAX);
+            for step in 0..3_000u64 {
+                let now = Instant::from_nanos(start + step * MS);
+                if step % 100 == 0 {
+                    phase = rng.below(4);
+                    busy = rng.below(3) as usize;
+                    deaf = if phase == 3 { rng.below(3) as usize } else { usize::MAX };
+                }
+                // Grants whose work is done give their permits back.
+                let (done, kept): (Vec<_>, Vec<_>) = held.into_iter().partition(|h| h.0 <= step);
+                held = kept;
+                for (_, r, t, grant) in done {
+                    replicas[r].release(&tenants[t], grant);
+                }
+                if step % 20 == 0 {
+                    for (i, r) in replicas.iter().enumerate() {
+                        match (i == deaf, rng.below(6)) {
+                            (_, 0) => {}
+                            (true, _) => {
+                                r.refresh_shares_unheard(now).await;
+                            }
+                            (false, _) => {
+                                r.refresh_shares(now).await;
+                            }
+                        }
+                    }
+                }
+                let requests = if phase == 0 { rng.below(2) } else { rng.below(5) };
+                for _ in 0..requests {
+                    let r = if phase == 2 { busy } else { rng.below(3) as usize };
+                    let t = rng.below(2) as usize;
+                    match replicas[r].acquire(&tenants[t], 1, now).await {
+                        Ok(grant) => {
+                            admitted += 1;
+                            held.push((step + 1 + rng.below(120), r, t, grant));
+                        }
+                        Err(AcquireError::Refused(_)) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                for (t, most) in most.iter_mut().enumerate() {
+                    let holding = held.iter().filter(|h| h.2 == t).count();
+                    assert!(holding <= 8, "seed {seed}, step {step}: tenant {t} holds {holding} permits of 8");
+                    *most = (*most).max(holding);
+                }
+            }
+            // The permits are used: each tenant reached its capacity at some point.
+            assert_eq!(most, [8, 8], "seed {seed}: {admitted} admitted");
+        }
+    });
+}
+
+#[test]
 fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {
         return;
     };
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
-        let semaphore = LimitSetPolicy::new().limit(LimitPolicy::semaphore("concurrent", 4));
-        let err = RedisBackend::builder(semaphore).shares(Shares::new()).build(&conn).unwrap_err();
-        assert!(err.to_string().contains("only GCRA and token-bucket limits can be shared"), "{err}");
+        let window = LimitSetPolicy::new().limit(LimitPolicy::fixed_window("w", 4, Duration::from_secs(1)));
+        let err = RedisBackend::builder(window).shares(Shares::new()).build(&conn).unwrap_err();
+        assert!(err.to_string().contains("windows cannot be shared"), "{err}");
         let rate = LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10))));
         let err = RedisBackend::builder(rate.clone())
             .shares(Shares::new().lifetime(Duration::from_millis(100)))

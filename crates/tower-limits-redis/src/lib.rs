@@ -58,12 +58,13 @@
 //! # Capacity shares
 //!
 //! Per request, the fleet waits on one Redis core. Built with
-//! [`RedisBackendBuilder::shares`], each replica decides its rate limits from a share it
-//! holds, and refreshes all of them in one call per period (100 ms by default): Redis work
-//! grows with the replicas and the tenants they are busy with, not with requests. The
-//! fleet still admits at most each limit's burst plus its rate over every window, with no
-//! excess; capacity follows the demand replicas report; a dead replica's share comes back
-//! within its lifetime. Cold tenants take from a pool in Redis, one round trip each. See
+//! [`RedisBackendBuilder::shares`], each replica decides its rate limits and semaphores
+//! from a share it holds, and refreshes all of them in one call per period (100 ms by
+//! default): Redis work grows with the replicas and the tenants they are busy with, not
+//! with requests. The fleet still admits at most each rate's burst plus its rate over
+//! every window, with no excess, and holds at most each semaphore's capacity; capacity
+//! follows the demand replicas report; a dead replica's share comes back within its
+//! lifetime. Cold tenants take a rate from a pool in Redis, one round trip each. See
 //! [`Shares`] and the [guide](guide::operations) for the scheme and its bounds.
 //!
 //! # State and key layout

@@ -150,7 +150,7 @@ impl RedisBackendBuilder {
     /// [`Shares::hot_after`] requests a period take from a pool in Redis, one round trip
     /// each. See [`Shares`] and the guide for the scheme and its bounds.
     ///
-    /// Every limit of the set must be a GCRA or a token bucket.
+    /// Every limit of the set must be a GCRA, a token bucket or a semaphore.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -413,7 +413,18 @@ fn share_limit(limit: &Limit) -> Result<ShareLimit, String> {
     let quota = match limit {
         Limit::Gcra(g) => g.quota(),
         Limit::TokenBucket(t) => t.quota(),
-        _ => return Err("capacity shares split rates: only GCRA and token-bucket limits can be shared".into()),
+        Limit::Semaphore(_) => {
+            let amount = limit.capacity();
+            if amount >= 1 << 53 {
+                return Err(format!("its capacity {amount} is above 2^53, the largest integer a share table counts"));
+            }
+            return Ok(ShareLimit { amount, period_us: 1, burst: 0, permits: true });
+        }
+        _ => {
+            return Err("capacity shares split rates and semaphores: windows cannot be shared (use a GCRA or a \
+                        token bucket)"
+                .into());
+        }
     };
     let (rate, burst) = (quota.rate(), quota.max_burst());
     let nanos = rate.period().as_nanos();
@@ -430,7 +441,7 @@ fn share_limit(limit: &Limit) -> Result<ShareLimit, String> {
              the largest integer a share table counts exactly: count in larger units"
         ));
     }
-    Ok(ShareLimit { amount: rate.amount(), period_us, burst })
+    Ok(ShareLimit { amount: rate.amount(), period_us, burst, permits: false })
 }
 
 /// The policy with every limit scaled to `share`, for the local fallback.

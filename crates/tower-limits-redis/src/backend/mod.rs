@@ -334,7 +334,12 @@ impl Backend for RedisBackend {
                     local.release_grant(key, g);
                 }
             }
-            GrantKind::Open | GrantKind::Shared(_) => {}
+            GrantKind::Open => {}
+            GrantKind::Shared(g) => {
+                if let Some(table) = &self.inner.shares {
+                    table.release(&self.inner, &g);
+                }
+            }
             GrantKind::Remote(r) => {
                 if !self.inner.has_semaphore {
                     return;
@@ -367,6 +372,9 @@ impl Backend for RedisBackend {
                 let limits = &self.inner.limits;
                 let charged = i128::from(g.charged);
                 self.inner.settle_shared(&g, now, |p| if limits[p.limit].counts == Counts::Cost { charged } else { 1 });
+                if let Some(table) = &self.inner.shares {
+                    table.release(&self.inner, &g);
+                }
             }
             GrantKind::Remote(r) => {
                 self.inner.drop_lease(r.holder);
@@ -390,7 +398,8 @@ impl Backend for RedisBackend {
     fn needs_release(&self, grant: &RedisGrant) -> bool {
         match &grant.kind {
             GrantKind::Remote(_) => self.inner.has_semaphore,
-            GrantKind::Open | GrantKind::Shared(_) => false,
+            GrantKind::Open => false,
+            GrantKind::Shared(g) => shares::Table::holds_permits(&self.inner, g),
             GrantKind::Local(g) => g.holds_concurrency(),
         }
     }

@@ -106,8 +106,9 @@ if op == 'R' then
     local ds = {demand}
     for _, e in pairs(s.e) do ds[#ds + 1] = e.d end
     local new = min(min(demand, level(A, ds)), A - s.rate)
-    -- A share too small to hold one unit of burst stays in the pool.
-    if new > 0 and floor(B * new / A) < 1 then new = 0 end
+    -- A share of a rate too small to hold one unit of burst stays in the pool. (A burst of
+    -- 0 marks a semaphore: its shares are permits, and it has no pool.)
+    if B > 0 and new > 0 and floor(B * new / A) < 1 then new = 0 end
     -- Until this replica confirms a smaller share, the larger one stays counted.
     local held = max(using, new)
     local bheld, bnew = floor(B * held / A), floor(B * new / A)

@@ -1,5 +1,5 @@
-//! Capacity shares: each replica decides its rate limits from a share it holds, and asks
-//! Redis once per refresh for all of them, not once per request.
+//! Capacity shares: each replica decides its rate limits and semaphores from a share it
+//! holds, and asks Redis once per refresh for all of them, not once per request.
 //!
 //! # The scheme
 //!
@@ -67,11 +67,23 @@
 //! follow the failure policy. Refreshes are not retried: the next one carries the same
 //! scopes.
 //!
-//! # Scope of this version
+//! # Semaphores
 //!
-//! Shares are for GCRA and token-bucket limits; a set with another algorithm is refused
-//! when the backend is built. Settling a grant charges or refunds its share (locally) or
-//! the pool (one background call).
+//! A semaphore's shares are permits, allotted by the same script (a burst of 0 marks
+//! them): a replica admits while its requests in flight fit its share and releases
+//! locally. It reports as the share it may be using the larger of its share and its
+//! permits held, so a share shrinks in Redis only as its permits come back: the fleet
+//! never holds more than the capacity. Its demand is the most it held or was asked at
+//! once in the period, plus a quarter. A semaphore has no pool: a scope without a share
+//! fetches one with its first request (one call), and when every permit is held
+//! elsewhere it is refused, then refused locally until the next refresh period, its
+//! demand on record so that the others' next allotments make room.
+//!
+//! # What is not shared
+//!
+//! Fixed and sliding windows: a set with one is refused when the backend is built.
+//! Settling a grant charges or refunds its share (locally) or the pool (one background
+//! call); a semaphore's holding does not change with the usage.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -91,9 +103,9 @@ use crate::stats::bump;
 /// The script of the share tables.
 const SCRIPT: &str = include_str!("shares.lua");
 
-/// How a [`RedisBackend`] splits its rate limits among replicas: capacity shares, leased
-/// from Redis and refreshed in the background, so that a request admitted from a share
-/// makes no round trip. See [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares)
+/// How a [`RedisBackend`] splits its rate limits and semaphores among replicas: capacity
+/// shares, leased from Redis and refreshed in the background, so that a request admitted
+/// from a share makes no round trip. See [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares)
 /// and the guide for the scheme and its bounds.
 ///
 /// ```
@@ -194,12 +206,14 @@ impl Shares {
     }
 }
 
-/// A limit as the share tables count it.
+/// A limit as the share tables count it: a rate of `amount` units per period with its
+/// burst, or, with `permits`, a semaphore of `amount` permits (no period, no burst).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ShareLimit {
     pub(super) amount: u64,
     pub(super) period_us: u64,
     pub(super) burst: u64,
+    pub(super) permits: bool,
 }
 
 impl ShareLimit {
@@ -229,9 +243,14 @@ struct Scope {
     at: Instant,
     pending: Option<Pending>,
     asks: u32,
+    /// Units asked for since the last report; for permits, the most held or asked at once.
     wanted: u64,
     reported: Instant,
     quiet: u8,
+    /// Permits held by this replica's grants.
+    in_flight: u64,
+    /// Permits: no share to be had until then (the last fetch found every permit held).
+    denied_until: Instant,
 }
 
 /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
@@ -257,6 +276,8 @@ impl Scope {
             wanted: 0,
             reported: now,
             quiet: 0,
+            in_flight: 0,
+            denied_until: now,
         }
     }
 
@@ -320,15 +341,19 @@ pub(super) struct SharedGrant {
 /// What the local shares decided.
 pub(super) enum Local {
     Granted(SharedGrant),
+    /// Refused by a share: a rate's exact wait, or a semaphore's (wait for a release).
     Refused {
         limit: usize,
         wait: Duration,
+        release: bool,
     },
     /// The local parts are taken; the cold ones must come from the pools.
     Pool {
         local: Vec<Part>,
         cold: Vec<Part>,
     },
+    /// Semaphores without a share: one must be fetched first (nothing is taken).
+    Fetch(Vec<Arc<str>>),
 }
 
 impl Table {
@@ -350,25 +375,47 @@ impl Table {
         self.scopes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Decides what the shares can, taking from them; the rest goes to the pools.
+    /// Decides what the shares can, taking from them; the rest goes to the pools, or
+    /// waits for a semaphore's share to be fetched.
     pub(super) fn decide(&self, inner: &Inner, keys: Vec<String>, cost: u64, now: Instant) -> Local {
         self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let mut scopes = self.lock();
-        let mut local = Vec::new();
-        let mut cold = Vec::new();
-        let mut refused: Option<(usize, u64)> = None;
+        let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::new());
+        // The limit that refuses, its wait in ns, and whether it waits for a release.
+        let mut refused: Option<(usize, u64, bool)> = None;
         for (i, key) in keys.into_iter().enumerate() {
             let info = &inner.limits[i];
             let Some(l) = info.share else { continue };
             let units = if info.counts == Counts::Cost { cost } else { 1 };
-            if !scopes.contains_key(key.as_str()) && scopes.len() >= self.settings.max_scopes {
-                cold.push(Part { limit: i, scope: key.into(), units });
+            let tracked = scopes.contains_key(key.as_str()) || scopes.len() < self.settings.max_scopes;
+            let scope: Arc<str> = key.into();
+            if !tracked {
+                if l.permits {
+                    // No room to track a share: refused as a full semaphore would be.
+                    refused.get_or_insert((i, 0, true));
+                } else {
+                    cold.push(Part { limit: i, scope, units });
+                }
                 continue;
             }
-            let scope: Arc<str> = key.into();
             let s = scopes.entry(scope.clone()).or_insert_with(|| Scope::new(i, now));
             s.take_pending(&l, now);
             s.asks = s.asks.saturating_add(1);
+            if l.permits {
+                s.wanted = s.wanted.max(s.in_flight.saturating_add(units));
+                if s.share == 0 {
+                    if now < s.denied_until {
+                        refused.get_or_insert((i, 0, true));
+                    } else {
+                        fetch.push(scope);
+                    }
+                } else if s.in_flight.saturating_add(units) <= s.share {
+                    local.push(Part { limit: i, scope, units });
+                } else {
+                    refused.get_or_insert((i, 0, true));
+                }
+                continue;
+            }
             s.wanted = s.wanted.saturating_add(units);
             if s.share == 0 || units > s.burst {
                 cold.push(Part { limit: i, scope, units });
@@ -380,23 +427,60 @@ impl Table {
             } else {
                 let missing = u64::try_from(need - s.tokens).unwrap_or(u64::MAX);
                 let wait = missing.div_ceil(s.share);
-                if refused.is_none_or(|(_, w)| wait > w) {
-                    refused = Some((i, wait));
+                if refused.is_none_or(|(_, w, _)| wait > w) {
+                    refused = Some((i, wait, false));
                 }
             }
         }
-        if let Some((limit, wait)) = refused {
-            return Local::Refused { limit, wait: Duration::from_nanos(wait) };
+        if let Some((limit, wait, release)) = refused {
+            return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
+        }
+        if !fetch.is_empty() {
+            return Local::Fetch(fetch);
         }
         for part in &local {
             if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
-                s.tokens -= i128::from(part.units) * l.period_ns();
+                if l.permits {
+                    s.in_flight += part.units;
+                } else {
+                    s.tokens -= i128::from(part.units) * l.period_ns();
+                }
             }
         }
         if cold.is_empty() {
             Local::Granted(SharedGrant { local, pooled: Vec::new(), charged: cost })
         } else {
             Local::Pool { local, cold }
+        }
+    }
+
+    /// Gives back the permits of a grant's semaphore parts.
+    pub(super) fn release(&self, inner: &Inner, grant: &SharedGrant) {
+        let mut scopes = self.lock();
+        for part in &grant.local {
+            if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                if l.permits {
+                    s.in_flight = s.in_flight.saturating_sub(part.units);
+                }
+            }
+        }
+    }
+
+    /// Whether a grant holds permits.
+    pub(super) fn holds_permits(inner: &Inner, grant: &SharedGrant) -> bool {
+        grant.local.iter().any(|p| inner.limits[p.limit].share.is_some_and(|l| l.permits))
+    }
+
+    /// Marks semaphore scopes whose fetch found no permit free: refused locally until
+    /// the next refresh period.
+    fn deny(&self, scopes: &[Arc<str>], until: Instant) {
+        let mut table = self.lock();
+        for key in scopes {
+            if let Some(s) = table.get_mut(key) {
+                if s.share == 0 && s.pending.is_none_or(|p| p.share == 0) {
+                    s.denied_until = until;
+                }
+            }
         }
     }
 
@@ -408,6 +492,7 @@ impl Table {
         let mut gone = Vec::new();
         for part in parts {
             match (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                (_, Some(l)) if l.permits => {}
                 (Some(s), Some(l)) => {
                     let p = l.period_ns();
                     s.tokens = (s.tokens + units(part) * p).min(i128::from(s.burst) * p);
@@ -419,14 +504,20 @@ impl Table {
     }
 
     /// This refresh's report: keys and arguments per slot group, with the scopes in order.
-    fn report(&self, inner: &Inner, now: Instant) -> Vec<(Vec<Arc<str>>, Vec<String>)> {
+    fn report(&self, inner: &Inner, now: Instant, only: Option<&[Arc<str>]>) -> Vec<(Vec<Arc<str>>, Vec<String>)> {
         let mut scopes = self.lock();
         let mut groups: HashMap<u16, (Vec<Arc<str>>, Vec<String>)> = HashMap::new();
         let cluster = inner.conn.is_cluster();
         let hot_after = self.settings.hot_after;
         scopes.retain(|key, s| {
             let Some(l) = inner.limits[s.limit].share else { return false };
+            if only.is_some_and(|keys| !keys.contains(key)) {
+                return true;
+            }
             s.advance(&l, now);
+            if l.permits {
+                return report_permits(key, s, &l, now, cluster, &mut groups);
+            }
             let elapsed = now.nanos_since(s.reported).max(1);
             let hot = s.asks >= hot_after;
             let mut using = s.using(now);
@@ -492,6 +583,42 @@ impl Table {
     }
 }
 
+/// A semaphore scope's part of a report: the permits it may be using (held ones
+/// included: a share shrinks only as its permits come back), and the most it held or was
+/// asked at once in the period, plus a quarter; idle for a period, its share goes back.
+/// Answers whether to keep tracking the scope.
+fn report_permits(
+    key: &Arc<str>,
+    s: &mut Scope,
+    l: &ShareLimit,
+    now: Instant,
+    cluster: bool,
+    groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
+) -> bool {
+    let busy = s.asks > 0 || s.in_flight > 0;
+    let demand = if busy { (s.wanted.max(s.in_flight).saturating_mul(5) / 4 + 1).min(l.amount) } else { 0 };
+    if !busy {
+        s.share = 0;
+        s.pending = None;
+    }
+    let using = s.using(now).max(s.in_flight);
+    s.asks = 0;
+    s.wanted = s.in_flight;
+    s.reported = now;
+    if using == 0 && demand == 0 {
+        s.quiet += 1;
+        return s.quiet < 2;
+    }
+    s.quiet = 0;
+    let slot = if cluster { key_slot(key) } else { 0 };
+    let (keys, args) = groups.entry(slot).or_default();
+    keys.push(key.clone());
+    for n in [l.amount, l.period_us, 0, using, demand, 0] {
+        args.push(n.to_string());
+    }
+    true
+}
+
 impl Inner {
     fn share_table(&self) -> &Table {
         self.shares.as_ref().expect("called only for a backend with shares")
@@ -503,14 +630,15 @@ impl Inner {
         self.call_script(&table.sha, &table.source, &keys, args).await
     }
 
-    /// Refreshes every share this replica holds or wants, one call per slot; with
-    /// `heard` false, the replies are dropped as if lost on the way back (tests).
-    pub(super) async fn refresh_shares(&self, now: Instant, heard: bool) -> bool {
+    /// Refreshes every share this replica holds or wants (or those of `only`), one call
+    /// per slot; with `heard` false, the replies are dropped as if lost on the way back
+    /// (tests).
+    pub(super) async fn refresh_shares(&self, now: Instant, heard: bool, only: Option<&[Arc<str>]>) -> bool {
         let table = self.share_table();
         table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let expires = now + table.settings.lifetime;
         let mut all = true;
-        for (keys, args) in table.report(self, now) {
+        for (keys, args) in table.report(self, now, only) {
             let mut full = table.args_head(self, "R", now);
             full.extend(args);
             bump(&self.stats.share_refreshes);
@@ -581,7 +709,7 @@ impl RedisBackend {
         if self.inner.shares.is_none() {
             return false;
         }
-        self.inner.refresh_shares(now, true).await
+        self.inner.refresh_shares(now, true, None).await
     }
 
     /// Test support: [`RedisBackend::refresh_shares`] whose replies are lost on the way
@@ -591,7 +719,7 @@ impl RedisBackend {
         if self.inner.shares.is_none() {
             return false;
         }
-        self.inner.refresh_shares(now, false).await
+        self.inner.refresh_shares(now, false, None).await
     }
 
     pub(super) fn start_refreshing(&self) {
@@ -617,9 +745,21 @@ impl RedisBackend {
                 bump(&inner.stats.shared_grants);
                 super::RedisAcquire::ready(Ok(RedisGrant { kind: GrantKind::Shared(grant) }))
             }
-            Local::Refused { limit, wait } => {
+            Local::Refused { limit, wait, release } => {
                 bump(&inner.stats.shared_refusals);
-                super::RedisAcquire::ready(Err(inner.share_refusal(limit, wait)))
+                super::RedisAcquire::ready(Err(inner.share_refusal(limit, wait, release)))
+            }
+            Local::Fetch(scopes) => {
+                if inner.breaker.gate() == Gate::Open {
+                    return super::RedisAcquire::ready(inner.unavailable(
+                        key,
+                        cost,
+                        now,
+                        "circuit open after repeated failures",
+                    ));
+                }
+                let fut = fetch_then_acquire(inner.clone(), key.clone(), cost, now, scopes);
+                super::RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
             }
             Local::Pool { local, cold } => {
                 let units = |p: &Part| i128::from(p.units);
@@ -649,10 +789,43 @@ impl RedisBackend {
 }
 
 impl Inner {
-    fn share_refusal(&self, limit: usize, wait: Duration) -> AcquireError {
+    fn share_refusal(&self, limit: usize, wait: Duration, release: bool) -> AcquireError {
         let l = &self.limits[limit];
         let snapshot = Snapshot { quota: l.quota, remaining: 0, reset: wait, window: l.window };
-        AcquireError::Refused(LimitRefusal::new(l.name, l.tier_name, limit, wait, false, snapshot))
+        AcquireError::Refused(LimitRefusal::new(l.name, l.tier_name, limit, wait, release, snapshot))
+    }
+}
+
+/// A semaphore scope without a share: one call fetches its share (reporting the demand
+/// that made it ask), then the acquisition is decided again. Still without a share, every
+/// permit is held elsewhere: refused, and refused locally until the next refresh period.
+async fn fetch_then_acquire(
+    inner: Arc<Inner>,
+    key: TenantKey,
+    cost: u64,
+    now: Instant,
+    scopes: Vec<Arc<str>>,
+) -> Result<RedisGrant, AcquireError> {
+    let table = inner.share_table();
+    if !inner.refresh_shares(now, true, Some(&scopes)).await {
+        return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
+    }
+    match table.decide(&inner, inner.keys_for(&key), cost, now) {
+        Local::Granted(grant) => {
+            bump(&inner.stats.shared_grants);
+            Ok(RedisGrant { kind: GrantKind::Shared(grant) })
+        }
+        Local::Refused { limit, wait, release } => {
+            bump(&inner.stats.shared_refusals);
+            Err(inner.share_refusal(limit, wait, release))
+        }
+        Local::Pool { local, cold } => take_from_pools(inner.clone(), key, cost, now, local, cold).await,
+        Local::Fetch(still) => {
+            table.deny(&still, now + table.settings.refresh);
+            bump(&inner.stats.shared_refusals);
+            let limit = still.first().and_then(|k| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
+            Err(inner.share_refusal(limit, Duration::ZERO, true))
+        }
     }
 }
 
@@ -692,7 +865,7 @@ async fn take_from_pools(
                 // No rate is free of shares: the pool refills when a share ends or shrinks.
                 let wait_us = u64::try_from(reply[3]).unwrap_or(table.settings.refresh.as_micros() as u64);
                 let wait = Duration::from_micros(wait_us);
-                let refusal = inner.share_refusal(limit, wait);
+                let refusal = inner.share_refusal(limit, wait, false);
                 if let (Some(cache), AcquireError::Refused(r)) = (&inner.refusals, &refusal) {
                     let l = &inner.limits[limit];
                     let cached = CachedRefusal {
@@ -730,6 +903,6 @@ async fn refresh_loop(inner: Weak<Inner>, every: Duration) {
         let Some(inner) = inner.upgrade() else { return };
         let Some(table) = &inner.shares else { return };
         let now = Instant::from_nanos(table.latest.load(Ordering::Relaxed));
-        inner.refresh_shares(now, true).await;
+        inner.refresh_shares(now, true, None).await;
     }
 }
