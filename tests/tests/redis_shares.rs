@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
-use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{GrantSource, RedisBackend, Shares};
 
 use redis_common::{connect, manual, namespace, runtime};
@@ -425,6 +425,82 @@ fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
             // The permits are used: each tenant reached its capacity at some point.
             assert_eq!(most, [8, 8], "seed {seed}: {admitted} admitted");
         }
+    });
+}
+
+#[test]
+fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
+    let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::semaphore("concurrent", 2).per("tenant"))
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1))).per("tenant"));
+        // The rate never earns a share: every request takes it from the pool.
+        let backend = manual(policy, "shares-undo").shares(shares().hot_after(u32::MAX)).build(&conn).unwrap();
+        let key = TenantKey::new(["acme"]).unwrap();
+        let t0 = Instant::from_nanos(1_000_000 * MS);
+        let first = backend.acquire(&key, 1, t0).await.unwrap();
+        // A permit is free, the pool's rate is not: refused, and the permit goes back.
+        for _ in 0..5 {
+            let refused = backend.acquire(&key, 1, t0).await.unwrap_err();
+            assert_eq!(refused.as_refusal().map(|r| r.limit()), Some("rate"), "{refused}");
+        }
+        backend.release(&key, first);
+        // Two seconds later both permits are free: two requests in flight at once.
+        let t1 = t0 + Duration::from_secs(2);
+        let second = backend.acquire(&key, 1, t1).await.unwrap();
+        let t2 = t1 + Duration::from_secs(2);
+        let third = backend.acquire(&key, 1, t2).await.expect("the refused requests' permits came back");
+        backend.release(&key, second);
+        backend.release(&key, third);
+    });
+}
+
+#[test]
+fn while_redis_is_away_a_replica_decides_from_its_shares_until_they_end() {
+    let Some(mut server) = own_redis_for("while_redis_is_away_a_replica_decides_from_its_shares_until_they_end") else {
+        return;
+    };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000))).per("tenant"))
+            .limit(LimitPolicy::semaphore("concurrent", 4).per("tenant"));
+        let backend = manual(policy, "shares-away")
+            .shares(shares())
+            .timeout(Duration::from_millis(200))
+            .circuit_breaker(1_000, Duration::from_secs(1))
+            .build(&conn)
+            .unwrap();
+        let key = TenantKey::new(["acme"]).unwrap();
+        let start = 1_000_000 * MS;
+        let at = |ms: u64| Instant::from_nanos(start + ms * MS);
+        // Busy long enough for shares of both limits.
+        for ms in 0..60 {
+            if ms % 20 == 0 {
+                assert!(backend.refresh_shares(at(ms)).await);
+            }
+            let grant = backend.acquire(&key, 1, at(ms)).await.unwrap();
+            backend.release(&key, grant);
+        }
+        assert!(backend.refresh_shares(at(60)).await);
+        server.stop();
+        // Redis is away: the shares decide until they end (the last refresh at 60 ms, a
+        // lifetime of 100 ms); the refreshes fail.
+        for ms in 61..160 {
+            if ms % 20 == 0 {
+                assert!(!backend.refresh_shares(at(ms)).await);
+            }
+            let grant = backend.acquire(&key, 1, at(ms)).await.unwrap();
+            assert_eq!(grant.source(), GrantSource::Share, "at {ms} ms");
+            backend.release(&key, grant);
+        }
+        // Then the failure policy: fail closed.
+        let after = backend.acquire(&key, 1, at(161)).await.unwrap_err();
+        assert!(matches!(after, AcquireError::Unavailable(_)), "{after}");
     });
 }
 

@@ -22,6 +22,7 @@
 // Printing the progress, the table and the verdict is the demo's job.
 #![allow(clippy::print_stdout)]
 
+mod redis_work;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -253,6 +254,10 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let gateway_addr = describe_fleet(&fleet, options.redis.as_ref());
     print_setup(&config, upstream_addr, &gateway_addr, &tenants, &client_tenant, seconds);
 
+    let redis_work = match &options.redis {
+        Some(r) => Some(redis_work::RedisWork::start(&r.url).await?),
+        None => None,
+    };
     let load = Load::new(&fleet, tenants.len(), seconds)?;
     let uneven = options.redis.as_ref().is_some_and(|r| r.uneven);
     let tasks = load.spawn_clients(&config, &client_tenant, uneven);
@@ -271,6 +276,10 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     print_layer_metrics();
     let upstream = summarize_upstream(&config, &upstream_stats, elapsed);
     print_account_store(&fleet.gateways, upstream.served);
+    if let Some(work) = redis_work {
+        let answers = counters.per_replica.iter().map(|r| r.0.load(Ordering::Relaxed)).sum();
+        work.print(answers).await?;
+    }
     if fleet.addrs.len() > 1 {
         print_replicas(counters, &tenants);
     }

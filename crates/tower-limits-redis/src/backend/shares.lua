@@ -7,7 +7,9 @@
 -- where doubles count integers exactly: the builder refuses a burst times period beyond.
 --
 -- ARGV[1] the operation, ARGV[2] the replica, ARGV[3] the caller's time in us (tests
--- with a manual clock) or '' for the server's, ARGV[4] the lifetime of a share (us);
+-- with a manual clock) or '' for the server's, ARGV[4] the lifetime of a share (us),
+-- ARGV[5] that of a semaphore's share in Redis (the backend's lease: a replica's permits
+-- in flight outlive the share it took them under);
 -- then per key: the limit's amount A per period P (us), its burst B, and what the
 -- operation needs.
 local call, floor, min, max, fmt, match, tonumber = redis.call, math.floor, math.min, math.max, string.format, string.match, tonumber
@@ -19,7 +21,7 @@ else
   local T = call('TIME')
   now = T[1] * 1000000 + T[2]
 end
-local life = tonumber(ARGV[4])
+local life, plife = tonumber(ARGV[4]), tonumber(ARGV[5])
 
 -- A table brought to now. The pool refills at the rate no replica holds, up to the burst
 -- no replica holds; a share that expired counts as held until now, then is removed.
@@ -86,12 +88,25 @@ local function level(A, ds)
   return A
 end
 
+-- What the demands leave of A once each has its allotment at `lvl`, split evenly among the
+-- replicas that demand anything.
+local function leftover(A, ds, lvl)
+  local used, n = 0, 0
+  for i = 1, #ds do
+    if ds[i] > 0 then
+      used, n = used + min(ds[i], lvl), n + 1
+    end
+  end
+  if n == 0 then return 0 end
+  return floor((A - used) / n)
+end
+
 local out = {now}
 if op == 'R' then
   -- Refresh: per key A, P, B, what this replica may be using now, its demand (units per
   -- period), and tokens it gives back. Answers per key the share it may use from now,
   -- its burst, and tokens from the pool.
-  local a = 5
+  local a = 6
   for k = 1, #KEYS do
     local A, P, B = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local using, demand, back = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
@@ -105,7 +120,12 @@ if op == 'R' then
     s.p = s.p + back * P
     local ds = {demand}
     for _, e in pairs(s.e) do ds[#ds + 1] = e.d end
-    local new = min(min(demand, level(A, ds)), A - s.rate)
+    local lvl = level(A, ds)
+    local target = min(demand, lvl)
+    -- A semaphore has no pool: the permits no demand claims are split among the replicas
+    -- that demand any, so that a replica's next requests find room without a call.
+    if B == 0 and demand > 0 then target = target + leftover(A, ds, lvl) end
+    local new = min(target, A - s.rate)
     -- A share of a rate too small to hold one unit of burst stays in the pool. (A burst of
     -- 0 marks a semaphore: its shares are permits, and it has no pool.)
     if B > 0 and new > 0 and floor(B * new / A) < 1 then new = 0 end
@@ -121,6 +141,7 @@ if op == 'R' then
     -- allotments make room for it.
     if held > 0 or demand > 0 then
       local x = now + life
+      if B == 0 then x = now + plife end
       call('HSET', s.key, me, fmt('%.0f:%.0f:%.0f:%.0f', held, bheld, x, demand))
       s.rate, s.burst = s.rate + held, s.burst + bheld
       if x > s.last then s.last = x end
@@ -136,7 +157,7 @@ if op == 'R' then
 elseif op == 'P' then
   -- Take from the pools, all or nothing: per key A, P, B and the units. Answers 1, or 0,
   -- the blocking key (from 1) and its wait in us (-1: no rate is free of shares).
-  local a, ss = 5, {}
+  local a, ss = 6, {}
   local blocked, wait = 0, 0
   for k = 1, #KEYS do
     local A, P, B, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
@@ -165,7 +186,7 @@ elseif op == 'P' then
 elseif op == 'S' then
   -- Settle with the pools: per key A, P, B and the units to give back (negative: to
   -- charge more).
-  local a = 5
+  local a = 6
   for k = 1, #KEYS do
     local A, P, B, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
     a = a + 4

@@ -74,10 +74,14 @@
 //! locally. It reports as the share it may be using the larger of its share and its
 //! permits held, so a share shrinks in Redis only as its permits come back: the fleet
 //! never holds more than the capacity. Its demand is the most it held or was asked at
-//! once in the period, plus a quarter. A semaphore has no pool: a scope without a share
-//! fetches one with its first request (one call), and when every permit is held
-//! elsewhere it is refused, then refused locally until the next refresh period, its
-//! demand on record so that the others' next allotments make room.
+//! once in the period, plus a quarter. A semaphore has no pool, so the permits no demand
+//! claims are split among the replicas that demand any. A scope without a share fetches
+//! one with its first request (one call), and when every permit is held elsewhere it is
+//! refused, then refused locally until the next refresh period, its demand on record so
+//! that the others' next allotments make room. Redis counts a semaphore's share for the
+//! backend's lease rather than the share's lifetime: the requests in flight outlive the
+//! share they were admitted under, and a dead replica's permits come back within the
+//! lease.
 //!
 //! # What is not shared
 //!
@@ -158,8 +162,11 @@ impl Shares {
         self
     }
 
-    /// The most scopes (limit and tenant) one replica tracks (default 10,000); beyond
-    /// them, new scopes take from the pool until quiet ones are forgotten.
+    /// The most scopes (limit and tenant) one replica tracks (default 10,000), which
+    /// bounds its memory; a scope is forgotten two refresh periods after its last
+    /// request, its share given back. Beyond the bound, a new scope's rate takes from the
+    /// pool, and its semaphore refuses (it has no pool), until quiet scopes are
+    /// forgotten.
     pub const fn max_scopes(mut self, scopes: usize) -> Self {
         self.max_scopes = scopes;
         self
@@ -228,6 +235,9 @@ pub(super) struct Table {
     pub(super) source: Arc<str>,
     pub(super) sha: Arc<str>,
     replica: Arc<str>,
+    /// How long Redis counts a semaphore's share without a refresh: the backend's lease,
+    /// so that permits in flight stay counted after the share they were taken under ends.
+    permit_lease: Duration,
     scopes: Mutex<HashMap<Arc<str>, Scope>>,
     latest: AtomicU64,
     running: AtomicBool,
@@ -357,7 +367,7 @@ pub(super) enum Local {
 }
 
 impl Table {
-    pub(super) fn new(settings: Shares, replica: u64) -> Table {
+    pub(super) fn new(settings: Shares, replica: u64, permit_lease: Duration) -> Table {
         let source: Arc<str> = SCRIPT.into();
         let sha: Arc<str> = redis::Script::new(SCRIPT).get_hash().into();
         Table {
@@ -365,6 +375,7 @@ impl Table {
             source,
             sha,
             replica: format!("{replica:016x}").into(),
+            permit_lease: permit_lease.max(settings.lifetime),
             scopes: Mutex::new(HashMap::new()),
             latest: AtomicU64::new(0),
             running: AtomicBool::new(false),
@@ -451,6 +462,23 @@ impl Table {
             Local::Granted(SharedGrant { local, pooled: Vec::new(), charged: cost })
         } else {
             Local::Pool { local, cold }
+        }
+    }
+
+    /// Undoes what [`Table::decide`] took for parts that were not granted after all: the
+    /// rates' tokens and the semaphores' permits. A scope forgotten meanwhile keeps what
+    /// it took: charged, never generous.
+    pub(super) fn undo(&self, inner: &Inner, parts: &[Part]) {
+        let mut scopes = self.lock();
+        for part in parts {
+            if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                if l.permits {
+                    s.in_flight = s.in_flight.saturating_sub(part.units);
+                } else {
+                    let p = l.period_ns();
+                    s.tokens = (s.tokens + i128::from(part.units) * p).min(i128::from(s.burst) * p);
+                }
+            }
         }
     }
 
@@ -578,8 +606,8 @@ impl Table {
 
     fn args_head<'a>(&'a self, inner: &Inner, op: &'a str, now: Instant) -> Vec<String> {
         let now_us = if inner.settings.manual_clock { (now.as_nanos() / 1000).to_string() } else { String::new() };
-        let lifetime = u64::try_from(self.settings.lifetime.as_micros()).unwrap_or(u64::MAX);
-        vec![op.to_owned(), self.replica.to_string(), now_us, lifetime.to_string()]
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
+        vec![op.to_owned(), self.replica.to_string(), now_us, us(self.settings.lifetime), us(self.permit_lease)]
     }
 }
 
@@ -762,10 +790,9 @@ impl RedisBackend {
                 super::RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
             }
             Local::Pool { local, cold } => {
-                let units = |p: &Part| i128::from(p.units);
                 if let Some(cache) = &inner.refusals {
                     if let Some((i, retry, _, snapshot)) = crate::cache::lookup(cache, key, cost, now) {
-                        drop(table.adjust(inner, &local, units));
+                        table.undo(inner, &local);
                         bump(&inner.stats.cached_refusals);
                         let l = &inner.limits[i];
                         let refusal = LimitRefusal::new(l.name, l.tier_name, i, retry, false, snapshot);
@@ -773,7 +800,7 @@ impl RedisBackend {
                     }
                 }
                 if inner.breaker.gate() == Gate::Open {
-                    drop(table.adjust(inner, &local, units));
+                    table.undo(inner, &local);
                     return super::RedisAcquire::ready(inner.unavailable(
                         key,
                         cost,
@@ -849,8 +876,7 @@ async fn take_from_pools(
             args.push(v.to_string());
         }
     }
-    // A scope forgotten meanwhile keeps what it took: charged, never generous.
-    let give_back = |inner: &Inner| drop(inner.share_table().adjust(inner, &local, |p| i128::from(p.units)));
+    let give_back = |inner: &Inner| inner.share_table().undo(inner, &local);
     let why = match inner.eval_shares(&keys, &args).await {
         Ok(value) => match super::call::int_array(&value) {
             Some(reply) if reply.get(1) == Some(&1) => {
