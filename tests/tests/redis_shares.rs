@@ -29,6 +29,22 @@ impl Rng {
     }
 }
 
+/// Every 20 ms each replica refreshes, but one in six refreshes is lost (never sent),
+/// and the `deaf` replica's answers are lost on the way back (Redis applies them).
+async fn refresh_fleet(replicas: &[RedisBackend], now: Instant, deaf: usize, rng: &mut Rng) {
+    for (i, r) in replicas.iter().enumerate() {
+        match (i == deaf, rng.below(6)) {
+            (_, 0) => {}
+            (true, _) => {
+                r.refresh_shares_unheard(now).await;
+            }
+            (false, _) => {
+                r.refresh_shares(now).await;
+            }
+        }
+    }
+}
+
 fn shares() -> Shares {
     Shares::new().refresh_every(Duration::from_millis(20)).lifetime(Duration::from_millis(100)).hot_after(2)
 }
@@ -97,18 +113,7 @@ fn a_fleet_on_shares_never_admits_more_than_the_limit_over_any_window() {
                     deaf = if phase == 3 { rng.below(3) as usize } else { usize::MAX };
                 }
                 if step % 20 == 0 {
-                    for (i, r) in replicas.iter().enumerate() {
-                        match (i == deaf, rng.below(6)) {
-                            (true, 0) => {}
-                            (true, _) => {
-                                r.refresh_shares_unheard(now).await;
-                            }
-                            (false, 0) => {}
-                            (false, _) => {
-                                r.refresh_shares(now).await;
-                            }
-                        }
-                    }
+                    refresh_fleet(&replicas, now, deaf, &mut rng).await;
                 }
                 let requests = match phase {
                     0 => rng.below(2),
@@ -391,17 +396,7 @@ fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
                     replicas[r].release(&tenants[t], grant);
                 }
                 if step % 20 == 0 {
-                    for (i, r) in replicas.iter().enumerate() {
-                        match (i == deaf, rng.below(6)) {
-                            (_, 0) => {}
-                            (true, _) => {
-                                r.refresh_shares_unheard(now).await;
-                            }
-                            (false, _) => {
-                                r.refresh_shares(now).await;
-                            }
-                        }
-                    }
+                    refresh_fleet(&replicas, now, deaf, &mut rng).await;
                 }
                 let requests = if phase == 0 { rng.below(2) } else { rng.below(5) };
                 for _ in 0..requests {
