@@ -1,4 +1,4 @@
-//! Law 21 on Redis Cluster: three masters on loopback ports. A set's keys for one tenant
+//! Laws 21 and 29 on Redis Cluster: three masters on loopback ports. A set's keys for one tenant
 //! share a slot, tenants spread over the nodes, and a set that would need two slots is
 //! refused when it is built instead of failing with `CROSSSLOT` at run time. Law numbers
 //! are those of `crates/tower-limits/docs/laws.md`.
@@ -81,5 +81,68 @@ fn cluster_slots() {
         let stats = backend.stats();
         assert_eq!((stats.errors, stats.timeouts), (0, 0), "{stats:?}");
         assert_eq!(stats.script_loads, 3, "the script is loaded once per node: {stats:?}");
+    });
+}
+
+/// Law 29 on a cluster: capacity shares of tenants spread over the three masters, each
+/// refresh one call per slot, every grant within its tenant's limits.
+#[test]
+fn cluster_shares() {
+    let Some(cluster) = cluster_for("cluster_shares", 3) else { return };
+    runtime().block_on(async {
+        let conn = RedisConnection::connect_cluster(cluster.urls()).await.expect("a cluster connection");
+        let policy = LimitSetPolicy::new()
+            .tiers(["org", "user"])
+            .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(100)).burst(nz!(5))).per("user"))
+            .limit(LimitPolicy::semaphore("concurrent", 2).per("org"));
+        let ns = namespace("c-shares");
+        let shares = tower_limits_redis::Shares::new()
+            .refresh_every(Duration::from_millis(20))
+            .lifetime(Duration::from_millis(100))
+            .hot_after(1);
+        let replicas: Vec<RedisBackend> = (0..2)
+            .map(|_| {
+                RedisBackend::builder(policy.clone())
+                    .namespace(&ns)
+                    .manual_clock()
+                    .timeout(Duration::from_secs(5))
+                    .shares(shares)
+                    .build(&conn)
+                    .unwrap()
+            })
+            .collect();
+        let tenants: Vec<TenantKey> =
+            (0..12).map(|t| TenantKey::new([format!("org-{t}"), "user".to_owned()]).unwrap()).collect();
+        let slots: BTreeSet<u16> = tenants.iter().map(|k| key_slot(&replicas[0].keys(k)[0])).collect();
+        assert!(slots.len() > 3, "tenants spread over slots: {slots:?}");
+        let start = 1_000_000_000_000u64;
+        let mut admitted = vec![0u64; tenants.len()];
+        for ms in 0..400u64 {
+            let now = Instant::from_nanos(start + ms * 1_000_000);
+            if ms % 20 == 0 {
+                for r in &replicas {
+                    assert!(r.refresh_shares(now).await, "a refresh on the cluster at {ms} ms");
+                }
+            }
+            for (t, key) in tenants.iter().enumerate() {
+                let r = &replicas[(ms as usize + t) % 2];
+                match r.acquire(key, 1, now).await {
+                    Ok(grant) => {
+                        admitted[t] += 1;
+                        r.release(key, grant);
+                    }
+                    Err(AcquireError::Refused(_)) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        for (t, n) in admitted.iter().enumerate() {
+            // At most the burst plus 0.4 s at 100/s per user; and most of it used.
+            assert!((20..=45).contains(n), "tenant {t}: {n} admitted");
+        }
+        let stats = replicas[0].stats();
+        assert!(stats.shared_grants > stats.granted, "{stats:?}");
+        // One refresh call per slot with a busy tenant, 20 refreshes.
+        assert!(stats.share_refreshes >= 20 * slots.len() as u64 / 2, "{stats:?}");
     });
 }
