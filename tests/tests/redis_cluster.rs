@@ -1,7 +1,8 @@
-//! Laws 21 and 29 on Redis Cluster: three masters on loopback ports. A set's keys for one tenant
-//! share a slot, tenants spread over the nodes, and a set that would need two slots is
-//! refused when it is built instead of failing with `CROSSSLOT` at run time. Law numbers
-//! are those of `crates/tower-limits/docs/laws.md`.
+//! Laws 21 and 29 on Redis Cluster: three masters on loopback ports. A set's keys for
+//! one tenant share a slot, tenants spread over the nodes, and a set that would need two
+//! slots is refused when it is built instead of failing with `CROSSSLOT` at run time;
+//! capacity shares refresh one slot per call. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
 
 mod redis_common;
 
