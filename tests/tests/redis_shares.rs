@@ -500,6 +500,54 @@ fn while_redis_is_away_a_replica_decides_from_its_shares_until_they_end() {
 }
 
 #[test]
+fn after_redis_restarts_empty_the_fleet_stays_within_the_documented_margin() {
+    let Some(mut server) = own_redis_for("after_redis_restarts_empty_the_fleet_stays_within_the_documented_margin")
+    else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("global", Quota::per_second(nz!(300)).burst(nz!(30))));
+        let replicas = fleet(&url, &policy, &namespace("shares-restart"), 3).await;
+        let key = TenantKey::global();
+        let start = 1_000_000 * MS;
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for step in 0..900u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step == 300 {
+                // Empty, and the scripts forgotten.
+                server.restart().unwrap();
+            }
+            if step % 20 == 0 {
+                for r in &replicas {
+                    r.refresh_shares(now).await;
+                }
+            }
+            for r in &replicas {
+                for _ in 0..2 {
+                    if let Ok(grant) = r.acquire(&key, 1, now).await {
+                        let at = (now.as_nanos(), 1);
+                        if step < 300 {
+                            before.push(at)
+                        } else {
+                            after.push(at)
+                        }
+                        r.release(&key, grant);
+                    }
+                }
+            }
+        }
+        assert_bound("before the restart", &before, 300, 1_000 * MS, 30);
+        // For one lifetime (100 ms) after the restart, up to twice the limit; then the limit.
+        assert_bound("after the restart", &after, 2 * 300, 1_000 * MS, 2 * 30);
+        let settled: Vec<(u64, u64)> = after.iter().copied().filter(|&(at, _)| at >= start + 400 * MS).collect();
+        assert_bound("a lifetime after the restart", &settled, 300, 1_000 * MS, 30);
+        assert!(settled.len() > 100, "the limit is used again: {}", settled.len());
+    });
+}
+
+#[test]
 fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {
         return;
