@@ -548,6 +548,56 @@ fn after_redis_restarts_empty_the_fleet_stays_within_the_documented_margin() {
 }
 
 #[test]
+fn a_burst_excess_lets_split_bursts_sum_to_more_and_bounds_the_fleet_by_it() {
+    let Some(server) = redis_for("a_burst_excess_lets_split_bursts_sum_to_more_and_bounds_the_fleet_by_it") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("global", Quota::per_second(nz!(300)).burst(nz!(30))));
+        let ns = namespace("shares-excess");
+        let mut replicas = Vec::new();
+        for _ in 0..3 {
+            let conn = connect(&url).await;
+            let doubled = shares().hot_after(1).burst_excess(100);
+            replicas.push(manual(policy.clone(), "shares").namespace(&ns).shares(doubled).build(&conn).unwrap());
+        }
+        let key = TenantKey::global();
+        let start = 1_000_000 * MS;
+        let (mut admitted, mut at_flood) = (Vec::new(), 0);
+        for step in 0..800u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                for r in &replicas {
+                    r.refresh_shares(now).await;
+                }
+            }
+            // Busy for 300 ms (shares by demand), a trickle below them until 700 ms
+            // (their buckets and the pool fill), then every replica floods at once.
+            let requests = match step {
+                0..300 => 3,
+                700 => 40,
+                _ => u64::from(step % 20 == 0),
+            };
+            for r in &replicas {
+                for _ in 0..requests {
+                    if let Ok(grant) = r.acquire(&key, 1, now).await {
+                        admitted.push((now.as_nanos(), 1));
+                        at_flood += u64::from(step == 700);
+                        r.release(&key, grant);
+                    }
+                }
+            }
+        }
+        // The bound with the excess: twice the burst.
+        assert_bound("global", &admitted, 300, 1_000 * MS, 2 * 30);
+        // And the excess is there to use: the flood gets more than one burst at once.
+        assert!(at_flood > 30, "the flood got {at_flood}");
+    });
+}
+
+#[test]
 fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {
         return;
@@ -563,8 +613,12 @@ fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
             .build(&conn)
             .unwrap_err();
         assert!(err.to_string().starts_with("shares.lifetime: must be at least"), "{err}");
-        let err =
-            RedisBackend::builder(rate).shares(Shares::new().refresh_every(Duration::ZERO)).build(&conn).unwrap_err();
+        let err = RedisBackend::builder(rate.clone())
+            .shares(Shares::new().refresh_every(Duration::ZERO))
+            .build(&conn)
+            .unwrap_err();
         assert!(err.to_string().starts_with("shares.refresh:"), "{err}");
+        let err = RedisBackend::builder(rate).shares(Shares::new().burst_excess(1_001)).build(&conn).unwrap_err();
+        assert!(err.to_string().starts_with("shares.burst_excess:"), "{err}");
     });
 }

@@ -230,7 +230,7 @@ impl RedisBackendBuilder {
                         .into(),
                 });
             }
-            let (info, script) = describe(p, &self.policy.tiers, &tiers, self.shares.is_some())?;
+            let (info, script) = describe(p, &self.policy.tiers, &tiers, self.shares.as_ref())?;
             limits.push(info);
             script_limits.push(script);
         }
@@ -318,7 +318,7 @@ fn describe(
     p: &LimitPolicy,
     tier_names: &[String],
     tiers: &[&'static str],
-    shared: bool,
+    shares: Option<&Shares>,
 ) -> Result<(LimitInfo, ScriptLimit), BuildError> {
     let unsupported = |reason: String| BuildError::Unsupported { limit: p.name.clone(), reason };
     let limit = Limit::from_policy(p)?;
@@ -382,12 +382,15 @@ fn describe(
         Scope::Global => None,
         Scope::Tier(t) => tier_names.iter().position(|x| x == t),
     };
-    let share = if shared { Some(share_limit(&limit).map_err(unsupported)?) } else { None };
+    let share = match shares {
+        Some(shares) => Some(share_limit(&limit, shares.excess_percent()).map_err(unsupported)?),
+        None => None,
+    };
     let mut suffix = String::from(":");
     escape_into(&mut suffix, &p.name);
     suffix.push(':');
     // A share table is not the limit's per-request state: its own kind.
-    suffix.push(if shared { 'S' } else { script.kind() });
+    suffix.push(if shares.is_some() { 'S' } else { script.kind() });
     let info = LimitInfo {
         name: intern(&p.name),
         tier,
@@ -407,9 +410,9 @@ fn describe(
     Ok((info, script))
 }
 
-/// A limit as the share tables count it: GCRA and token buckets only, with every number
-/// the script multiplies below 2^53.
-fn share_limit(limit: &Limit) -> Result<ShareLimit, String> {
+/// A limit as the share tables count it: a rate (its burst raised by the excess the
+/// shares allow) or a semaphore, with every number the script multiplies below 2^53.
+fn share_limit(limit: &Limit, excess_percent: u32) -> Result<ShareLimit, String> {
     let quota = match limit {
         Limit::Gcra(g) => g.quota(),
         Limit::TokenBucket(t) => t.quota(),
@@ -426,7 +429,9 @@ fn share_limit(limit: &Limit) -> Result<ShareLimit, String> {
                 .into());
         }
     };
-    let (rate, burst) = (quota.rate(), quota.max_burst());
+    // The burst the shares split: the limit's, plus the excess the user allows.
+    let rate = quota.rate();
+    let burst = quota.max_burst().saturating_add(quota.max_burst().saturating_mul(u64::from(excess_percent)) / 100);
     let nanos = rate.period().as_nanos();
     if nanos % 1000 != 0 {
         return Err(format!(

@@ -19,7 +19,9 @@
 //! caller `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up
 //! the difference at its own next refresh, and only then can another take it. A share
 //! too small to hold one unit of burst stays in the pool. Demand below `hot_after`
-//! requests a refresh (4) asks for no share: the scope stays with the pool.
+//! requests a refresh (4) asks for no share: the scope stays with the pool. A replica
+//! whose share is spent asks the pool before refusing; refused there, its share alone
+//! decides until the pool could have a token.
 //!
 //! # Bounds
 //!
@@ -47,6 +49,10 @@
 //! handed to the pool when the share ends. As in memory, where the last grant's overrun
 //! may exceed the bound, the fleet may exceed it by the overrun of each share's last
 //! grant.
+//!
+//! With [`Shares::burst_excess`], the bursts the shares split sum to `B` plus that
+//! percentage of it, and the bound is that larger burst plus the rate: an excess the user
+//! chooses, zero by default.
 //!
 //! The one documented margin: a Redis that restarts empty forgets every share, and
 //! answers as a fresh limit while replicas still use theirs, so for one lifetime the
@@ -126,6 +132,7 @@ pub struct Shares {
     lifetime: Duration,
     max_scopes: usize,
     hot_after: u32,
+    burst_excess: u32,
 }
 
 impl Default for Shares {
@@ -143,6 +150,7 @@ impl Shares {
             lifetime: Duration::from_secs(1),
             max_scopes: 10_000,
             hot_after: 4,
+            burst_excess: 0,
         }
     }
 
@@ -179,6 +187,31 @@ impl Shares {
         self
     }
 
+    /// Lets the shares of a rate's burst sum to the burst plus `percent` percent of it
+    /// (default 0). A burst split over many replicas leaves each a small one, which
+    /// refuses locally while the fleet has room; with an excess, each holds more. The
+    /// price is stated: over every window the fleet may admit up to `burst * percent /
+    /// 100` more than the limit allows (`B * (1 + percent / 100) + W * rate` in all), and
+    /// nothing more. Zero admits no excess. At most 1,000.
+    ///
+    /// ```
+    /// use tower_limits_redis::Shares;
+    ///
+    /// // Bursts split over replicas may sum to twice the burst.
+    /// let shares = Shares::new().burst_excess(100);
+    /// assert_eq!(shares.excess_percent(), 100);
+    /// ```
+    pub const fn burst_excess(mut self, percent: u32) -> Self {
+        self.burst_excess = percent;
+        self
+    }
+
+    /// The burst excess allowed, in percent of each rate's burst.
+    #[must_use]
+    pub const fn excess_percent(&self) -> u32 {
+        self.burst_excess
+    }
+
     /// The refresh period.
     #[must_use]
     pub const fn refresh(&self) -> Duration {
@@ -208,6 +241,12 @@ impl Shares {
         }
         if self.max_scopes == 0 {
             return invalid("shares.max_scopes", "must be at least 1".into());
+        }
+        if self.burst_excess > 1_000 {
+            return invalid(
+                "shares.burst_excess",
+                format!("must be at most 1000 (percent), got {}", self.burst_excess),
+            );
         }
         Ok(())
     }
@@ -261,6 +300,8 @@ struct Scope {
     in_flight: u64,
     /// Permits: no share to be had until then (the last fetch found every permit held).
     denied_until: Instant,
+    /// Rates: the pool refused this scope; its share alone decides until then.
+    pool_dry_until: Instant,
 }
 
 /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
@@ -288,6 +329,7 @@ impl Scope {
             quiet: 0,
             in_flight: 0,
             denied_until: now,
+            pool_dry_until: now,
         }
     }
 
@@ -435,9 +477,14 @@ impl Table {
             let need = i128::from(units) * l.period_ns();
             if s.tokens >= need {
                 local.push(Part { limit: i, scope, units });
+            } else if now >= s.pool_dry_until {
+                // The share is spent: the pool may hold what no share does (a burst after
+                // a quiet spell). Refused there, the scope refuses locally until the pool
+                // could have it: one call per such wait, not per request.
+                cold.push(Part { limit: i, scope, units });
             } else {
                 let missing = u64::try_from(need - s.tokens).unwrap_or(u64::MAX);
-                let wait = missing.div_ceil(s.share);
+                let wait = missing.div_ceil(s.share).min(s.pool_dry_until.nanos_since(now));
                 if refused.is_none_or(|(_, w, _)| wait > w) {
                     refused = Some((i, wait, false));
                 }
@@ -479,6 +526,13 @@ impl Table {
                     s.tokens = (s.tokens + i128::from(part.units) * p).min(i128::from(s.burst) * p);
                 }
             }
+        }
+    }
+
+    /// The pool of `scope` refused until `until`: its share alone decides until then.
+    fn pool_dry(&self, scope: &Arc<str>, until: Instant) {
+        if let Some(s) = self.lock().get_mut(scope) {
+            s.pool_dry_until = until;
         }
     }
 
@@ -891,6 +945,7 @@ async fn take_from_pools(
                 // No rate is free of shares: the pool refills when a share ends or shrinks.
                 let wait_us = u64::try_from(reply[3]).unwrap_or(table.settings.refresh.as_micros() as u64);
                 let wait = Duration::from_micros(wait_us);
+                table.pool_dry(&cold[k].scope, now + wait);
                 let refusal = inner.share_refusal(limit, wait, false);
                 if let (Some(cache), AcquireError::Refused(r)) = (&inner.refusals, &refusal) {
                     let l = &inner.limits[limit];
