@@ -135,3 +135,18 @@ pub fn open_set_of_three() -> LimitSetPolicy {
         )
         .limit(LimitPolicy::semaphore("concurrent", 1_000_000_000).per("org"))
 }
+
+/// The set of three that capacity shares are measured with: a global rate, a rate per
+/// user and a semaphore per organisation, none ever refusing in a benchmark.
+///
+/// ```
+/// assert_eq!(tower_limits_benches::open_global_user_org().limits.len(), 3);
+/// ```
+#[must_use]
+pub fn open_global_user_org() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10_000_000))))
+        .limit(LimitPolicy::gcra("per-user", Quota::per_second(nz!(1_000_000))).per("user"))
+        .limit(LimitPolicy::semaphore("concurrent", 1_000_000).per("org"))
+}

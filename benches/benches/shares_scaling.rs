@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant as StdInstant};
 
 use tokio::runtime::Runtime;
-use tower_limits_core::{Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
+use tower_limits_core::{Backend, Instant, TenantKey};
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
 use tower_limits_redis::test_support::RedisServer;
 use tower_limits_redis::{RedisBackend, RedisConnection, Shares};
@@ -26,14 +26,6 @@ const WARM: Duration = Duration::from_millis(500);
 /// Users (ten to an organisation): at 20,000 requests a second, 200 a second each.
 const USERS: usize = 100;
 const TIMED: Duration = Duration::from_secs(1);
-
-fn policy() -> LimitSetPolicy {
-    LimitSetPolicy::new()
-        .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10_000_000))))
-        .limit(LimitPolicy::gcra("per-user", Quota::per_second(nz!(1_000_000))).per("user"))
-        .limit(LimitPolicy::semaphore("concurrent", 1_000_000).per("org"))
-}
 
 struct Run {
     rt: Runtime,
@@ -81,7 +73,9 @@ impl Run {
             let mut backends = Vec::new();
             for _ in 0..replicas {
                 let conn = RedisConnection::connect(&self.url).await.expect("a connection");
-                let builder = RedisBackend::builder(policy()).namespace(&ns).timeout(Duration::from_millis(200));
+                let builder = RedisBackend::builder(tower_limits_benches::open_global_user_org())
+                    .namespace(&ns)
+                    .timeout(Duration::from_millis(200));
                 let builder = if shares { builder.shares(Shares::new()) } else { builder };
                 backends.push(builder.build(&conn).expect("a backend"));
             }

@@ -27,16 +27,6 @@ const CALLS: u64 = 6_400;
 const WARM: Duration = Duration::from_millis(300);
 const TIMED: Duration = Duration::from_secs(1);
 
-/// What the shares rows acquire, open: a global rate, a rate per user (1,000 of them)
-/// and a semaphore per organisation, every grant released.
-fn global_user_org() -> LimitSetPolicy {
-    LimitSetPolicy::new()
-        .tiers(["org", "user"])
-        .limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(10_000_000))))
-        .limit(LimitPolicy::gcra("per-user", Quota::per_second(nz!(1_000_000))).per("user"))
-        .limit(LimitPolicy::semaphore("concurrent", 1_000_000).per("org"))
-}
-
 /// The Redis rows, in the order of the table: throughput, server CPU per acquisition (and
 /// its ceiling), server CPU per whole request.
 pub(crate) fn rows(rows: &mut Vec<Row>) {
@@ -74,9 +64,10 @@ pub(crate) fn rows(rows: &mut Vec<Row>) {
     // service, where a set holds only the requests in flight.
     let three = bench.backend(tower_limits_benches::open_set_of_three(), "three-released");
     rows.push(bench.release_row(&three, &sha));
-    let per_request = bench.backend(global_user_org(), "set-per-request");
-    let shared = bench
-        .backend_with(global_user_org(), "set-shared", |b| b.timeout(Duration::from_millis(200)).shares(Shares::new()));
+    let per_request = bench.backend(tower_limits_benches::open_global_user_org(), "set-per-request");
+    let shared = bench.backend_with(tower_limits_benches::open_global_user_org(), "set-shared", |b| {
+        b.timeout(Duration::from_millis(200)).shares(Shares::new())
+    });
     rows.extend(bench.shares_rows(&shared, &per_request));
     drop(server);
 }
