@@ -7,6 +7,13 @@
 //! read them ([`FromExtension`](tower_limits::extract::FromExtension)): clients cannot
 //! forge them. A missing or unknown key is answered `401` at once, before anything is
 //! read or charged.
+//!
+//! Guessing keys is throttled by client address: each failure charges the address's
+//! budget (`gateway.auth_failures_per_minute`, with its burst), a GCRA of this library
+//! keyed by the peer's IP, and while the budget is spent every request from the address
+//! is answered `429` with `Retry-After`, valid keys included: a valid key must not tell
+//! a guesser it guessed right. A client behind the same proxy as a guesser waits at most
+//! the configured refill of one failure.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -15,10 +22,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use tower::{Layer, Service};
-use tower_limits::TenantKey;
 use tower_limits::extract::AsTenantKey;
+use tower_limits::{LimitPolicy, LimitSet, LimitSetPolicy, TenantKey};
 
 use crate::access::AccessInfo;
 use crate::api;
@@ -56,10 +64,44 @@ impl AsTenantKey for FairTenant {
 #[derive(Debug, Clone, Copy)]
 pub struct Arrived(pub tokio::time::Instant);
 
-/// Maps bearer keys to tenants; `401` for the others.
+/// Maps bearer keys to tenants; `401` for the others, `429` for an address that failed
+/// too often.
 #[derive(Clone)]
 pub struct AuthLayer {
     keys: Arc<HashMap<String, Identity>>,
+    failures: Option<Arc<Failures>>,
+}
+
+/// The failures of authentication each client address may still make.
+struct Failures {
+    set: LimitSet,
+    quota: tower_limits::Quota,
+    origin: tokio::time::Instant,
+}
+
+impl Failures {
+    fn now(&self) -> tower_limits::Instant {
+        tower_limits::Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// While the address's budget is spent: how long until it can fail once more. The
+    /// snapshot's `reset` is the time until the whole burst is back; one failure comes
+    /// back `burst - 1` intervals sooner.
+    fn locked_for(&self, key: &TenantKey) -> Option<std::time::Duration> {
+        let now = self.now();
+        let s = self.set.peek(key, now).into_iter().next()?.snapshot;
+        if s.remaining > 0 {
+            return None;
+        }
+        let others =
+            self.quota.interval().saturating_mul(u32::try_from(self.quota.max_burst() - 1).unwrap_or(u32::MAX));
+        Some(s.reset.saturating_sub(others))
+    }
+
+    /// Charges one failure.
+    fn failed(&self, key: &TenantKey) {
+        let _ = self.set.check(key, 1, self.now());
+    }
 }
 
 impl fmt::Debug for AuthLayer {
@@ -88,7 +130,14 @@ impl AuthLayer {
                 keys.insert(k.secret.clone(), identity);
             }
         }
-        AuthLayer { keys: Arc::new(keys) }
+        // Keyed by address: the table of addresses is bounded by the set's defaults.
+        let failures = config.gateway.auth_failures.and_then(|quota| {
+            let policy =
+                LimitSetPolicy::new().tiers(["client"]).limit(LimitPolicy::gcra("auth_failures", quota).per("client"));
+            let set = LimitSet::new(policy).ok()?;
+            Some(Arc::new(Failures { set, quota, origin: tokio::time::Instant::now() }))
+        });
+        AuthLayer { keys: Arc::new(keys), failures }
     }
 
     /// The identity a key stands for.
@@ -128,8 +177,26 @@ where
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let arrived = Arrived(tokio::time::Instant::now());
+        let client = req.extensions().get::<ConnectInfo<std::net::SocketAddr>>().map(|c| TenantKey::from_ip(c.0.ip()));
+        let failures = self.layer.failures.as_deref().zip(client.as_ref());
+        if let Some(wait) = failures.and_then(|(f, client)| f.locked_for(client)) {
+            let mut response = api::error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "too_many_auth_failures",
+                "too many requests with a missing or unknown API key from this address",
+            );
+            // Whole seconds rounded up, and the milliseconds OpenAI's SDKs read.
+            let millis = u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1);
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(millis.div_ceil(1000)));
+            response.headers_mut().insert("retry-after-ms", HeaderValue::from(millis));
+            return Box::pin(std::future::ready(Ok(response)));
+        }
         let identity = api::bearer(req.headers()).and_then(|k| self.layer.identify(k)).cloned();
         let Some(identity) = identity else {
+            if let Some((f, client)) = failures {
+                f.failed(client);
+            }
             let mut response = api::error_response(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",

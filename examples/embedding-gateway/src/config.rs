@@ -82,6 +82,10 @@ pub struct Config {
 /// How the gateway serves.
 #[derive(Debug, Clone)]
 pub struct GatewaySettings {
+    /// How often one client address may fail authentication (a missing or unknown key):
+    /// beyond it, every request from the address is answered `429` until the budget
+    /// refills. `None` turns it off.
+    pub auth_failures: Option<tower_limits::Quota>,
     /// Where `serve` listens.
     pub listen: SocketAddr,
     /// The longest a request waits in the fair queue for upstream capacity before a 503.

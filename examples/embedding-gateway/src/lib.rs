@@ -23,7 +23,8 @@
 //! # The layers
 //!
 //! Each request (`POST /v1/embeddings`, or `POST /v1/chat/completions`, streamed or not)
-//! meets, in order (see [`gateway`]): the auth layer (`401`); the cost, its
+//! meets, in order (see [`gateway`]): the auth layer (`401`, and `429` for a client
+//! address that sent too many missing or unknown keys); the cost, its
 //! token count (`400`, `413`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
 //! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`,
 //! `retry-after-ms`, the `RateLimit` and `x-ratelimit-*` fields stating the plan, and

@@ -376,7 +376,7 @@ async fn connection(
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = InFlight::begin(&service_phase);
         let router = router.clone();
-        async move { Ok::<_, std::convert::Infallible>(handle(router, req, in_flight, settings.access_log).await) }
+        async move { Ok::<_, std::convert::Infallible>(handle(router, req, peer, in_flight, settings.access_log).await) }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     // Our own watchdog bounds the headers (hyper's timer would also cut idle keep-alive
@@ -415,8 +415,16 @@ async fn connection(
     drop(slot);
 }
 
-async fn handle(router: Router, req: Request<Incoming>, in_flight: InFlight, access_log: bool) -> Response<Body> {
+async fn handle(
+    router: Router,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    in_flight: InFlight,
+    access_log: bool,
+) -> Response<Body> {
     let started = Instant::now();
+    // The client's address, where axum's extractors and the auth layer look for it.
+    req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let response = match router.oneshot(req.map(Body::new)).await {
@@ -428,6 +436,7 @@ async fn handle(router: Router, req: Request<Incoming>, in_flight: InFlight, acc
         let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
         tracing::info!(
             target: "access",
+            client = %peer.ip(),
             method = %method,
             path = %path,
             status = response.status().as_u16(),

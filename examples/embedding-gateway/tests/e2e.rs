@@ -172,6 +172,39 @@ async fn refusals_that_no_wait_helps_are_openai_errors_without_a_wait() {
 }
 
 #[tokio::test]
+async fn guessing_keys_from_one_address_is_answered_429_once_its_failures_are_spent() {
+    let gateway = "auth_failures_per_minute = 6\nauth_failure_burst = 5";
+    let (addr, _gateway) = gateway_with(gateway, "org = { rpm = 6000 }").await;
+    let client = reqwest::Client::new();
+    // Five failures are the burst: each a 401.
+    for i in 0..5 {
+        let guess = send(&client, addr, "POST", embeddings(Some(&format!("sk-guess-{i}")), &input("hi"))).await;
+        assert_eq!(guess.openai_error(401), "invalid_api_key");
+    }
+    // Then every request from the address waits for the refill (one failure, 10 s), a
+    // valid key's too: a 429 must not tell a guesser that it guessed right.
+    let guess = send(&client, addr, "POST", embeddings(Some("sk-guess-5"), &input("hi"))).await;
+    assert_eq!(guess.openai_error(429), "too_many_auth_failures");
+    let wait = guess.assert_waits();
+    assert!(wait > Duration::from_secs(9) && wait <= Duration::from_secs(10), "{wait:?}");
+    let valid = send(&client, addr, "POST", embeddings(Some("sk-acme-alice"), &input("hi"))).await;
+    assert_eq!(valid.openai_error(429), "too_many_auth_failures");
+}
+
+#[tokio::test]
+async fn a_valid_key_never_spends_its_address_s_failures() {
+    let gateway = "auth_failures_per_minute = 6\nauth_failure_burst = 1";
+    let (addr, _gateway) = gateway_with(gateway, "org = { rpm = 6000 }").await;
+    let client = reqwest::Client::new();
+    for _ in 0..20 {
+        let ok = send(&client, addr, "POST", embeddings(Some("sk-acme-alice"), &input("hi"))).await;
+        assert_eq!(ok.status, 200, "{ok:?}");
+    }
+    let guess = send(&client, addr, "POST", embeddings(Some("sk-guess"), &input("hi"))).await;
+    assert_eq!(guess.openai_error(401), "invalid_api_key");
+}
+
+#[tokio::test]
 async fn a_plan_refusal_429_says_the_plan_the_limit_and_the_wait() {
     let (addr, _gateway) = gateway_with("", "org = { rpm = 60, rpm_burst = 1 }").await;
     let client = reqwest::Client::new();

@@ -48,6 +48,8 @@ pub(super) struct RawGateway {
     pub(super) upstream_timeout: Option<S<String>>,
     pub(super) on_upstream_timeout: Option<S<String>>,
     pub(super) backend_failure: Option<S<String>>,
+    pub(super) auth_failures_per_minute: Option<S<u64>>,
+    pub(super) auth_failure_burst: Option<S<u64>>,
 }
 
 #[derive(Deserialize, Default)]

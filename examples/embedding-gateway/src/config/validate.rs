@@ -181,7 +181,9 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         ],
         BackendFailure::Fallback,
     )?;
+    let auth_failures = auth_failures(src, g)?;
     Ok(GatewaySettings {
+        auth_failures,
         listen,
         max_wait,
         max_request_tokens,
@@ -200,6 +202,22 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         on_upstream_timeout,
         backend_failure,
     })
+}
+
+/// `gateway.auth_failures_per_minute` (30 by default, 0 for none) and
+/// `gateway.auth_failure_burst` (10): what one client address may fail authentication.
+fn auth_failures(src: &Source<'_>, g: &RawGateway) -> Result<Option<Quota>, ConfigError> {
+    let per_minute = match &g.auth_failures_per_minute {
+        Some(v) => at_least(src, v, "gateway.auth_failures_per_minute", 0, 1 << 20)?,
+        None => 30,
+    };
+    let burst = match &g.auth_failure_burst {
+        Some(v) => at_least(src, v, "gateway.auth_failure_burst", 1, 1 << 20)?,
+        None => 10,
+    };
+    let Some(per_minute) = std::num::NonZeroU64::new(per_minute) else { return Ok(None) };
+    let Some(burst) = std::num::NonZeroU64::new(burst) else { return Ok(None) };
+    Ok(Some(Quota::per_minute(per_minute).burst(burst)))
 }
 
 /// `gateway.fair_tier`: one of the tiers, and for now the first (the default).
