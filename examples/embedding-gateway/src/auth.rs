@@ -186,10 +186,7 @@ where
                 "too_many_auth_failures",
                 "too many requests with a missing or unknown API key from this address",
             );
-            // Whole seconds rounded up, and the milliseconds OpenAI's SDKs read.
-            let millis = u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1);
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(millis.div_ceil(1000)));
-            response.headers_mut().insert("retry-after-ms", HeaderValue::from(millis));
+            tower_limits::http::write_retry_after(response.headers_mut(), wait);
             return Box::pin(std::future::ready(Ok(response)));
         }
         let identity = api::bearer(req.headers()).and_then(|k| self.layer.identify(k)).cloned();

@@ -433,7 +433,8 @@ async fn handle(
     };
     if access_log {
         let info = response.extensions().get::<AccessInfo>().cloned().unwrap_or_default();
-        let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
+        // Whole microseconds: integers read back exactly by any log pipeline.
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         tracing::info!(
             target: "access",
             client = %peer.ip(),
@@ -442,10 +443,10 @@ async fn handle(
             status = response.status().as_u16(),
             tenant = info.tenant.as_deref(),
             tokens = info.tokens,
-            queued_ms = ms(info.queued),
-            upstream_ms = ms(info.upstream),
+            queued_us = info.queued.map(us),
+            upstream_us = info.upstream.map(us),
             account = info.account.as_deref(),
-            total_ms = started.elapsed().as_secs_f64() * 1000.0,
+            total_us = us(started.elapsed()),
         );
     }
     // The connection stays busy until the body is written (or dropped).

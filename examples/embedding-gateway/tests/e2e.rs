@@ -324,6 +324,7 @@ async fn an_unreachable_upstream_is_a_502() {
     let unreachable =
         send(&reqwest::Client::new(), addr, "POST", embeddings(Some("sk-acme-alice"), &input("hi"))).await;
     assert_eq!(unreachable.openai_error(502), "upstream_unreachable");
+    assert_eq!(unreachable.assert_waits(), Duration::from_secs(1), "another try may reach it");
 }
 
 /// An upstream that never answers.
@@ -342,6 +343,7 @@ async fn a_hung_upstream_is_a_504() {
     let addr = serve(&gateway, &config).await;
     let timed_out = send(&reqwest::Client::new(), addr, "POST", embeddings(Some("sk-acme-alice"), &input("hi"))).await;
     assert_eq!(timed_out.openai_error(504), "upstream_timeout");
+    assert_eq!(timed_out.assert_waits(), Duration::from_secs(1), "another try may find it answering");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -262,7 +262,8 @@ async fn logs_tell_what_happened_as_json_lines() {
         .unwrap_or_else(|| panic!("no access line for the 502: {lines:?}"));
     assert_eq!(access["tenant"], "acme");
     assert_eq!(access["tokens"], 2);
-    assert!(access["upstream_ms"].is_number() && access["queued_ms"].is_number(), "{access}");
+    assert!(access["upstream_us"].is_u64() && access["queued_us"].is_u64(), "{access}");
+    assert!(access["total_us"].is_u64() && access["client"] == "127.0.0.1", "{access}");
     let failed = find("upstream call failed").unwrap_or_else(|| panic!("no upstream warning: {lines:?}"));
     assert_eq!(failed["level"], "WARN");
     let full = find("connection limit reached").unwrap_or_else(|| panic!("no connection limit warning: {lines:?}"));

@@ -280,6 +280,8 @@ impl UpstreamCall {
                 if self.on_timeout == TimeoutCharge::Refund {
                     r.extensions_mut().insert(Usage(0));
                 }
+                // Another try may find the upstream answering: say when to try.
+                write_retry_after(r.headers_mut(), BACKEND_DOWN_WAIT);
                 r
             }
             Ok(Err(e)) => {
@@ -287,12 +289,14 @@ impl UpstreamCall {
                 if let Some(suppressed) = self.stats.error_log.ready() {
                     tracing::warn!(account = %chosen.name, error = %e, total = n, suppressed, "upstream call failed: answered 502");
                 }
-                api::error_response(
+                let mut r = api::error_response(
                     StatusCode::BAD_GATEWAY,
                     "upstream_error",
                     "upstream_unreachable",
                     &format!("the upstream account {} could not be reached: {e}", chosen.name),
-                )
+                );
+                write_retry_after(r.headers_mut(), BACKEND_DOWN_WAIT);
+                r
             }
             Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes),
             Ok(Ok((parts, Answer::Stream(body)))) => {
