@@ -111,6 +111,14 @@ pub struct GatewaySettings {
     pub idle_timeout: Duration,
     /// How long a client has to send a request's body once its headers arrived (`408`).
     pub body_timeout: Duration,
+    /// The slowest a body may arrive, in bytes a second on average once `body_grace` has
+    /// passed (`408` when it falls behind); 0 for no minimum.
+    pub body_min_rate: u64,
+    /// How far behind `body_min_rate` a body may fall: the time its first bytes may take.
+    pub body_grace: Duration,
+    /// Bodies one tenant may be sending at once; beyond them its requests are answered
+    /// `429` before their bodies are read.
+    pub uploads_per_tenant: u64,
     /// The most client connections open at once; beyond it new connections wait in the
     /// listen backlog until one closes.
     pub max_connections: usize,

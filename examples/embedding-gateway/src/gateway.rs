@@ -4,9 +4,11 @@
 //! ```text
 //! POST /v1/embeddings, POST /v1/chat/completions (streamed or not)
 //!   AuthLayer          Bearer key -> TenantKey + Identity          401
-//!   Prepare            body (within body_timeout) -> the inputs    408, 400, 404 (model),
-//!                      in any OpenAI form -> Cost(tokens; for a    413
-//!                      chat: prompt + max_tokens)
+//!   Prepare            a place among the tenant's uploads; the     429 uploads_per_tenant,
+//!                      body at its pace, within body_timeout ->    408, 400, 404 (model),
+//!                      the inputs in any OpenAI form ->            413
+//!                      Cost(tokens; for a chat: prompt +
+//!                      max_tokens)
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (Retry-After,
 //!                      concurrency per tenant (LimitSetLayer,          retry-after-ms, the
 //!                      in memory or on Redis)                          RateLimit and x-ratelimit
@@ -60,7 +62,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::routing::post_service;
 use http::{HeaderValue, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_limits::core::fair_queue::FairQueueConfig;
@@ -82,6 +84,7 @@ use crate::logging::Throttle;
 
 // The pipeline's own stages, in a module of their own.
 mod stages;
+pub mod upload;
 pub use stages::{
     ACCOUNT_HEADER, BACKEND_DOWN_WAIT, PlanLimits, Prepare, PrepareLayer, QUEUE_TIME_HEADER, UpstreamCall,
 };
@@ -421,9 +424,14 @@ impl Gateway {
         let stack = ServiceBuilder::new()
             .layer(AuthLayer::new(config))
             .layer(PrepareLayer {
-                max_body_bytes: config.gateway.max_body_bytes,
+                uploads: upload::UploadRules::new(
+                    config.gateway.uploads_per_tenant,
+                    config.gateway.max_body_bytes,
+                    config.gateway.body_timeout,
+                    config.gateway.body_min_rate,
+                    config.gateway.body_grace,
+                )?,
                 max_tokens: config.gateway.max_request_tokens,
-                body_timeout: config.gateway.body_timeout,
                 models: config.gateway.models.iter().cloned().collect(),
             })
             .service(PlanLimits { plans: slot });

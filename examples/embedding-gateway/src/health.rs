@@ -5,7 +5,9 @@
 //!   checks in the body: not draining (SIGTERM or SIGINT turn it not-ready before the
 //!   listener closes), the tenants' limits decidable (in memory; or Redis answering; or
 //!   Redis away but `gateway.backend_failure` admitting requests, `fail_open` or
-//!   `fallback`), and at least one upstream account not benched by a `429`.
+//!   `fallback`), and at least one upstream account not benched by a `429`; and, for
+//!   information, the connections open, receiving a body, and on places kept for
+//!   probes (see [`crate::server`]).
 //! - `GET /v1/models`: the models of `gateway.models`, in OpenAI's list shape.
 //! - `GET /metrics`: the layers' numbers in Prometheus' text format (see
 //!   [`crate::metrics`]), added here with the others.
@@ -52,6 +54,8 @@ impl BackendStatus {
 /// The gateway's health: draining or not, the limits backend, the upstream accounts.
 pub struct Health {
     draining: AtomicBool,
+    /// The server's connections, as it counts them.
+    connections: Arc<crate::server::Connections>,
     /// `None` in memory; the plans' Redis backends once connected (empty before).
     redis: Option<Mutex<Vec<RedisBackend>>>,
     failure: BackendFailure,
@@ -75,7 +79,20 @@ impl Health {
         failure: BackendFailure,
         redis: bool,
     ) -> Self {
-        Health { draining: AtomicBool::new(false), redis: redis.then(|| Mutex::new(Vec::new())), failure, pool, now }
+        Health {
+            draining: AtomicBool::new(false),
+            connections: Arc::default(),
+            redis: redis.then(|| Mutex::new(Vec::new())),
+            failure,
+            pool,
+            now,
+        }
+    }
+
+    /// The server's connections: what `serve` counts for this gateway.
+    #[must_use]
+    pub fn connections(&self) -> &Arc<crate::server::Connections> {
+        &self.connections
     }
 
     pub(crate) fn set_redis(&self, backends: Vec<RedisBackend>) {
@@ -134,6 +151,7 @@ impl Health {
             "limits_decidable": decidable,
             "usable_accounts": accounts,
             "accounts": self.pool.len(),
+            "connections": self.connections.to_json(),
         });
         (ready, body)
     }

@@ -14,13 +14,23 @@
 //! - **idle**: a keep-alive connection between requests. Longer than `idle_timeout`: it is
 //!   closed.
 //!
-//! At most `max_connections` connections are open at once. When they are all taken, the
-//! connection that has waited longest without a request in flight (for its headers, or
-//! idle between requests) is closed to make room, and the next connection is accepted in
-//! its place: a crowd of silent connections cannot keep real clients out. When every
-//! connection has a request in flight, new connections wait in the kernel's listen
-//! backlog, which costs no file descriptor, until one closes. Either is logged, at most
-//! once every few seconds. Failing `accept` calls (out of
+//! At most `max_connections` connections are open at once. When they are all taken, a
+//! new connection takes the place of one that is making no use of its own, in this order:
+//!
+//! 1. the connection that has waited longest without a request in flight (for its
+//!    headers, or idle between requests): a crowd of silent connections cannot keep real
+//!    clients out;
+//! 2. the connection whose request's body has made no progress for longest, if for at
+//!    least [`ServerSettings::stalled_upload`]: stalled uploads cannot either (the
+//!    gateway also bounds them per tenant and by pace, see [`crate::gateway::upload`]);
+//! 3. one of [`HEALTH_CONNECTIONS`] places kept beyond the limit for `/healthz`,
+//!    `/readyz` and `/metrics`: probes and scrapes keep answering when every connection
+//!    has a request in flight. Any other request on such a place is answered `503`
+//!    (`server_busy`, with `Retry-After`) and its connection closed.
+//!
+//! Otherwise new connections wait in the kernel's listen backlog, which costs no file
+//! descriptor, until one closes. Each is logged, at most once every few seconds. Failing
+//! `accept` calls (out of
 //! file descriptors) are logged the same way and retried after a short pause, never in a
 //! busy loop.
 //!
@@ -28,7 +38,8 @@
 //!
 //! When the `shutdown` future completes (SIGTERM or SIGINT in `main`): `/readyz` turns
 //! not-ready first, then the listener is closed (new connections are refused), idle
-//! connections are closed, and connections with a request in flight finish that request
+//! connections and those still sending their headers are closed, and connections with a
+//! request in flight finish that request
 //! (its answer says `connection: close`) and close. [`serve`] returns when every
 //! connection is closed, or when `shutdown_grace` has passed, whichever comes first: it
 //! then drops the connections still open, so the process exits within the grace period
@@ -38,6 +49,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -73,7 +85,64 @@ pub struct ServerSettings {
     pub shutdown_grace: Duration,
     /// Whether to write an access line per request.
     pub access_log: bool,
+    /// How long a request's body must have made no progress before its connection may
+    /// give way to a new one when every connection is taken.
+    pub stalled_upload: Duration,
 }
+
+/// The server's connections, counted as they come and go: in `/readyz`'s body and as the
+/// `gateway_connections` gauge (label `state`: `open`, `receiving_body`, `probe_place`).
+#[derive(Debug, Default)]
+pub struct Connections {
+    open: AtomicU64,
+    receiving_body: AtomicU64,
+    probe_places: AtomicU64,
+}
+
+impl Connections {
+    /// Connections open, probe places included.
+    #[must_use]
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Connections whose request's body is being received.
+    #[must_use]
+    pub fn receiving_body(&self) -> u64 {
+        self.receiving_body.load(Ordering::Relaxed)
+    }
+
+    /// Connections on places kept for probes.
+    #[must_use]
+    pub fn probe_places(&self) -> u64 {
+        self.probe_places.load(Ordering::Relaxed)
+    }
+
+    /// The counts as a JSON object.
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "open": self.open(),
+            "receiving_body": self.receiving_body(),
+            "probe_places": self.probe_places(),
+        })
+    }
+
+    fn add(&self, counter: &AtomicU64, state: &'static str, delta: i64) {
+        let now = if delta >= 0 {
+            counter.fetch_add(delta.unsigned_abs(), Ordering::Relaxed) + delta.unsigned_abs()
+        } else {
+            counter.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed) - delta.unsigned_abs()
+        };
+        metrics::gauge!("gateway_connections", "state" => state).set(now as f64);
+    }
+}
+
+/// Connections kept beyond `max_connections` for health probes and metrics scrapes.
+pub const HEALTH_CONNECTIONS: usize = 8;
+
+/// The paths a connection kept for probes may serve.
+const HEALTH_PATHS: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
 
 impl From<&GatewaySettings> for ServerSettings {
     fn from(g: &GatewaySettings) -> Self {
@@ -83,6 +152,7 @@ impl From<&GatewaySettings> for ServerSettings {
             max_connections: g.max_connections,
             shutdown_grace: g.shutdown_grace,
             access_log: true,
+            stalled_upload: Duration::from_secs(1),
         }
     }
 }
@@ -153,6 +223,98 @@ impl AsyncWrite for Watched {
     }
 }
 
+/// The progress of the request body a connection is receiving, if any: read by the
+/// registry to find stalled uploads.
+#[derive(Debug)]
+struct Upload {
+    connections: Arc<Connections>,
+    origin: Instant,
+    /// Whether a body is being received.
+    receiving: std::sync::atomic::AtomicBool,
+    /// When it last brought bytes, in milliseconds since `origin`.
+    progress_ms: AtomicU64,
+}
+
+impl Upload {
+    fn new(connections: Arc<Connections>) -> Self {
+        Upload {
+            connections,
+            origin: Instant::now(),
+            receiving: AtomicBool::new(false),
+            progress_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn receiving(&self, yes: bool) {
+        if self.receiving.swap(yes, Ordering::Relaxed) != yes {
+            let c = &self.connections;
+            c.add(&c.receiving_body, "receiving_body", if yes { 1 } else { -1 });
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.progress_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long the body being received has brought nothing; `None` when none is.
+    fn stalled_for(&self) -> Option<Duration> {
+        if !self.receiving.load(Ordering::Relaxed) {
+            return None;
+        }
+        let since = Duration::from_millis(self.progress_ms.load(Ordering::Relaxed));
+        Some(self.origin.elapsed().saturating_sub(since))
+    }
+}
+
+/// A request's body that reports its progress to its connection's [`Upload`].
+struct WatchedBody {
+    inner: Incoming,
+    upload: Arc<Upload>,
+}
+
+impl WatchedBody {
+    fn new(inner: Incoming, upload: Arc<Upload>) -> Self {
+        if !hyper::body::Body::is_end_stream(&inner) {
+            upload.touch();
+            upload.receiving(true);
+        }
+        WatchedBody { inner, upload }
+    }
+}
+
+impl hyper::body::Body for WatchedBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(_))) => self.upload.touch(),
+            Poll::Ready(_) => self.upload.receiving(false),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for WatchedBody {
+    fn drop(&mut self) {
+        self.upload.receiving(false);
+    }
+}
+
 /// A request in flight on a connection: the connection is busy until it is dropped (with
 /// the response's body, or with the request's future if the client went away).
 struct InFlight(PhaseTx);
@@ -216,36 +378,44 @@ struct Registry {
     open: std::sync::Mutex<std::collections::HashMap<u64, Evictable>>,
 }
 
-/// An open connection's phase, and how to tell it to close.
-type Evictable = (watch::Receiver<Phase>, Arc<Notify>);
+/// An open connection's phase, its upload, and how to tell it to close.
+type Evictable = (watch::Receiver<Phase>, Arc<Upload>, Arc<Notify>);
 
 impl Registry {
     fn next_id(&self) -> u64 {
         self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn register(&self, id: u64, phase: watch::Receiver<Phase>) -> Arc<Notify> {
+    fn register(&self, id: u64, phase: watch::Receiver<Phase>, upload: Arc<Upload>) -> Arc<Notify> {
         let evict = Arc::new(Notify::new());
-        self.open.lock().unwrap_or_else(PoisonError::into_inner).insert(id, (phase, evict.clone()));
+        self.open.lock().unwrap_or_else(PoisonError::into_inner).insert(id, (phase, upload, evict.clone()));
         evict
     }
 
-    /// Tells the connection waiting longest for headers or for its next request to close;
-    /// whether there was one.
-    fn evict_oldest_waiting(&self) -> bool {
+    /// Tells the connection that makes the least use of its place to close (see the module
+    /// docs): the one waiting longest for headers or for its next request, else the one
+    /// whose upload has stalled longest, at least `stalled`. What it closed, if anything.
+    fn evict_one(&self, stalled: Duration) -> Option<&'static str> {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        let oldest = open
+        let waiting = open
             .iter()
-            .filter_map(|(id, (phase, _))| match *phase.borrow() {
+            .filter_map(|(id, (phase, _, _))| match *phase.borrow() {
                 Phase::Head { since } | Phase::Idle { since } => Some((since, *id)),
                 Phase::Busy { .. } => None,
             })
-            .min();
-        let Some((_, id)) = oldest else { return false };
-        if let Some((_, evict)) = open.remove(&id) {
+            .min()
+            .map(|(_, id)| (id, "waiting"));
+        let chosen = waiting.or_else(|| {
+            open.iter()
+                .filter_map(|(id, (_, upload, _))| upload.stalled_for().filter(|s| *s >= stalled).map(|s| (s, *id)))
+                .max()
+                .map(|(_, id)| (id, "stalled upload"))
+        });
+        let (id, what) = chosen?;
+        if let Some((_, _, evict)) = open.remove(&id) {
             evict.notify_one();
         }
-        true
+        Some(what)
     }
 }
 
@@ -255,12 +425,41 @@ struct Slot {
     _permit: OwnedSemaphorePermit,
     registry: Arc<Registry>,
     id: u64,
+    /// A place kept for probes (beyond `max_connections`).
+    for_probes: bool,
+    connections: Arc<Connections>,
+}
+
+impl Slot {
+    fn new(
+        permit: OwnedSemaphorePermit,
+        registry: &Arc<Registry>,
+        for_probes: bool,
+        connections: &Arc<Connections>,
+    ) -> Self {
+        connections.add(&connections.open, "open", 1);
+        if for_probes {
+            connections.add(&connections.probe_places, "probe_place", 1);
+        }
+        Slot {
+            _permit: permit,
+            registry: registry.clone(),
+            id: registry.next_id(),
+            for_probes,
+            connections: connections.clone(),
+        }
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         // The permit is released right after, with the other fields.
         self.registry.open.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+        let c = &self.connections;
+        c.add(&c.open, "open", -1);
+        if self.for_probes {
+            c.add(&c.probe_places, "probe_place", -1);
+        }
     }
 }
 
@@ -269,6 +468,16 @@ impl Drop for Slot {
 struct AcceptLogs {
     full: Throttle,
     failed: Throttle,
+}
+
+/// The place a new connection found.
+enum Found {
+    /// One of `max_connections`.
+    Place(OwnedSemaphorePermit),
+    /// One kept for probes.
+    ForProbes(OwnedSemaphorePermit),
+    /// None: the listener is gone or the shutdown began.
+    Stop,
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then drains (see the module
@@ -285,6 +494,8 @@ pub async fn serve(
 ) -> io::Result<Stopped> {
     let local = listener.local_addr()?;
     let permits = Arc::new(Semaphore::new(settings.max_connections.max(1)));
+    let for_probes = Arc::new(Semaphore::new(HEALTH_CONNECTIONS));
+    let connections_count = health.as_ref().map(|h| h.connections().clone()).unwrap_or_default();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let logs = AcceptLogs::default();
@@ -306,31 +517,38 @@ pub async fn serve(
                 continue;
             }
         };
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
+        let found = match permits.clone().try_acquire_owned() {
+            Ok(p) => Found::Place(p),
             Err(_) => {
-                // Make room: the connection that has waited longest without a request in
-                // flight gives its place to this one.
-                let evicted = registry.evict_oldest_waiting();
+                // Make room: a connection that makes no use of its place gives it up.
+                let evicted = registry.evict_one(settings.stalled_upload);
+                let probes = if evicted.is_none() { for_probes.clone().try_acquire_owned().ok() } else { None };
                 if let Some(suppressed) = logs.full.ready() {
                     tracing::warn!(
                         max_connections = settings.max_connections,
-                        evicted,
+                        closed = evicted.unwrap_or("none"),
+                        kept_for_probes = probes.is_some(),
                         suppressed,
-                        "connection limit reached: closing the longest-waiting connection without a request \
-                         in flight, if any; otherwise new connections wait (gateway.max_connections)"
+                        "connection limit reached: closing a connection without a request in flight or with a \
+                         stalled upload, if any; otherwise a place kept for probes serves health and metrics \
+                         only, or new connections wait (gateway.max_connections)"
                     );
                 }
-                tokio::select! {
-                    p = permits.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        Err(_) => break,
+                match probes {
+                    Some(p) => Found::ForProbes(p),
+                    None => tokio::select! {
+                        p = permits.clone().acquire_owned() => p.map_or(Found::Stop, Found::Place),
+                        () = &mut shutdown => Found::Stop,
                     },
-                    () = &mut shutdown => break,
                 }
             }
         };
-        let slot = Slot { _permit: permit, registry: registry.clone(), id: registry.next_id() };
+        let (permit, for_probes_only) = match found {
+            Found::Place(p) => (p, false),
+            Found::ForProbes(p) => (p, true),
+            Found::Stop => break,
+        };
+        let slot = Slot::new(permit, &registry, for_probes_only, &connections_count);
         connections.spawn(connection(stream, peer, router.clone(), settings, slot, stop_rx.clone()));
     }
 
@@ -370,13 +588,23 @@ async fn connection(
     let _ = stream.set_nodelay(true);
     let (phase_tx, phase_rx) = watch::channel(Phase::Head { since: Instant::now() });
     let phase: PhaseTx = Arc::new(phase_tx);
-    let evict = slot.registry.register(slot.id, phase_rx.clone());
+    let upload = Arc::new(Upload::new(slot.connections.clone()));
+    let evict = slot.registry.register(slot.id, phase_rx.clone(), upload.clone());
     let io = TokioIo::new(Watched { stream, phase: phase.clone() });
     let service_phase = phase.clone();
+    let for_probes = slot.for_probes;
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = InFlight::begin(&service_phase);
         let router = router.clone();
-        async move { Ok::<_, std::convert::Infallible>(handle(router, req, peer, in_flight, settings.access_log).await) }
+        let req = req.map(|body| WatchedBody::new(body, upload.clone()));
+        async move {
+            let response = if for_probes && !HEALTH_PATHS.contains(&req.uri().path()) {
+                server_busy()
+            } else {
+                handle(router, req, peer, in_flight, settings.access_log).await
+            };
+            Ok::<_, std::convert::Infallible>(response)
+        }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     // Our own watchdog bounds the headers (hyper's timer would also cut idle keep-alive
@@ -406,6 +634,10 @@ async fn connection(
             }
             changed = stop.changed(), if !draining => {
                 if changed.is_err() || *stop.borrow() {
+                    // Nothing in flight (idle, or headers still coming): close now.
+                    if !matches!(*phase_rx.borrow(), Phase::Busy { .. }) {
+                        break;
+                    }
                     draining = true;
                     conn.as_mut().graceful_shutdown();
                 }
@@ -415,9 +647,22 @@ async fn connection(
     drop(slot);
 }
 
+/// The answer to a request other than a probe on a connection kept for probes.
+fn server_busy() -> Response<Body> {
+    let mut r = crate::api::error_response(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "server_busy",
+        "every connection is taken (gateway.max_connections); please try again shortly",
+    );
+    tower_limits::http::write_retry_after(r.headers_mut(), crate::gateway::BACKEND_DOWN_WAIT);
+    r.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+    r
+}
+
 async fn handle(
     router: Router,
-    mut req: Request<Incoming>,
+    mut req: Request<WatchedBody>,
     peer: SocketAddr,
     in_flight: InFlight,
     access_log: bool,

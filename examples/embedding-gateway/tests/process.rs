@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::post;
-use common::{DEADLINE, config_text, embed, http};
+use common::{DEADLINE, config_text, embed, http, until};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -127,14 +127,6 @@ async fn slow_upstream(latency: Option<Duration>) -> (String, Arc<AtomicU64>) {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, router).await });
     (url, arrived)
-}
-
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !done() {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 #[test]

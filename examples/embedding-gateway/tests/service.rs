@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::Body;
-use common::{Answer, DEADLINE, closed_by_peer, config_text, embed, http, parse};
+use common::{Answer, DEADLINE, closed_by_peer, config_text, embed, http, parse, until, upload};
 use embedding_gateway::config::Config;
 use embedding_gateway::gateway::{Gateway, Sharing, Transport, http_transport, in_process};
 use embedding_gateway::server::{self, ServerSettings, Stopped};
@@ -35,11 +35,14 @@ struct Running {
 
 impl Running {
     async fn start(config: &Config, transport: Transport) -> Self {
+        Self::start_with(config, transport, ServerSettings::from(&config.gateway)).await
+    }
+
+    async fn start_with(config: &Config, transport: Transport, settings: ServerSettings) -> Self {
         let gateway = Gateway::new(config, transport).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let settings = ServerSettings::from(&config.gateway);
         let task = tokio::spawn(server::serve(
             listener,
             gateway.router.clone(),
@@ -73,10 +76,27 @@ fn parse_config(text: &str) -> Config {
 
 /// A gateway in front of the mock upstream, both on real sockets.
 async fn gateway_with(gateway_keys: &str, plan: &str) -> (Running, Arc<upstream::UpstreamStats>) {
+    served_with(gateway_keys, plan, |_| {}).await
+}
+
+/// As [`gateway_with`], with the server's settings as `tweak` leaves them.
+async fn served_with(
+    gateway_keys: &str,
+    plan: &str,
+    tweak: impl FnOnce(&mut ServerSettings),
+) -> (Running, Arc<upstream::UpstreamStats>) {
     let accounts = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
     let (url, stats) = mock_upstream(&accounts).await;
     let config = parse_config(&config_text(gateway_keys, plan, &url));
-    (Running::start(&config, http_transport()).await, stats)
+    let mut settings = ServerSettings::from(&config.gateway);
+    tweak(&mut settings);
+    (Running::start_with(&config, http_transport(), settings).await, stats)
+}
+
+/// Waits until the server receives `n` bodies at once.
+async fn receiving(running: &Running, n: u64) {
+    let connections = running.gateway.health.connections().clone();
+    until(&format!("{n} bodies being received"), || connections.receiving_body() == n).await;
 }
 
 fn assert_openai_error(answer: &Answer, status: u16, code: &str) {
@@ -148,6 +168,115 @@ async fn at_max_connections_a_silent_connection_makes_room_for_a_real_client() {
     let mut read = Vec::new();
     assert!(closed_by_peer(&mut a, &mut read).await, "the oldest silent connection was not the one closed");
     running.stop().await;
+}
+
+#[tokio::test]
+async fn stalled_uploads_cost_their_tenant_not_the_others() {
+    // Bodies may take a minute: only the per-tenant places bound them here.
+    let (running, _) = gateway_with(
+        "uploads_per_tenant = 2\nbody_timeout = \"60s\"\nbody_grace = \"60s\"",
+        "org = { rpm = 6000, concurrency = 2 }",
+    )
+    .await;
+    let addr = running.addr;
+    // acme starts two uploads and sends a few bytes of each.
+    let first = upload(addr, "sk-acme-alice", 100, "{\"model\":").await;
+    let second = upload(addr, "sk-acme-alice", 100, "{\"model\":").await;
+    receiving(&running, 2).await;
+
+    // acme's next request is refused before its body is read, and its connection closed.
+    let mut third = upload(addr, "sk-acme-alice", 100, "").await;
+    let mut raw = Vec::new();
+    assert!(closed_by_peer(&mut third, &mut raw).await, "the refused upload's connection stayed open");
+    let refused = parse(&raw);
+    assert_openai_error(&refused, 429, "too_many_uploads");
+    assert!(refused.header("retry-after").is_some(), "{refused:?}");
+    assert_eq!(refused.header("connection").as_deref(), Some("close"));
+    assert_openai_error(&embed(addr, "sk-acme-alice", "hello".into()).await, 429, "too_many_uploads");
+
+    // Another tenant, and the probes, are served as if nothing happened.
+    assert_eq!(embed(addr, "sk-globex-bob", "hello".into()).await.status, 200);
+    assert_eq!(http(addr, "GET", "/healthz", None, None).await.status, 200);
+
+    // A stalled upload that goes away gives its place back.
+    drop(first);
+    receiving(&running, 1).await;
+    assert_eq!(embed(addr, "sk-acme-alice", "hello".into()).await.status, 200);
+    drop(second);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn a_body_that_falls_behind_its_pace_is_cut_after_the_grace() {
+    let (running, _) =
+        gateway_with("body_min_rate = 1000\nbody_grace = \"200ms\"\nbody_timeout = \"60s\"", "org = { rpm = 6000 }")
+            .await;
+    // Eleven bytes of a hundred, then nothing: cut after the grace and eleven milliseconds,
+    // not after body_timeout.
+    let mut slow = upload(running.addr, "sk-acme-alice", 100, "{\"model\":\"m").await;
+    let mut raw = Vec::new();
+    assert!(closed_by_peer(&mut slow, &mut raw).await, "a body behind its pace was not cut");
+    let cut = parse(&raw);
+    assert_openai_error(&cut, 408, "body_too_slow");
+    assert!(cut.json()["error"]["message"].as_str().unwrap().contains("after 11 bytes"), "{cut:?}");
+    // A body sent at once is well within any pace.
+    assert_eq!(embed(running.addr, "sk-acme-alice", "hello".into()).await.status, 200);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn at_max_connections_probes_keep_answering_and_stalled_uploads_give_way() {
+    // Two connections, both sending bodies that stall; a stall frees nothing for a minute.
+    let (running, _) =
+        served_with("max_connections = 2\nbody_timeout = \"60s\"\nbody_grace = \"60s\"", "org = { rpm = 6000 }", |s| {
+            s.stalled_upload = std::time::Duration::from_secs(60)
+        })
+        .await;
+    let addr = running.addr;
+    let a = upload(addr, "sk-acme-alice", 100, "{").await;
+    let b = upload(addr, "sk-globex-bob", 100, "{").await;
+    receiving(&running, 2).await;
+    // Every connection has a request in flight: probes get a place kept for them, and
+    // anything else on such a place a 503 that says why.
+    assert_eq!(http(addr, "GET", "/healthz", None, None).await.status, 200);
+    assert_eq!(http(addr, "GET", "/readyz", None, None).await.status, 200);
+    let busy = embed(addr, "sk-acme-alice", "hello".into()).await;
+    assert_openai_error(&busy, 503, "server_busy");
+    assert!(busy.header("retry-after").is_some(), "{busy:?}");
+    drop((a, b));
+    running.stop().await;
+
+    // With stalls of any age evictable, a new client takes the place of the upload that
+    // stalled first.
+    let (running, _) =
+        served_with("max_connections = 2\nbody_timeout = \"60s\"\nbody_grace = \"60s\"", "org = { rpm = 6000 }", |s| {
+            s.stalled_upload = std::time::Duration::ZERO
+        })
+        .await;
+    let addr = running.addr;
+    let mut a = upload(addr, "sk-acme-alice", 100, "{").await;
+    receiving(&running, 1).await;
+    let b = upload(addr, "sk-globex-bob", 100, "{").await;
+    receiving(&running, 2).await;
+    assert_eq!(embed(addr, "sk-globex-bob", "hello".into()).await.status, 200);
+    let mut raw = Vec::new();
+    assert!(closed_by_peer(&mut a, &mut raw).await, "the upload stalled longest was not the one closed");
+    assert_eq!(running.gateway.health.connections().probe_places(), 0);
+    drop(b);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_connections_still_sending_their_headers() {
+    let (running, _) = gateway_with("header_timeout = \"60s\"\nshutdown_grace = \"30s\"", "org = { rpm = 6000 }").await;
+    let mut partial = TcpStream::connect(running.addr).await.unwrap();
+    partial.write_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let connections = running.gateway.health.connections().clone();
+    until("the connection open", || connections.open() == 1).await;
+    // Nothing is in flight on it: the drain closes it at once, none is cut at the grace.
+    assert_eq!(running.stop().await, Stopped { cut: 0 });
+    let mut read = Vec::new();
+    assert!(closed_by_peer(&mut partial, &mut read).await);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -389,7 +518,10 @@ fn the_service_keys_have_defaults_and_are_checked_with_their_line() {
         )
     );
     assert_eq!(g.max_connections, 512);
+    assert_eq!((g.body_min_rate, g.body_grace, g.uploads_per_tenant), (1024, Duration::from_secs(5), 8));
     let cases = [
+        ("uploads_per_tenant = 0", "gateway.uploads_per_tenant", "at least 1"),
+        ("body_grace = \"0s\"", "gateway.body_grace", "longer than zero"),
         ("header_timeout = \"0s\"", "gateway.header_timeout", "longer than zero"),
         ("idle_timeout = \"soon\"", "gateway.idle_timeout", ""),
         ("max_connections = 0", "gateway.max_connections", "at least 1"),

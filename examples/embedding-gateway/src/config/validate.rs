@@ -157,6 +157,15 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     let header_timeout = positive(&g.header_timeout, "gateway.header_timeout", Duration::from_secs(10))?;
     let idle_timeout = positive(&g.idle_timeout, "gateway.idle_timeout", Duration::from_secs(60))?;
     let body_timeout = positive(&g.body_timeout, "gateway.body_timeout", Duration::from_secs(30))?;
+    let body_grace = positive(&g.body_grace, "gateway.body_grace", Duration::from_secs(5))?;
+    let body_min_rate = match &g.body_min_rate {
+        Some(v) => at_least(src, v, "gateway.body_min_rate", 0, 1 << 40)?,
+        None => 1024,
+    };
+    let uploads_per_tenant = match &g.uploads_per_tenant {
+        Some(v) => at_least(src, v, "gateway.uploads_per_tenant", 1, 1 << 20)?,
+        None => 8,
+    };
     let shutdown_grace = positive(&g.shutdown_grace, "gateway.shutdown_grace", Duration::from_secs(20))?;
     let upstream_timeout = positive(&g.upstream_timeout, "gateway.upstream_timeout", Duration::from_secs(30))?;
     let max_connections = match &g.max_connections {
@@ -196,6 +205,9 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         header_timeout,
         idle_timeout,
         body_timeout,
+        body_min_rate,
+        body_grace,
+        uploads_per_tenant,
         max_connections,
         shutdown_grace,
         upstream_timeout,

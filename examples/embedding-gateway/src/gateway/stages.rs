@@ -3,16 +3,17 @@
 //! tenant's plan, [`UpstreamCall`] calls the chosen account; each reports what it knows
 //! in the answer's [`AccessInfo`], for the access line.
 
+use super::upload::UploadRules;
 use super::*;
 use crate::access::AccessInfo;
 
-/// Reads the body (within `body_timeout`, `408` after it), checks it, counts its tokens
-/// and puts the [`Cost`] in the request's extensions.
+/// Reads the body (within the bounds of [`UploadRules`]: a place among its tenant's
+/// uploads, a pace, `body_timeout`), checks it, counts its tokens and puts the [`Cost`]
+/// in the request's extensions.
 #[derive(Debug, Clone)]
 pub struct PrepareLayer {
-    pub(super) max_body_bytes: usize,
+    pub(super) uploads: UploadRules,
     pub(super) max_tokens: u64,
-    pub(super) body_timeout: Duration,
     pub(super) models: Arc<[String]>,
 }
 
@@ -51,43 +52,19 @@ where
         let settings = self.settings.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
-            let read =
-                tokio::time::timeout(settings.body_timeout, Limited::new(body, settings.max_body_bytes).collect());
-            let body = match read.await {
-                Ok(Ok(b)) => b.to_bytes(),
-                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-                    return Ok(api::error_response(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "invalid_request_error",
-                        "body_too_large",
-                        &format!("the body is larger than {} bytes", settings.max_body_bytes),
-                    ));
-                }
-                Ok(Err(_)) => {
-                    let mut r = api::error_response(
-                        StatusCode::BAD_REQUEST,
-                        "invalid_request_error",
-                        "body_incomplete",
-                        "the connection failed before the whole body arrived",
-                    );
-                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-                    return Ok(r);
-                }
-                Err(_) => {
-                    let mut r = api::error_response(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "invalid_request_error",
-                        "body_timeout",
-                        &format!(
-                            "the body did not arrive within {} (gateway.body_timeout)",
-                            tower_limits::core::policy::format_duration(settings.body_timeout)
-                        ),
-                    );
-                    // The rest of the body may still come: the connection cannot be reused.
-                    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
-                    return Ok(r);
-                }
+            // A body still to come takes one of its tenant's upload places while it does.
+            let place = match parts.extensions.get::<Identity>() {
+                Some(id) if !http_body::Body::is_end_stream(&body) => match settings.uploads.place(&id.fair.0) {
+                    Ok(place) => Some(place),
+                    Err(refused) => return Ok(*refused),
+                },
+                _ => None,
             };
+            let body = match settings.uploads.read(body).await {
+                Ok(b) => b,
+                Err(refused) => return Ok(*refused),
+            };
+            drop(place);
             let is_chat = parts.uri.path() == CHAT_PATH;
             let (model, tokens, inputs, stream, param) = if is_chat {
                 match api::ChatRequest::parse(&body) {

@@ -120,6 +120,27 @@ pub async fn embed(addr: SocketAddr, key: &str, input: serde_json::Value) -> Ans
     http(addr, "POST", "/v1/embeddings", Some(key), Some(&body)).await
 }
 
+/// Waits until `done`, checking every few milliseconds; fails after `DEADLINE`.
+pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Opens a connection and sends a request's headers announcing a body of
+/// `content_length` bytes, and `sent` of them.
+pub async fn upload(addr: SocketAddr, key: &str, content_length: usize, sent: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nhost: gateway\r\nauthorization: Bearer {key}\r\n\
+         content-type: application/json\r\ncontent-length: {content_length}\r\n\r\n{sent}"
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    stream
+}
+
 /// Reads from `stream` until the peer closes it (true) or `DEADLINE` passes (false);
 /// what was read is appended to `into`.
 pub async fn closed_by_peer(stream: &mut TcpStream, into: &mut Vec<u8>) -> bool {
