@@ -300,7 +300,7 @@ impl RedisBackendBuilder {
                 leases: Mutex::new(HashMap::new()),
                 runtime: OnceLock::new(),
                 renewing: AtomicBool::new(false),
-                shares: self.shares.map(|s| shares::Table::new(s, instance, self.lease)),
+                shares: self.shares.map(|s| Arc::new(shares::Table::new(s, instance, self.lease))),
             }),
         })
     }

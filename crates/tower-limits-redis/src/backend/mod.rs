@@ -165,7 +165,7 @@ pub(crate) struct Inner {
     runtime: OnceLock<Handle>,
     renewing: AtomicBool,
     /// With capacity shares: this replica's.
-    shares: Option<shares::Table>,
+    shares: Option<Arc<shares::Table>>,
 }
 
 impl RedisBackend {
@@ -264,9 +264,9 @@ impl Backend for RedisBackend {
         if let Some(refusal) = inner.local_refusal(key, cost) {
             return RedisAcquire::ready(Err(refusal));
         }
-        if inner.shares.is_some() {
+        if let Some(table) = &inner.shares {
             // The shares decide first and count the demand; the cache answers for the pools.
-            return self.acquire_shared(key, cost, now);
+            return self.acquire_shared(table, key, cost, now);
         }
         if let Some(cache) = &inner.refusals {
             if let Some((i, retry, needs_release, snapshot)) = cache::lookup(cache, key, cost, now) {

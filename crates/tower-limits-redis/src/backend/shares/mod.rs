@@ -1,0 +1,262 @@
+//! Capacity shares: each replica decides its rate limits and semaphores from a share it
+//! holds, and asks Redis once per refresh for all of them, not once per request.
+//!
+//! # The scheme
+//!
+//! A rate limit of `A` units per period `P` with burst `B`, for one scope (the whole fleet
+//! for a global limit, one tenant for a keyed one), is split in Redis into the *shares*
+//! the replicas hold and a *pool* that none holds. A share is a rate `a_r` with a burst
+//! `b_r = ⌊B·a_r/A⌋`, valid until it expires; the replica runs it as a token bucket of its
+//! own and admits from it without a round trip. The pool is a token bucket refilled at
+//! the rate no replica holds, `A − Σ a_r`, up to the burst no replica holds,
+//! `B − Σ b_r`; a replica without a share for a scope takes from the pool, one round
+//! trip per request (the per-request path, for cold keys).
+//!
+//! Every refresh period (100 ms by default) a replica sends one call carrying, for every
+//! scope it is busy with, the share it may be using, the demand it saw (units per
+//! period, with a quarter of headroom) and the tokens it gives back. The script
+//! allots each scope's rate max-min fairly by the live replicas' demands, and grants the
+//! caller `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up
+//! the difference at its own next refresh, and only then can another take it. A share
+//! too small to hold one unit of burst stays in the pool. Demand below `hot_after`
+//! requests a refresh (4) asks for no share: the scope stays with the pool. A replica
+//! whose share is spent asks the pool before refusing; refused there, its share alone
+//! decides until the pool could have a token.
+//!
+//! # Bounds
+//!
+//! Over every window of length `W`, the fleet admits at most `B + W·A/P` units of a
+//! scope: the bound of the limit itself, with no excess. Tokens are only created at the
+//! replicas' rates and the pool's, which sum to at most `A`, and held in buckets whose
+//! capacities sum to at most `B`:
+//!
+//! - Redis counts, for each replica, the larger of the share it granted last and the one
+//!   the replica says it may still be using, until the replica confirms the smaller one
+//!   at its next refresh or the share expires. So `Σ a_r ≤ A` and `Σ b_r ≤ B` hold for
+//!   every share a replica may be using, even while a reply is in flight or lost.
+//! - A replica stops using a share at its local expiry, counted from the instant before
+//!   its request was sent, so never after Redis stops counting it (clocks need only run
+//!   at the same rate over one lifetime, not agree).
+//! - Tokens move between the pool and a replica only by a grant (`gift`, taken from the
+//!   pool) or a give-back (taken from the replica first); when a share shrinks or ends,
+//!   the tokens above its new burst are dropped, never moved. A new share starts with
+//!   what the pool gives it, not with a full burst.
+//! - A share that expired counts as held until Redis removes it, so the pool never
+//!   refills faster than the rate nobody holds.
+//!
+//! Settles refund or charge the bucket that granted: a charge beyond what a grant took
+//! is a debt of its share, repaid by the share's refill before it grants again, and
+//! handed to the pool when the share ends. As in memory, where the last grant's overrun
+//! may exceed the bound, the fleet may exceed it by the overrun of each share's last
+//! grant.
+//!
+//! With [`Shares::burst_excess`], the bursts the shares split sum to `B` plus that
+//! percentage of it, and the bound is that larger burst plus the rate: an excess the user
+//! chooses, zero by default.
+//!
+//! The one documented margin: a Redis that restarts empty forgets every share, and
+//! answers as a fresh limit while replicas still use theirs, so for one lifetime the
+//! fleet may admit up to twice the limit.
+//!
+//! # What it costs
+//!
+//! Redis work grows with the replicas and the scopes they are busy with, not with
+//! requests: one call per replica per refresh (one per Cluster slot on a cluster),
+//! carrying every scope. A request admitted from a share takes a lock and a few
+//! integer operations per limit; one refused by an exhausted share is refused locally,
+//! with the exact wait of the share, and counts as demand.
+//!
+//! # Failure
+//!
+//! While Redis is slow or away, a replica keeps deciding from its shares until they
+//! expire (the lifetime, 1 s by default); scopes without a share, and then every scope,
+//! follow the failure policy. Refreshes are not retried: the next one carries the same
+//! scopes.
+//!
+//! # Semaphores
+//!
+//! A semaphore's shares are permits, allotted by the same script (a burst of 0 marks
+//! them): a replica admits while its requests in flight fit its share and releases
+//! locally. It reports as the share it may be using the larger of its share and its
+//! permits held, so a share shrinks in Redis only as its permits come back: the fleet
+//! never holds more than the capacity. Its demand is the most it held or was asked at
+//! once in the period, plus a quarter. A semaphore has no pool, so the permits no demand
+//! claims are split among the replicas that demand any. A scope without a share fetches
+//! one with its first request (one call), and when every permit is held elsewhere it is
+//! refused, then refused locally until the next refresh period, its demand on record so
+//! that the others' next allotments make room. Redis counts a semaphore's share for the
+//! backend's lease rather than the share's lifetime: the requests in flight outlive the
+//! share they were admitted under, and a dead replica's permits come back within the
+//! lease.
+//!
+//! # What is not shared
+//!
+//! Fixed and sliding windows: a set with one is refused when the backend is built.
+//! Settling a grant charges or refunds its share (locally) or the pool (one background
+//! call); a semaphore's holding does not change with the usage.
+
+use std::time::Duration;
+
+mod remote;
+mod table;
+
+pub(super) use table::{SharedGrant, Table};
+
+/// The script of the share tables.
+const SCRIPT: &str = include_str!("script.lua");
+
+/// How a [`RedisBackend`](crate::RedisBackend) splits its rate limits and semaphores
+/// among replicas: capacity shares, leased from Redis and refreshed in the background, so
+/// that a request admitted from a share makes no round trip. See
+/// [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares) and the guide for
+/// the scheme and its bounds.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits_redis::Shares;
+///
+/// let shares = Shares::new().refresh_every(Duration::from_millis(50)).lifetime(Duration::from_millis(500));
+/// assert_eq!(shares.refresh(), Duration::from_millis(50));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct Shares {
+    refresh: Duration,
+    lifetime: Duration,
+    max_scopes: usize,
+    hot_after: u32,
+    burst_excess: u32,
+}
+
+impl Default for Shares {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Shares {
+    /// Refreshed every 100 ms, living 1 s, at most 10,000 scopes tracked, a scope asking
+    /// for a share after 4 requests in a refresh period.
+    pub const fn new() -> Shares {
+        Shares {
+            refresh: Duration::from_millis(100),
+            lifetime: Duration::from_secs(1),
+            max_scopes: 10_000,
+            hot_after: 4,
+            burst_excess: 0,
+        }
+    }
+
+    /// How often a replica reports its demand and renews its shares (default 100 ms):
+    /// the Redis work of the fleet is one call per replica per period, and capacity
+    /// moves between replicas within about two periods.
+    pub const fn refresh_every(mut self, every: Duration) -> Self {
+        self.refresh = every;
+        self
+    }
+
+    /// How long a share lives without a refresh (default 1 s): how long a replica serves
+    /// while Redis is away, and how long the share of a replica that died stays taken.
+    /// At least two refresh periods plus the call timeout.
+    pub const fn lifetime(mut self, lifetime: Duration) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
+    /// The most scopes (limit and tenant) one replica tracks (default 10,000), which
+    /// bounds its memory; a scope is forgotten two refresh periods after its last
+    /// request, its share given back. Beyond the bound, a new scope's rate takes from the
+    /// pool, and its semaphore refuses (it has no pool), until quiet scopes are
+    /// forgotten.
+    pub const fn max_scopes(mut self, scopes: usize) -> Self {
+        self.max_scopes = scopes;
+        self
+    }
+
+    /// How many requests in one refresh period make a scope ask for a share (default 4);
+    /// below it, the scope takes from the pool, one round trip per request.
+    pub const fn hot_after(mut self, requests: u32) -> Self {
+        self.hot_after = requests;
+        self
+    }
+
+    /// Lets the shares of a rate's burst sum to the burst plus `percent` percent of it
+    /// (default 0). A burst split over many replicas leaves each a small one, which
+    /// refuses locally while the fleet has room; with an excess, each holds more. The
+    /// price is stated: over every window the fleet may admit up to `burst * percent /
+    /// 100` more than the limit allows (`B * (1 + percent / 100) + W * rate` in all), and
+    /// nothing more. Zero admits no excess. At most 1,000.
+    ///
+    /// ```
+    /// use tower_limits_redis::Shares;
+    ///
+    /// // Bursts split over replicas may sum to twice the burst.
+    /// let shares = Shares::new().burst_excess(100);
+    /// assert_eq!(shares.excess_percent(), 100);
+    /// ```
+    pub const fn burst_excess(mut self, percent: u32) -> Self {
+        self.burst_excess = percent;
+        self
+    }
+
+    /// The burst excess allowed, in percent of each rate's burst.
+    #[must_use]
+    pub const fn excess_percent(&self) -> u32 {
+        self.burst_excess
+    }
+
+    /// The refresh period.
+    #[must_use]
+    pub const fn refresh(&self) -> Duration {
+        self.refresh
+    }
+
+    /// The lifetime of a share.
+    #[must_use]
+    pub const fn share_lifetime(&self) -> Duration {
+        self.lifetime
+    }
+
+    pub(super) fn validate(&self, timeout: Duration) -> Result<(), crate::BuildError> {
+        let invalid = |field, message: String| Err(crate::BuildError::Invalid { field, message });
+        if self.refresh < Duration::from_millis(1) {
+            return invalid("shares.refresh", format!("must be at least 1ms, got {:?}", self.refresh));
+        }
+        if self.lifetime < self.refresh * 2 + timeout {
+            return invalid(
+                "shares.lifetime",
+                format!(
+                    "must be at least two refresh periods plus the timeout ({:?}), got {:?}",
+                    self.refresh * 2 + timeout,
+                    self.lifetime
+                ),
+            );
+        }
+        if self.max_scopes == 0 {
+            return invalid("shares.max_scopes", "must be at least 1".into());
+        }
+        if self.burst_excess > 1_000 {
+            return invalid(
+                "shares.burst_excess",
+                format!("must be at most 1000 (percent), got {}", self.burst_excess),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A limit as the share tables count it: a rate of `amount` units per period with its
+/// burst, or, with `permits`, a semaphore of `amount` permits (no period, no burst).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ShareLimit {
+    pub(super) amount: u64,
+    pub(super) period_us: u64,
+    pub(super) burst: u64,
+    pub(super) permits: bool,
+}
+
+impl ShareLimit {
+    fn period_ns(&self) -> i128 {
+        i128::from(self.period_us) * 1000
+    }
+}

@@ -1,0 +1,311 @@
+//! What capacity shares ask of Redis: the refreshes, the pools' part of an acquisition,
+//! the settles sent in the background, and the loop that refreshes every period.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use redis::Value;
+use tower_limits_core::{AcquireError, Counts, Instant, LimitRefusal, Snapshot, TenantKey};
+
+use super::table::{Local, Part, SharedGrant, Table};
+use crate::backend::background::PendingGuard;
+use crate::backend::call::{CallError, int_array};
+use crate::backend::grant::{GrantKind, RedisGrant};
+use crate::backend::{Inner, RedisAcquire, RedisBackend};
+use crate::cache::CachedRefusal;
+use crate::failure::Gate;
+use crate::stats::bump;
+
+impl Inner {
+    async fn eval_shares(&self, table: &Table, keys: &[Arc<str>], args: &[String]) -> Result<Value, CallError> {
+        let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
+        self.call_script(&table.sha, &table.source, &keys, args).await
+    }
+
+    /// Refreshes every share this replica holds or wants (or those of `only`), one call
+    /// per slot; with `heard` false, the replies are dropped as if lost on the way back
+    /// (tests).
+    pub(super) async fn refresh_shares(
+        &self,
+        table: &Table,
+        now: Instant,
+        heard: bool,
+        only: Option<&[Arc<str>]>,
+    ) -> bool {
+        table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        let expires = now + table.settings.lifetime;
+        let mut all = true;
+        for (keys, args) in table.report(self, now, only) {
+            let mut full = table.args_head(self, "R", now);
+            full.extend(args);
+            bump(&self.stats.share_refreshes);
+            match self.eval_shares(table, &keys, &full).await {
+                Ok(value) => match int_array(&value) {
+                    Some(reply) if reply.len() == 1 + 3 * keys.len() => {
+                        if heard {
+                            table.apply(self, &keys, &reply, expires);
+                        }
+                    }
+                    _ => {
+                        all = false;
+                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
+                    }
+                },
+                Err(_) => all = false,
+            }
+        }
+        all
+    }
+
+    /// Settles a grant from shares: the local parts at once, the pooled ones in the
+    /// background.
+    pub(in crate::backend) fn settle_shared(
+        self: &Arc<Self>,
+        grant: &SharedGrant,
+        now: Instant,
+        units: impl Fn(&Part) -> i128,
+    ) {
+        let Some(table) = &self.shares else { return };
+        let gone = table.adjust(self, &grant.local, &units);
+        let mut keys = Vec::new();
+        let mut args = table.args_head(self, "S", now);
+        for part in grant.pooled.iter().chain(&gone) {
+            let n = units(part);
+            let Some(l) = self.limits[part.limit].share else { continue };
+            if n != 0 {
+                keys.push(part.scope.clone());
+                for v in [l.amount.to_string(), l.period_us.to_string(), l.burst.to_string(), n.to_string()] {
+                    args.push(v);
+                }
+            }
+        }
+        if keys.is_empty() {
+            return;
+        }
+        let Some(handle) = self.handle() else {
+            bump(&self.stats.background_failures);
+            return;
+        };
+        // Not resent after a failure: it may have been applied.
+        let guard = PendingGuard::new(self);
+        let inner = self.clone();
+        let table = table.clone();
+        handle.spawn(async move {
+            if inner.eval_shares(&table, &keys, &args).await.is_ok() {
+                bump(&inner.stats.background_ops);
+            } else {
+                bump(&inner.stats.background_failures);
+            }
+            drop(guard);
+        });
+    }
+}
+
+impl RedisBackend {
+    /// Refreshes this replica's capacity shares now: reports its demand and renews every
+    /// share it holds or wants, one call per slot. A backend built with
+    /// [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares) does this
+    /// every refresh period by itself; call it by hand with a manual clock (tests), where
+    /// it is the only refresh. Answers whether every call succeeded (false also when the
+    /// backend has no shares).
+    pub async fn refresh_shares(&self, now: Instant) -> bool {
+        let Some(table) = &self.inner.shares else { return false };
+        self.inner.refresh_shares(table, now, true, None).await
+    }
+
+    /// Test support: [`RedisBackend::refresh_shares`] whose replies are lost on the way
+    /// back: Redis applies the refresh, this replica never learns its answer.
+    #[cfg(feature = "test-support")]
+    pub async fn refresh_shares_unheard(&self, now: Instant) -> bool {
+        let Some(table) = &self.inner.shares else { return false };
+        self.inner.refresh_shares(table, now, false, None).await
+    }
+
+    fn start_refreshing(&self, table: &Table) {
+        if self.inner.settings.manual_clock || table.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match self.inner.handle() {
+            Some(handle) => {
+                handle.spawn(refresh_loop(Arc::downgrade(&self.inner), table.settings.refresh));
+            }
+            None => table.running.store(false, Ordering::Release),
+        }
+    }
+
+    /// An acquisition through the shares: this replica's `table`.
+    pub(in crate::backend) fn acquire_shared(
+        &self,
+        table: &Arc<Table>,
+        key: &TenantKey,
+        cost: u64,
+        now: Instant,
+    ) -> RedisAcquire {
+        let inner = &self.inner;
+        self.start_refreshing(table);
+        match table.decide(inner, inner.keys_for(key), cost, now) {
+            Local::Granted(grant) => {
+                bump(&inner.stats.shared_grants);
+                RedisAcquire::ready(Ok(RedisGrant { kind: GrantKind::Shared(grant) }))
+            }
+            Local::Refused { limit, wait, release } => {
+                bump(&inner.stats.shared_refusals);
+                RedisAcquire::ready(Err(inner.share_refusal(limit, wait, release)))
+            }
+            Local::Fetch(scopes) => {
+                if inner.breaker.gate() == Gate::Open {
+                    return RedisAcquire::ready(inner.unavailable(
+                        key,
+                        cost,
+                        now,
+                        "circuit open after repeated failures",
+                    ));
+                }
+                let fut = fetch_then_acquire(inner.clone(), table.clone(), key.clone(), cost, now, scopes);
+                RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
+            }
+            Local::Pool { local, cold } => {
+                if let Some(cache) = &inner.refusals {
+                    if let Some((i, retry, _, snapshot)) = crate::cache::lookup(cache, key, cost, now) {
+                        table.undo(inner, &local);
+                        bump(&inner.stats.cached_refusals);
+                        let l = &inner.limits[i];
+                        let refusal = LimitRefusal::new(l.name, l.tier_name, i, retry, false, snapshot);
+                        return RedisAcquire::ready(Err(AcquireError::Refused(refusal)));
+                    }
+                }
+                if inner.breaker.gate() == Gate::Open {
+                    table.undo(inner, &local);
+                    return RedisAcquire::ready(inner.unavailable(
+                        key,
+                        cost,
+                        now,
+                        "circuit open after repeated failures",
+                    ));
+                }
+                let fut = take_from_pools(inner.clone(), table.clone(), key.clone(), cost, now, local, cold);
+                RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn share_refusal(&self, limit: usize, wait: Duration, release: bool) -> AcquireError {
+        let l = &self.limits[limit];
+        let snapshot = Snapshot { quota: l.quota, remaining: 0, reset: wait, window: l.window };
+        AcquireError::Refused(LimitRefusal::new(l.name, l.tier_name, limit, wait, release, snapshot))
+    }
+}
+
+/// A semaphore scope without a share: one call fetches its share (reporting the demand
+/// that made it ask), then the acquisition is decided again. Still without a share, every
+/// permit is held elsewhere: refused, and refused locally until the next refresh period.
+async fn fetch_then_acquire(
+    inner: Arc<Inner>,
+    table: Arc<Table>,
+    key: TenantKey,
+    cost: u64,
+    now: Instant,
+    scopes: Vec<Arc<str>>,
+) -> Result<RedisGrant, AcquireError> {
+    if !inner.refresh_shares(&table, now, true, Some(&scopes)).await {
+        return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
+    }
+    match table.decide(&inner, inner.keys_for(&key), cost, now) {
+        Local::Granted(grant) => {
+            bump(&inner.stats.shared_grants);
+            Ok(RedisGrant { kind: GrantKind::Shared(grant) })
+        }
+        Local::Refused { limit, wait, release } => {
+            bump(&inner.stats.shared_refusals);
+            Err(inner.share_refusal(limit, wait, release))
+        }
+        Local::Pool { local, cold } => take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await,
+        Local::Fetch(still) => {
+            table.deny(&still, now + table.settings.refresh);
+            bump(&inner.stats.shared_refusals);
+            let limit = still.first().and_then(|k| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
+            Err(inner.share_refusal(limit, Duration::ZERO, true))
+        }
+    }
+}
+
+/// The pools' part of an acquisition: one call, all or nothing; the local parts are given
+/// back if it refuses or fails.
+async fn take_from_pools(
+    inner: Arc<Inner>,
+    table: Arc<Table>,
+    key: TenantKey,
+    cost: u64,
+    now: Instant,
+    local: Vec<Part>,
+    cold: Vec<Part>,
+) -> Result<RedisGrant, AcquireError> {
+    let mut args = table.args_head(&inner, "P", now);
+    let mut keys = Vec::with_capacity(cold.len());
+    for part in &cold {
+        let Some(l) = inner.limits[part.limit].share else { continue };
+        keys.push(part.scope.clone());
+        for v in [l.amount, l.period_us, l.burst, part.units] {
+            args.push(v.to_string());
+        }
+    }
+    let give_back = |inner: &Inner| table.undo(inner, &local);
+    let why = match inner.eval_shares(&table, &keys, &args).await {
+        Ok(value) => match int_array(&value) {
+            Some(reply) if reply.get(1) == Some(&1) => {
+                bump(&inner.stats.granted);
+                return Ok(RedisGrant { kind: GrantKind::Shared(SharedGrant { local, pooled: cold, charged: cost }) });
+            }
+            Some(reply) if reply.len() == 4 && reply[1] == 0 => {
+                give_back(&inner);
+                bump(&inner.stats.refused);
+                let k = usize::try_from(reply[2] - 1).unwrap_or(0).min(cold.len() - 1);
+                let limit = cold[k].limit;
+                // No rate is free of shares: the pool refills when a share ends or shrinks.
+                let wait_us = u64::try_from(reply[3]).unwrap_or(table.settings.refresh.as_micros() as u64);
+                let wait = Duration::from_micros(wait_us);
+                table.pool_dry(&cold[k].scope, now + wait);
+                let refusal = inner.share_refusal(limit, wait, false);
+                if let (Some(cache), AcquireError::Refused(r)) = (&inner.refusals, &refusal) {
+                    let l = &inner.limits[limit];
+                    let cached = CachedRefusal {
+                        until: now + wait,
+                        at: now,
+                        cost,
+                        counts_cost: l.counts == Counts::Cost,
+                        limit,
+                        needs_release: false,
+                        snapshot: r.snapshot(),
+                    };
+                    cache.insert(&key, cached, |d| d.until <= now);
+                }
+                return Err(refusal);
+            }
+            _ => {
+                bump(&inner.stats.errors);
+                inner.failed();
+                format!("unexpected reply {value:?}")
+            }
+        },
+        Err(e) => e.message,
+    };
+    give_back(&inner);
+    inner.unavailable(&key, cost, now, &why)
+}
+
+/// Refreshes every period while the backend lives. Its `now` is the latest an acquisition
+/// was given: never later than the clock, so shares expire locally no later than in Redis.
+async fn refresh_loop(inner: Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let Some(table) = &inner.shares else { return };
+        let now = Instant::from_nanos(table.latest.load(Ordering::Relaxed));
+        inner.refresh_shares(table, now, true, None).await;
+    }
+}

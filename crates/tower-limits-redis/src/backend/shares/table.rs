@@ -1,0 +1,451 @@
+//! The local bookkeeping of capacity shares: each scope's share, its token bucket or
+//! permits in flight, and the demand it reports at the next refresh.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tower_limits_core::{Counts, Instant};
+
+use super::{SCRIPT, ShareLimit, Shares};
+use crate::backend::Inner;
+use crate::keys::key_slot;
+
+/// This replica's shares.
+pub(in crate::backend) struct Table {
+    pub(super) settings: Shares,
+    pub(super) source: Arc<str>,
+    pub(super) sha: Arc<str>,
+    replica: Arc<str>,
+    /// How long Redis counts a semaphore's share without a refresh: the backend's lease,
+    /// so that permits in flight stay counted after the share they were taken under ends.
+    permit_lease: Duration,
+    scopes: Mutex<HashMap<Arc<str>, Scope>>,
+    pub(super) latest: AtomicU64,
+    pub(super) running: AtomicBool,
+}
+
+struct Scope {
+    limit: usize,
+    share: u64,
+    burst: u64,
+    expires: Instant,
+    /// Units times the period in nanoseconds: the bucket refills by `share` a nanosecond.
+    tokens: i128,
+    at: Instant,
+    pending: Option<Pending>,
+    asks: u32,
+    /// Units asked for since the last report; for permits, the most held or asked at once.
+    wanted: u64,
+    reported: Instant,
+    quiet: u8,
+    /// Permits held by this replica's grants.
+    in_flight: u64,
+    /// Permits: no share to be had until then (the last fetch found every permit held).
+    denied_until: Instant,
+    /// Rates: the pool refused this scope; its share alone decides until then.
+    pool_dry_until: Instant,
+}
+
+/// A refresh's answer, applied by the next acquisition (whose `now` is after it).
+#[derive(Clone, Copy)]
+struct Pending {
+    share: u64,
+    burst: u64,
+    gift: u64,
+    expires: Instant,
+}
+
+impl Scope {
+    fn new(limit: usize, now: Instant) -> Scope {
+        Scope {
+            limit,
+            share: 0,
+            burst: 0,
+            expires: now,
+            tokens: 0,
+            at: now,
+            pending: None,
+            asks: 0,
+            wanted: 0,
+            reported: now,
+            quiet: 0,
+            in_flight: 0,
+            denied_until: now,
+            pool_dry_until: now,
+        }
+    }
+
+    /// Brings the bucket to `now`: refilled at the share until it expires, an expired
+    /// share dropped (a debt is kept).
+    fn advance(&mut self, l: &ShareLimit, now: Instant) {
+        let p = l.period_ns();
+        if now > self.at {
+            let until = if now < self.expires { now } else { self.expires.max(self.at) };
+            let refill = i128::from(until.nanos_since(self.at)) * i128::from(self.share);
+            self.tokens = (self.tokens + refill).min(i128::from(self.burst) * p);
+            self.at = now;
+        }
+        if now >= self.expires && self.share > 0 {
+            self.share = 0;
+            self.burst = 0;
+            self.tokens = self.tokens.min(0);
+        }
+    }
+
+    /// Applies the last refresh's answer, at an acquisition's `now`: after the answer
+    /// came, up to the time between reading the clock and deciding (the same tolerance
+    /// as racing callers of the in-memory set). A refresh never applies it: its `now` may
+    /// lag the clock.
+    fn take_pending(&mut self, l: &ShareLimit, now: Instant) {
+        self.advance(l, now);
+        if let Some(next) = self.pending.take() {
+            let p = l.period_ns();
+            self.share = next.share;
+            self.burst = next.burst;
+            self.expires = next.expires;
+            self.tokens = (self.tokens + i128::from(next.gift) * p).min(i128::from(self.burst) * p);
+            self.advance(l, now);
+        }
+    }
+
+    /// The share this replica may be using, as Redis must keep counting it.
+    fn using(&self, now: Instant) -> u64 {
+        let live = |share, expires| if now < expires { share } else { 0 };
+        let pending = self.pending.map_or(0, |p| live(p.share, p.expires));
+        live(self.share, self.expires).max(pending)
+    }
+}
+
+/// One limit's part of a grant from shares.
+#[derive(Debug, Clone)]
+pub(in crate::backend) struct Part {
+    pub(in crate::backend) limit: usize,
+    pub(in crate::backend) scope: Arc<str>,
+    pub(in crate::backend) units: u64,
+}
+
+/// A grant from shares: what it took locally and from the pools.
+#[derive(Debug)]
+pub(in crate::backend) struct SharedGrant {
+    pub(in crate::backend) local: Vec<Part>,
+    pub(in crate::backend) pooled: Vec<Part>,
+    pub(in crate::backend) charged: u64,
+}
+
+/// What the local shares decided.
+pub(super) enum Local {
+    Granted(SharedGrant),
+    /// Refused by a share: a rate's exact wait, or a semaphore's (wait for a release).
+    Refused {
+        limit: usize,
+        wait: Duration,
+        release: bool,
+    },
+    /// The local parts are taken; the cold ones must come from the pools.
+    Pool {
+        local: Vec<Part>,
+        cold: Vec<Part>,
+    },
+    /// Semaphores without a share: one must be fetched first (nothing is taken).
+    Fetch(Vec<Arc<str>>),
+}
+
+impl Table {
+    pub(in crate::backend) fn new(settings: Shares, replica: u64, permit_lease: Duration) -> Table {
+        let source: Arc<str> = SCRIPT.into();
+        let sha: Arc<str> = redis::Script::new(SCRIPT).get_hash().into();
+        Table {
+            settings,
+            source,
+            sha,
+            replica: format!("{replica:016x}").into(),
+            permit_lease: permit_lease.max(settings.lifetime),
+            scopes: Mutex::new(HashMap::new()),
+            latest: AtomicU64::new(0),
+            running: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Scope>> {
+        self.scopes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Decides what the shares can, taking from them; the rest goes to the pools, or
+    /// waits for a semaphore's share to be fetched.
+    pub(super) fn decide(&self, inner: &Inner, keys: Vec<String>, cost: u64, now: Instant) -> Local {
+        self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        let mut scopes = self.lock();
+        let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::new());
+        // The limit that refuses, its wait in ns, and whether it waits for a release.
+        let mut refused: Option<(usize, u64, bool)> = None;
+        for (i, key) in keys.into_iter().enumerate() {
+            let info = &inner.limits[i];
+            let Some(l) = info.share else { continue };
+            let units = if info.counts == Counts::Cost { cost } else { 1 };
+            let tracked = scopes.contains_key(key.as_str()) || scopes.len() < self.settings.max_scopes;
+            let scope: Arc<str> = key.into();
+            if !tracked {
+                if l.permits {
+                    // No room to track a share: refused as a full semaphore would be.
+                    refused.get_or_insert((i, 0, true));
+                } else {
+                    cold.push(Part { limit: i, scope, units });
+                }
+                continue;
+            }
+            let s = scopes.entry(scope.clone()).or_insert_with(|| Scope::new(i, now));
+            s.take_pending(&l, now);
+            s.asks = s.asks.saturating_add(1);
+            if l.permits {
+                s.wanted = s.wanted.max(s.in_flight.saturating_add(units));
+                if s.share == 0 {
+                    if now < s.denied_until {
+                        refused.get_or_insert((i, 0, true));
+                    } else {
+                        fetch.push(scope);
+                    }
+                } else if s.in_flight.saturating_add(units) <= s.share {
+                    local.push(Part { limit: i, scope, units });
+                } else {
+                    refused.get_or_insert((i, 0, true));
+                }
+                continue;
+            }
+            s.wanted = s.wanted.saturating_add(units);
+            if s.share == 0 || units > s.burst {
+                cold.push(Part { limit: i, scope, units });
+                continue;
+            }
+            let need = i128::from(units) * l.period_ns();
+            if s.tokens >= need {
+                local.push(Part { limit: i, scope, units });
+            } else if now >= s.pool_dry_until {
+                // The share is spent: the pool may hold what no share does (a burst after
+                // a quiet spell). Refused there, the scope refuses locally until the pool
+                // could have it: one call per such wait, not per request.
+                cold.push(Part { limit: i, scope, units });
+            } else {
+                let missing = u64::try_from(need - s.tokens).unwrap_or(u64::MAX);
+                let wait = missing.div_ceil(s.share).min(s.pool_dry_until.nanos_since(now));
+                if refused.is_none_or(|(_, w, _)| wait > w) {
+                    refused = Some((i, wait, false));
+                }
+            }
+        }
+        if let Some((limit, wait, release)) = refused {
+            return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
+        }
+        if !fetch.is_empty() {
+            return Local::Fetch(fetch);
+        }
+        for part in &local {
+            if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                if l.permits {
+                    s.in_flight += part.units;
+                } else {
+                    s.tokens -= i128::from(part.units) * l.period_ns();
+                }
+            }
+        }
+        if cold.is_empty() {
+            Local::Granted(SharedGrant { local, pooled: Vec::new(), charged: cost })
+        } else {
+            Local::Pool { local, cold }
+        }
+    }
+
+    /// Undoes what [`Table::decide`] took for parts that were not granted after all: the
+    /// rates' tokens and the semaphores' permits. A scope forgotten meanwhile keeps what
+    /// it took: charged, never generous.
+    pub(super) fn undo(&self, inner: &Inner, parts: &[Part]) {
+        let mut scopes = self.lock();
+        for part in parts {
+            if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                if l.permits {
+                    s.in_flight = s.in_flight.saturating_sub(part.units);
+                } else {
+                    let p = l.period_ns();
+                    s.tokens = (s.tokens + i128::from(part.units) * p).min(i128::from(s.burst) * p);
+                }
+            }
+        }
+    }
+
+    /// The pool of `scope` refused until `until`: its share alone decides until then.
+    pub(super) fn pool_dry(&self, scope: &Arc<str>, until: Instant) {
+        if let Some(s) = self.lock().get_mut(scope) {
+            s.pool_dry_until = until;
+        }
+    }
+
+    /// Gives back the permits of a grant's semaphore parts.
+    pub(in crate::backend) fn release(&self, inner: &Inner, grant: &SharedGrant) {
+        let mut scopes = self.lock();
+        for part in &grant.local {
+            if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                if l.permits {
+                    s.in_flight = s.in_flight.saturating_sub(part.units);
+                }
+            }
+        }
+    }
+
+    /// Whether a grant holds permits.
+    pub(in crate::backend) fn holds_permits(inner: &Inner, grant: &SharedGrant) -> bool {
+        grant.local.iter().any(|p| inner.limits[p.limit].share.is_some_and(|l| l.permits))
+    }
+
+    /// Marks semaphore scopes whose fetch found no permit free: refused locally until
+    /// the next refresh period.
+    pub(super) fn deny(&self, scopes: &[Arc<str>], until: Instant) {
+        let mut table = self.lock();
+        for key in scopes {
+            if let Some(s) = table.get_mut(key) {
+                if s.share == 0 && s.pending.is_none_or(|p| p.share == 0) {
+                    s.denied_until = until;
+                }
+            }
+        }
+    }
+
+    /// Gives `units` back to (or, negative, charges them from) each part's local share.
+    /// Answers the parts whose scope this replica no longer tracks: their pools must be
+    /// settled instead.
+    pub(super) fn adjust(&self, inner: &Inner, parts: &[Part], units: impl Fn(&Part) -> i128) -> Vec<Part> {
+        let mut scopes = self.lock();
+        let mut gone = Vec::new();
+        for part in parts {
+            match (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
+                (_, Some(l)) if l.permits => {}
+                (Some(s), Some(l)) => {
+                    let p = l.period_ns();
+                    s.tokens = (s.tokens + units(part) * p).min(i128::from(s.burst) * p);
+                }
+                _ => gone.push(part.clone()),
+            }
+        }
+        gone
+    }
+
+    /// This refresh's report: keys and arguments per slot group, with the scopes in order.
+    pub(super) fn report(
+        &self,
+        inner: &Inner,
+        now: Instant,
+        only: Option<&[Arc<str>]>,
+    ) -> Vec<(Vec<Arc<str>>, Vec<String>)> {
+        let mut scopes = self.lock();
+        let mut groups: HashMap<u16, (Vec<Arc<str>>, Vec<String>)> = HashMap::new();
+        let cluster = inner.conn.is_cluster();
+        let hot_after = self.settings.hot_after;
+        scopes.retain(|key, s| {
+            let Some(l) = inner.limits[s.limit].share else { return false };
+            if only.is_some_and(|keys| !keys.contains(key)) {
+                return true;
+            }
+            s.advance(&l, now);
+            if l.permits {
+                return report_permits(key, s, &l, now, cluster, &mut groups);
+            }
+            let elapsed = now.nanos_since(s.reported).max(1);
+            let hot = s.asks >= hot_after;
+            let mut using = s.using(now);
+            let mut back = 0;
+            let demand = if hot {
+                let per_period = u128::from(s.wanted) * u128::from(l.period_us) * 1000 / u128::from(elapsed);
+                u64::try_from(per_period * 5 / 4 + 1).unwrap_or(u64::MAX).min(l.amount)
+            } else {
+                if using > 0 || s.tokens < 0 {
+                    // Idle: the share and its tokens go back to the pool, and a debt (a
+                    // settle that charged more than was taken) is charged to it.
+                    back = i64::try_from(s.tokens.div_euclid(l.period_ns())).unwrap_or(0);
+                    s.share = 0;
+                    s.burst = 0;
+                    s.tokens = 0;
+                    s.pending = None;
+                    using = 0;
+                } else if s.asks == 0 {
+                    s.quiet += 1;
+                }
+                0
+            };
+            if using == 0 && s.tokens < 0 {
+                // A debt where no share can repay it is the pool's.
+                back = i64::try_from(s.tokens.div_euclid(l.period_ns())).unwrap_or(0);
+                s.tokens = 0;
+            }
+            let report = hot || back != 0;
+            s.asks = 0;
+            s.wanted = 0;
+            s.reported = now;
+            if report {
+                s.quiet = 0;
+                let slot = if cluster { key_slot(key) } else { 0 };
+                let (keys, args) = groups.entry(slot).or_default();
+                keys.push(key.clone());
+                for n in [l.amount, l.period_us, l.burst, using, demand] {
+                    args.push(n.to_string());
+                }
+                args.push(back.to_string());
+            }
+            s.quiet < 2
+        });
+        groups.into_values().collect()
+    }
+
+    pub(super) fn apply(&self, inner: &Inner, keys: &[Arc<str>], reply: &[i64], expires: Instant) {
+        let mut scopes = self.lock();
+        let at = |v: i64| u64::try_from(v).unwrap_or(0);
+        for (k, key) in keys.iter().enumerate() {
+            let (Some(s), Some(r)) = (scopes.get_mut(key), reply.get(1 + 3 * k..4 + 3 * k)) else { continue };
+            if inner.limits[s.limit].share.is_none() {
+                continue;
+            }
+            s.pending = Some(Pending { share: at(r[0]), burst: at(r[1]), gift: at(r[2]), expires });
+        }
+    }
+
+    pub(super) fn args_head<'a>(&'a self, inner: &Inner, op: &'a str, now: Instant) -> Vec<String> {
+        let now_us = if inner.settings.manual_clock { (now.as_nanos() / 1000).to_string() } else { String::new() };
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
+        vec![op.to_owned(), self.replica.to_string(), now_us, us(self.settings.lifetime), us(self.permit_lease)]
+    }
+}
+
+/// A semaphore scope's part of a report: the permits it may be using (held ones
+/// included: a share shrinks only as its permits come back), and the most it held or was
+/// asked at once in the period, plus a quarter; idle for a period, its share goes back.
+/// Answers whether to keep tracking the scope.
+fn report_permits(
+    key: &Arc<str>,
+    s: &mut Scope,
+    l: &ShareLimit,
+    now: Instant,
+    cluster: bool,
+    groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
+) -> bool {
+    let busy = s.asks > 0 || s.in_flight > 0;
+    let demand = if busy { (s.wanted.max(s.in_flight).saturating_mul(5) / 4 + 1).min(l.amount) } else { 0 };
+    if !busy {
+        s.share = 0;
+        s.pending = None;
+    }
+    let using = s.using(now).max(s.in_flight);
+    s.asks = 0;
+    s.wanted = s.in_flight;
+    s.reported = now;
+    if using == 0 && demand == 0 {
+        s.quiet += 1;
+        return s.quiet < 2;
+    }
+    s.quiet = 0;
+    let slot = if cluster { key_slot(key) } else { 0 };
+    let (keys, args) = groups.entry(slot).or_default();
+    keys.push(key.clone());
+    for n in [l.amount, l.period_us, 0, using, demand, 0] {
+        args.push(n.to_string());
+    }
+    true
+}
