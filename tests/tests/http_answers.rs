@@ -377,6 +377,57 @@ async fn openai_bodies_name_the_plan_and_the_wait() {
     );
 }
 
+/// Once a permit was given back, a concurrency refusal suggests how long permits are held
+/// lately (here 20 ms) rather than the second suggested when nobody knows.
+#[tokio::test(start_paused = true)]
+async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
+    let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).refuse_with(HttpAnswer::new())).service(
+        tower::service_fn(|_req: Request<String>| async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }),
+    );
+    // Nothing given back yet: nobody knows.
+    let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));
+    tokio::task::yield_now().await;
+    let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(refused.headers()["retry-after-ms"], "1000");
+    drop(held.await.unwrap().unwrap());
+    // One request held its permit 20 ms: the next refusal says so.
+    let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));
+    tokio::task::yield_now().await;
+    let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers()["retry-after-ms"], "20");
+    assert_eq!(refused.headers()["retry-after"], "1");
+    drop(held.await.unwrap().unwrap());
+}
+
+/// Spread retries: every refusal of one moment suggests its own wait, never less than the
+/// exact one and at most the spread more, so that they do not all come back together.
+#[tokio::test(start_paused = true)]
+async fn spread_retries_are_never_early_and_come_apart() {
+    let layer = GcraLayer::new(Quota::per_second(nz!(1))).refuse_with(HttpAnswer::new().spread_retries(50));
+    let svc = ServiceBuilder::new().layer(layer).service(ok_service());
+    assert_eq!(svc.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
+    let mut waits = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+        let ms: u64 = refused.headers()["retry-after-ms"].to_str().unwrap().parse().unwrap();
+        assert!((1000..=1500).contains(&ms), "{ms} ms is outside the exact wait and its spread");
+        waits.insert(ms);
+    }
+    assert!(waits.len() > 50, "200 refusals suggested only {} waits", waits.len());
+    // Without a spread, every refusal names the same instant.
+    let exact = ServiceBuilder::new()
+        .layer(GcraLayer::new(Quota::per_second(nz!(1))).refuse_with(HttpAnswer::new()))
+        .service(ok_service());
+    assert_eq!(exact.clone().oneshot(request(None, 1)).await.unwrap().status(), StatusCode::OK);
+    for _ in 0..10 {
+        assert_eq!(exact.clone().oneshot(request(None, 1)).await.unwrap().headers()["retry-after-ms"], "1000");
+    }
+}
+
 /// A stand-in's answers keep the wait and state no limit: no field, no quota in the body.
 #[tokio::test(start_paused = true)]
 async fn without_limit_fields_keeps_only_the_wait() {

@@ -278,6 +278,16 @@ pub fn kind_name(kind: ErrorKind) -> &'static str {
     }
 }
 
+/// `wait` and a uniformly random part of up to `percent` of it more, in whole
+/// milliseconds (rounded up, as `retry-after-ms` says it, so that the body's message and
+/// the fields agree).
+fn spread(wait: Duration, percent: u16) -> Duration {
+    let most = wait.saturating_mul(u32::from(percent)) / 100;
+    let nanos = u64::try_from(most.as_nanos()).unwrap_or(u64::MAX);
+    let spread = wait.saturating_add(Duration::from_nanos(fastrand::u64(0..=nanos)));
+    Duration::from_millis(u64::try_from(whole_millis(spread)).unwrap_or(u64::MAX))
+}
+
 /// Whole milliseconds, rounded up: a client that waits exactly this long is not early.
 #[must_use]
 pub fn whole_millis(d: Duration) -> u128 {
@@ -402,6 +412,8 @@ struct Answering {
     /// Whether what a request holds is given back when its response's head is ready,
     /// rather than when its body ends.
     release_at_head: bool,
+    /// How much later than the wait a refusal may suggest, in percent of the wait.
+    spread_percent: u16,
 }
 
 impl HttpAnswer {
@@ -417,6 +429,7 @@ impl HttpAnswer {
             unknown_wait: Some(Duration::from_secs(1)),
             challenge: Some("Bearer"),
             release_at_head: false,
+            spread_percent: 0,
         };
         HttpAnswer { how, observer: NoBodyUsage, _body: PhantomData }
     }
@@ -543,6 +556,26 @@ impl<J, O> HttpAnswer<J, O> {
         HttpAnswer { how: Answering { unknown_wait: wait, ..self.how }, ..self }
     }
 
+    /// Spreads the waits that refusals suggest: each says its wait plus a random part of
+    /// up to `percent` of it, drawn afresh for every refusal. Clients refused at the same
+    /// moment (many callers of one limit, retrying exactly when told, as OpenAI's SDKs do
+    /// with `retry-after-ms`) then come back spread over that span instead of together,
+    /// where all but the first would be refused again. Never earlier than the wait: a
+    /// client that follows the suggestion is not early. `0` (the default) says the exact
+    /// wait; `percent` above 1000 counts as 1000.
+    ///
+    /// ```
+    /// use tower_limits::http::HttpAnswer;
+    /// use tower_limits::{GcraLayer, Quota, nz};
+    ///
+    /// // A refusal that must wait 500 ms suggests between 500 and 625 ms.
+    /// let layer = GcraLayer::new(Quota::per_second(nz!(2))).refuse_with(HttpAnswer::new().spread_retries(25));
+    /// # drop(layer);
+    /// ```
+    pub fn spread_retries(self, percent: u16) -> Self {
+        HttpAnswer { how: Answering { spread_percent: percent.min(1000), ..self.how }, ..self }
+    }
+
     /// Only `Retry-After` and `retry-after-ms`: no `RateLimit`, `RateLimit-Policy` or
     /// `x-ratelimit-*` field, on refusals or on success, whatever else was asked, and no
     /// quota in the body's message (it still names the limit, its tier and the wait). For
@@ -625,6 +658,9 @@ where
         if let Some(wait) = self.how.unknown_wait {
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
+        }
+        if let Some(wait) = error.retry_after.filter(|_| self.how.spread_percent > 0) {
+            error.retry_after = Some(spread(wait, self.how.spread_percent));
         }
         if !self.how.limit_fields {
             // Nor does the body state the limits.

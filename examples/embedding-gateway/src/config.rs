@@ -132,6 +132,11 @@ pub struct GatewaySettings {
     pub on_upstream_timeout: TimeoutCharge,
     /// What the tenants' limits do while their shared backend (Redis) cannot answer.
     pub backend_failure: BackendFailure,
+    /// How much later than the exact wait a refusal's `Retry-After` may say, in percent
+    /// of the wait, drawn afresh per refusal: clients refused at one moment come back
+    /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).
+    /// 0 for the exact wait.
+    pub retry_spread_percent: u16,
 }
 
 /// What a request whose upstream call timed out is charged (`gateway.on_upstream_timeout`).

@@ -229,6 +229,8 @@ struct RedisPlans {
     store: Mutex<Option<RedisAccounts>>,
     /// What the fair queue and the shared accounts tell each other (fleet-wide shares).
     fleet: Arc<FleetShares>,
+    /// `gateway.retry_spread_percent`.
+    spread: u16,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -248,8 +250,12 @@ pub type PlanSlot = Arc<RwLock<Arc<[PlanService]>>>;
 /// answer's body: to the end of a stream, settled from its final `usage` chunk
 /// ([`OpenAiStreamUsage`]), else from the answer's [`Usage`], else the estimate stands.
 macro_rules! plan_layer {
-    ($layer:expr, $inner:expr) => {
-        plan_layer!($layer, $inner, HttpAnswer::new().with_openai_body().with_openai_fields().on_success())
+    ($layer:expr, $inner:expr, spread: $spread:expr) => {
+        plan_layer!(
+            $layer,
+            $inner,
+            HttpAnswer::new().with_openai_body().with_openai_fields().on_success().spread_retries($spread)
+        )
     };
     ($layer:expr, $inner:expr, $answer:expr) => {
         BoxCloneSyncService::new(
@@ -333,6 +339,7 @@ impl Gateway {
         // the fair queue reports its backlog to the shared accounts and weighs its
         // tenants by this replica's share of their demand (in memory: as configured).
         let fleet = Arc::new(FleetShares::new());
+        let spread = config.gateway.retry_spread_percent;
         let mut shared = FairQueueLayer::rate(weights, pool.clone())?;
         if redis {
             shared = shared.fleet(fleet.clone());
@@ -345,7 +352,7 @@ impl Gateway {
             .annotate(InsertChosen)
             .usage(UsageFromExtension)
             .max_queue_time(config.gateway.max_wait)
-            .refuse_with(HttpAnswer::new().with_openai_body())
+            .refuse_with(HttpAnswer::new().with_openai_body().spread_retries(spread))
             // The turn and the account's tokens last as long as the answer's body.
             .hold_body()
             .usage_from_body(OpenAiStreamUsage::default());
@@ -366,7 +373,11 @@ impl Gateway {
         let mut plans: Vec<PlanService> = Vec::new();
         for plan in &config.plans {
             let service = match (redis, failure) {
-                (false, _) => plan_layer!(LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan"), inner.clone()),
+                (false, _) => plan_layer!(
+                    LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan"),
+                    inner.clone(),
+                    spread: spread
+                ),
                 // Until Redis answers: the failure policy.
                 (true, BackendFailure::FailClosed) => BoxCloneSyncService::new(tower::service_fn(|_req| async {
                     let mut r = api::error_response(
@@ -385,7 +396,7 @@ impl Gateway {
                     LimitSetLayer::new(share_of(&plan.policy, replicas))?,
                     inner.clone(),
                     // This replica's share is not the tenant's plan: no field states it.
-                    HttpAnswer::new().with_openai_body().without_limit_fields()
+                    HttpAnswer::new().with_openai_body().without_limit_fields().spread_retries(spread)
                 ),
             };
             plans.push(service);
@@ -418,6 +429,7 @@ impl Gateway {
                 slot: slot.clone(),
                 store: Mutex::new(None),
                 fleet,
+                spread,
             })
         });
 
@@ -478,7 +490,11 @@ impl Gateway {
                 .on_failure(r.failure)
                 .build(connection)?;
             backends.push(backend.clone());
-            services.push(plan_layer!(LimitSetLayer::with_backend(backend).metrics_name("plan"), r.inner.clone()));
+            services.push(plan_layer!(
+                LimitSetLayer::with_backend(backend).metrics_name("plan"),
+                r.inner.clone(),
+                spread: r.spread
+            ));
         }
         // The upstream accounts: one mirror per account in Redis, charged by every replica;
         // the pool's local mirrors (this replica's 1/N) decide only while Redis is away

@@ -26,6 +26,7 @@ max_request_tokens = 100
 max_wait = "60s"
 models = ["m"]
 tenant_queue = 200
+retry_spread_percent = 0 # the exact waits: the end-to-end tests see them spread
 
 [mirror]
 jitter = "100ms"

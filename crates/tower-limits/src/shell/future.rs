@@ -26,6 +26,9 @@ pub(crate) struct PermitGuard<B: Backend> {
     shared: Arc<Shared<B>>,
     /// When it was granted (nothing without the `metrics` feature).
     lease: Lease,
+    /// When it was granted, if it holds concurrency: its hold time feeds the wait that
+    /// concurrency refusals suggest.
+    held_since: Option<tower_limits_core::Instant>,
 }
 
 impl<B: Backend> PermitGuard<B> {
@@ -39,7 +42,8 @@ impl<B: Backend> PermitGuard<B> {
                 meter.shadow_limit(limit, tier, &shared.clock)
             }
         };
-        PermitGuard { grant: Some(grant), key, shared, lease }
+        let held_since = shared.backend.needs_release(&grant).then(|| shared.clock.now());
+        PermitGuard { grant: Some(grant), key, shared, lease, held_since }
     }
 
     /// Tells the backend what the upstream that served this grant answered.
@@ -68,6 +72,9 @@ impl<B: Backend> PermitGuard<B> {
         }
         if self.shared.settings.max_wait.is_some() {
             self.shared.waiters.released(&self.key);
+        }
+        if let Some(since) = self.held_since {
+            self.shared.holds.record(self.shared.clock.now().saturating_since(since));
         }
         self.shared.settings.meter.lease_ended(self.lease, &self.shared.clock);
     }

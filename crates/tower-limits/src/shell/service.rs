@@ -281,7 +281,7 @@ where
         S: tower_service::Service<Req>,
         R: RefusalMode<S::Response, S::Error>,
     {
-        self.shared.count_refusal(&error);
+        self.shared.count_refusal(&mut error);
         trace_refusal(&error);
         error.snapshots = seen.map(Into::into);
         ResponseFuture::refused(Box::new(error), self.extract.usage.clone(), self.refusal.clone())
@@ -342,7 +342,7 @@ where
                             return Ok(Admitted { guard: None, inner, req, snapshots });
                         }
                         if !shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
-                            shared.count_refusal(&error);
+                            shared.count_refusal(&mut error);
                             trace_refusal(&error);
                             error.snapshots = wants_snapshots.then(|| seen.into());
                             return Err(Box::new(error));
@@ -438,8 +438,8 @@ async fn admit_in_turn<B: Backend>(
     let start = shared.clock.now();
     let deadline = start + max_wait;
     let Some(ticket) = shared.waiters.join(key, shared.settings.max_waiters) else {
-        let error = LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting");
-        shared.count_refusal(&error);
+        let mut error = LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting");
+        shared.count_refusal(&mut error);
         return Err(error);
     };
     // Reports the wait when it ends; dropped with this future, a cancelled one.
@@ -467,7 +467,7 @@ async fn admit_in_turn<B: Backend>(
             ErrorKind::RateLimited => {
                 let wait = error.retry_after().unwrap_or_default();
                 if now + wait > deadline {
-                    shared.count_refusal(&error);
+                    shared.count_refusal(&mut error);
                     if waited {
                         shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
                     }
@@ -480,14 +480,14 @@ async fn admit_in_turn<B: Backend>(
             ErrorKind::ConcurrencyLimited if now < deadline => deadline,
             ErrorKind::ConcurrencyLimited => {
                 shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
-                let timed_out = LimitError { kind: ErrorKind::WaitTimedOut, ..error };
-                shared.count_refusal(&timed_out);
+                let mut timed_out = LimitError { kind: ErrorKind::WaitTimedOut, ..error };
+                shared.count_refusal(&mut timed_out);
                 trace_refusal(&timed_out);
                 watch.leave(false);
                 return Err(timed_out);
             }
             _ => {
-                shared.count_refusal(&error);
+                shared.count_refusal(&mut error);
                 trace_refusal(&error);
                 watch.leave(false);
                 return Err(error);

@@ -52,6 +52,39 @@ impl Default for Settings {
     }
 }
 
+/// How long the layer's concurrency permits have been held lately: the wait a
+/// concurrency refusal suggests, when nothing else can say when a permit comes back.
+///
+/// An exponentially weighted mean (weight 1/8) of the hold times, written on one release
+/// in eight at most (chosen by the low bits of the hold time), so that releases on many
+/// cores do not all write one cache line; read on refusals only.
+#[derive(Debug, Default)]
+pub(crate) struct HoldTimes {
+    /// The mean in nanoseconds; 0 before the first sample.
+    mean_ns: AtomicU64,
+}
+
+impl HoldTimes {
+    /// Takes `held` into the mean, for one release in eight (every release until the
+    /// first sample).
+    pub(crate) fn record(&self, held: Duration) {
+        let ns = u64::try_from(held.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let old = self.mean_ns.load(Ordering::Relaxed);
+        if old != 0 && ns & 0b111 != 0 {
+            return;
+        }
+        // A lost update between racing writers costs one sample, never the estimate.
+        let new = if old == 0 { ns } else { old - old / 8 + ns / 8 };
+        self.mean_ns.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// The recent mean hold time, once a permit was released.
+    pub(crate) fn mean(&self) -> Option<Duration> {
+        let ns = self.mean_ns.load(Ordering::Relaxed);
+        (ns != 0).then(|| Duration::from_nanos(ns))
+    }
+}
+
 /// Counters of a limit layer (the limits keep their own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LayerStats {
@@ -81,6 +114,8 @@ pub(crate) struct Shared<B> {
     pub(crate) wait_timeouts: AtomicU64,
     pub(crate) shadow_refused: AtomicU64,
     pub(crate) key_watch: crate::extract::KeyWatch,
+    /// How long concurrency permits are held: the wait a concurrency refusal suggests.
+    pub(crate) holds: HoldTimes,
 }
 
 impl<B> Shared<B> {
@@ -96,11 +131,16 @@ impl<B> Shared<B> {
             wait_timeouts: AtomicU64::new(0),
             shadow_refused: AtomicU64::new(0),
             key_watch: crate::extract::KeyWatch::default(),
+            holds: HoldTimes::default(),
         }
     }
 
     /// Counts a refusal, and reports it.
-    pub(crate) fn count_refusal(&self, error: &LimitError) {
+    /// A concurrency refusal, whose wait nobody knows, suggests the recent mean hold time.
+    pub(crate) fn count_refusal(&self, error: &mut LimitError) {
+        if error.kind == crate::ErrorKind::ConcurrencyLimited && error.retry_after.is_none() {
+            error.retry_after = self.holds.mean();
+        }
         self.refused.fetch_add(1, Ordering::Relaxed);
         self.settings.meter.refused(error);
     }

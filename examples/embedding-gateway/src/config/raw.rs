@@ -53,6 +53,7 @@ pub(super) struct RawGateway {
     pub(super) backend_failure: Option<S<String>>,
     pub(super) auth_failures_per_minute: Option<S<u64>>,
     pub(super) auth_failure_burst: Option<S<u64>>,
+    pub(super) retry_spread_percent: Option<S<u64>>,
 }
 
 #[derive(Deserialize, Default)]

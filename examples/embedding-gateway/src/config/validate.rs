@@ -191,7 +191,12 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         BackendFailure::Fallback,
     )?;
     let auth_failures = auth_failures(src, g)?;
+    let retry_spread_percent = match &g.retry_spread_percent {
+        Some(v) => at_least(src, v, "gateway.retry_spread_percent", 0, 1000)? as u16,
+        None => 25,
+    };
     Ok(GatewaySettings {
+        retry_spread_percent,
         auth_failures,
         listen,
         max_wait,
