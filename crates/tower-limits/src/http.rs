@@ -144,8 +144,9 @@ impl LimitError {
     /// `{"error": {"message", "type", "param", "code"}}`. The message names the limit, its
     /// tier and when to retry; `type` is `requests` or `tokens` for a rate limit (as
     /// OpenAI's own), `server_error` for the server's own capacity,
-    /// `invalid_request_error` otherwise; `code` is `rate_limit_exceeded` for a rate limit
-    /// and the refusal's kind otherwise.
+    /// `invalid_request_error` otherwise; `code` is `rate_limit_exceeded` for a rate limit,
+    /// `limits_unavailable` when the limits' store cannot answer, and the refusal's kind
+    /// otherwise.
     ///
     /// ```
     /// use tower_limits::{Instant, LimitError, LimitSet, Quota, TenantKey, nz};
@@ -165,6 +166,9 @@ impl LimitError {
             ErrorKind::MissingKey => ("invalid_request_error", "invalid_api_key"),
             ErrorKind::KeySourceMissing => ("server_error", "key_source_missing"),
             ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
+            // Says what cannot be reached, as a gateway's own answer while its store is
+            // away says it.
+            ErrorKind::Unavailable => ("server_error", "limits_unavailable"),
             _ if self.is_shared() => ("server_error", kind_name(self.kind())),
             ErrorKind::RateLimited => {
                 let counts_cost = self.counts() == Some(Counts::Cost);
@@ -770,6 +774,13 @@ mod tests {
     use tower_limits_core::Snapshot;
 
     use super::*;
+
+    #[test]
+    fn a_store_that_cannot_answer_has_one_openai_code() {
+        let down = LimitError::new(ErrorKind::Unavailable).openai_json();
+        assert!(down.contains(r#""type":"server_error""#), "{down}");
+        assert!(down.contains(r#""code":"limits_unavailable""#), "{down}");
+    }
 
     #[test]
     fn retry_after_rounds_up() {

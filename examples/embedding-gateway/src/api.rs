@@ -165,12 +165,13 @@ fn parse_input(input: &serde_json::Value) -> Result<Vec<Input>, RequestError> {
     let empty = |what: String| {
         RequestError::new(Some("input"), "invalid_input", format!("{what} is empty: every input needs text or tokens"))
     };
+    // Every encoding's ids fit 32 bits (the largest vocabularies hold some 200,000).
     let token = |v: &Value, at: String| {
-        v.as_u64().ok_or_else(|| {
+        v.as_u64().filter(|id| *id <= u64::from(u32::MAX)).ok_or_else(|| {
             RequestError::new(
                 Some("input"),
                 "invalid_input",
-                format!("{at} is not a token id: token ids are whole numbers of at least 0"),
+                format!("{at} is not a token id: token ids are whole numbers from 0 to {}", u32::MAX),
             )
         })
     };

@@ -102,8 +102,11 @@ pub struct GatewaySettings {
     pub queue: usize,
     /// How an upstream account is chosen for each request.
     pub selection: Selection,
-    /// The models `GET /v1/models` lists and requests may name (others: `404`).
-    pub models: Vec<String>,
+    /// The models `POST /v1/embeddings` serves (`gateway.embedding_models`; others: `404`).
+    pub embedding_models: Vec<String>,
+    /// The models `POST /v1/chat/completions` serves (`gateway.chat_models`; others:
+    /// `404`).
+    pub chat_models: Vec<String>,
     /// How long a client has to send a request's headers once its connection is open, or
     /// once it sent the first byte of the next request.
     pub header_timeout: Duration,
@@ -137,6 +140,16 @@ pub struct GatewaySettings {
     /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).
     /// 0 for the exact wait.
     pub retry_spread_percent: u16,
+}
+
+impl GatewaySettings {
+    /// Every model served, embedding models first, each once: what `GET /v1/models` lists.
+    #[must_use]
+    pub fn models(&self) -> Vec<String> {
+        let mut all = self.embedding_models.clone();
+        all.extend(self.chat_models.iter().filter(|m| !self.embedding_models.contains(m)).cloned());
+        all
+    }
 }
 
 /// What a request whose upstream call timed out is charged (`gateway.on_upstream_timeout`).

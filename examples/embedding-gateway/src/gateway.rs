@@ -444,14 +444,16 @@ impl Gateway {
                     config.gateway.body_grace,
                 )?,
                 max_tokens: config.gateway.max_request_tokens,
-                models: config.gateway.models.iter().cloned().collect(),
+                embedding_models: config.gateway.embedding_models.iter().cloned().collect(),
+                chat_models: config.gateway.chat_models.iter().cloned().collect(),
             })
             .service(PlanLimits { plans: slot });
-        let router = crate::health::routes(
+        let router = crate::metrics::count_responses(crate::health::routes(
             Router::new().route(EMBEDDINGS_PATH, post_service(stack.clone())).route(CHAT_PATH, post_service(stack)),
             &health,
-            &config.gateway.models,
-        );
+            &config.gateway.models(),
+            AuthLayer::new(config),
+        ));
         Ok(Gateway { router, pool, stats, health, redis_plans })
     }
 

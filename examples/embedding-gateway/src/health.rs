@@ -8,12 +8,13 @@
 //!   `fallback`), and at least one upstream account not benched by a `429`; and, for
 //!   information, the connections open, receiving a body, and on places kept for
 //!   probes (see [`crate::server`]).
-//! - `GET /v1/models`: the models of `gateway.models`, in OpenAI's list shape.
+//! - `GET /v1/models`: the models of `gateway.embedding_models` and `gateway.chat_models`,
+//!   in OpenAI's list shape, for a known key (as OpenAI asks one): `401` otherwise.
 //! - `GET /metrics`: the layers' numbers in Prometheus' text format (see
 //!   [`crate::metrics`]), added here with the others.
 //!
-//! All four are unauthenticated and answered from memory: no call to Redis or the
-//! upstream. Any other path gets a JSON `404`, a known path with another method a JSON
+//! All four are answered from memory: no call to Redis or the upstream; all but the model
+//! list without a key. Any other path gets a JSON `404`, a known path with another method a JSON
 //! `405`, both in OpenAI's error shape.
 
 use std::fmt;
@@ -165,7 +166,7 @@ fn json(status: StatusCode, body: &serde_json::Value) -> Response<Body> {
 
 /// `router` with `/healthz`, `/readyz`, `/v1/models`, `/metrics` (see [`crate::metrics`])
 /// and the JSON `404` and `405`.
-pub fn routes(router: Router, health: &Arc<Health>, models: &[String]) -> Router {
+pub fn routes(router: Router, health: &Arc<Health>, models: &[String], auth: crate::auth::AuthLayer) -> Router {
     let router = crate::metrics::routes(router);
     let ready = health.clone();
     let list = serde_json::json!({
@@ -185,7 +186,16 @@ pub fn routes(router: Router, health: &Arc<Health>, models: &[String]) -> Router
                 async move { json(status, &body) }
             }),
         )
-        .route("/v1/models", get(move || async move { json(StatusCode::OK, &list) }))
+        .route(
+            "/v1/models",
+            axum::routing::get_service(tower::Layer::layer(
+                &auth,
+                tower::service_fn(move |_req: http::Request<Body>| {
+                    let answer = json(StatusCode::OK, &list);
+                    async move { Ok::<_, std::convert::Infallible>(answer) }
+                }),
+            )),
+        )
         .fallback(|method: Method, uri: Uri| async move {
             api::error_response(
                 StatusCode::NOT_FOUND,

@@ -6,7 +6,10 @@
 //! for the configured tenants only), the upstream accounts' selections and answers, and,
 //! with Redis, backend failures and the failure policy's decisions. The gateway names its
 //! layers `plan` (each tenant's plan) and `upstream` (the fair queue in front of the
-//! accounts).
+//! accounts). The gateway adds its own: `gateway_responses` (every answer, by `status`:
+//! the `401`s of guessed keys, the `408`s of slow bodies, the `502`s and `504`s of the
+//! upstream, ...) and `gateway_connections` (by `state`: `open`, `receiving_body`,
+//! `probe_place`; see [`crate::server`]).
 //!
 //! The recorder is `metrics-exporter-prometheus` without its HTTP listener: the process
 //! installs it once as the global recorder, and this route renders it from its handle,
@@ -78,6 +81,36 @@ pub fn sum(page: &str, name: &str, labels: &[&str]) -> f64 {
             (metric == name && labels.iter().all(|label| series.contains(label))).then(|| value.parse::<f64>().ok())?
         })
         .fold(0.0, |total, v| total + v)
+}
+
+/// The `status` label of `gateway_responses`: the statuses the gateway answers, and
+/// `other` for any other an upstream might send (a bounded set of labels).
+pub(crate) fn status_label(status: http::StatusCode) -> &'static str {
+    match status.as_u16() {
+        200 => "200",
+        400 => "400",
+        401 => "401",
+        404 => "404",
+        405 => "405",
+        408 => "408",
+        413 => "413",
+        429 => "429",
+        500 => "500",
+        502 => "502",
+        503 => "503",
+        504 => "504",
+        s if s < 300 => "2xx",
+        s if s < 500 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// Counts each answer of `router` in `gateway_responses` by status.
+pub fn count_responses(router: Router) -> Router {
+    router.layer(tower::util::MapResponseLayer::new(|response: Response<Body>| {
+        metrics::counter!("gateway_responses", "status" => status_label(response.status())).increment(1);
+        response
+    }))
 }
 
 /// `router` with `GET /metrics`.

@@ -599,6 +599,8 @@ async fn connection(
         let req = req.map(|body| WatchedBody::new(body, upload.clone()));
         async move {
             let response = if for_probes && !HEALTH_PATHS.contains(&req.uri().path()) {
+                // Answered here, not by the router: counted here.
+                metrics::counter!("gateway_responses", "status" => "503").increment(1);
                 server_busy()
             } else {
                 handle(router, req, peer, in_flight, settings.access_log).await

@@ -24,7 +24,8 @@ fn config_text(plan: &str, extra: &str) -> String {
 [gateway]
 max_request_tokens = 100
 max_wait = "60s"
-models = ["m"]
+embedding_models = ["m"]
+chat_models = ["m"]
 tenant_queue = 200
 retry_spread_percent = 0 # the exact waits: the end-to-end tests see them spread
 

@@ -77,6 +77,10 @@ async fn metrics_show_every_family_after_traffic() {
     }
     // alice's plan allows two a minute: the third is refused.
     assert_eq!(embed(&gateway, "sk-acme-alice").await, StatusCode::TOO_MANY_REQUESTS);
+    // A guessed key, an unknown path.
+    assert_eq!(embed(&gateway, "sk-guess").await, StatusCode::UNAUTHORIZED);
+    let req = Request::get("/v1/nothing").body(Body::empty()).unwrap();
+    assert_eq!(gateway.router.clone().oneshot(req).await.unwrap().status(), StatusCode::NOT_FOUND);
 
     let text = scrape(&gateway).await;
     let requests = "rate_limiting_requests";
@@ -102,6 +106,10 @@ async fn metrics_show_every_family_after_traffic() {
         ("rate_limiting_active_request_leases", &[r#"layer="plan""#]),
         ("rate_limiting_pool_selections", &[r#"member="primary""#]),
         ("rate_limiting_upstream_responses", &[r#"member="primary""#, r#"result="ok""#]),
+        ("gateway_responses", &[r#"status="200""#]),
+        ("gateway_responses", &[r#"status="401""#]),
+        ("gateway_responses", &[r#"status="404""#]),
+        ("gateway_responses", &[r#"status="429""#]),
     ] {
         assert!(!samples(&text, name, labels).is_empty(), "no {name} with {labels:?} in\n{text}");
     }

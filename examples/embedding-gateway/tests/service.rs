@@ -445,6 +445,8 @@ async fn bad_inputs_are_explained_in_the_apis_terms() {
         serde_json::json!(true),
         serde_json::json!(""),
         serde_json::json!([["a"]]),
+        // Beyond any encoding's ids.
+        serde_json::json!([1_u64 << 40]),
     ];
     for input in inputs {
         let (status, body) =
@@ -472,6 +474,43 @@ async fn bad_inputs_are_explained_in_the_apis_terms() {
     assert_eq!(stats.served.load(Ordering::Relaxed), 0, "nothing bad reached the upstream");
 }
 
+/// Each endpoint serves the models of its kind; too many tokens names the parameter that
+/// asked for them.
+#[tokio::test(start_paused = true)]
+async fn models_are_served_by_kind_and_too_many_tokens_names_the_cause() {
+    let text = config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9")
+        .replace("chat_models = [\"m\"]", "chat_models = [\"c\"]");
+    let config = parse_config(&text);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let gateway = Gateway::new(&config, in_process(router)).unwrap();
+    let chat = |model: &str, max_tokens: u64, content: &str| serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens});
+    let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("m", 5, "hi")).await;
+    assert_eq!((status, &body["error"]["code"]), (StatusCode::NOT_FOUND, &serde_json::json!("model_not_found")));
+    assert_eq!(body["error"]["param"], "model");
+    assert!(body["error"]["message"].as_str().unwrap().contains("is not a chat model"), "{body}");
+    let (status, body) =
+        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "c", "input": "a"})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(body["error"]["message"].as_str().unwrap().contains("is not an embedding model"), "{body}");
+    assert_eq!(call(&gateway, "POST", "/v1/chat/completions", chat("c", 5, "hi")).await.0, StatusCode::OK);
+
+    // max_request_tokens is 100: a short prompt asking for 1,000 more is max_tokens' fault,
+    // a prompt of its own too long the messages'.
+    let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("c", 1000, "hi")).await;
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::PAYLOAD_TOO_LARGE, &serde_json::json!("max_tokens")));
+    let long = "word ".repeat(200);
+    let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("c", 1, &long)).await;
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::PAYLOAD_TOO_LARGE, &serde_json::json!("messages")));
+    assert_eq!(stats.served.load(Ordering::Relaxed), 1, "only the good request reached the upstream");
+
+    // The old single list is named, with what replaced it.
+    let old = config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9")
+        .replace("chat_models = [\"m\"]", "models = [\"m\"]");
+    let err = Config::parse(&old, Some("old.toml")).unwrap_err();
+    assert_eq!(err.field, "gateway.models", "{err}");
+    assert!(err.message.contains("embedding_models") && err.message.contains("chat_models"), "{err}");
+}
+
 #[tokio::test]
 async fn every_error_has_a_json_body_and_health_answers() {
     let (running, _) = gateway_with("", "org = { rpm = 6000 }").await;
@@ -491,8 +530,11 @@ async fn every_error_has_a_json_body_and_health_answers() {
     let ready = http(addr, "GET", "/readyz", None, None).await;
     assert_eq!(ready.status, 200, "{}", ready.body);
     assert_eq!(ready.json()["usable_accounts"], 1);
-    let models = http(addr, "GET", "/v1/models", None, None).await;
+    // The model list wants a key, as OpenAI's does.
+    assert_openai_error(&http(addr, "GET", "/v1/models", None, None).await, 401, "invalid_api_key");
+    let models = http(addr, "GET", "/v1/models", Some("sk-acme-alice"), None).await;
     assert_eq!(models.status, 200);
+    assert_eq!(models.json()["data"].as_array().unwrap().len(), 1, "m serves both kinds: listed once");
     assert_eq!(models.json()["data"][0]["id"], "m");
     assert_eq!(models.json()["object"], "list");
 

@@ -39,7 +39,10 @@ pub(super) struct RawGateway {
     pub(super) tenant_queue: Option<S<u64>>,
     pub(super) queue: Option<S<u64>>,
     pub(super) selection: Option<S<String>>,
+    /// Split into `embedding_models` and `chat_models`: named in the error.
     pub(super) models: Option<S<Vec<S<String>>>>,
+    pub(super) embedding_models: Option<S<Vec<S<String>>>>,
+    pub(super) chat_models: Option<S<Vec<S<String>>>>,
     pub(super) header_timeout: Option<S<String>>,
     pub(super) idle_timeout: Option<S<String>>,
     pub(super) body_timeout: Option<S<String>>,

@@ -151,7 +151,17 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         ],
         Selection::MostHeadroom,
     )?;
-    let models = models(src, g.models.as_ref())?;
+    if let Some(old) = &g.models {
+        return Err(src.at(
+            old,
+            "gateway.models",
+            "models are listed by kind: `embedding_models` for /v1/embeddings, `chat_models` for \
+             /v1/chat/completions",
+        ));
+    }
+    let embedding_models =
+        models(src, g.embedding_models.as_ref(), "gateway.embedding_models", "mock-embedding-small")?;
+    let chat_models = models(src, g.chat_models.as_ref(), "gateway.chat_models", "mock-chat-small")?;
     let positive =
         |v: &Option<S<String>>, field: &str, default: Duration| positive_duration(src, v.as_ref(), field, default);
     let header_timeout = positive(&g.header_timeout, "gateway.header_timeout", Duration::from_secs(10))?;
@@ -206,7 +216,8 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         tenant_queue,
         queue,
         selection,
-        models,
+        embedding_models,
+        chat_models,
         header_timeout,
         idle_timeout,
         body_timeout,
@@ -256,20 +267,25 @@ fn fair_tier(src: &Source<'_>, value: Option<&S<String>>, tiers: &[String]) -> R
     Ok(fair_tier)
 }
 
-/// `gateway.models`: at least one, none empty or named twice (`mock-embedding-small`
-/// when left out).
-fn models(src: &Source<'_>, value: Option<&S<Vec<S<String>>>>) -> Result<Vec<String>, ConfigError> {
-    let Some(list) = value else { return Ok(vec!["mock-embedding-small".to_owned()]) };
+/// `field` (`gateway.embedding_models` or `gateway.chat_models`): at least one, none
+/// empty or named twice (`default` alone when absent).
+fn models(
+    src: &Source<'_>,
+    value: Option<&S<Vec<S<String>>>>,
+    field: &str,
+    default: &str,
+) -> Result<Vec<String>, ConfigError> {
+    let Some(list) = value else { return Ok(vec![default.to_owned()]) };
     if list.get_ref().is_empty() {
-        return Err(src.at(list, "gateway.models", "name at least one model"));
+        return Err(src.at(list, field, "name at least one model"));
     }
     let mut seen = HashSet::new();
     for (i, m) in list.get_ref().iter().enumerate() {
         if m.get_ref().trim().is_empty() {
-            return Err(src.at(m, format!("gateway.models[{i}]"), "must not be empty"));
+            return Err(src.at(m, format!("{field}[{i}]"), "must not be empty"));
         }
         if !seen.insert(m.get_ref().clone()) {
-            return Err(src.at(m, format!("gateway.models[{i}]"), format!("{:?} is named twice", m.get_ref())));
+            return Err(src.at(m, format!("{field}[{i}]"), format!("{:?} is named twice", m.get_ref())));
         }
     }
     Ok(list.get_ref().iter().map(|m| m.get_ref().clone()).collect())

@@ -14,7 +14,8 @@ use crate::access::AccessInfo;
 pub struct PrepareLayer {
     pub(super) uploads: UploadRules,
     pub(super) max_tokens: u64,
-    pub(super) models: Arc<[String]>,
+    pub(super) embedding_models: Arc<[String]>,
+    pub(super) chat_models: Arc<[String]>,
 }
 
 impl<S> Layer<S> for PrepareLayer {
@@ -68,7 +69,12 @@ where
             let is_chat = parts.uri.path() == CHAT_PATH;
             let (model, tokens, inputs, stream, param) = if is_chat {
                 match api::ChatRequest::parse(&body) {
-                    Ok(r) => (r.model.clone(), r.estimate(settings.max_tokens), r.messages.len(), r.stream, "messages"),
+                    Ok(r) => {
+                        // Too many tokens: the prompt's fault if it alone is too long,
+                        // else the completion's it asks room for.
+                        let param = if r.prompt_tokens() > settings.max_tokens { "messages" } else { "max_tokens" };
+                        (r.model.clone(), r.estimate(settings.max_tokens), r.messages.len(), r.stream, param)
+                    }
                     Err(e) => return Ok(e.response()),
                 }
             } else {
@@ -77,16 +83,31 @@ where
                     Err(e) => return Ok(e.response()),
                 }
             };
-            if !settings.models.contains(&model) {
+            let (served, kind, other) = if is_chat {
+                (&settings.chat_models, "chat", &settings.embedding_models)
+            } else {
+                (&settings.embedding_models, "embedding", &settings.chat_models)
+            };
+            if !served.contains(&model) {
+                let message = if other.contains(&model) {
+                    format!(
+                        "the model {model:?} is not a{} {kind} model and is not served on {}",
+                        if kind == "embedding" { "n" } else { "" },
+                        parts.uri.path()
+                    )
+                } else {
+                    format!(
+                        "the model {model:?} does not exist here; {} serves {}",
+                        parts.uri.path(),
+                        served.join(", ")
+                    )
+                };
                 return Ok(api::error_with_param(
                     StatusCode::NOT_FOUND,
                     "invalid_request_error",
                     "model_not_found",
                     Some("model"),
-                    &format!(
-                        "the model {model:?} does not exist here; this gateway serves {}",
-                        settings.models.join(", ")
-                    ),
+                    &message,
                 ));
             }
             if tokens > settings.max_tokens {

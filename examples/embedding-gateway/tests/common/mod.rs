@@ -22,7 +22,8 @@ pub fn config_text(gateway: &str, plan: &str, upstream: &str) -> String {
 [gateway]
 max_request_tokens = 100
 max_wait = "5s"
-models = ["m"]
+embedding_models = ["m"]
+chat_models = ["m"]
 {gateway}
 
 [mirror]
