@@ -370,3 +370,33 @@ fn sets_are_checked_when_built() {
         backend.flush().await;
     });
 }
+
+/// A permit given back is there for the next request at once, though its release is still
+/// on its way to Redis: an acquisition that finds the semaphore full while this replica's
+/// releases are in flight waits for them and asks again. On one thread the release's task
+/// runs only after the next acquisition was sent: without the wait, every round but the
+/// first would be refused.
+#[test]
+fn a_release_on_its_way_is_not_a_refusal() {
+    let Some(server) = redis_for("a_release_on_its_way_is_not_a_refusal") else { return };
+    let one_thread = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    one_thread.block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new().tiers(["org"]).limit(LimitPolicy::semaphore("concurrency", 1).per("org"));
+        let backend = manual(policy, "release-race").build(&conn).unwrap();
+        let acme = TenantKey::single("acme").unwrap();
+        for round in 0..20 {
+            let grant = backend
+                .acquire(&acme, 1, at(S))
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: {e} {:?}", backend.stats()));
+            backend.release(&acme, grant);
+        }
+        assert!(backend.stats().release_waits > 0, "{:?}", backend.stats());
+        // Still one at a time: a permit held is a refusal, whatever is on its way.
+        let held = backend.acquire(&acme, 1, at(S)).await.unwrap();
+        assert!(backend.acquire(&acme, 1, at(S)).await.unwrap_err().as_refusal().unwrap().needs_release());
+        backend.release(&acme, held);
+        backend.flush().await;
+    });
+}

@@ -51,6 +51,9 @@ pub struct RedisStats {
     pub shared_refusals: u64,
     /// Calls refreshing the shares (one per refresh period, per Cluster slot).
     pub share_refreshes: u64,
+    /// Acquisitions that found a semaphore full while this replica's releases were on
+    /// their way, waited for them and asked again (once each).
+    pub release_waits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +77,7 @@ pub(crate) struct Counters {
     pub(crate) shared_grants: AtomicU64,
     pub(crate) shared_refusals: AtomicU64,
     pub(crate) share_refreshes: AtomicU64,
+    pub(crate) release_waits: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -105,6 +109,7 @@ impl Counters {
             shared_grants: l(&self.shared_grants),
             shared_refusals: l(&self.shared_refusals),
             share_refreshes: l(&self.share_refreshes),
+            release_waits: l(&self.release_waits),
         }
     }
 }

@@ -56,6 +56,23 @@ impl Drop for PendingGuard {
     }
 }
 
+/// Counts one release on its way until the guard drops: an acquisition refused by a full
+/// semaphore while one is asks again once it arrived.
+pub(super) struct ReleaseGuard(Arc<Inner>);
+
+impl ReleaseGuard {
+    fn new(inner: &Arc<Inner>) -> ReleaseGuard {
+        inner.releases_pending.fetch_add(1, Ordering::AcqRel);
+        ReleaseGuard(inner.clone())
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        self.0.releases_pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Runs `op` in the background: after `after` (the grant's previous settle), retried while
 /// Redis is away when that cannot apply it twice.
 pub(super) fn spawn_op(
@@ -71,7 +88,9 @@ pub(super) fn spawn_op(
         return;
     };
     let guard = PendingGuard::new(inner);
+    let release = op.release.then(|| ReleaseGuard::new(inner));
     handle.spawn(async move {
+        let _release = release;
         let inner = &guard.0;
         if let Some(after) = after {
             let _ = after.await;

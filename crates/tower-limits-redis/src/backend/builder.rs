@@ -297,6 +297,7 @@ impl RedisBackendBuilder {
                 instance,
                 next_holder: AtomicU64::new(1),
                 idle: Notify::new(),
+                releases_pending: AtomicU64::new(0),
                 leases: Mutex::new(HashMap::new()),
                 runtime: OnceLock::new(),
                 renewing: AtomicBool::new(false),

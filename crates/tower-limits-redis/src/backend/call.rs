@@ -23,6 +23,29 @@ use super::{EXACT, Inner, Lease};
 use crate::stats::bump;
 
 impl Inner {
+    /// Whether settles, releases or cancels of this backend are on their way.
+    pub(super) fn background_pending(&self) -> bool {
+        self.stats.background_pending.load(std::sync::atomic::Ordering::Acquire) > 0
+    }
+
+    /// Whether releases of semaphore permits are on their way.
+    fn releases_pending(&self) -> bool {
+        self.releases_pending.load(std::sync::atomic::Ordering::Acquire) > 0
+    }
+
+    /// Completes when every background operation sent so far was applied or given up.
+    pub(super) async fn background_idle(&self) {
+        loop {
+            let notified = std::pin::pin!(self.idle.notified());
+            let mut notified = notified;
+            notified.as_mut().enable();
+            if !self.background_pending() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     pub(super) fn holder_id(&self, seq: u64) -> Arc<str> {
         format!("{:016x}.{seq:x}", self.instance).into()
     }
@@ -363,33 +386,51 @@ pub(super) async fn acquire_remote(
     let id = inner.holder_id(holder);
     // The limits' states come back only for the peek cache (and with every refusal).
     let op = if inner.snapshots.is_some() { "a" } else { "b" };
-    let result = if inner.settings.manual_clock {
-        let (us, sub) = inner.now_args(now);
-        inner.call(&keys, &[op, &us, &sub, &cost_arg, &id]).await
-    } else if inner.records_holders {
-        inner.call(&keys, &[op, &cost_arg, &id]).await
-    } else {
-        inner.call(&keys, &[op, &cost_arg]).await
-    };
-    let why = match result {
-        Ok(value) => match ints(&value, inner.limits.len()) {
-            Some(reply) => return inner.decide(&key, cost, now, holder, id, &reply),
-            None => {
-                bump(&inner.stats.errors);
-                #[cfg(feature = "metrics")]
-                crate::metrics::failure(crate::metrics::LIMITS, "error");
-                inner.failed();
-                tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the limit script");
-                format!("unexpected reply {value:?}")
+    let mut waited_for_releases = false;
+    let why = loop {
+        // Releases on their way when the acquisition is sent may reach Redis after it.
+        let releases_behind = inner.releases_pending();
+        let result = if inner.settings.manual_clock {
+            let (us, sub) = inner.now_args(now);
+            inner.call(&keys, &[op, &us, &sub, &cost_arg, &id]).await
+        } else if inner.records_holders {
+            inner.call(&keys, &[op, &cost_arg, &id]).await
+        } else {
+            inner.call(&keys, &[op, &cost_arg]).await
+        };
+        match result {
+            Ok(value) => match ints(&value, inner.limits.len()) {
+                Some(reply) => {
+                    // A full semaphore while this replica still sends releases: one of
+                    // them may be the permit this request's client just gave back (its
+                    // answer ended, the release is on its way). Wait for them, once,
+                    // and ask again, rather than refuse below the limit.
+                    let semaphore_full = reply[0] != 1 && reply[5] == 1;
+                    if semaphore_full && !waited_for_releases && (releases_behind || inner.releases_pending()) {
+                        waited_for_releases = true;
+                        bump(&inner.stats.release_waits);
+                        let _ = tokio::time::timeout(inner.settings.timeout, inner.background_idle()).await;
+                        continue;
+                    }
+                    return inner.decide(&key, cost, now, holder, id, &reply);
+                }
+                None => {
+                    bump(&inner.stats.errors);
+                    #[cfg(feature = "metrics")]
+                    crate::metrics::failure(crate::metrics::LIMITS, "error");
+                    inner.failed();
+                    tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the limit script");
+                    break format!("unexpected reply {value:?}");
+                }
+            },
+            Err(e) => {
+                // It may have been granted: give back the concurrency it may hold.
+                if e.maybe_applied && inner.has_semaphore {
+                    let op = Op { id, now, us: 0, sub: 0, acquired: cost, req: (1, 1), cost: (0, 0), release: true };
+                    spawn_op(&inner, key.clone(), op, None, None);
+                }
+                break e.message;
             }
-        },
-        Err(e) => {
-            // It may have been granted: give back the concurrency it may hold.
-            if e.maybe_applied && inner.has_semaphore {
-                let op = Op { id, now, us: 0, sub: 0, acquired: cost, req: (1, 1), cost: (0, 0), release: true };
-                spawn_op(&inner, key.clone(), op, None, None);
-            }
-            e.message
         }
     };
     inner.unavailable(&key, cost, now, &why)

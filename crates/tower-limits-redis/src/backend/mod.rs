@@ -41,7 +41,6 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
@@ -161,6 +160,8 @@ pub(crate) struct Inner {
     instance: u64,
     next_holder: AtomicU64,
     idle: Notify,
+    /// Releases of semaphore permits on their way to Redis.
+    releases_pending: AtomicU64,
     leases: Mutex<HashMap<u64, Lease>>,
     runtime: OnceLock<Handle>,
     renewing: AtomicBool,
@@ -182,15 +183,7 @@ impl RedisBackend {
     /// # Cancel safety
     /// Dropping the future cancels only the wait.
     pub async fn flush(&self) {
-        loop {
-            let notified = pin!(self.inner.idle.notified());
-            let mut notified = notified;
-            notified.as_mut().enable();
-            if self.inner.stats.background_pending.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            notified.await;
-        }
+        self.inner.background_idle().await;
     }
 
     /// The Redis keys of every limit of the set for `key`, in the order of the policy:
