@@ -39,10 +39,12 @@
 //! completion keeps its concurrency until its last chunk and settles from its final
 //! `usage` chunk.
 //!
-//! With `--redis URL --replicas N` the plans' limits live in Redis, shared by every
-//! replica. Each replica keeps its own fair queue and mirrors `1 / N` of every account: a
-//! [`LimitPool`]'s members are in-memory sets, so the accounts are split rather than
-//! shared.
+//! With `--redis URL --replicas N` the plans' limits and one mirror per upstream account
+//! live in Redis, shared by every replica whatever the routing: a replica that gets more
+//! traffic uses the capacity the others leave. Each replica keeps its own fair queue and
+//! reports its backlog to the shared accounts, which take the replicas in turn by their
+//! tenants' weights and demand. `N` only sizes what a replica decides alone while Redis is
+//! away: `1 / N` of every limit and account.
 //!
 //! # Never a 429 from the upstream
 //!

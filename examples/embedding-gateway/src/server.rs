@@ -1,8 +1,10 @@
 //! The HTTP server around the router: connection hygiene, access lines and a draining
 //! shutdown.
 //!
-//! [`serve`] accepts connections and serves HTTP/1.1 on each with hyper, and keeps every
-//! connection in one of three phases, watched by a timer of its own:
+//! [`serve`] accepts connections and serves HTTP/1.1 on each with hyper, or HTTP/2 when
+//! the client starts with its preface (prior knowledge, as gRPC-style clients and `curl
+//! --http2-prior-knowledge` do; TLS and ALPN belong to the proxy in front), and keeps
+//! every connection in one of three phases, watched by a timer of its own:
 //!
 //! - **head**: from the accept, or from the first byte of the next request, until the
 //!   request's headers are in. Longer than `header_timeout`: the connection is closed. A
@@ -608,10 +610,13 @@ async fn connection(
             Ok::<_, std::convert::Infallible>(response)
         }
     });
-    let mut builder = hyper::server::conn::http1::Builder::new();
+    // HTTP/1.1, or HTTP/2 with prior knowledge (cleartext; TLS and ALPN belong to the
+    // proxy in front).
+    let mut builder = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
     // Our own watchdog bounds the headers (hyper's timer would also cut idle keep-alive
     // connections at the header timeout).
-    builder.timer(TokioTimer::new()).header_read_timeout(None).keep_alive(true);
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(None).keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(io, service);
     let mut conn = pin!(conn);
     let mut draining = *stop.borrow();

@@ -279,6 +279,41 @@ async fn shutdown_closes_connections_still_sending_their_headers() {
     assert!(closed_by_peer(&mut partial, &mut read).await);
 }
 
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served_and_multiplexed() {
+    let (running, _) = gateway_with("", "org = { rpm = 6000 }").await;
+    let stream = TcpStream::connect(running.addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let driver = tokio::spawn(conn);
+    let body = serde_json::json!({ "model": "m", "input": "hello" }).to_string();
+    // Two requests at once on the one connection.
+    let mut calls = Vec::new();
+    for _ in 0..2 {
+        let mut send = send.clone();
+        let req = Request::post(format!("http://{}/v1/embeddings", running.addr))
+            .header("authorization", "Bearer sk-acme-alice")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.clone())))
+            .unwrap();
+        calls.push(tokio::spawn(async move { send.send_request(req).await }));
+    }
+    for call in calls {
+        let response = call.await.unwrap().unwrap();
+        assert_eq!((response.status(), response.version()), (StatusCode::OK, http::Version::HTTP_2));
+        let json: serde_json::Value =
+            serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(json["object"], "list", "{json}");
+    }
+    drop(send);
+    let _ = tokio::time::timeout(DEADLINE, driver).await;
+    running.stop().await;
+}
+
 // ---------------------------------------------------------------------------------------
 // The upstream call.
 
