@@ -7,7 +7,8 @@
 //!   Redis away but `gateway.backend_failure` admitting requests, `fail_open` or
 //!   `fallback`), and at least one upstream account not benched by a `429`; and, for
 //!   information, the connections open, receiving a body, and on places kept for
-//!   probes (see [`crate::server`]).
+//!   probes (see [`crate::server`]), and with Redis the replicas configured and seen (see
+//!   [`crate::roster`]).
 //! - `GET /v1/models`: the models of `gateway.embedding_models` and `gateway.chat_models`,
 //!   in OpenAI's list shape, for a known key (as OpenAI asks one): `401` otherwise.
 //! - `GET /metrics`: the layers' numbers in Prometheus' text format (see
@@ -57,6 +58,8 @@ pub struct Health {
     draining: AtomicBool,
     /// The server's connections, as it counts them.
     connections: Arc<crate::server::Connections>,
+    /// The fleet's size, configured and seen (`serve --redis`).
+    fleet: std::sync::OnceLock<Arc<crate::roster::FleetSize>>,
     /// `None` in memory; the plans' Redis backends once connected (empty before).
     redis: Option<Mutex<Vec<RedisBackend>>>,
     failure: BackendFailure,
@@ -83,11 +86,17 @@ impl Health {
         Health {
             draining: AtomicBool::new(false),
             connections: Arc::default(),
+            fleet: std::sync::OnceLock::new(),
             redis: redis.then(|| Mutex::new(Vec::new())),
             failure,
             pool,
             now,
         }
+    }
+
+    /// Reports the fleet's size in `/readyz` (the first call wins).
+    pub fn track_fleet(&self, size: Arc<crate::roster::FleetSize>) {
+        let _ = self.fleet.set(size);
     }
 
     /// The server's connections: what `serve` counts for this gateway.
@@ -154,6 +163,10 @@ impl Health {
             "accounts": self.pool.len(),
             "connections": self.connections.to_json(),
         });
+        let mut body = body;
+        if let Some(fleet) = self.fleet.get() {
+            body["replicas"] = fleet.to_json();
+        }
         (ready, body)
     }
 }

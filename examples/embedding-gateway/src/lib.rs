@@ -16,6 +16,7 @@
 //!   on SIGTERM and SIGINT.
 //! - [`access`]: what each layer reports for a request's access line.
 //! - [`health`]: `/healthz`, `/readyz`, `/v1/models`, JSON `404` and `405`.
+//! - [`roster`]: the fleet's replicas as Redis hears them, against `--replicas`.
 //! - [`metrics`]: `/metrics`, the layers' numbers in Prometheus' text format.
 //! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
@@ -98,6 +99,7 @@ pub mod gateway;
 pub mod health;
 pub mod logging;
 pub mod metrics;
+pub mod roster;
 pub mod server;
 pub mod tokenizer;
 pub mod upstream;

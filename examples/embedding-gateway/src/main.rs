@@ -277,8 +277,15 @@ async fn serve(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
             // is not: the gateway follows its failure policy until it does.
             tower_limits_redis::redis::Client::open(url.as_str())
                 .map_err(|e| format!("--redis {url:?} is not a Redis URL: {e}"))?;
-            let gateway = Gateway::awaiting_redis(config, http_transport(), args.replicas.unwrap_or(1))?;
+            let replicas = args.replicas.unwrap_or(1);
+            let gateway = Gateway::awaiting_redis(config, http_transport(), replicas)?;
             redis_link(gateway.clone(), url.clone(), config.gateway.backend_failure);
+            // The fleet's size as Redis hears it, against --replicas.
+            let size = std::sync::Arc::new(embedding_gateway::roster::FleetSize::new(replicas));
+            gateway.health.track_fleet(size.clone());
+            let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let id = format!("{addr}/{}/{}", std::process::id(), started.as_nanos());
+            embedding_gateway::roster::spawn(size, url.clone(), "egw", id);
             gateway
         }
     };

@@ -725,3 +725,34 @@ fn after_a_redis_stall_nothing_in_flight_means_nothing_held() {
         }
     });
 }
+
+/// The roster counts each replica once, forgets those not heard within its window, and
+/// its key expires with the fleet.
+#[test]
+fn the_roster_counts_the_replicas_heard_within_its_window() {
+    use embedding_gateway::roster::{FleetSize, beat};
+    use std::time::Duration;
+    use tower_limits_redis::redis;
+    let Some(server) = tower_limits_redis::test_support::redis_for("the_roster_counts_the_replicas") else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let key = "egw-test:replicas";
+        let hour = Duration::from_secs(3600);
+        assert_eq!(beat(&mut conn, key, "a", hour).await.unwrap(), 1);
+        assert_eq!(beat(&mut conn, key, "b", hour).await.unwrap(), 2);
+        assert_eq!(beat(&mut conn, key, "a", hour).await.unwrap(), 2, "a replica beating again is one replica");
+        // Within a microsecond only the replica beating now was heard.
+        assert_eq!(beat(&mut conn, key, "c", Duration::from_micros(1)).await.unwrap(), 1);
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0, "the roster's key must expire when the fleet is gone: {ttl}");
+    });
+    // What /readyz says, and a count above the configured one is recorded as seen.
+    let size = FleetSize::new(1);
+    assert_eq!(size.seen(), 0);
+    size.saw(3);
+    assert_eq!(size.to_json(), serde_json::json!({ "configured": 1, "seen": 3 }));
+}
