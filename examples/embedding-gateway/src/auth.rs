@@ -1,7 +1,10 @@
 //! Authentication: a bearer API key becomes the tenant's tiers, in the request's
 //! extensions.
 //!
-//! [`AuthLayer`] looks the `Authorization: Bearer <key>` token up in the configured keys.
+//! [`AuthLayer`] looks the `Authorization: Bearer <key>` token up in the configured keys,
+//! by its SHA-256 digest: the gateway keeps digests only, and a configuration may give
+//! them instead of the keys (`key_sha256`), so that neither holds a usable key. The keys
+//! can be replaced while the gateway serves ([`AuthLayer::reload`], on SIGHUP in `serve`).
 //! A known key puts its [`TenantKey`] (org, team, user, agent) and the tenant's
 //! [`Identity`] (plan, weight) into the request's extensions, where the limit layers
 //! read them ([`FromExtension`](tower_limits::extract::FromExtension)): clients cannot
@@ -18,7 +21,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -30,7 +33,7 @@ use tower_limits::{LimitPolicy, LimitSet, LimitSetPolicy, TenantKey};
 
 use crate::access::AccessInfo;
 use crate::api;
-use crate::config::Config;
+use crate::config::{Config, KeyDigest};
 
 /// Who a request is, as the auth layer found it.
 #[derive(Debug, Clone)]
@@ -65,12 +68,27 @@ impl AsTenantKey for FairTenant {
 pub struct Arrived(pub tokio::time::Instant);
 
 /// Maps bearer keys to tenants; `401` for the others, `429` for an address that failed
-/// too often.
+/// too often. Clones share one table of keys, which [`AuthLayer::reload`] replaces.
 #[derive(Clone)]
 pub struct AuthLayer {
-    keys: Arc<HashMap<String, Identity>>,
+    keys: Arc<RwLock<Arc<KeyTable>>>,
     failures: Option<Arc<Failures>>,
 }
+
+/// The keys' digests and who each stands for.
+type KeyTable = HashMap<KeyDigest, Identity>;
+
+/// Why [`AuthLayer::reload`] kept the keys it had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReloadRefused(pub String);
+
+impl fmt::Display for ReloadRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReloadRefused {}
 
 /// The failures of authentication each client address may still make.
 struct Failures {
@@ -106,8 +124,8 @@ impl Failures {
 
 impl fmt::Debug for AuthLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Never print the keys.
-        f.debug_struct("AuthLayer").field("keys", &self.keys.len()).finish()
+        let keys = self.keys.read().unwrap_or_else(PoisonError::into_inner).len();
+        f.debug_struct("AuthLayer").field("keys", &keys).finish()
     }
 }
 
@@ -115,21 +133,7 @@ impl AuthLayer {
     /// The keys of every tenant of `config`.
     #[must_use]
     pub fn new(config: &Config) -> Self {
-        let mut keys = HashMap::new();
-        for (i, t) in config.tenants.iter().enumerate() {
-            let tenant: Arc<str> = t.name.as_str().into();
-            for k in &t.keys {
-                let identity = Identity {
-                    fair: FairTenant(TenantKey::single(&t.name).unwrap_or_default()),
-                    tenant: tenant.clone(),
-                    tenant_index: i,
-                    plan: t.plan,
-                    weight: t.weight,
-                    key: k.tenant_key.clone(),
-                };
-                keys.insert(k.secret.clone(), identity);
-            }
-        }
+        let keys = Arc::new(RwLock::new(Arc::new(key_table(config))));
         // Keyed by address: the table of addresses is bounded by the set's defaults.
         let failures = config.gateway.auth_failures.and_then(|quota| {
             let policy =
@@ -137,14 +141,60 @@ impl AuthLayer {
             let set = LimitSet::new(policy).ok()?;
             Some(Arc::new(Failures { set, quota, origin: tokio::time::Instant::now() }))
         });
-        AuthLayer { keys: Arc::new(keys), failures }
+        AuthLayer { keys, failures }
     }
 
     /// The identity a key stands for.
     #[must_use]
-    pub fn identify(&self, key: &str) -> Option<&Identity> {
-        self.keys.get(key)
+    pub fn identify(&self, key: &str) -> Option<Identity> {
+        let table = self.keys.read().unwrap_or_else(PoisonError::into_inner).clone();
+        table.get(&KeyDigest::of(key)).cloned()
     }
+
+    /// Replaces the keys with those of `config` (a configuration read again, on SIGHUP),
+    /// for every clone of this layer at once; requests already authenticated keep their
+    /// identity. Only keys may change: the tenants and their plans, weights and tiers are
+    /// built into the limits, so a `config` that changes them is refused (restart to apply
+    /// it) and the keys stay as they were. Returns how many keys there are now.
+    ///
+    /// # Errors
+    /// The tenants or their plans differ from those the gateway runs with.
+    pub fn reload(&self, running: &Config, config: &Config) -> Result<usize, ReloadRefused> {
+        let shape = |c: &Config| -> Vec<(String, String, u32)> {
+            c.tenants.iter().map(|t| (t.name.clone(), c.plans[t.plan].name.clone(), t.weight)).collect()
+        };
+        if shape(running) != shape(config) || running.tiers != config.tiers {
+            return Err(ReloadRefused(
+                "the tenants, their plans or weights, or the tiers changed: restart to apply them; the keys stay as \
+                 they were"
+                    .into(),
+            ));
+        }
+        let table = key_table(config);
+        let n = table.len();
+        *self.keys.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(table);
+        Ok(n)
+    }
+}
+
+/// Every key of `config`'s tenants, by digest.
+fn key_table(config: &Config) -> KeyTable {
+    let mut keys = HashMap::new();
+    for (i, t) in config.tenants.iter().enumerate() {
+        let tenant: Arc<str> = t.name.as_str().into();
+        for k in &t.keys {
+            let identity = Identity {
+                fair: FairTenant(TenantKey::single(&t.name).unwrap_or_default()),
+                tenant: tenant.clone(),
+                tenant_index: i,
+                plan: t.plan,
+                weight: t.weight,
+                key: k.tenant_key.clone(),
+            };
+            keys.insert(k.digest, identity);
+        }
+    }
+    keys
 }
 
 impl<S> Layer<S> for AuthLayer {
@@ -189,7 +239,7 @@ where
             tower_limits::http::write_retry_after(response.headers_mut(), wait);
             return Box::pin(std::future::ready(Ok(response)));
         }
-        let identity = api::bearer(req.headers()).and_then(|k| self.layer.identify(k)).cloned();
+        let identity = api::bearer(req.headers()).and_then(|k| self.layer.identify(k));
         let Some(identity) = identity else {
             if let Some((f, client)) = failures {
                 f.failed(client);

@@ -217,13 +217,65 @@ pub struct Tenant {
     pub keys: Vec<ApiKey>,
 }
 
-/// One API key and the tenant key it stands for.
+/// One API key, kept as its SHA-256 digest, and the tenant key it stands for.
 #[derive(Debug, Clone)]
 pub struct ApiKey {
-    /// The bearer token.
-    pub secret: String,
+    /// The digest of the bearer token: the configuration may give the token
+    /// (`key = "sk-..."`) or only its digest (`key_sha256 = "<64 hex digits>"`), and the
+    /// gateway keeps nothing else.
+    pub digest: KeyDigest,
     /// The tiers it maps to.
     pub tenant_key: TenantKey,
+}
+
+/// The SHA-256 digest of an API key: what the gateway keeps and looks keys up by, so that
+/// neither its memory nor a configuration written with `key_sha256` holds the keys.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyDigest(pub [u8; 32]);
+
+impl KeyDigest {
+    /// The digest of `key`.
+    ///
+    /// ```
+    /// use embedding_gateway::config::KeyDigest;
+    ///
+    /// // As `printf %s sk-acme | sha256sum` prints it.
+    /// let digest = KeyDigest::of("sk-acme");
+    /// assert_eq!(digest.to_hex(), "5f8eee912cd7c0ccb238560e8a22e7f78909e6dac18288188f7f4ea35112700d");
+    /// assert_eq!(KeyDigest::from_hex(&digest.to_hex()), Some(digest));
+    /// ```
+    #[must_use]
+    pub fn of(key: &str) -> Self {
+        use sha2::Digest;
+        KeyDigest(sha2::Sha256::digest(key.as_bytes()).into())
+    }
+
+    /// The digest written as 64 lowercase hexadecimal digits, as `sha256sum` prints it.
+    #[must_use]
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// A digest written as 64 hexadecimal digits.
+    #[must_use]
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let bytes = text.as_bytes();
+        if bytes.len() != 64 || !text.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, pair) in bytes.chunks(2).enumerate() {
+            out[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+        }
+        Some(KeyDigest(out))
+    }
+}
+
+impl std::fmt::Debug for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A digest is no secret, but eight digits name it well enough.
+        write!(f, "KeyDigest({}..)", &self.to_hex()[..8])
+    }
 }
 
 /// One upstream account and the limits its provider enforces on it.

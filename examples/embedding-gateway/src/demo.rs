@@ -361,7 +361,8 @@ fn demo_tenants(config: &Config) -> Result<(Vec<TenantInfo>, Vec<usize>), tower:
     let mut tenants: Vec<TenantInfo> = Vec::new();
     let mut client_tenant = Vec::new();
     for c in &config.demo.clients {
-        let t = config.tenants.iter().find(|t| t.keys.iter().any(|k| k.secret == c.key)).ok_or("unknown demo key")?;
+        let digest = crate::config::KeyDigest::of(&c.key);
+        let t = config.tenants.iter().find(|t| t.keys.iter().any(|k| k.digest == digest)).ok_or("unknown demo key")?;
         let index = match tenants.iter().position(|x| x.name == t.name) {
             Some(i) => i,
             None => {

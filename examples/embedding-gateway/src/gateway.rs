@@ -211,6 +211,8 @@ pub struct Gateway {
     pub stats: Arc<GatewayStats>,
     /// Liveness, readiness and the limits backend's state.
     pub health: Arc<Health>,
+    /// The keys, replaceable while the gateway serves ([`Gateway::reload_keys`]).
+    auth: AuthLayer,
     /// Builds the plans' Redis-backed services once a connection exists (see
     /// [`Gateway::connect_redis`]).
     redis_plans: Option<Arc<RedisPlans>>,
@@ -433,8 +435,9 @@ impl Gateway {
             })
         });
 
+        let auth = AuthLayer::new(config);
         let stack = ServiceBuilder::new()
-            .layer(AuthLayer::new(config))
+            .layer(auth.clone())
             .layer(PrepareLayer {
                 uploads: upload::UploadRules::new(
                     config.gateway.uploads_per_tenant,
@@ -452,9 +455,19 @@ impl Gateway {
             Router::new().route(EMBEDDINGS_PATH, post_service(stack.clone())).route(CHAT_PATH, post_service(stack)),
             &health,
             &config.gateway.models(),
-            AuthLayer::new(config),
+            auth.clone(),
         ));
-        Ok(Gateway { router, pool, stats, health, redis_plans })
+        Ok(Gateway { router, pool, stats, health, auth, redis_plans })
+    }
+
+    /// Replaces the API keys with those of `config` (read again), for every route at once;
+    /// `running` is the configuration the gateway was built from. See
+    /// [`AuthLayer::reload`]: only keys may change. How many keys there are now.
+    ///
+    /// # Errors
+    /// `config` changes the tenants, their plans or weights, or the tiers.
+    pub fn reload_keys(&self, running: &Config, config: &Config) -> Result<usize, crate::auth::ReloadRefused> {
+        self.auth.reload(running, config)
     }
 
     /// The shared upstream accounts, once this replica reached Redis (`None` in memory).

@@ -154,7 +154,11 @@ fn parse_args() -> Result<Cli, String> {
 }
 
 fn load(args: &Args) -> Result<Config, String> {
-    match &args.config {
+    load_from(args.config.as_deref())
+}
+
+fn load_from(path: Option<&std::path::Path>) -> Result<Config, String> {
+    match path {
         Some(path) => Config::from_file(path),
         None => Config::parse(BUNDLED, Some("gateway.toml (bundled)")),
     }
@@ -289,11 +293,38 @@ async fn serve(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
             gateway
         }
     };
+    reload_on_hangup(gateway.clone(), args, config.clone())?;
     let local = listener.local_addr()?;
     println!("gateway listening on http://{local}");
     tracing::info!(%local, accounts = config.accounts.len(), tenants = config.tenants.len(), "gateway listening");
     let settings = ServerSettings::from(&config.gateway);
     server::serve(listener, gateway.router.clone(), settings, Some(gateway.health.clone()), stop).await?;
+    Ok(())
+}
+
+/// On SIGHUP, reads the configuration again and replaces the API keys (only the keys: see
+/// `Gateway::reload_keys`); a configuration that does not parse, or changes more than the
+/// keys, is logged and changes nothing.
+fn reload_on_hangup(gateway: Gateway, args: &Args, running: Config) -> Result<(), tower::BoxError> {
+    #[cfg(unix)]
+    {
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
+        let path = args.config.clone();
+        tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                match load_from(path.as_deref()) {
+                    Ok(config) => match gateway.reload_keys(&running, &config) {
+                        Ok(keys) => tracing::info!(keys, "SIGHUP: API keys reloaded"),
+                        Err(e) => tracing::error!(error = %e, "SIGHUP: keys not reloaded"),
+                    },
+                    Err(e) => tracing::error!(error = %e, "SIGHUP: the configuration does not load; keys unchanged"),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (gateway, args, running);
     Ok(())
 }
 

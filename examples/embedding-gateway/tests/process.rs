@@ -35,6 +35,8 @@ struct Gateway {
     child: Child,
     addr: SocketAddr,
     log: PathBuf,
+    /// The configuration file it runs with.
+    config: PathBuf,
 }
 
 impl Gateway {
@@ -66,7 +68,7 @@ impl Gateway {
             let _ = child.kill();
             panic!("no address on stdout ({line:?}); stderr: {}", std::fs::read_to_string(&log).unwrap_or_default());
         };
-        Gateway { addr: addr.parse().unwrap(), child, log }
+        Gateway { addr: addr.parse().unwrap(), child, log, config }
     }
 
     fn signal(&self, name: &str) {
@@ -147,6 +149,36 @@ fn help_and_version_exit_zero() {
     let out = Command::new(BIN).arg("frobnicate").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown command \"frobnicate\""));
+}
+
+/// SIGHUP reads the configuration again and replaces the keys, given as keys or as their
+/// digests; a configuration that changes more than keys changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_keys_and_nothing_else() {
+    use embedding_gateway::config::KeyDigest;
+    let (url, _) = slow_upstream(Some(Duration::from_millis(1))).await;
+    let text = config_text("", "org = { rpm = 600000 }", &url);
+    let gateway = Gateway::spawn(&text, &[]);
+    let addr = gateway.addr;
+    assert_eq!(embed(addr, "sk-acme-alice", "hi".into()).await.status, 200);
+
+    // alice's key replaced by another, given by its digest only.
+    let digest = KeyDigest::of("sk-acme-rotated").to_hex();
+    let rotated = text.replace("key = \"sk-acme-alice\"", &format!("key_sha256 = \"{digest}\""));
+    assert_ne!(rotated, text);
+    std::fs::write(&gateway.config, &rotated).unwrap();
+    gateway.signal("HUP");
+    until("the keys reloaded", || gateway.stderr().contains("API keys reloaded")).await;
+    assert_eq!(embed(addr, "sk-acme-alice", "hi".into()).await.status, 401, "the old key is gone");
+    assert_eq!(embed(addr, "sk-acme-rotated", "hi".into()).await.status, 200);
+    assert_eq!(embed(addr, "sk-globex-bob", "hi".into()).await.status, 200, "the others stay");
+
+    // A tenant renamed is not a key: refused, the keys as they were.
+    std::fs::write(&gateway.config, rotated.replace("name = \"globex\"", "name = \"globex2\"")).unwrap();
+    gateway.signal("HUP");
+    until("the reload refused", || gateway.stderr().contains("keys not reloaded")).await;
+    assert_eq!(embed(addr, "sk-acme-rotated", "hi".into()).await.status, 200);
+    assert!(!gateway.stderr().contains("sk-acme-rotated"), "a key in the log");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

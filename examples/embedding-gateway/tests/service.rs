@@ -756,3 +756,34 @@ fn the_roster_counts_the_replicas_heard_within_its_window() {
     size.saw(3);
     assert_eq!(size.to_json(), serde_json::json!({ "configured": 1, "seen": 3 }));
 }
+
+/// A key may be given by its SHA-256 digest; a digest that is not one, or a key given both
+/// ways, or neither, is named with its line.
+#[test]
+fn keys_given_by_digest_are_checked_with_their_line() {
+    use embedding_gateway::config::KeyDigest;
+    let text = config_text("", "org = { rpm = 60 }", "http://127.0.0.1:9");
+    let alice = "key = \"sk-acme-alice\"";
+    let digest = KeyDigest::of("sk-acme-alice");
+    let by_digest = text.replace(alice, &format!("key_sha256 = \"{}\"", digest.to_hex().to_uppercase()));
+    let config = parse_config(&by_digest);
+    assert_eq!(config.tenants[0].keys[0].digest, digest, "upper-case digits read as well");
+    let cases = [
+        (format!("key_sha256 = \"{}\"", &digest.to_hex()[..63]), "tenant[0].key[0].key_sha256", "64 hexadecimal"),
+        ("key_sha256 = \"zz\"".to_owned(), "tenant[0].key[0].key_sha256", "64 hexadecimal"),
+        (format!("{alice}\nkey_sha256 = \"{}\"", digest.to_hex()), "tenant[0].key[0].key_sha256", "not both"),
+        ("user2 = \"x\"".to_owned(), "tenant[0].key[0].user2", "key_sha256"),
+    ];
+    for (line, field, message) in cases {
+        let text = text.replace(alice, &line);
+        let err = Config::parse(&text, Some("keys.toml")).unwrap_err();
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.message.contains(message), "{err}");
+        assert!(err.line.is_some(), "{err}");
+    }
+    // The same key twice, once by digest: one owner.
+    let twice = text
+        .replace("key = \"sk-globex-bob\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-acme-alice").to_hex()));
+    let err = Config::parse(&twice, Some("keys.toml")).unwrap_err();
+    assert!(err.message.contains("already belongs to tenant \"acme\""), "{err}");
+}

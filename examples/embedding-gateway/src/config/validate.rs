@@ -15,8 +15,8 @@ use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
 use super::raw::{Raw, RawAccount, RawDemo, RawGateway, RawMirror, RawTenant, RawTierLimits, RawUpstream, S};
 use super::{
-    Account, ApiKey, BackendFailure, Config, ConfigError, DemoClient, DemoSettings, GatewaySettings, MirrorSettings,
-    Plan, Source, Tenant, TimeoutCharge, UpstreamSettings, line_column,
+    Account, ApiKey, BackendFailure, Config, ConfigError, DemoClient, DemoSettings, GatewaySettings, KeyDigest,
+    MirrorSettings, Plan, Source, Tenant, TimeoutCharge, UpstreamSettings, line_column,
 };
 
 fn duration(src: &Source<'_>, value: &S<String>, field: &str) -> Result<Duration, ConfigError> {
@@ -419,7 +419,7 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
     let mut tenants = Vec::new();
     let mut names = HashMap::new();
     // Every key read so far, and the index of its tenant.
-    let mut owners: HashMap<String, usize> = HashMap::new();
+    let mut owners: HashMap<KeyDigest, usize> = HashMap::new();
     for (i, t) in raw.iter().enumerate() {
         let base = format!("tenant[{i}]");
         let name = t.name.get_ref();
@@ -449,16 +449,16 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
         for (j, k) in t.key.iter().enumerate() {
             let kbase = format!("{base}.key[{j}]");
             let fields = key_fields(src, k, &kbase, tiers)?;
-            let secret = fields.secret;
-            if let Some(other) = owners.insert(secret.get_ref().clone(), i) {
+            let (digest, written, field) = (fields.digest, fields.written, fields.field);
+            if let Some(other) = owners.insert(digest, i) {
                 return Err(src.at(
-                    secret,
-                    format!("{kbase}.key"),
+                    written,
+                    format!("{kbase}.{field}"),
                     format!("this key already belongs to tenant {:?}", raw[other].name.get_ref()),
                 ));
             }
             let tenant_key = key_tiers(src, fields, &kbase, name, tiers)?;
-            keys.push(ApiKey { secret: secret.get_ref().clone(), tenant_key });
+            keys.push(ApiKey { digest, tenant_key });
         }
         tenants.push(Tenant { name: name.clone(), plan, weight, keys });
     }
@@ -467,8 +467,11 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
 
 /// One `[[tenant.key]]` as written, before its tiers are checked.
 struct KeyFields<'k> {
-    /// The API key.
-    secret: &'k S<String>,
+    /// The API key's digest.
+    digest: KeyDigest,
+    /// Where the key (or its digest) was written, and under which field.
+    written: &'k S<String>,
+    field: &'static str,
     /// The key's value at each tier, in the order of the tiers: `None` at the first (the
     /// tenant's name) and where it names none.
     parts: Vec<Option<&'k S<String>>>,
@@ -486,11 +489,14 @@ fn key_fields<'k>(
     tiers: &[String],
 ) -> Result<KeyFields<'k>, ConfigError> {
     let mut secret = None;
+    let mut digest = None;
     let mut parts: Vec<Option<&S<String>>> = vec![None; tiers.len()];
     // Keys and values share a line: a value's position stands for its key's.
     for (field, value) in key {
         if field == "key" {
             secret = Some(value);
+        } else if field == "key_sha256" {
+            digest = Some(value);
         } else if let Some(p) = tiers.iter().position(|t| t == field) {
             if p == 0 {
                 return Err(src.at(
@@ -504,18 +510,49 @@ fn key_fields<'k>(
             return Err(src.at(
                 value,
                 format!("{kbase}.{field}"),
-                format!("unknown field: expected `key` or a tier below {:?} ({})", tiers[0], tiers.join(", ")),
+                format!(
+                    "unknown field: expected `key`, `key_sha256` or a tier below {:?} ({})",
+                    tiers[0],
+                    tiers.join(", ")
+                ),
             ));
         }
     }
     let at = key.values().next().map(Spanned::span);
-    let Some(secret) = secret else {
-        return Err(src.error(at, format!("{kbase}.key"), "missing field `key` (the API key)"));
+    let (digest, written, field) = match (secret, digest) {
+        (Some(secret), None) => {
+            let text = secret.get_ref();
+            if text.len() < 8 || text.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(src.at(
+                    secret,
+                    format!("{kbase}.key"),
+                    "an API key has at least 8 characters and no spaces",
+                ));
+            }
+            (KeyDigest::of(text), secret, "key")
+        }
+        (None, Some(hex)) => match KeyDigest::from_hex(hex.get_ref()) {
+            Some(d) => (d, hex, "key_sha256"),
+            None => {
+                return Err(src.at(
+                    hex,
+                    format!("{kbase}.key_sha256"),
+                    "a SHA-256 digest is 64 hexadecimal digits (`printf %s \"$KEY\" | sha256sum`)",
+                ));
+            }
+        },
+        (Some(_), Some(hex)) => {
+            return Err(src.at(hex, format!("{kbase}.key_sha256"), "give the key or its digest, not both"));
+        }
+        (None, None) => {
+            return Err(src.error(
+                at,
+                format!("{kbase}.key"),
+                "missing field `key` (the API key) or `key_sha256` (its SHA-256 digest)",
+            ));
+        }
     };
-    if secret.get_ref().len() < 8 || secret.get_ref().chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(src.at(secret, format!("{kbase}.key"), "an API key has at least 8 characters and no spaces"));
-    }
-    Ok(KeyFields { secret, parts, at })
+    Ok(KeyFields { digest, written, field, parts, at })
 }
 
 /// The tenant key that one `[[tenant.key]]` stands for: the tenant's `name`, then the
@@ -541,7 +578,7 @@ fn key_tiers(
             }
         }
     }
-    TenantKey::new(&path).map_err(|e| src.at(fields.secret, kbase, e.to_string()))
+    TenantKey::new(&path).map_err(|e| src.at(fields.written, kbase, e.to_string()))
 }
 
 /// The `[[account]]` sections: at least one account, each with a name of its own, a
@@ -623,7 +660,8 @@ fn demo(src: &Source<'_>, d: &RawDemo, tenants: &[Tenant]) -> Result<DemoSetting
     let mut clients = Vec::new();
     for (i, c) in d.client.iter().enumerate() {
         let base = format!("demo.client[{i}]");
-        if !tenants.iter().flat_map(|t| &t.keys).any(|k| &k.secret == c.key.get_ref()) {
+        let digest = KeyDigest::of(c.key.get_ref());
+        if !tenants.iter().flat_map(|t| &t.keys).any(|k| k.digest == digest) {
             return Err(src.at(&c.key, format!("{base}.key"), "no tenant has this key"));
         }
         clients.push(DemoClient {
