@@ -221,3 +221,28 @@ fn server_asleep_past_the_timeout() {
         all_permits_back(&b).await;
     });
 }
+
+/// A fleet that grew while it runs: the fallback, resized to the new share, decides with
+/// it once Redis is away; a backend without a fallback has none to resize.
+#[test]
+fn the_fallback_share_follows_the_fleet() {
+    let Some(mut server) = own_redis_for("the_fallback_share_follows_the_fleet") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let b = backend(&conn, FailurePolicy::Fallback { share: 1.0 }, &namespace("resize"));
+        let closed = backend(&conn, FailurePolicy::FailClosed, &namespace("resize-closed"));
+        assert!(!closed.set_fallback_share(0.5).unwrap());
+        for wrong in [0.0, -1.0, 1.5, f64::NAN] {
+            assert!(b.set_fallback_share(wrong).is_err(), "{wrong}");
+        }
+        // A second replica joined.
+        assert!(b.set_fallback_share(0.5).unwrap());
+        server.stop();
+        // Half of the two permits: one, where the share it was built with gave two.
+        let local = acquire(&b).await.unwrap();
+        assert_eq!(local.source(), GrantSource::Fallback);
+        let refused = acquire(&b).await.unwrap_err();
+        assert!(refused.as_refusal().is_some_and(|d| d.needs_release()), "{refused}");
+        b.release(&alice(), local);
+    });
+}

@@ -233,6 +233,12 @@ struct RedisPlans {
     fleet: Arc<FleetShares>,
     /// `gateway.retry_spread_percent`.
     spread: u16,
+    /// What sizes this replica's part of every account (see [`Gateway::resize_fleet`]).
+    account_list: Vec<Account>,
+    mirror: crate::config::MirrorSettings,
+    max_request_tokens: u64,
+    /// The plans' backends, once Redis answered.
+    backends: Mutex<Vec<RedisBackend>>,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -432,6 +438,10 @@ impl Gateway {
                 store: Mutex::new(None),
                 fleet,
                 spread,
+                account_list: config.accounts.clone(),
+                mirror: config.mirror,
+                max_request_tokens: config.gateway.max_request_tokens,
+                backends: Mutex::new(Vec::new()),
             })
         });
 
@@ -458,6 +468,32 @@ impl Gateway {
             auth.clone(),
         ));
         Ok(Gateway { router, pool, stats, health, auth, redis_plans })
+    }
+
+    /// Sizes what this replica decides alone while Redis is away for a fleet of `replicas`
+    /// (at least 1): `1 / replicas` of every plan's limits and of every upstream account,
+    /// as `--replicas` does at start. For a fleet that grew or shrank while it runs (the
+    /// roster, [`crate::roster`]). Accounts keep the state of their limits. Nothing to do
+    /// in memory; the plans are resized once Redis answered (before, they follow the size
+    /// given at start).
+    ///
+    /// # Errors
+    /// An account too small to split in `replicas`.
+    pub fn resize_fleet(&self, replicas: u64) -> Result<(), BoxError> {
+        let Some(r) = &self.redis_plans else { return Ok(()) };
+        let replicas = replicas.max(1);
+        for (i, account) in r.account_list.iter().enumerate() {
+            let mirror = account
+                .mirror_policy(&r.mirror, r.max_request_tokens, replicas)
+                .map_err(|e| format!("account {:?}: {e}", account.name))?;
+            if let Some(set) = self.pool.member_set(i) {
+                set.replace_policy(mirror)?;
+            }
+        }
+        for backend in r.backends.lock().unwrap_or_else(PoisonError::into_inner).iter() {
+            backend.set_fallback_share(1.0 / replicas as f64)?;
+        }
+        Ok(())
     }
 
     /// Replaces the API keys with those of `config` (read again), for every route at once;
@@ -530,6 +566,7 @@ impl Gateway {
             *r.store.lock().unwrap_or_else(PoisonError::into_inner) = Some(store);
         }
         *r.slot.write().unwrap_or_else(PoisonError::into_inner) = services.into();
+        *r.backends.lock().unwrap_or_else(PoisonError::into_inner) = backends.clone();
         self.health.set_redis(backends);
         Ok(())
     }

@@ -49,7 +49,8 @@ usage:
 Without --config, the bundled gateway.toml is used. With --redis, the tenants' limits
 and the upstream accounts' mirrors live in Redis, shared by every replica (the demo runs
 N of them; serve is one); N only sizes what a replica decides alone while Redis is away
-(1/N of every limit and account). serve starts even while Redis is down, and follows
+(1/N of every limit and account; serve's replicas also count each other through Redis
+and size for the larger fleet). serve starts even while Redis is down, and follows
 gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
 to the first replica and splits the others' connections 60/30/10 (the replicas still
 share the accounts by the tenants' weights across the fleet); --advisory-shares reports
@@ -289,7 +290,17 @@ async fn serve(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
             gateway.health.track_fleet(size.clone());
             let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let id = format!("{addr}/{}/{}", std::process::id(), started.as_nanos());
-            embedding_gateway::roster::spawn(size, url.clone(), "egw", id);
+            let resizing = gateway.clone();
+            embedding_gateway::roster::spawn(size, url.clone(), "egw", id, move |replicas| {
+                match resizing.resize_fleet(replicas) {
+                    Ok(()) => tracing::info!(
+                        replicas,
+                        "fleet size changed: while Redis is away this replica decides 1/{replicas} of every limit \
+                         and account"
+                    ),
+                    Err(e) => tracing::error!(replicas, error = %e, "cannot resize to the fleet's size"),
+                }
+            });
             gateway
         }
     };

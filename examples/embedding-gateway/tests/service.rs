@@ -747,14 +747,73 @@ fn the_roster_counts_the_replicas_heard_within_its_window() {
         assert_eq!(beat(&mut conn, key, "a", hour).await.unwrap(), 2, "a replica beating again is one replica");
         // Within a microsecond only the replica beating now was heard.
         assert_eq!(beat(&mut conn, key, "c", Duration::from_micros(1)).await.unwrap(), 1);
+        // The key lives two windows past the last beat.
+        assert_eq!(beat(&mut conn, key, "c", hour).await.unwrap(), 1);
         let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
-        assert!(ttl > 0, "the roster's key must expire when the fleet is gone: {ttl}");
+        assert!((3_600_000..=7_200_000).contains(&ttl), "the roster's key must expire with the fleet: {ttl}");
     });
-    // What /readyz says, and a count above the configured one is recorded as seen.
+    // What /readyz says: a count above the configured one sizes the shares at once.
     let size = FleetSize::new(1);
     assert_eq!(size.seen(), 0);
-    size.saw(3);
-    assert_eq!(size.to_json(), serde_json::json!({ "configured": 1, "seen": 3 }));
+    assert_eq!(size.saw(3), Some(3));
+    assert_eq!(size.to_json(), serde_json::json!({ "configured": 1, "seen": 3, "sized_for": 3 }));
+}
+
+/// The fleet's size for the shares: never below `--replicas`, up at once, down only after
+/// the fleet looked smaller for a minute without a break.
+#[tokio::test(start_paused = true)]
+async fn the_fleet_grows_at_once_and_shrinks_after_a_minute() {
+    use embedding_gateway::roster::{FleetSize, SHRINK_AFTER};
+    use std::time::Duration;
+    let size = FleetSize::new(2);
+    assert_eq!(size.saw(1), None, "never below --replicas");
+    assert_eq!(size.saw(4), Some(4));
+    assert_eq!(size.saw(3), None, "a smaller fleet waits");
+    tokio::time::advance(SHRINK_AFTER - Duration::from_secs(1)).await;
+    assert_eq!(size.saw(3), None);
+    // Back to four for a beat: the wait starts over.
+    assert_eq!(size.saw(4), None);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert_eq!(size.saw(3), None);
+    tokio::time::advance(SHRINK_AFTER).await;
+    assert_eq!(size.saw(3), Some(3));
+    assert_eq!(size.saw(1), None, "down to --replicas at most, after its own minute");
+    tokio::time::advance(SHRINK_AFTER).await;
+    assert_eq!(size.saw(1), Some(2));
+    assert_eq!(size.sized_for(), 2);
+}
+
+/// Resizing a replica for a larger fleet cuts its part of every account (and of every
+/// plan's fallback) while it serves.
+#[test]
+fn a_replica_resized_for_a_larger_fleet_mirrors_less_of_each_account() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("a_replica_resized_for_a_larger_fleet") else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+        let config = parse_config(&config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9"));
+        let (router, _) = upstream::router(&config.accounts, config.upstream);
+        let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-resize".into() };
+        let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
+        let quota = |g: &Gateway| {
+            let set = g.pool.member_set(0).unwrap();
+            set.peek(&tower_limits::TenantKey::global(), tower_limits::Instant::ZERO)
+                .iter()
+                .map(|s| s.snapshot.quota)
+                .collect::<Vec<_>>()
+        };
+        let whole = quota(&gateway);
+        gateway.resize_fleet(4).unwrap();
+        let quarter = quota(&gateway);
+        assert_eq!(whole.len(), quarter.len());
+        for (w, q) in whole.iter().zip(&quarter) {
+            assert!(*q < *w && *q <= w.div_ceil(4) + 1, "a quarter of {w} is not {q}: {whole:?} -> {quarter:?}");
+        }
+        gateway.resize_fleet(1).unwrap();
+        assert_eq!(quota(&gateway), whole, "and back");
+    });
 }
 
 /// A key may be given by its SHA-256 digest; a digest that is not one, or a key given both

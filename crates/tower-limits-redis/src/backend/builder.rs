@@ -293,6 +293,7 @@ impl RedisBackendBuilder {
                 refusals: (self.refusal_cache > 0).then(|| BoundedMap::new(self.refusal_cache)),
                 snapshots: (self.peek_cache > 0).then(|| BoundedMap::new(self.peek_cache)),
                 fallback,
+                policy: self.policy.clone(),
                 stats: Counters::default(),
                 instance,
                 next_holder: AtomicU64::new(1),
@@ -451,7 +452,7 @@ fn share_limit(limit: &Limit, excess_percent: u32) -> Result<ShareLimit, String>
 }
 
 /// The policy with every limit scaled to `share`, for the local fallback.
-fn scaled(policy: &LimitSetPolicy, share: f64) -> LimitSetPolicy {
+pub(super) fn scaled(policy: &LimitSetPolicy, share: f64) -> LimitSetPolicy {
     let scale = |n: u64| ((n as f64 * share).floor() as u64).max(1);
     let mut policy = policy.clone();
     for l in &mut policy.limits {

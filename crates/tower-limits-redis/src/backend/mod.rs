@@ -156,6 +156,8 @@ pub(crate) struct Inner {
     refusals: Option<BoundedMap<CachedRefusal>>,
     snapshots: Option<BoundedMap<CachedSnapshots>>,
     fallback: Option<LimitSet>,
+    /// The set's policy, whole: what a new fallback share scales.
+    policy: tower_limits_core::LimitSetPolicy,
     stats: Counters,
     instance: u64,
     next_holder: AtomicU64,
@@ -170,6 +172,37 @@ pub(crate) struct Inner {
 }
 
 impl RedisBackend {
+    /// Resizes the local fallback ([`FailurePolicy::Fallback`]) to `share` of every limit:
+    /// for a fleet that grew or shrank while it runs (a roster of replicas, an autoscaler).
+    /// Keys the fallback tracks keep their state where the limit keeps its kind (see
+    /// [`LimitSet::replace_policy`]). Whether the backend has a fallback to resize.
+    ///
+    /// ```
+    /// # async fn demo(conn: tower_limits_redis::RedisConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_limits_core::{LimitPolicy, LimitSetPolicy, Quota, nz};
+    /// use tower_limits_redis::{FailurePolicy, RedisBackend};
+    ///
+    /// let policy = LimitSetPolicy::new().limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(100))));
+    /// let backend = RedisBackend::builder(policy).on_failure(FailurePolicy::Fallback { share: 0.5 }).build(&conn)?;
+    /// // A third replica joined: each decides a third alone while Redis is away.
+    /// assert!(backend.set_fallback_share(1.0 / 3.0)?);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// `share` is not in `(0, 1]`.
+    pub fn set_fallback_share(&self, share: f64) -> Result<bool, crate::BuildError> {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(crate::BuildError::Invalid {
+                field: "on_failure",
+                message: format!("the fallback share must be in (0, 1], got {share}"),
+            });
+        }
+        let Some(fallback) = &self.inner.fallback else { return Ok(false) };
+        fallback.replace_policy(builder::scaled(&self.inner.policy, share))?;
+        Ok(true)
+    }
+
     /// Counters of this backend (this replica's view).
     #[must_use]
     pub fn stats(&self) -> RedisStats {
