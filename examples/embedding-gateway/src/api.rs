@@ -303,22 +303,28 @@ pub struct UsageOnly {
 /// A JSON error answer in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
 /// (`param` null).
 #[must_use]
-pub fn error_response(status: StatusCode, kind: &str, code: &str, message: &str) -> Response<Body> {
+pub fn error_response(status: StatusCode, kind: &str, code: &'static str, message: &str) -> Response<Body> {
     error_with_param(status, kind, code, None, message)
 }
+
+/// The `code` of the gateway's own error answer, in the answer's extensions: the `code`
+/// label of `gateway_responses` (see [`crate::metrics`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCode(pub &'static str);
 
 /// A JSON error answer in OpenAI's shape naming the parameter at fault.
 #[must_use]
 pub fn error_with_param(
     status: StatusCode,
     kind: &str,
-    code: &str,
+    code: &'static str,
     param: Option<&str>,
     message: &str,
 ) -> Response<Body> {
     let body = serde_json::json!({ "error": { "message": message, "type": kind, "param": param, "code": code } });
     let mut response = Response::new(Body::from(body.to_string()));
     *response.status_mut() = status;
+    response.extensions_mut().insert(ErrorCode(code));
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }

@@ -224,6 +224,9 @@ pub struct ApiKey {
     /// (`key = "sk-..."`) or only its digest (`key_sha256 = "<64 hex digits>"`), and the
     /// gateway keeps nothing else.
     pub digest: KeyDigest,
+    /// Whether the configuration wrote the key itself rather than its digest (`check`
+    /// warns about those).
+    pub plain: bool,
     /// The tiers it maps to.
     pub tenant_key: TenantKey,
 }

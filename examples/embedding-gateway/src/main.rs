@@ -206,6 +206,13 @@ fn main() -> ExitCode {
                     config.tenants.len(),
                     config.accounts.len()
                 );
+                let plain = config.tenants.iter().flat_map(|t| &t.keys).filter(|k| k.plain).count();
+                if plain > 0 {
+                    println!(
+                        "warning: {plain} API keys are written in plain text; give their digests instead \
+                         (key_sha256 = the output of `printf %s \"$KEY\" | sha256sum`)"
+                    );
+                }
                 Ok(true)
             }
             "demo" => {

@@ -6,9 +6,9 @@
 //! for the configured tenants only), the upstream accounts' selections and answers, and,
 //! with Redis, backend failures and the failure policy's decisions. The gateway names its
 //! layers `plan` (each tenant's plan) and `upstream` (the fair queue in front of the
-//! accounts). The gateway adds its own: `gateway_responses` (every answer, by `status`:
-//! the `401`s of guessed keys, the `408`s of slow bodies, the `502`s and `504`s of the
-//! upstream, ...) and `gateway_connections` (by `state`: `open`, `receiving_body`,
+//! accounts). The gateway adds its own: `gateway_responses` (every answer, by `status`
+//! and by the gateway's own error `code`, `none` for the others: the `401`s of guessed
+//! keys, the `408 body_too_slow`s, the `502`s and `504`s of the upstream, ...) and `gateway_connections` (by `state`: `open`, `receiving_body`,
 //! `probe_place`; see [`crate::server`]).
 //!
 //! The recorder is `metrics-exporter-prometheus` without its HTTP listener: the process
@@ -108,7 +108,11 @@ pub(crate) fn status_label(status: http::StatusCode) -> &'static str {
 /// Counts each answer of `router` in `gateway_responses` by status.
 pub fn count_responses(router: Router) -> Router {
     router.layer(tower::util::MapResponseLayer::new(|response: Response<Body>| {
-        metrics::counter!("gateway_responses", "status" => status_label(response.status())).increment(1);
+        // The gateway's own error code; the limit layers' refusals are counted by reason
+        // in `rate_limiting_requests`.
+        let code = response.extensions().get::<crate::api::ErrorCode>().map_or("none", |c| c.0);
+        metrics::counter!("gateway_responses", "status" => status_label(response.status()), "code" => code)
+            .increment(1);
         response
     }))
 }

@@ -602,7 +602,7 @@ async fn connection(
         async move {
             let response = if for_probes && !HEALTH_PATHS.contains(&req.uri().path()) {
                 // Answered here, not by the router: counted here.
-                metrics::counter!("gateway_responses", "status" => "503").increment(1);
+                metrics::counter!("gateway_responses", "status" => "503", "code" => "server_busy").increment(1);
                 server_busy()
             } else {
                 handle(router, req, peer, in_flight, settings.access_log).await

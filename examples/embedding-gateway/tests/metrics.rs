@@ -107,8 +107,8 @@ async fn metrics_show_every_family_after_traffic() {
         ("rate_limiting_pool_selections", &[r#"member="primary""#]),
         ("rate_limiting_upstream_responses", &[r#"member="primary""#, r#"result="ok""#]),
         ("gateway_responses", &[r#"status="200""#]),
-        ("gateway_responses", &[r#"status="401""#]),
-        ("gateway_responses", &[r#"status="404""#]),
+        ("gateway_responses", &[r#"status="401""#, r#"code="invalid_api_key""#]),
+        ("gateway_responses", &[r#"status="404""#, r#"code="not_found""#]),
         ("gateway_responses", &[r#"status="429""#]),
     ] {
         assert!(!samples(&text, name, labels).is_empty(), "no {name} with {labels:?} in\n{text}");

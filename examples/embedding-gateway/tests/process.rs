@@ -16,6 +16,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::post;
 use common::{DEADLINE, config_text, embed, http, until};
+use embedding_gateway::config::KeyDigest;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -155,7 +156,6 @@ fn help_and_version_exit_zero() {
 /// digests; a configuration that changes more than keys changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_keys_and_nothing_else() {
-    use embedding_gateway::config::KeyDigest;
     let (url, _) = slow_upstream(Some(Duration::from_millis(1))).await;
     let text = config_text("", "org = { rpm = 600000 }", &url);
     let gateway = Gateway::spawn(&text, &[]);
@@ -254,6 +254,24 @@ async fn start_up_errors_name_what_failed() {
     let out = Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("`gateway.max_wait` is set twice"), "{out:?}");
+
+    // Plain keys pass, with a warning naming the way out; digests only, without one.
+    let text = config_text("", "org = { rpm = 60 }", "http://127.0.0.1:9");
+    std::fs::write(&config, &text).unwrap();
+    let out = Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("warning: 2 API keys are written in plain text") && stdout.contains("key_sha256"),
+        "{stdout}"
+    );
+    let digests = text
+        .replace("key = \"sk-acme-alice\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-acme-alice").to_hex()))
+        .replace("key = \"sk-globex-bob\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-globex-bob").to_hex()));
+    std::fs::write(&config, digests).unwrap();
+    let out = Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("warning"), "{out:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -846,3 +846,41 @@ fn keys_given_by_digest_are_checked_with_their_line() {
     let err = Config::parse(&twice, Some("keys.toml")).unwrap_err();
     assert!(err.message.contains("already belongs to tenant \"acme\""), "{err}");
 }
+
+/// A tenant that keeps exactly its concurrency in flight through a gateway on Redis is
+/// never refused: a request's slot is back by the time its client sends the next one,
+/// though the release travels to Redis after the answer.
+#[test]
+fn a_tenant_at_exactly_its_concurrency_on_redis_is_never_refused() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("a_tenant_at_exactly_its_concurrency") else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+        let config = parse_config(&config_text("", "org = { concurrency = 2 }", "http://127.0.0.1:9"));
+        let (router, _) = upstream::router(&config.accounts, config.upstream);
+        let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-exact".into() };
+        let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
+        let mut clients = Vec::new();
+        for _ in 0..2 {
+            let gateway = gateway.clone();
+            clients.push(tokio::spawn(async move {
+                let mut refused = Vec::new();
+                for i in 0..150 {
+                    let (status, body) =
+                        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "m", "input": "hi"}))
+                            .await;
+                    if status != StatusCode::OK {
+                        refused.push((i, status, body));
+                    }
+                }
+                refused
+            }));
+        }
+        for client in clients {
+            let refused = client.await.unwrap();
+            assert!(refused.is_empty(), "refused at exactly the concurrency: {refused:?}");
+        }
+    });
+}

@@ -458,7 +458,7 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
                 ));
             }
             let tenant_key = key_tiers(src, fields, &kbase, name, tiers)?;
-            keys.push(ApiKey { digest, tenant_key });
+            keys.push(ApiKey { digest, plain: field == "key", tenant_key });
         }
         tenants.push(Tenant { name: name.clone(), plan, weight, keys });
     }
