@@ -378,7 +378,8 @@ async fn openai_bodies_name_the_plan_and_the_wait() {
 }
 
 /// Once a permit was given back, a concurrency refusal suggests how long permits are held
-/// lately (here 20 ms) rather than the second suggested when nobody knows.
+/// lately (here 20 ms) rather than the second suggested when nobody knows, and refusals of
+/// one moment are told successive turns.
 #[tokio::test(start_paused = true)]
 async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).refuse_with(HttpAnswer::new())).service(
@@ -400,6 +401,18 @@ async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(refused.headers()["retry-after-ms"], "20");
     assert_eq!(refused.headers()["retry-after"], "1");
+    // Refused at the same moment, the next ones are told the next turns: one permit, so
+    // one more hold time each.
+    for turn in [40, 60, 80] {
+        let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+        assert_eq!(refused.headers()["retry-after-ms"], turn.to_string());
+    }
+    drop(held.await.unwrap().unwrap());
+    // A hold time later, the turns start over.
+    let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));
+    tokio::task::yield_now().await;
+    let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(refused.headers()["retry-after-ms"], "20");
     drop(held.await.unwrap().unwrap());
 }
 

@@ -113,7 +113,7 @@ where
                         if shared.settings.shadow {
                             return self.pass(error, req, None);
                         }
-                        return self.refuse(error, None);
+                        return self.refuse(None, error, None);
                     }
                 },
             }
@@ -195,7 +195,7 @@ where
                 if shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
                     return self.wait(key.clone(), cost, req, None);
                 }
-                self.refuse(error, Some(seen))
+                self.refuse(Some(key), error, Some(seen))
             }
             Poll::Pending => self.wait(key.clone(), cost, req, Some(observed)),
         }
@@ -226,7 +226,7 @@ where
         if settings.shadow {
             return self.pass(error, req, None);
         }
-        self.refuse(error, None)
+        self.refuse(Some(key), error, None)
     }
 
     /// Calls the inner service for an admitted request.
@@ -276,12 +276,17 @@ where
     }
 
     /// Refuses, with the limits' states when the decision read them.
-    fn refuse<Req>(&self, mut error: LimitError, seen: Option<Vec<LimitSnapshot>>) -> ResponseFuture<S, Req, U, R, B>
+    fn refuse<Req>(
+        &self,
+        key: Option<&TenantKey>,
+        mut error: LimitError,
+        seen: Option<Vec<LimitSnapshot>>,
+    ) -> ResponseFuture<S, Req, U, R, B>
     where
         S: tower_service::Service<Req>,
         R: RefusalMode<S::Response, S::Error>,
     {
-        self.shared.count_refusal(&mut error);
+        self.shared.count_refusal(&mut error, key);
         trace_refusal(&error);
         error.snapshots = seen.map(Into::into);
         ResponseFuture::refused(Box::new(error), self.extract.usage.clone(), self.refusal.clone())
@@ -342,7 +347,7 @@ where
                             return Ok(Admitted { guard: None, inner, req, snapshots });
                         }
                         if !shared.settings.max_wait.is_some_and(|w| waitable(&error, w)) {
-                            shared.count_refusal(&mut error);
+                            shared.count_refusal(&mut error, Some(&key));
                             trace_refusal(&error);
                             error.snapshots = wants_snapshots.then(|| seen.into());
                             return Err(Box::new(error));
@@ -439,7 +444,7 @@ async fn admit_in_turn<B: Backend>(
     let deadline = start + max_wait;
     let Some(ticket) = shared.waiters.join(key, shared.settings.max_waiters) else {
         let mut error = LimitError::new(ErrorKind::QueueFull).with_detail("too many requests are waiting");
-        shared.count_refusal(&mut error);
+        shared.count_refusal(&mut error, Some(key));
         return Err(error);
     };
     // Reports the wait when it ends; dropped with this future, a cancelled one.
@@ -467,7 +472,7 @@ async fn admit_in_turn<B: Backend>(
             ErrorKind::RateLimited => {
                 let wait = error.retry_after().unwrap_or_default();
                 if now + wait > deadline {
-                    shared.count_refusal(&mut error);
+                    shared.count_refusal(&mut error, Some(key));
                     if waited {
                         shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
                     }
@@ -481,13 +486,13 @@ async fn admit_in_turn<B: Backend>(
             ErrorKind::ConcurrencyLimited => {
                 shared.wait_timeouts.fetch_add(1, Ordering::Relaxed);
                 let mut timed_out = LimitError { kind: ErrorKind::WaitTimedOut, ..error };
-                shared.count_refusal(&mut timed_out);
+                shared.count_refusal(&mut timed_out, Some(key));
                 trace_refusal(&timed_out);
                 watch.leave(false);
                 return Err(timed_out);
             }
             _ => {
-                shared.count_refusal(&mut error);
+                shared.count_refusal(&mut error, Some(key));
                 trace_refusal(&error);
                 watch.leave(false);
                 return Err(error);

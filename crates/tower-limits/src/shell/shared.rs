@@ -58,10 +58,32 @@ impl Default for Settings {
 /// An exponentially weighted mean (weight 1/8) of the hold times, written on one release
 /// in eight at most (chosen by the low bits of the hold time), so that releases on many
 /// cores do not all write one cache line; read on refusals only.
-#[derive(Debug, Default)]
+///
+/// Refusals of one moment are told successive turns rather than one instant: the k-th
+/// refused within one mean hold time, for a limit of `c` permits, is told `mean × (1 +
+/// k / c)`, the turn its permit is likely to come in. Refusals are counted per key
+/// (hashed into a few dozen buckets, so that tenants seldom share a count) in waves one
+/// mean hold time long.
+#[derive(Debug)]
 pub(crate) struct HoldTimes {
     /// The mean in nanoseconds; 0 before the first sample.
     mean_ns: AtomicU64,
+    waves: [Wave; WAVES],
+}
+
+/// How many refusals a bucket of keys had since `start_ns`.
+#[derive(Debug, Default)]
+struct Wave {
+    start_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+const WAVES: usize = 64;
+
+impl Default for HoldTimes {
+    fn default() -> Self {
+        HoldTimes { mean_ns: AtomicU64::new(0), waves: std::array::from_fn(|_| Wave::default()) }
+    }
 }
 
 impl HoldTimes {
@@ -78,12 +100,36 @@ impl HoldTimes {
         self.mean_ns.store(new.max(1), Ordering::Relaxed);
     }
 
-    /// The recent mean hold time, once a permit was released.
-    pub(crate) fn mean(&self) -> Option<Duration> {
-        let ns = self.mean_ns.load(Ordering::Relaxed);
-        (ns != 0).then(|| Duration::from_nanos(ns))
+    /// The wait a concurrency refusal of `key` at `now` suggests, for a limit of
+    /// `capacity` permits: its turn in the wave of refusals (see the type's docs). `None`
+    /// before a permit came back.
+    pub(crate) fn turn(&self, key: Option<&TenantKey>, capacity: u64, now_ns: u64) -> Option<Duration> {
+        let mean = self.mean_ns.load(Ordering::Relaxed);
+        if mean == 0 {
+            return None;
+        }
+        let bucket = key.map_or(0, |k| {
+            use std::hash::BuildHasher;
+            (std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(k)
+                % WAVES as u64) as usize
+        });
+        let wave = &self.waves[bucket];
+        let start = wave.start_ns.load(Ordering::Relaxed);
+        let k = if now_ns.saturating_sub(start) >= mean {
+            // A mean hold time since this wave began: a new wave.
+            wave.start_ns.store(now_ns, Ordering::Relaxed);
+            wave.count.store(1, Ordering::Relaxed);
+            0
+        } else {
+            wave.count.fetch_add(1, Ordering::Relaxed)
+        };
+        let turns = 1 + k / capacity.max(1);
+        Some(Duration::from_nanos(mean.saturating_mul(turns)).min(MAX_TURN))
     }
 }
+
+/// The longest wait a concurrency refusal suggests by its turn.
+const MAX_TURN: Duration = Duration::from_secs(60);
 
 /// Counters of a limit layer (the limits keep their own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -136,10 +182,12 @@ impl<B> Shared<B> {
     }
 
     /// Counts a refusal, and reports it.
-    /// A concurrency refusal, whose wait nobody knows, suggests the recent mean hold time.
-    pub(crate) fn count_refusal(&self, error: &mut LimitError) {
+    /// A concurrency refusal of `key`, whose wait nobody knows, suggests its turn by the
+    /// recent mean hold time.
+    pub(crate) fn count_refusal(&self, error: &mut LimitError, key: Option<&TenantKey>) {
         if error.kind == crate::ErrorKind::ConcurrencyLimited && error.retry_after.is_none() {
-            error.retry_after = self.holds.mean();
+            let capacity = error.snapshot.map_or(1, |s| s.quota);
+            error.retry_after = self.holds.turn(key, capacity, tower_limits_core::Clock::now(&self.clock).as_nanos());
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
         self.settings.meter.refused(error);
