@@ -561,7 +561,8 @@ impl<J, O> HttpAnswer<J, O> {
     }
 
     /// Spreads the waits that refusals suggest: each says its wait plus a random part of
-    /// up to `percent` of it, drawn afresh for every refusal. Clients refused at the same
+    /// up to `percent` of it, drawn afresh for every refusal. Concurrency refusals are not
+    /// spread: they are told their turns already (see the guide's HTTP page). Clients refused at the same
     /// moment (many callers of one limit, retrying exactly when told, as OpenAI's SDKs do
     /// with `retry-after-ms`) then come back spread over that span instead of together,
     /// where all but the first would be refused again. Never earlier than the wait: a
@@ -663,7 +664,9 @@ where
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
         }
-        if let Some(wait) = error.retry_after.filter(|_| self.how.spread_percent > 0) {
+        // A concurrency refusal is told its turn already: spread, turns would overlap.
+        let spreads = self.how.spread_percent > 0 && error.kind() != ErrorKind::ConcurrencyLimited;
+        if let Some(wait) = error.retry_after.filter(|_| spreads) {
             error.retry_after = Some(spread(wait, self.how.spread_percent));
         }
         if !self.how.limit_fields {

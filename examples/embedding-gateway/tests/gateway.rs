@@ -421,3 +421,58 @@ async fn the_queues_refusals_are_openai_errors_with_a_wait() {
     assert_eq!(body["error"]["code"], "wait_timed_out");
     assert!(body["error"]["message"].as_str().unwrap().ends_with("Please try again in 1.100s."), "{body}");
 }
+
+/// Clients that retry as OpenAI's SDKs do (twice at most, exactly after `retry-after-ms`)
+/// all get through a tenant's concurrency when more of them come at once than it allows:
+/// each refusal tells its turn, so the retries come back as permits free up, not together.
+#[tokio::test(start_paused = true)]
+async fn sdk_clients_at_once_all_pass_a_concurrency_limit_with_two_retries() {
+    // An account with room to spare and an upstream answering in 20 ms: the tenant's
+    // concurrency is the only limit that binds.
+    // The gateway's default spread (concurrency refusals are told turns, unspread).
+    let text = config_text("org = { concurrency = 8 }", "\n[upstream]\nlatency = \"20ms\"")
+        .replace("retry_spread_percent = 0", "retry_spread_percent = 25")
+        .replace("rpm = 600\n", "rpm = 600000\n")
+        .replace("tpm = 60000\n", "tpm = 60000000\n");
+    let config = Config::parse(&text, Some("test.toml")).unwrap();
+    let (transport, _stats) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    // The gateway has served before: it knows how long a request holds its permit.
+    for _ in 0..8 {
+        let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"warm".into())).await.unwrap();
+        assert_eq!(ok.status(), StatusCode::OK);
+        let _ = json(ok).await;
+    }
+    for clients in [24, 64] {
+        let started = tokio::time::Instant::now();
+        let mut calls = Vec::new();
+        for i in 0..clients {
+            let router = gateway.router.clone();
+            calls.push(tokio::spawn(async move {
+                for attempt in 0..3 {
+                    let input = serde_json::Value::from(format!("call {i}"));
+                    let response = router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
+                    if response.status() == StatusCode::OK {
+                        let _ = json(response).await;
+                        return Ok(attempt);
+                    }
+                    let status = response.status();
+                    let Some(ms) = response.headers().get("retry-after-ms") else { return Err(status) };
+                    let wait = Duration::from_millis(ms.to_str().unwrap().parse().unwrap());
+                    drop(response);
+                    tokio::time::sleep(wait).await;
+                }
+                Err(StatusCode::TOO_MANY_REQUESTS)
+            }));
+        }
+        let mut failed = Vec::new();
+        for (i, call) in calls.into_iter().enumerate() {
+            if let Err(status) = call.await.unwrap() {
+                failed.push((i, status));
+            }
+        }
+        assert!(failed.is_empty(), "{clients} at once: {} failed after two retries: {failed:?}", failed.len());
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(1), "{clients} at once took {took:?}");
+    }
+}

@@ -60,8 +60,8 @@ impl Default for Settings {
 /// cores do not all write one cache line; read on refusals only.
 ///
 /// Refusals of one moment are told successive turns rather than one instant: the k-th
-/// refused within one mean hold time, for a limit of `c` permits, is told `mean × (1 +
-/// k / c)`, the turn its permit is likely to come in. Refusals are counted per key
+/// refused within one mean hold time, for a limit of `c` permits, is told `1.25 × mean ×
+/// (1 + k / c)`, the turn its permit is likely to have come back by. Refusals are counted per key
 /// (hashed into a few dozen buckets, so that tenants seldom share a count) in waves one
 /// mean hold time long.
 #[derive(Debug)]
@@ -124,7 +124,11 @@ impl HoldTimes {
             wave.count.fetch_add(1, Ordering::Relaxed)
         };
         let turns = 1 + k / capacity.max(1);
-        Some(Duration::from_nanos(mean.saturating_mul(turns)).min(MAX_TURN))
+        // Turns a quarter longer than the mean hold: permits come back around the mean,
+        // some later, and a turn as long as the mean would send each wave of clients for
+        // its permits just before the wave ahead of it gives them back.
+        let wait = mean.saturating_mul(turns).saturating_add(mean.saturating_mul(turns) / 4);
+        Some(Duration::from_nanos(wait).min(MAX_TURN))
     }
 }
 
