@@ -135,6 +135,9 @@ pub struct GatewaySettings {
     pub on_upstream_timeout: TimeoutCharge,
     /// What the tenants' limits do while their shared backend (Redis) cannot answer.
     pub backend_failure: BackendFailure,
+    /// The longest a call to Redis may take before the failure policy decides (250 ms: a
+    /// loopback or LAN Redis on a busy machine; longer across zones).
+    pub redis_timeout: Duration,
     /// How much later than the exact wait a refusal's `Retry-After` may say, in percent
     /// of the wait, drawn afresh per refusal: clients refused at one moment come back
     /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).

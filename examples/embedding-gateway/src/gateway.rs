@@ -239,6 +239,8 @@ struct RedisPlans {
     max_request_tokens: u64,
     /// The plans' backends, once Redis answered.
     backends: Mutex<Vec<RedisBackend>>,
+    /// `gateway.redis_timeout`.
+    redis_timeout: Duration,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -442,6 +444,7 @@ impl Gateway {
                 mirror: config.mirror,
                 max_request_tokens: config.gateway.max_request_tokens,
                 backends: Mutex::new(Vec::new()),
+                redis_timeout: config.gateway.redis_timeout,
             })
         });
 
@@ -536,8 +539,7 @@ impl Gateway {
         for (name, policy) in &r.plans {
             let backend = RedisBackend::builder(policy.clone())
                 .namespace(format!("{namespace}:plan:{name}"))
-                // Loopback or LAN: generous for a busy machine, still short.
-                .timeout(Duration::from_millis(250))
+                .timeout(r.redis_timeout)
                 .on_failure(r.failure)
                 .build(connection)?;
             backends.push(backend.clone());
@@ -553,7 +555,7 @@ impl Gateway {
         let mut store = RedisAccounts::builder("accounts")
             .namespace(format!("{namespace}:pool"))
             .fleet(r.fleet.clone())
-            .timeout(Duration::from_millis(250))
+            .timeout(r.redis_timeout)
             .on_failure(match r.failure {
                 FailurePolicy::FailClosed => FailurePolicy::FailClosed,
                 _ => FailurePolicy::Fallback { share: 1.0 },

@@ -69,7 +69,9 @@ impl ReleaseGuard {
 
 impl Drop for ReleaseGuard {
     fn drop(&mut self) {
-        self.0.releases_pending.fetch_sub(1, Ordering::AcqRel);
+        if self.0.releases_pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.releases_done.notify_waiters();
+        }
     }
 }
 

@@ -299,6 +299,7 @@ impl RedisBackendBuilder {
                 next_holder: AtomicU64::new(1),
                 idle: Notify::new(),
                 releases_pending: AtomicU64::new(0),
+                releases_done: Notify::new(),
                 leases: Mutex::new(HashMap::new()),
                 runtime: OnceLock::new(),
                 renewing: AtomicBool::new(false),

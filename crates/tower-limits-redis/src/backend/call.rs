@@ -33,6 +33,19 @@ impl Inner {
         self.releases_pending.load(std::sync::atomic::Ordering::Acquire) > 0
     }
 
+    /// Completes when no release is on its way (settles may be).
+    async fn releases_applied(&self) {
+        loop {
+            let notified = std::pin::pin!(self.releases_done.notified());
+            let mut notified = notified;
+            notified.as_mut().enable();
+            if !self.releases_pending() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// Completes when every background operation sent so far was applied or given up.
     pub(super) async fn background_idle(&self) {
         loop {
@@ -409,7 +422,10 @@ pub(super) async fn acquire_remote(
                     if semaphore_full && !waited_for_releases && (releases_behind || inner.releases_pending()) {
                         waited_for_releases = true;
                         bump(&inner.stats.release_waits);
-                        let _ = tokio::time::timeout(inner.settings.timeout, inner.background_idle()).await;
+                        // Bounded: a release retried while Redis is away must not hold
+                        // the request for its whole retry window.
+                        let bound = inner.settings.timeout.saturating_mul(4).max(Duration::from_secs(1));
+                        let _ = tokio::time::timeout(bound, inner.releases_applied()).await;
                         continue;
                     }
                     return inner.decide(&key, cost, now, holder, id, &reply);

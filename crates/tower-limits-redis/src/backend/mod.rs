@@ -162,8 +162,9 @@ pub(crate) struct Inner {
     instance: u64,
     next_holder: AtomicU64,
     idle: Notify,
-    /// Releases of semaphore permits on their way to Redis.
+    /// Releases of semaphore permits on their way to Redis, and who waits for them.
     releases_pending: AtomicU64,
+    releases_done: Notify,
     leases: Mutex<HashMap<u64, Lease>>,
     runtime: OnceLock<Handle>,
     renewing: AtomicBool,

@@ -57,6 +57,7 @@ pub(super) struct RawGateway {
     pub(super) auth_failures_per_minute: Option<S<u64>>,
     pub(super) auth_failure_burst: Option<S<u64>>,
     pub(super) retry_spread_percent: Option<S<u64>>,
+    pub(super) redis_timeout: Option<S<String>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -178,6 +178,7 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     };
     let shutdown_grace = positive(&g.shutdown_grace, "gateway.shutdown_grace", Duration::from_secs(20))?;
     let upstream_timeout = positive(&g.upstream_timeout, "gateway.upstream_timeout", Duration::from_secs(30))?;
+    let redis_timeout = positive(&g.redis_timeout, "gateway.redis_timeout", Duration::from_millis(250))?;
     let max_connections = match &g.max_connections {
         Some(v) => at_least(src, v, "gateway.max_connections", 1, 1 << 20)? as usize,
         None => 512,
@@ -207,6 +208,7 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     };
     Ok(GatewaySettings {
         retry_spread_percent,
+        redis_timeout,
         auth_failures,
         listen,
         max_wait,
