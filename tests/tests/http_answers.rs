@@ -379,8 +379,8 @@ async fn openai_bodies_name_the_plan_and_the_wait() {
 
 /// Once a permit was given back, a concurrency refusal suggests how long permits are held
 /// lately (here 20 ms, told 25: turns are a quarter longer than the mean hold) rather than
-/// the second suggested when nobody knows, and refusals of one moment are told successive
-/// turns.
+/// the second suggested when nobody knows, and refused clients are told successive places
+/// in a queue.
 #[tokio::test(start_paused = true)]
 async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     let svc = ServiceBuilder::new().layer(SemaphoreLayer::new(nz!(1)).refuse_with(HttpAnswer::new())).service(
@@ -403,14 +403,21 @@ async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     // The hold time and a quarter: the permit comes back around the mean.
     assert_eq!(refused.headers()["retry-after-ms"], "25");
     assert_eq!(refused.headers()["retry-after"], "1");
-    // Refused at the same moment, the next ones are told the next turns: one permit, so
+    // Refused at the same moment, the next ones are told the next places: one permit, so
     // one more turn each.
     for turn in [50, 75, 100] {
         let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
         assert_eq!(refused.headers()["retry-after-ms"], turn.to_string());
     }
     drop(held.await.unwrap().unwrap());
-    // A hold time later, the turns start over.
+    // 20 ms later, a client refused joins the end of the queue (the place at 125 ms).
+    let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));
+    tokio::task::yield_now().await;
+    let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+    assert_eq!(refused.headers()["retry-after-ms"], "105");
+    drop(held.await.unwrap().unwrap());
+    // Once every place told has passed, the queue starts over a turn from now.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));
     tokio::task::yield_now().await;
     let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();

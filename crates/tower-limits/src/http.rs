@@ -561,13 +561,13 @@ impl<J, O> HttpAnswer<J, O> {
     }
 
     /// Spreads the waits that refusals suggest: each says its wait plus a random part of
-    /// up to `percent` of it, drawn afresh for every refusal. Concurrency refusals are not
-    /// spread: they are told their turns already (see the guide's HTTP page). Clients refused at the same
-    /// moment (many callers of one limit, retrying exactly when told, as OpenAI's SDKs do
-    /// with `retry-after-ms`) then come back spread over that span instead of together,
-    /// where all but the first would be refused again. Never earlier than the wait: a
-    /// client that follows the suggestion is not early. `0` (the default) says the exact
-    /// wait; `percent` above 1000 counts as 1000.
+    /// up to `percent` of it, drawn afresh for every refusal. Clients refused at the same
+    /// moment (many callers of one rate limit, retrying exactly when told, as OpenAI's
+    /// SDKs do with `retry-after-ms`) then come back spread over that span instead of
+    /// together, where all but the first would be refused again. Never earlier than the
+    /// wait: a client that follows the suggestion is not early. Concurrency refusals are
+    /// not spread: they are told their places in a queue already (see the guide's HTTP
+    /// page). `0` (the default) says the exact wait; `percent` above 1000 counts as 1000.
     ///
     /// ```
     /// use tower_limits::http::HttpAnswer;
@@ -664,7 +664,7 @@ where
             // The body and the fields say the same wait.
             error.suggest_wait(wait);
         }
-        // A concurrency refusal is told its turn already: spread, turns would overlap.
+        // A concurrency refusal is told its place already: spread, places would overlap.
         let spreads = self.how.spread_percent > 0 && error.kind() != ErrorKind::ConcurrencyLimited;
         if let Some(wait) = error.retry_after.filter(|_| spreads) {
             error.retry_after = Some(spread(wait, self.how.spread_percent));

@@ -435,15 +435,13 @@ async fn sdk_clients_at_once_all_pass_a_concurrency_limit_with_two_retries() {
         .replace("rpm = 600\n", "rpm = 600000\n")
         .replace("tpm = 60000\n", "tpm = 60000000\n");
     let config = Config::parse(&text, Some("test.toml")).unwrap();
+    // A fresh gateway (its first refusals cannot know the hold time: a second), then the
+    // same gateway again, which has learnt it.
     let (transport, _stats) = mock(&config);
     let gateway = Gateway::new(&config, transport).unwrap();
-    // The gateway has served before: it knows how long a request holds its permit.
-    for _ in 0..8 {
-        let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"warm".into())).await.unwrap();
-        assert_eq!(ok.status(), StatusCode::OK);
-        let _ = json(ok).await;
-    }
-    for clients in [24, 64] {
+    for (clients, within) in
+        [(64, Duration::from_millis(1600)), (24, Duration::from_secs(1)), (64, Duration::from_secs(1))]
+    {
         let started = tokio::time::Instant::now();
         let mut calls = Vec::new();
         for i in 0..clients {
@@ -473,6 +471,6 @@ async fn sdk_clients_at_once_all_pass_a_concurrency_limit_with_two_retries() {
         }
         assert!(failed.is_empty(), "{clients} at once: {} failed after two retries: {failed:?}", failed.len());
         let took = started.elapsed();
-        assert!(took < Duration::from_secs(1), "{clients} at once took {took:?}");
+        assert!(took < within, "{clients} at once took {took:?}");
     }
 }

@@ -59,30 +59,26 @@ impl Default for Settings {
 /// in eight at most (chosen by the low bits of the hold time), so that releases on many
 /// cores do not all write one cache line; read on refusals only.
 ///
-/// Refusals of one moment are told successive turns rather than one instant: the k-th
-/// refused within one mean hold time, for a limit of `c` permits, is told `1.25 × mean ×
-/// (1 + k / c)`, the turn its permit is likely to have come back by. Refusals are counted per key
-/// (hashed into a few dozen buckets, so that tenants seldom share a count) in waves one
-/// mean hold time long.
+/// Refused clients are told successive places rather than one instant: a virtual queue
+/// per key (hashed into a few dozen buckets, so that tenants seldom share one) hands out
+/// places `turn / c` apart for a limit of `c` permits, where a turn is the mean hold and
+/// a quarter, and never sooner than one turn away. A client refused again joins the end
+/// of the queue; a queue whose places have all passed starts over a turn from now.
 #[derive(Debug)]
 pub(crate) struct HoldTimes {
     /// The mean in nanoseconds; 0 before the first sample.
     mean_ns: AtomicU64,
-    waves: [Wave; WAVES],
+    /// Per bucket of keys: the time, in the layer clock's nanoseconds, of the next place
+    /// to tell a refused client.
+    next_place_ns: [AtomicU64; QUEUES],
 }
 
-/// How many refusals a bucket of keys had since `start_ns`.
-#[derive(Debug, Default)]
-struct Wave {
-    start_ns: AtomicU64,
-    count: AtomicU64,
-}
-
-const WAVES: usize = 64;
+/// Buckets of keys, each with its own queue of refused clients.
+const QUEUES: usize = 64;
 
 impl Default for HoldTimes {
     fn default() -> Self {
-        HoldTimes { mean_ns: AtomicU64::new(0), waves: std::array::from_fn(|_| Wave::default()) }
+        HoldTimes { mean_ns: AtomicU64::new(0), next_place_ns: std::array::from_fn(|_| AtomicU64::new(0)) }
     }
 }
 
@@ -101,8 +97,8 @@ impl HoldTimes {
     }
 
     /// The wait a concurrency refusal of `key` at `now` suggests, for a limit of
-    /// `capacity` permits: its turn in the wave of refusals (see the type's docs). `None`
-    /// before a permit came back.
+    /// `capacity` permits: its place in the queue of refused clients (see the type's
+    /// docs). `None` before a permit came back.
     pub(crate) fn turn(&self, key: Option<&TenantKey>, capacity: u64, now_ns: u64) -> Option<Duration> {
         let mean = self.mean_ns.load(Ordering::Relaxed);
         if mean == 0 {
@@ -111,24 +107,21 @@ impl HoldTimes {
         let bucket = key.map_or(0, |k| {
             use std::hash::BuildHasher;
             (std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(k)
-                % WAVES as u64) as usize
+                % QUEUES as u64) as usize
         });
-        let wave = &self.waves[bucket];
-        let start = wave.start_ns.load(Ordering::Relaxed);
-        let k = if now_ns.saturating_sub(start) >= mean {
-            // A mean hold time since this wave began: a new wave.
-            wave.start_ns.store(now_ns, Ordering::Relaxed);
-            wave.count.store(1, Ordering::Relaxed);
-            0
-        } else {
-            wave.count.fetch_add(1, Ordering::Relaxed)
-        };
-        let turns = 1 + k / capacity.max(1);
-        // Turns a quarter longer than the mean hold: permits come back around the mean,
-        // some later, and a turn as long as the mean would send each wave of clients for
+        // A turn a quarter longer than the mean hold: permits come back around the mean,
+        // some later, and turns as long as the mean would send each wave of clients for
         // its permits just before the wave ahead of it gives them back.
-        let wait = mean.saturating_mul(turns).saturating_add(mean.saturating_mul(turns) / 4);
-        Some(Duration::from_nanos(wait).min(MAX_TURN))
+        let turn = mean.saturating_add(mean / 4);
+        let step = (turn / capacity.max(1)).max(1);
+        let earliest = now_ns.saturating_add(turn);
+        let mut slot = earliest;
+        // The next free place: after every place already told, never before one turn.
+        let _ = self.next_place_ns[bucket].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+            slot = next.max(earliest);
+            Some(slot.saturating_add(step))
+        });
+        Some(Duration::from_nanos(slot - now_ns).min(MAX_TURN))
     }
 }
 
