@@ -23,11 +23,6 @@ use super::{EXACT, Inner, Lease};
 use crate::stats::bump;
 
 impl Inner {
-    /// Whether settles, releases or cancels of this backend are on their way.
-    pub(super) fn background_pending(&self) -> bool {
-        self.stats.background_pending.load(std::sync::atomic::Ordering::Acquire) > 0
-    }
-
     /// Whether releases of semaphore permits are on their way.
     fn releases_pending(&self) -> bool {
         self.releases_pending.load(std::sync::atomic::Ordering::Acquire) > 0
@@ -35,28 +30,12 @@ impl Inner {
 
     /// Completes when no release is on its way (settles may be).
     async fn releases_applied(&self) {
-        loop {
-            let notified = std::pin::pin!(self.releases_done.notified());
-            let mut notified = notified;
-            notified.as_mut().enable();
-            if !self.releases_pending() {
-                return;
-            }
-            notified.await;
-        }
+        until_zero(&self.releases_pending, &self.releases_done).await;
     }
 
     /// Completes when every background operation sent so far was applied or given up.
     pub(super) async fn background_idle(&self) {
-        loop {
-            let notified = std::pin::pin!(self.idle.notified());
-            let mut notified = notified;
-            notified.as_mut().enable();
-            if !self.background_pending() {
-                return;
-            }
-            notified.await;
-        }
+        until_zero(&self.stats.background_pending, &self.idle).await;
     }
 
     pub(super) fn holder_id(&self, seq: u64) -> Arc<str> {
@@ -387,6 +366,19 @@ fn ints(value: &Value, n: usize) -> Option<Vec<i64>> {
 }
 
 /// The remote part of an acquisition.
+/// Completes when `count` is zero; whoever brings it to zero notifies `zero`.
+async fn until_zero(count: &std::sync::atomic::AtomicU64, zero: &tokio::sync::Notify) {
+    loop {
+        let notified = std::pin::pin!(zero.notified());
+        let mut notified = notified;
+        notified.as_mut().enable();
+        if count.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            return;
+        }
+        notified.await;
+    }
+}
+
 pub(super) async fn acquire_remote(
     inner: Arc<Inner>,
     key: TenantKey,
