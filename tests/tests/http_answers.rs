@@ -425,6 +425,37 @@ async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     drop(held.await.unwrap().unwrap());
 }
 
+/// With a retry spacing (the pace of the service behind the layer), refused clients'
+/// places are at least that far apart, however short the holds: with 4 permits held 20 ms,
+/// places would be 6.25 ms apart; a spacing of 10 ms puts them 10 ms apart.
+#[tokio::test(start_paused = true)]
+async fn a_retry_spacing_keeps_refused_clients_places_apart() {
+    let places = |spacing: Duration| async move {
+        let layer = SemaphoreLayer::new(nz!(4)).retry_spacing(spacing).refuse_with(HttpAnswer::new());
+        let svc = ServiceBuilder::new().layer(layer).service(tower::service_fn(|_req: Request<String>| async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }));
+        // One permit given back after 20 ms: the mean hold is known.
+        drop(svc.clone().oneshot(request(None, 1)).await.unwrap());
+        let held: Vec<_> = (0..4).map(|_| tokio::spawn(svc.clone().oneshot(request(None, 1)))).collect();
+        tokio::task::yield_now().await;
+        let mut told = Vec::new();
+        for _ in 0..3 {
+            let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
+            told.push(refused.headers()["retry-after-ms"].to_str().unwrap().to_owned());
+        }
+        for h in held {
+            drop(h.await.unwrap().unwrap());
+        }
+        told
+    };
+    // A turn is 25 ms (the hold and a quarter), four permits: 6.25 ms apart (told in
+    // whole milliseconds, rounded up).
+    assert_eq!(places(Duration::ZERO).await, ["25", "32", "38"]);
+    assert_eq!(places(Duration::from_millis(10)).await, ["25", "35", "45"]);
+}
+
 /// Spread retries: every refusal of one moment suggests its own wait, never less than the
 /// exact one and at most the spread more, so that they do not all come back together.
 #[tokio::test(start_paused = true)]

@@ -362,6 +362,25 @@ fn per_window(per_minute: u64, window: Duration) -> u64 {
     (u128::from(per_minute) * window.as_nanos() / 60_000_000_000) as u64
 }
 
+impl Config {
+    /// The time the upstream accounts take per request when they are what binds: one
+    /// interval of their mirrors' request rates together, for a replica of `replicas`.
+    /// Zero without accounts.
+    #[must_use]
+    pub fn upstream_spacing(&self, replicas: u64) -> Duration {
+        let per_second: f64 = self
+            .accounts
+            .iter()
+            .map(|a| {
+                let l = a.requests_per_window() / replicas.max(1);
+                let steady = l.saturating_sub(mirror_burst(l, &self.mirror, 1));
+                steady as f64 / (a.window + self.mirror.jitter).as_secs_f64()
+            })
+            .sum();
+        if per_second > 0.0 { Duration::from_secs_f64(1.0 / per_second) } else { Duration::ZERO }
+    }
+}
+
 fn mirror_burst(quota: u64, mirror: &MirrorSettings, at_least: u64) -> u64 {
     (quota * mirror.burst_percent).div_ceil(100).max(at_least).max(1)
 }

@@ -233,6 +233,8 @@ struct RedisPlans {
     fleet: Arc<FleetShares>,
     /// `gateway.retry_spread_percent`.
     spread: u16,
+    /// How far apart a plan's concurrency refusals place their clients: the accounts' pace.
+    spacing: Duration,
     /// What sizes this replica's part of every account (see [`Gateway::resize_fleet`]).
     account_list: Vec<Account>,
     mirror: crate::config::MirrorSettings,
@@ -350,6 +352,10 @@ impl Gateway {
         // tenants by this replica's share of their demand (in memory: as configured).
         let fleet = Arc::new(FleetShares::new());
         let spread = config.gateway.retry_spread_percent;
+        // A tenant's requests hold their concurrency while they queue for an account: when
+        // the accounts bind, refused clients are placed no faster than the accounts take
+        // requests.
+        let spacing = config.upstream_spacing(replicas);
         let mut shared = FairQueueLayer::rate(weights, pool.clone())?;
         if redis {
             shared = shared.fleet(fleet.clone());
@@ -384,7 +390,7 @@ impl Gateway {
         for plan in &config.plans {
             let service = match (redis, failure) {
                 (false, _) => plan_layer!(
-                    LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan"),
+                    LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan").retry_spacing(spacing),
                     inner.clone(),
                     spread: spread
                 ),
@@ -403,7 +409,7 @@ impl Gateway {
                 })),
                 (true, BackendFailure::FailOpen) => inner.clone(),
                 (true, BackendFailure::Fallback) => plan_layer!(
-                    LimitSetLayer::new(share_of(&plan.policy, replicas))?,
+                    LimitSetLayer::new(share_of(&plan.policy, replicas))?.retry_spacing(spacing),
                     inner.clone(),
                     // This replica's share is not the tenant's plan: no field states it.
                     HttpAnswer::new().with_openai_body().without_limit_fields().spread_retries(spread)
@@ -440,6 +446,7 @@ impl Gateway {
                 store: Mutex::new(None),
                 fleet,
                 spread,
+                spacing,
                 account_list: config.accounts.clone(),
                 mirror: config.mirror,
                 max_request_tokens: config.gateway.max_request_tokens,
@@ -544,7 +551,7 @@ impl Gateway {
                 .build(connection)?;
             backends.push(backend.clone());
             services.push(plan_layer!(
-                LimitSetLayer::with_backend(backend).metrics_name("plan"),
+                LimitSetLayer::with_backend(backend).metrics_name("plan").retry_spacing(r.spacing),
                 r.inner.clone(),
                 spread: r.spread
             ));

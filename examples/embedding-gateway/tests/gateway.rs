@@ -429,48 +429,79 @@ async fn the_queues_refusals_are_openai_errors_with_a_wait() {
 async fn sdk_clients_at_once_all_pass_a_concurrency_limit_with_two_retries() {
     // An account with room to spare and an upstream answering in 20 ms: the tenant's
     // concurrency is the only limit that binds.
-    // The gateway's default spread (concurrency refusals are told turns, unspread).
-    let text = config_text("org = { concurrency = 8 }", "\n[upstream]\nlatency = \"20ms\"")
-        .replace("retry_spread_percent = 0", "retry_spread_percent = 25")
-        .replace("rpm = 600\n", "rpm = 600000\n")
-        .replace("tpm = 60000\n", "tpm = 60000000\n");
-    let config = Config::parse(&text, Some("test.toml")).unwrap();
+    let gateway = sdk_gateway("600000");
     // A fresh gateway (its first refusals cannot know the hold time: a second), then the
     // same gateway again, which has learnt it.
-    let (transport, _stats) = mock(&config);
-    let gateway = Gateway::new(&config, transport).unwrap();
     for (clients, within) in
         [(64, Duration::from_millis(1600)), (24, Duration::from_secs(1)), (64, Duration::from_secs(1))]
     {
-        let started = tokio::time::Instant::now();
-        let mut calls = Vec::new();
-        for i in 0..clients {
-            let router = gateway.router.clone();
-            calls.push(tokio::spawn(async move {
-                for attempt in 0..3 {
-                    let input = serde_json::Value::from(format!("call {i}"));
-                    let response = router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
-                    if response.status() == StatusCode::OK {
-                        let _ = json(response).await;
-                        return Ok(attempt);
-                    }
-                    let status = response.status();
-                    let Some(ms) = response.headers().get("retry-after-ms") else { return Err(status) };
-                    let wait = Duration::from_millis(ms.to_str().unwrap().parse().unwrap());
-                    drop(response);
-                    tokio::time::sleep(wait).await;
-                }
-                Err(StatusCode::TOO_MANY_REQUESTS)
-            }));
-        }
-        let mut failed = Vec::new();
-        for (i, call) in calls.into_iter().enumerate() {
-            if let Err(status) = call.await.unwrap() {
-                failed.push((i, status));
-            }
-        }
-        assert!(failed.is_empty(), "{clients} at once: {} failed after two retries: {failed:?}", failed.len());
-        let took = started.elapsed();
+        let took = sdk_burst(&gateway, clients, &["sk-acme-alice"]).await;
         assert!(took < within, "{clients} at once took {took:?}");
     }
+}
+
+/// The same clients when the upstream account binds (about 100 requests a second, below
+/// what 8 requests in flight of 20 ms could send): requests hold their concurrency while
+/// they queue for the account, and hold times grow only once that queue has formed. The
+/// plans space their refused clients by the accounts' pace, so the first places are not
+/// too close together: every call passes, for one tenant or two at once.
+#[tokio::test(start_paused = true)]
+async fn sdk_clients_at_once_all_pass_when_the_accounts_bind() {
+    let gateway = sdk_gateway("7200");
+    // 64 calls at the account's ~100 a second take at least 0.64 s.
+    for (clients, within) in [(64, Duration::from_secs(2)), (24, Duration::from_secs(1)), (64, Duration::from_secs(1))]
+    {
+        let took = sdk_burst(&gateway, clients, &["sk-acme-alice"]).await;
+        assert!(took < within, "{clients} at once took {took:?}");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let took = sdk_burst(&gateway, 128, &["sk-acme-alice", "sk-globex-bob"]).await;
+    assert!(took < Duration::from_secs(2), "two tenants' 128 at once took {took:?}");
+}
+
+/// A gateway with a concurrency of 8 per tenant, an upstream answering in 20 ms, an
+/// account of `rpm` requests a minute (checked over 1 s windows) and the default spread.
+fn sdk_gateway(rpm: &str) -> Gateway {
+    let text = config_text("org = { concurrency = 8 }", "\n[upstream]\nlatency = \"20ms\"")
+        .replace("retry_spread_percent = 0", "retry_spread_percent = 25")
+        .replace("rpm = 600\n", &format!("rpm = {rpm}\n"))
+        .replace("tpm = 60000\n", "tpm = 60000000\n");
+    let config = Config::parse(&text, Some("test.toml")).unwrap();
+    let (transport, _stats) = mock(&config);
+    Gateway::new(&config, transport).unwrap()
+}
+
+/// `clients` calls at once, taking `keys` in turn, each retrying as the SDKs do; asserts
+/// that all of them pass, and answers how long they took.
+async fn sdk_burst(gateway: &Gateway, clients: usize, keys: &[&'static str]) -> Duration {
+    let started = tokio::time::Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..clients {
+        let router = gateway.router.clone();
+        let key = keys[i % keys.len()];
+        calls.push(tokio::spawn(async move {
+            for attempt in 0..3 {
+                let input = serde_json::Value::from(format!("call {i}"));
+                let response = router.clone().oneshot(request(Some(key), &input)).await.unwrap();
+                if response.status() == StatusCode::OK {
+                    let _ = json(response).await;
+                    return Ok(attempt);
+                }
+                let status = response.status();
+                let Some(ms) = response.headers().get("retry-after-ms") else { return Err(status) };
+                let wait = Duration::from_millis(ms.to_str().unwrap().parse().unwrap());
+                drop(response);
+                tokio::time::sleep(wait).await;
+            }
+            Err(StatusCode::TOO_MANY_REQUESTS)
+        }));
+    }
+    let mut failed = Vec::new();
+    for (i, call) in calls.into_iter().enumerate() {
+        if let Err(status) = call.await.unwrap() {
+            failed.push((i, status));
+        }
+    }
+    assert!(failed.is_empty(), "{clients} at once: {} failed after two retries: {failed:?}", failed.len());
+    started.elapsed()
 }

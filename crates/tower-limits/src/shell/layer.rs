@@ -245,6 +245,29 @@ impl<E, R, B: Backend, D> LimitLayer<E, R, B, D> {
         self.with_settings(|s, _| s.max_wait = Some(max_wait))
     }
 
+    /// The least time between the retry instants told to clients refused by a concurrency
+    /// limit: the time the service behind this layer takes per request when it is what
+    /// binds, such as one interval of an upstream's request rate.
+    ///
+    /// A concurrency refusal tells each client a place in a queue of refused clients,
+    /// spaced by how long permits have been held lately. When the service behind the
+    /// layer is the bottleneck, hold times grow only after its queue has formed, and the
+    /// first places come too close together: clients that retry exactly when told are
+    /// refused again. With a spacing, places come no faster than that service takes
+    /// requests. Zero (the default) spaces by hold times alone.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits::{SemaphoreLayer, nz};
+    ///
+    /// // The upstream takes 100 requests a second: refused clients come back 10 ms apart.
+    /// let layer = SemaphoreLayer::new(nz!(8)).retry_spacing(Duration::from_millis(10));
+    /// # let _ = layer;
+    /// ```
+    pub fn retry_spacing(self, spacing: Duration) -> Self {
+        self.with_settings(|s, _| s.retry_spacing = spacing)
+    }
+
     /// The most requests waiting at once (with [`LimitSetLayer::wait`](crate::LimitLayer::wait)); beyond it they
     /// are refused with [`crate::ErrorKind::QueueFull`]. Defaults to 10,000.
     pub fn max_waiters(self, max_waiters: usize) -> Self {

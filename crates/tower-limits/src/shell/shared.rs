@@ -36,6 +36,8 @@ pub(crate) struct Settings {
     pub(crate) shadow: bool,
     /// Where decisions are reported (nothing without the `metrics` feature).
     pub(crate) meter: Meter,
+    /// The least time between the places told to clients refused by a concurrency limit.
+    pub(crate) retry_spacing: Duration,
 }
 
 impl Default for Settings {
@@ -48,6 +50,7 @@ impl Default for Settings {
             on_cancel: Unfinished::Keep,
             shadow: false,
             meter: Meter::default(),
+            retry_spacing: Duration::ZERO,
         }
     }
 }
@@ -62,7 +65,10 @@ impl Default for Settings {
 /// Refused clients are told successive places rather than one instant: a virtual queue
 /// per key (hashed into a few dozen buckets, so that tenants seldom share one) hands out
 /// places `turn / c` apart for a limit of `c` permits, where a turn is the mean hold and
-/// a quarter, and never sooner than one turn away. A client refused again joins the end
+/// a quarter, and never sooner than one turn away. When the service behind the layer is
+/// what binds (an upstream's rate), the hold times grow only once its queue has formed,
+/// too late for the clients already told; a layer that knows that service's pace spaces
+/// the places at least that far apart (`retry_spacing`). A client refused again joins the end
 /// of the queue; a queue whose places have all passed starts over a turn from now.
 #[derive(Debug)]
 pub(crate) struct HoldTimes {
@@ -97,9 +103,15 @@ impl HoldTimes {
     }
 
     /// The wait a concurrency refusal of `key` at `now` suggests, for a limit of
-    /// `capacity` permits: its place in the queue of refused clients (see the type's
-    /// docs). `None` before a permit came back.
-    pub(crate) fn turn(&self, key: Option<&TenantKey>, capacity: u64, now_ns: u64) -> Option<Duration> {
+    /// `capacity` permits: its place in the queue of refused clients, places at least
+    /// `spacing` apart (see the type's docs). `None` before a permit came back.
+    pub(crate) fn turn(
+        &self,
+        key: Option<&TenantKey>,
+        capacity: u64,
+        spacing: Duration,
+        now_ns: u64,
+    ) -> Option<Duration> {
         let mean = self.mean_ns.load(Ordering::Relaxed);
         if mean == 0 {
             return None;
@@ -113,7 +125,8 @@ impl HoldTimes {
         // some later, and turns as long as the mean would send each wave of clients for
         // its permits just before the wave ahead of it gives them back.
         let turn = mean.saturating_add(mean / 4);
-        let step = (turn / capacity.max(1)).max(1);
+        let spacing = u64::try_from(spacing.as_nanos()).unwrap_or(u64::MAX);
+        let step = (turn / capacity.max(1)).max(spacing).max(1);
         let earliest = now_ns.saturating_add(turn);
         let mut slot = earliest;
         // The next free place: after every place already told, never before one turn.
@@ -184,7 +197,8 @@ impl<B> Shared<B> {
     pub(crate) fn count_refusal(&self, error: &mut LimitError, key: Option<&TenantKey>) {
         if error.kind == crate::ErrorKind::ConcurrencyLimited && error.retry_after.is_none() {
             let capacity = error.snapshot.map_or(1, |s| s.quota);
-            error.retry_after = self.holds.turn(key, capacity, tower_limits_core::Clock::now(&self.clock).as_nanos());
+            let now = tower_limits_core::Clock::now(&self.clock).as_nanos();
+            error.retry_after = self.holds.turn(key, capacity, self.settings.retry_spacing, now);
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
         self.settings.meter.refused(error);
