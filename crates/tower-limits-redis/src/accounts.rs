@@ -597,16 +597,12 @@ impl Inner {
     }
 }
 
-/// The least time between two warnings of failed batches.
-const BATCH_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// Sends the queued operations in batches while the store lives.
 async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Op>) {
     let mut batch = Vec::with_capacity(BATCH);
     // While Redis is away every batch fails: one warning every few seconds says so, with
     // how many it stands for.
-    let mut warned: Option<tokio::time::Instant> = None;
-    let mut unwarned = 0_u64;
+    let warnings = crate::throttle::Throttle::new();
     while rx.recv_many(&mut batch, BATCH).await > 0 {
         let Some(inner) = weak.upgrade() else { return };
         let mut args = Vec::with_capacity(1 + 5 * batch.len());
@@ -627,17 +623,13 @@ async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedRecei
             inner.stats.batch_calls.fetch_add(1, Ordering::Relaxed);
             inner.stats.batched_ops.fetch_add(((args.len() - 1) / 5) as u64, Ordering::Relaxed);
             if let Err(e) = inner.call(&args).await {
-                if warned.is_some_and(|at| at.elapsed() < BATCH_WARNING_EVERY) {
-                    unwarned += 1;
-                } else {
+                if let Some(suppressed) = warnings.warn_now() {
                     tracing::warn!(
                         target: "tower_limits_redis",
                         error = %e,
-                        suppressed = unwarned,
+                        suppressed,
                         "a batch of account settles and reports may not have been applied"
                     );
-                    warned = Some(tokio::time::Instant::now());
-                    unwarned = 0;
                 }
             }
         }

@@ -178,6 +178,7 @@ pub mod script;
 mod stats;
 #[cfg(feature = "test-support")]
 pub mod test_support;
+mod throttle;
 
 pub use accounts::{AccountStats, RedisAccounts, RedisAccountsBuilder};
 pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant, Shares};

@@ -14,6 +14,7 @@ use crate::failure::Gate;
 
 use super::{EXACT, Inner};
 use crate::stats::bump;
+use crate::throttle::Throttle;
 
 /// A settle, release or cancel of one grant, as the script's `s` operation takes it.
 #[derive(Debug, Clone)]
@@ -142,7 +143,14 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
                 Err(e) if e.maybe_applied => {
                     if !op.release {
                         bump(&inner.stats.background_failures);
-                        tracing::warn!(target: "tower_limits_redis", error = %e.message, "a settle may not have been applied");
+                        if let Some(suppressed) = UNAPPLIED.warn_now() {
+                            tracing::warn!(
+                                target: "tower_limits_redis",
+                                error = %e.message,
+                                suppressed,
+                                "a settle may not have been applied"
+                            );
+                        }
                         return;
                     }
                     // Only the idempotent part is sent again.
@@ -154,11 +162,14 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
         }
         if tokio::time::Instant::now() + backoff > deadline {
             bump(&inner.stats.background_failures);
-            tracing::warn!(
-                target: "tower_limits_redis",
-                release = op.release,
-                "redis stayed unavailable: gave up a background operation (semaphore holds expire with their lease)"
-            );
+            if let Some(suppressed) = GAVE_UP.warn_now() {
+                tracing::warn!(
+                    target: "tower_limits_redis",
+                    release = op.release,
+                    suppressed,
+                    "redis stayed unavailable: gave up a background operation (semaphore holds expire with their lease)"
+                );
+            }
             return;
         }
         tokio::time::sleep(backoff).await;
@@ -166,6 +177,10 @@ async fn run_op(inner: &Inner, key: &TenantKey, mut op: Op) {
     }
 }
 
+/// While Redis is away every background operation fails: one warning of each kind every
+/// few seconds, however many backends, with how many it stands for.
+static UNAPPLIED: Throttle = Throttle::new();
+static GAVE_UP: Throttle = Throttle::new();
 /// Renews the leases of this replica's grants every third of the lease, while the backend
 /// lives.
 pub(super) async fn renew_leases(weak: Weak<Inner>, every: Duration) {
