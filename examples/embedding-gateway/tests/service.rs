@@ -1,8 +1,7 @@
 //! The gateway as a service, over real sockets: stalled clients are closed, the
 //! connection limit holds new connections back without refusing them, a hung upstream
 //! gets a `504`, inputs in every form OpenAI takes, JSON on every error, health and
-//! models, duplicate configuration keys named, and the Redis stall that refused requests
-//! for `org.concurrency` after it ended.
+//! models, duplicate configuration keys named. The fleet on Redis is in `fleet.rs`.
 
 mod common;
 
@@ -13,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::body::Body;
 use common::{Answer, DEADLINE, closed_by_peer, config_text, embed, http, parse, until, upload};
 use embedding_gateway::config::Config;
-use embedding_gateway::gateway::{Gateway, Sharing, Transport, http_transport, in_process};
+use embedding_gateway::gateway::{Gateway, Transport, http_transport, in_process};
 use embedding_gateway::server::{self, ServerSettings, Stopped};
 use embedding_gateway::upstream;
 use http::{Request, Response, StatusCode};
@@ -628,194 +627,6 @@ fn duplicate_configuration_keys_are_named() {
     assert!(err.line.is_some(), "{err}");
 }
 
-// ---------------------------------------------------------------------------------------
-// Redis.
-
-/// After a Redis stall, a tenant with nothing in flight is not refused for its
-/// concurrency: the holds of the requests that ended during the stall are released as
-/// soon as Redis answers, before any later acquisition.
-#[test]
-fn after_a_redis_stall_nothing_in_flight_means_nothing_held() {
-    let Some(server) =
-        tower_limits_redis::test_support::own_redis_for("after_a_redis_stall_nothing_in_flight_means_nothing_held")
-    else {
-        return;
-    };
-    let server = Arc::new(server);
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let text = config_text(
-            "backend_failure = \"fail_closed\"",
-            "org = { rpm = 600000, concurrency = 2 }",
-            "http://127.0.0.1:9",
-        );
-        let config = parse_config(&text);
-        // An upstream that holds the calls whose input is "hold" until the gate opens.
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let arrived = Arc::new(AtomicU64::new(0));
-        let (g, a) = (gate.clone(), arrived.clone());
-        let transport: Transport = BoxCloneSyncService::new(tower::service_fn(move |req: Request<Body>| {
-            let (gate, arrived) = (g.clone(), a.clone());
-            async move {
-                let body = req.into_body().collect().await?.to_bytes();
-                if String::from_utf8_lossy(&body).contains("hold") {
-                    arrived.fetch_add(1, Ordering::Relaxed);
-                    gate.acquire().await?.forget();
-                }
-                let body = serde_json::json!({
-                    "object": "list", "data": [], "model": "m",
-                    "usage": { "prompt_tokens": 1, "total_tokens": 1 }
-                });
-                Ok::<_, tower::BoxError>(Response::new(Body::from(body.to_string())))
-            }
-        }));
-        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
-        let sharing = Sharing::Redis { connection, replicas: 1, namespace: format!("stall-{}", std::process::id()) };
-        let gateway = Gateway::with_sharing(&config, transport, &sharing).unwrap();
-        let send = |key: &'static str, input: &'static str| {
-            let router = gateway.router.clone();
-            async move {
-                let req = Request::post("/v1/embeddings")
-                    .header("authorization", format!("Bearer {key}"))
-                    .body(Body::from(serde_json::json!({ "model": "m", "input": input }).to_string()))
-                    .unwrap();
-                let response = router.oneshot(req).await.unwrap();
-                let status = response.status();
-                let body = response.into_body().collect().await.unwrap().to_bytes();
-                (status, String::from_utf8_lossy(&body).into_owned())
-            }
-        };
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-
-        // acme's two permits are taken by two requests waiting for the upstream.
-        let first = tokio::spawn(send("sk-acme-alice", "hold"));
-        let second = tokio::spawn(send("sk-acme-alice", "hold"));
-        while arrived.load(Ordering::Relaxed) < 2 {
-            assert!(tokio::time::Instant::now() < deadline, "the two requests never reached the upstream");
-            tokio::task::yield_now().await;
-        }
-        // Redis stalls; requests meanwhile time out until the breaker opens.
-        let sleeper = server.clone();
-        let stall = tokio::task::spawn_blocking(move || sleeper.command(&["DEBUG", "SLEEP", "2.5"]));
-        loop {
-            let (status, body) = send("sk-globex-bob", "pass").await;
-            assert!(tokio::time::Instant::now() < deadline, "redis never stalled");
-            if status == StatusCode::SERVICE_UNAVAILABLE
-                && gateway.health.backend() == embedding_gateway::health::BackendStatus::Down
-            {
-                break;
-            }
-            assert!(status == StatusCode::OK || status == StatusCode::SERVICE_UNAVAILABLE, "{status} {body}");
-        }
-        // The two requests end during the stall.
-        gate.add_permits(1000);
-        assert_eq!(first.await.unwrap().0, StatusCode::OK);
-        assert_eq!(second.await.unwrap().0, StatusCode::OK);
-        stall.await.unwrap().unwrap();
-
-        // Redis is back: the first answer that Redis decides must be a grant.
-        loop {
-            assert!(tokio::time::Instant::now() < deadline, "redis never came back");
-            let (status, body) = send("sk-acme-alice", "pass").await;
-            match status {
-                StatusCode::SERVICE_UNAVAILABLE => tokio::task::yield_now().await,
-                StatusCode::OK => break,
-                other => panic!("nothing is in flight, yet {other}: {body}"),
-            }
-        }
-    });
-}
-
-/// The roster counts each replica once, forgets those not heard within its window, and
-/// its key expires with the fleet.
-#[test]
-fn the_roster_counts_the_replicas_heard_within_its_window() {
-    use embedding_gateway::roster::{FleetSize, beat};
-    use std::time::Duration;
-    use tower_limits_redis::redis;
-    let Some(server) = tower_limits_redis::test_support::redis_for("the_roster_counts_the_replicas") else {
-        return;
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async {
-        let client = redis::Client::open(server.url()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let key = "egw-test:replicas";
-        let hour = Duration::from_secs(3600);
-        assert_eq!(beat(&mut conn, key, "a", hour).await.unwrap(), 1);
-        assert_eq!(beat(&mut conn, key, "b", hour).await.unwrap(), 2);
-        assert_eq!(beat(&mut conn, key, "a", hour).await.unwrap(), 2, "a replica beating again is one replica");
-        // Within a microsecond only the replica beating now was heard.
-        assert_eq!(beat(&mut conn, key, "c", Duration::from_micros(1)).await.unwrap(), 1);
-        // The key lives two windows past the last beat.
-        assert_eq!(beat(&mut conn, key, "c", hour).await.unwrap(), 1);
-        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
-        assert!((3_600_000..=7_200_000).contains(&ttl), "the roster's key must expire with the fleet: {ttl}");
-    });
-    // What /readyz says: a count above the configured one sizes the shares at once.
-    let size = FleetSize::new(1);
-    assert_eq!(size.seen(), 0);
-    assert_eq!(size.saw(3), Some(3));
-    assert_eq!(size.to_json(), serde_json::json!({ "configured": 1, "seen": 3, "sized_for": 3 }));
-}
-
-/// The fleet's size for the shares: never below `--replicas`, up at once, down only after
-/// the fleet looked smaller for a minute without a break.
-#[tokio::test(start_paused = true)]
-async fn the_fleet_grows_at_once_and_shrinks_after_a_minute() {
-    use embedding_gateway::roster::{FleetSize, SHRINK_AFTER};
-    use std::time::Duration;
-    let size = FleetSize::new(2);
-    assert_eq!(size.saw(1), None, "never below --replicas");
-    assert_eq!(size.saw(4), Some(4));
-    assert_eq!(size.saw(3), None, "a smaller fleet waits");
-    tokio::time::advance(SHRINK_AFTER - Duration::from_secs(1)).await;
-    assert_eq!(size.saw(3), None);
-    // Back to four for a beat: the wait starts over.
-    assert_eq!(size.saw(4), None);
-    tokio::time::advance(Duration::from_secs(2)).await;
-    assert_eq!(size.saw(3), None);
-    tokio::time::advance(SHRINK_AFTER).await;
-    assert_eq!(size.saw(3), Some(3));
-    assert_eq!(size.saw(1), None, "down to --replicas at most, after its own minute");
-    tokio::time::advance(SHRINK_AFTER).await;
-    assert_eq!(size.saw(1), Some(2));
-    assert_eq!(size.sized_for(), 2);
-}
-
-/// Resizing a replica for a larger fleet cuts its part of every account (and of every
-/// plan's fallback) while it serves.
-#[test]
-fn a_replica_resized_for_a_larger_fleet_mirrors_less_of_each_account() {
-    let Some(server) = tower_limits_redis::test_support::redis_for("a_replica_resized_for_a_larger_fleet") else {
-        return;
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
-        let config = parse_config(&config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9"));
-        let (router, _) = upstream::router(&config.accounts, config.upstream);
-        let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-resize".into() };
-        let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
-        let quota = |g: &Gateway| {
-            let set = g.pool.member_set(0).unwrap();
-            set.peek(&tower_limits::TenantKey::global(), tower_limits::Instant::ZERO)
-                .iter()
-                .map(|s| s.snapshot.quota)
-                .collect::<Vec<_>>()
-        };
-        let whole = quota(&gateway);
-        gateway.resize_fleet(4).unwrap();
-        let quarter = quota(&gateway);
-        assert_eq!(whole.len(), quarter.len());
-        for (w, q) in whole.iter().zip(&quarter) {
-            assert!(*q < *w && *q <= w.div_ceil(4) + 1, "a quarter of {w} is not {q}: {whole:?} -> {quarter:?}");
-        }
-        gateway.resize_fleet(1).unwrap();
-        assert_eq!(quota(&gateway), whole, "and back");
-    });
-}
-
 /// A key may be given by its SHA-256 digest; a digest that is not one, or a key given both
 /// ways, or neither, is named with its line.
 #[test]
@@ -845,46 +656,4 @@ fn keys_given_by_digest_are_checked_with_their_line() {
         .replace("key = \"sk-globex-bob\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-acme-alice").to_hex()));
     let err = Config::parse(&twice, Some("keys.toml")).unwrap_err();
     assert!(err.message.contains("already belongs to tenant \"acme\""), "{err}");
-}
-
-/// A tenant that keeps exactly its concurrency in flight through a gateway on Redis is
-/// never refused: a request's slot is back by the time its client sends the next one,
-/// though the release travels to Redis after the answer.
-#[test]
-fn a_tenant_at_exactly_its_concurrency_on_redis_is_never_refused() {
-    let Some(server) = tower_limits_redis::test_support::redis_for("a_tenant_at_exactly_its_concurrency") else {
-        return;
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
-        // Redis slower than usual on a loaded machine is Redis away, not this race: a
-        // generous timeout keeps the failure policy out of the test.
-        let config =
-            parse_config(&config_text("redis_timeout = \"5s\"", "org = { concurrency = 2 }", "http://127.0.0.1:9"));
-        let (router, _) = upstream::router(&config.accounts, config.upstream);
-        let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-exact".into() };
-        let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
-        let mut clients = Vec::new();
-        for _ in 0..2 {
-            let gateway = gateway.clone();
-            clients.push(tokio::spawn(async move {
-                let mut refused = Vec::new();
-                for i in 0..150 {
-                    let (status, body) =
-                        call(&gateway, "POST", "/v1/embeddings", serde_json::json!({"model": "m", "input": "hi"}))
-                            .await;
-                    if status != StatusCode::OK {
-                        refused.push((i, status, body));
-                    }
-                }
-                refused
-            }));
-        }
-        for client in clients {
-            let refused = client.await.unwrap();
-            let first = refused.first().map(|(i, status, body)| format!("request {i}: {status} {}", body["error"]));
-            assert!(refused.is_empty(), "{} refused at exactly the concurrency, first {first:?}", refused.len());
-        }
-    });
 }
