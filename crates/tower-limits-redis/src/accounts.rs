@@ -80,11 +80,24 @@
 //! does not forgive. An acquisition that timed out may have been charged; the charge is
 //! kept (the account is under-used, never overrun). Dropping an acquisition future while
 //! Redis works on it keeps its charge too.
+//!
+//! # Restarted empty
+//!
+//! A Redis that restarts empty (or is flushed, or fails over to a replica that had not
+//! caught up) forgets what the accounts were charged, while the upstream's windows still
+//! count it. The pool's key `<namespace>:{<pool>}:epoch` tells: it is written by the first
+//! call and never expires, so a call from a store that reached Redis before and finds no
+//! epoch knows the state was lost. That call starts every member with its bursts spent:
+//! the mirrors admit at their rates alone until the bursts refill, so over any window an
+//! account is charged at most its burst plus its rate, what it was charged before the
+//! loss included. A store's first call after it was built cannot tell a lost state from
+//! a new fleet: a fleet that loses its Redis at the same moment as every replica restarts
+//! may be charged one burst more.
 
 use std::fmt;
 use std::fmt::Write as _;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -144,6 +157,9 @@ struct Inner {
     manual_clock: bool,
     /// The caller's last now, us (for the background calls of a manual clock).
     last_now_us: AtomicU64,
+    /// Whether a call of this store was answered: a store found empty after that lost
+    /// its state (see the module docs, "Restarted empty").
+    reached: AtomicBool,
 }
 
 struct MemberInfo {
@@ -438,11 +454,17 @@ impl RedisAccountsBuilder {
         let _ = writeln!(table, "local HOLD = KEYS[{}]", keys.len());
         keys.push(format!("{prefix}fleet"));
         let _ = writeln!(table, "local FLEET = KEYS[{}]", keys.len());
+        keys.push(format!("{prefix}epoch"));
+        let _ = writeln!(table, "local EPOCH = KEYS[{}]", keys.len());
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
+        // The last arguments: whether this store reached Redis before, then (on a manual
+        // clock) the time.
         if self.manual_clock {
             table.push_str("local NOW, SLACK = tonumber(ARGV[#ARGV]), 3600000\n");
+            table.push_str("local KNOWN = ARGV[#ARGV - 1] == '1'\n");
         } else {
             table.push_str("local T = redis.call('TIME')\nlocal NOW, SLACK = T[1] * 1000000 + T[2], 0\n");
+            table.push_str("local KNOWN = ARGV[#ARGV] == '1'\n");
         }
         let source: Arc<str> = format!("{table}{SCRIPT}").into();
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
@@ -466,6 +488,7 @@ impl RedisAccountsBuilder {
             fleet: self.fleet,
             manual_clock: self.manual_clock,
             last_now_us: AtomicU64::new(0),
+            reached: AtomicBool::new(false),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         Ok(RedisAccounts { inner })
@@ -477,14 +500,12 @@ const SCRIPT: &str = include_str!("accounts/script.lua");
 
 impl Inner {
     async fn eval(&self, args: &[String]) -> redis::RedisResult<Value> {
-        let mut owned;
-        let args = if self.manual_clock {
-            owned = args.to_vec();
-            owned.push(self.last_now_us.load(Ordering::Relaxed).to_string());
-            &owned[..]
-        } else {
-            args
-        };
+        let mut args = args.to_vec();
+        args.push(if self.reached.load(Ordering::Relaxed) { "1" } else { "0" }.to_owned());
+        if self.manual_clock {
+            args.push(self.last_now_us.load(Ordering::Relaxed).to_string());
+        }
+        let args = &args[..];
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&*self.sha).arg(self.keys.len()).arg(&self.keys).arg(args);
         match self.conn.query(&cmd).await {
@@ -502,6 +523,7 @@ impl Inner {
         let (out, _kind) = match tokio::time::timeout(self.timeout, self.eval(args)).await {
             Ok(Ok(value)) => {
                 self.breaker.success();
+                self.reached.store(true, Ordering::Relaxed);
                 return Ok(value);
             }
             Ok(Err(e)) => (e.to_string(), "error"),

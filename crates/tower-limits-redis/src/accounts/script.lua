@@ -65,6 +65,19 @@ local function charge(best, ds, cost)
     put(KEYS[l.k], ds[i] + need * l.iv)
   end
 end
+-- a store that lost its state (see the module's docs): every member starts with its
+-- bursts spent, when this replica reached Redis before; the first call of a new fleet
+-- starts them full
+if call('EXISTS', EPOCH) == 0 then
+  if KNOWN then
+    for m = 1, #M do
+      for _, l in ipairs(M[m].l) do
+        if debt(KEYS[l.k]) < l.tol then put(KEYS[l.k], l.tol) end
+      end
+    end
+  end
+  call('SET', EPOCH, fmt('%.0f', NOW))
+end
 if ARGV[1] == 'a' then
   local cost, rid = tonumber(ARGV[2]), ARGV[3]
   -- the turn: the first replica refused holds it until it is served (or it expires)
