@@ -52,6 +52,13 @@
 //! that fails clears the shares (per-replica fairness until Redis answers). The bounds
 //! are in the guide.
 //!
+//! # Leases
+//!
+//! Built with [`RedisAccountsBuilder::leases`], the store asks Redis once per refresh
+//! period instead of once per request: each replica holds a fraction of every member,
+//! granted by Redis by the replicas' weighted demand, and decides from it locally. The
+//! scheme and its bounds are in [`lease`].
+//!
 //! # One round trip, batched, after the call
 //!
 //! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
@@ -114,6 +121,11 @@ use crate::error::BuildError;
 use crate::failure::{Breaker, FailurePolicy, Gate};
 use crate::keys::escape_into;
 
+pub mod lease;
+
+pub use lease::AccountLeases;
+use lease::{Decision, LeasedLimit, Leases};
+
 /// The most operations one background call carries.
 const BATCH: usize = 64;
 
@@ -160,6 +172,8 @@ struct Inner {
     /// Whether a call of this store was answered: a store found empty after that lost
     /// its state (see the module docs, "Restarted empty").
     reached: AtomicBool,
+    /// With [`RedisAccountsBuilder::leases`]: this replica's lease of the pool.
+    leases: Option<Leases>,
 }
 
 struct MemberInfo {
@@ -173,6 +187,8 @@ struct MemberInfo {
 #[derive(Default)]
 struct Stats {
     acquire_calls: AtomicU64,
+    lease_refreshes: AtomicU64,
+    leased_grants: AtomicU64,
     batch_calls: AtomicU64,
     batched_ops: AtomicU64,
     failures: AtomicU64,
@@ -190,6 +206,10 @@ pub struct AccountStats {
     pub batched_ops: u64,
     /// Calls that failed or timed out.
     pub failures: u64,
+    /// Lease refreshes sent ([`RedisAccountsBuilder::leases`]), one round trip each.
+    pub lease_refreshes: u64,
+    /// Acquisitions granted from this replica's lease, with no round trip.
+    pub leased_grants: u64,
 }
 
 /// A background operation: an adjustment of a member's charges, or an upstream report.
@@ -222,6 +242,7 @@ pub struct RedisAccountsBuilder {
     breaker: (u32, Duration),
     fleet: Option<Arc<FleetShares>>,
     manual_clock: bool,
+    leases: Option<AccountLeases>,
 }
 
 impl fmt::Debug for RedisAccounts {
@@ -249,6 +270,7 @@ impl RedisAccounts {
             breaker: (3, Duration::from_secs(1)),
             fleet: None,
             manual_clock: false,
+            leases: None,
         }
     }
 
@@ -261,6 +283,8 @@ impl RedisAccounts {
             batch_calls: s.batch_calls.load(Ordering::Relaxed),
             batched_ops: s.batched_ops.load(Ordering::Relaxed),
             failures: s.failures.load(Ordering::Relaxed),
+            lease_refreshes: s.lease_refreshes.load(Ordering::Relaxed),
+            leased_grants: s.leased_grants.load(Ordering::Relaxed),
         }
     }
 
@@ -344,6 +368,24 @@ impl RedisAccountsBuilder {
         self
     }
 
+    /// Decides the accounts from leases: this replica holds a fraction of every member,
+    /// granted by Redis and refreshed once per period for all of them, and admits from it
+    /// with no round trip. The fractions follow the replicas' demand, weighted by their
+    /// tenants' weights with [`fleet`](Self::fleet), and never sum to more than the whole
+    /// pool: over every window the fleet charges an account at most its burst plus its
+    /// rate. See [the scheme and its bounds](lease) and [`AccountLeases`].
+    ///
+    /// ```
+    /// use tower_limits_redis::{AccountLeases, RedisAccounts};
+    ///
+    /// let builder = RedisAccounts::builder("accounts").leases(AccountLeases::new());
+    /// # drop(builder);
+    /// ```
+    pub fn leases(mut self, leases: AccountLeases) -> Self {
+        self.leases = Some(leases);
+        self
+    }
+
     /// Test support: the script decides with the `now` each acquisition is given (a
     /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`;
     /// background calls use the last one. Keys then expire an hour later than their
@@ -390,6 +432,24 @@ impl RedisAccountsBuilder {
                 "an upstream account cannot fail open: choose FailClosed or Fallback".into(),
             ));
         }
+        if let Some(leases) = &self.leases {
+            if leases.refresh().is_zero() {
+                return Err(invalid("leases.refresh", "the refresh period must be positive".into()));
+            }
+            // (On a manual clock, calls take no time the leases count.)
+            let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
+            if leases.lasts() < leases.refresh() * 2 + call {
+                return Err(invalid(
+                    "leases.lifetime",
+                    format!(
+                        "a lease of {:?} cannot outlive two refreshes of {:?} and a call of {:?}",
+                        leases.lasts(),
+                        leases.refresh(),
+                        call
+                    ),
+                ));
+            }
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(invalid("runtime", "build the accounts inside a tokio runtime".into()));
         };
@@ -398,6 +458,7 @@ impl RedisAccountsBuilder {
         prefix.push_str("}:");
         let mut keys = Vec::new();
         let mut members = Vec::new();
+        let mut leased = Vec::new();
         let mut table = String::from("local M = {\n");
         for (i, (name, policy)) in self.members.iter().enumerate() {
             if self.members[..i].iter().any(|(n, _)| n == name) {
@@ -409,6 +470,7 @@ impl RedisAccountsBuilder {
             keys.push(format!("{base}:bench"));
             let _ = write!(table, "  {{b = {}, l = {{", keys.len());
             let mut max_cost = u64::MAX;
+            let mut limits = Vec::new();
             for p in &policy.limits {
                 let unsupported =
                     |reason: &str| BuildError::Unsupported { limit: p.name.clone(), reason: reason.into() };
@@ -424,6 +486,12 @@ impl RedisAccountsBuilder {
                     _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
                 };
                 let burst = quota.max_burst();
+                limits.push(LeasedLimit {
+                    amount: quota.amount(),
+                    period_ns: u64::try_from(quota.period().as_nanos()).unwrap_or(u64::MAX),
+                    burst,
+                    cost: p.counts == Counts::Cost,
+                });
                 let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
                 let tolerance = interval.saturating_mul(burst);
                 if tolerance >= 1 << 52 {
@@ -448,6 +516,7 @@ impl RedisAccountsBuilder {
             table.push_str("}},\n");
             let limit = policy.limits.first().map_or("account", |l| intern(&l.name));
             members.push(MemberInfo { name: name.clone(), max_cost, limit });
+            leased.push(limits);
         }
         table.push_str("}\n");
         keys.push(format!("{prefix}hold"));
@@ -456,6 +525,12 @@ impl RedisAccountsBuilder {
         let _ = writeln!(table, "local FLEET = KEYS[{}]", keys.len());
         keys.push(format!("{prefix}epoch"));
         let _ = writeln!(table, "local EPOCH = KEYS[{}]", keys.len());
+        keys.push(format!("{prefix}leases"));
+        let _ = writeln!(table, "local LEASES = KEYS[{}]", keys.len());
+        keys.push(format!("{prefix}lost"));
+        let _ = writeln!(table, "local LOST = KEYS[{}]", keys.len());
+        let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
+        let _ = writeln!(table, "local LIFE, WHOLE = {life_us}, {}", lease::WHOLE);
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
         // The last arguments: whether this store reached Redis before, then (on a manual
         // clock) the time.
@@ -489,8 +564,13 @@ impl RedisAccountsBuilder {
             manual_clock: self.manual_clock,
             last_now_us: AtomicU64::new(0),
             reached: AtomicBool::new(false),
+            leases: self.leases.map(|settings| Leases::new(settings, leased)),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
+        // On a manual clock the test chooses when leases are refreshed.
+        if let Some(leases) = inner.leases.as_ref().filter(|_| !inner.manual_clock) {
+            runtime.spawn(renew_leases(Arc::downgrade(&inner), leases.settings.refresh()));
+        }
         Ok(RedisAccounts { inner })
     }
 }
@@ -560,15 +640,7 @@ impl Inner {
             (Some(fleet), Some(tenant)) => {
                 reported = fleet.demand();
                 args.extend(["f".to_owned(), cost.to_string(), self.id.clone(), tenant.to_string()]);
-                args.push(reported.len().to_string());
-                for d in &reported {
-                    args.extend([
-                        d.key.to_string(),
-                        d.weight.to_string(),
-                        d.waiting.to_string(),
-                        d.outstanding.to_string(),
-                    ]);
-                }
+                demand_args(&reported, &mut args);
             }
             _ => args.extend(["a".to_owned(), cost.to_string(), self.id.clone()]),
         }
@@ -589,27 +661,76 @@ impl Inner {
         let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len()) else {
             return Err(self.unavailable("unexpected reply"));
         };
+        self.heard(&ints[3..], reported, now);
+        match usize::try_from(ints[0]) {
+            Ok(best) if best >= 1 => Ok(SharedGrant { index: best - 1, charged: cost }),
+            _ => Err(self.refusal(Duration::from_nanos(ints[2].max(0) as u64))),
+        }
+    }
+
+    /// Takes what a reply says after its first three fields: the members' benches (ns
+    /// from `now`), then this replica's part of each `reported` tenant's demand.
+    fn heard(&self, rest: &[i64], reported: Vec<tower_limits_core::fleet::TenantDemand>, now: Instant) {
+        let members = self.members.len();
         {
             let mut benched = self.benched.lock().unwrap_or_else(PoisonError::into_inner);
-            for (b, &w) in benched.iter_mut().zip(&ints[3..3 + members]) {
+            for (b, &w) in benched.iter_mut().zip(&rest[..members]) {
                 *b = if w > 0 { now.as_nanos().saturating_add(w as u64) } else { 0 };
             }
         }
         if let Some(fleet) = &self.fleet {
             if !reported.is_empty() {
-                let shares = ints[3 + members..].iter().map(|&sh| u32::try_from(sh.max(1)).unwrap_or(1));
+                let shares = rest[members..].iter().map(|&sh| u32::try_from(sh.max(1)).unwrap_or(1));
                 fleet.set_shares(reported.into_iter().map(|d| d.key).zip(shares));
             }
         }
-        match usize::try_from(ints[0]) {
-            Ok(best) if best >= 1 => Ok(SharedGrant { index: best - 1, charged: cost }),
-            _ => {
-                let wait = Duration::from_nanos(ints[2].max(0) as u64);
-                let snapshot = Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO };
-                let limit = self.members.first().map_or("account", |m| m.limit);
-                Err(AcquireError::Refused(LimitRefusal::new(limit, None, 0, wait, false, snapshot)))
-            }
+    }
+
+    /// A refusal by the accounts, with the wait until one could grant.
+    fn refusal(&self, wait: Duration) -> AcquireError {
+        let snapshot = Snapshot { quota: 0, remaining: 0, reset: wait, window: Duration::ZERO };
+        let limit = self.members.first().map_or("account", |m| m.limit);
+        AcquireError::Refused(LimitRefusal::new(limit, None, 0, wait, false, snapshot))
+    }
+
+    /// Renews this replica's lease at `now`, in one call; with `heard` false the answer is
+    /// dropped as if lost on its way back (tests). Whether Redis answered.
+    async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
+        let Some(leases) = &self.leases else { return false };
+        let _one_at_a_time = leases.refreshing.lock().await;
+        leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        if self.manual_clock {
+            self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
+        let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
+        let (using, cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let mut args = vec!["l".to_owned(), self.id.clone(), using.to_string(), cap.to_string()];
+        demand_args(&reported, &mut args);
+        self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
+        let reply = match self.call(&args).await {
+            Ok(reply) => reply,
+            Err(_) => {
+                if let Some(fleet) = &self.fleet {
+                    fleet.clear_shares();
+                }
+                return false;
+            }
+        };
+        let ints = match &reply {
+            Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
+            _ => None,
+        };
+        let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == 3 + self.members.len() + reported.len()) else {
+            tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
+            return false;
+        };
+        leases.reported(counts);
+        self.heard(&ints[3..], reported, now);
+        if heard {
+            let fraction = u64::try_from(ints[0]).unwrap_or(0).min(lease::WHOLE);
+            leases.granted(fraction, now + leases.settings.lasts(), now);
+        }
+        true
     }
 
     fn send(&self, op: Op) {
@@ -661,6 +782,35 @@ async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedRecei
     }
 }
 
+/// The fleet demand a call reports: the count, then per tenant its key, weight, requests
+/// waiting, and requests waiting or in flight.
+fn demand_args(reported: &[tower_limits_core::fleet::TenantDemand], args: &mut Vec<String>) {
+    args.push(reported.len().to_string());
+    for d in reported {
+        args.extend([d.key.to_string(), d.weight.to_string(), d.waiting.to_string(), d.outstanding.to_string()]);
+    }
+}
+
+/// Renews this replica's lease every period while the store lives and the replica is busy
+/// (an acquisition within a lifetime, or a lease held).
+async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(inner) = weak.upgrade() else { return };
+        let Some(leases) = &inner.leases else { return };
+        // The latest `now` an acquisition was given: a lease counted from it ends no
+        // later than one counted from the real instant.
+        let now = Instant::from_nanos(leases.latest.load(Ordering::Relaxed));
+        if leases.idle(now) || inner.breaker.gate() == Gate::Open {
+            continue;
+        }
+        inner.refresh_lease(now, true).await;
+    }
+}
+
 fn signed(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -674,13 +824,69 @@ impl RedisAccounts {
             let e = AcquireError::CostAboveCapacity(CostAboveCapacity::new(limit, None, cost, capacity));
             return Box::pin(std::future::ready(Err(e)));
         }
+        if let Some(leases) = &inner.leases {
+            let benched = inner.benched.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            match leases.decide(cost, &benched, now) {
+                Decision::Granted(index) => {
+                    inner.stats.leased_grants.fetch_add(1, Ordering::Relaxed);
+                    return Box::pin(std::future::ready(Ok(SharedGrant { index, charged: cost })));
+                }
+                Decision::Refused(wait) => return Box::pin(std::future::ready(Err(inner.refusal(wait)))),
+                Decision::NoLease => {}
+            }
+        }
         if inner.breaker.gate() == Gate::Open {
             if let Some(fleet) = &inner.fleet {
                 fleet.clear_shares();
             }
             return Box::pin(std::future::ready(Err(inner.unavailable("circuit open after repeated failures"))));
         }
+        if inner.leases.is_some() {
+            // No lease in force: one call for it, then the lease decides.
+            let inner = inner.clone();
+            return Box::pin(async move {
+                if !inner.refresh_lease(now, true).await {
+                    return Err(inner.unavailable("no lease, and the lease refresh failed"));
+                }
+                let Some(leases) = &inner.leases else { return Err(inner.unavailable("no lease")) };
+                let benched = inner.benched.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                match leases.decide(cost, &benched, now) {
+                    Decision::Granted(index) => {
+                        inner.stats.leased_grants.fetch_add(1, Ordering::Relaxed);
+                        Ok(SharedGrant { index, charged: cost })
+                    }
+                    Decision::Refused(wait) => Err(inner.refusal(wait)),
+                    Decision::NoLease => Err(inner.refusal(leases.settings.refresh())),
+                }
+            });
+        }
         Box::pin(inner.clone().acquire(tenant.cloned(), cost, now))
+    }
+
+    /// Renews this replica's lease now ([`RedisAccountsBuilder::leases`]), as the
+    /// background task does every refresh period: for tests on a manual clock, where no
+    /// background task runs and the test chooses when refreshes happen. Whether Redis answered; `false` without leases.
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops the answer: the replica keeps its lease, and Redis
+    /// counts the larger of the two until the next refresh.
+    pub async fn refresh_leases(&self, now: Instant) -> bool {
+        self.inner.refresh_lease(now, true).await
+    }
+
+    /// As [`refresh_leases`](Self::refresh_leases), but the answer is lost on its way
+    /// back: Redis applied it, the replica never learns it (tests).
+    #[cfg(feature = "test-support")]
+    pub async fn refresh_leases_unheard(&self, now: Instant) -> bool {
+        self.inner.refresh_lease(now, false).await
+    }
+
+    /// The part of every account this replica's lease holds at `now`, from 0 to 1
+    /// (`None` without leases).
+    #[must_use]
+    pub fn leased_fraction(&self, now: Instant) -> Option<f64> {
+        let leases = self.inner.leases.as_ref()?;
+        Some(leases.fraction(now) as f64 / lease::WHOLE as f64)
     }
 }
 
@@ -697,12 +903,18 @@ impl SharedAccounts for RedisAccounts {
         let delta = signed(actual) - signed(grant.charged);
         grant.charged = actual;
         if delta != 0 {
-            self.inner.send(Op::Adjust { member: grant.index, requests: 0, cost: delta });
+            match &self.inner.leases {
+                Some(leases) => leases.adjust(grant.index, 0, delta),
+                None => self.inner.send(Op::Adjust { member: grant.index, requests: 0, cost: delta }),
+            }
         }
     }
 
     fn cancel(&self, grant: SharedGrant, _now: Instant) {
-        self.inner.send(Op::Adjust { member: grant.index, requests: -1, cost: -signed(grant.charged) });
+        match &self.inner.leases {
+            Some(leases) => leases.adjust(grant.index, -1, -signed(grant.charged)),
+            None => self.inner.send(Op::Adjust { member: grant.index, requests: -1, cost: -signed(grant.charged) }),
+        }
     }
 
     fn observe(&self, index: usize, report: &UpstreamReport, now: Instant) {
@@ -715,6 +927,9 @@ impl SharedAccounts for RedisAccounts {
             let mut benched = self.inner.benched.lock().unwrap_or_else(PoisonError::into_inner);
             let until = (now + wait).as_nanos();
             benched[index] = benched[index].max(until);
+        }
+        if let Some(leases) = &self.inner.leases {
+            leases.correct(index, report.remaining_requests, report.remaining_tokens);
         }
         self.inner.send(Op::Report {
             member: index,

@@ -180,7 +180,7 @@ mod stats;
 pub mod test_support;
 mod throttle;
 
-pub use accounts::{AccountStats, RedisAccounts, RedisAccountsBuilder};
+pub use accounts::{AccountLeases, AccountStats, RedisAccounts, RedisAccountsBuilder};
 pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant, Shares};
 pub use connection::RedisConnection;
 pub use error::BuildError;

@@ -77,6 +77,9 @@ if call('EXISTS', EPOCH) == 0 then
     end
   end
   call('SET', EPOCH, fmt('%.0f', NOW))
+  -- the leases were lost too: for one lifetime nobody is granted more than it says it
+  -- may still be using
+  if KNOWN and LIFE > 0 then call('SET', LOST, '1', 'PX', fmt('%.0f', ceil(LIFE / 1000) + 1 + SLACK)) end
 end
 if ARGV[1] == 'a' then
   local cost, rid = tonumber(ARGV[2]), ARGV[3]
@@ -197,6 +200,92 @@ if ARGV[1] == 'f' then
   end
   call('HSET', FLEET, 'd:' .. rid, fmt('%.0f', NOW) .. ' ' .. cjson.encode(report))
   call('PEXPIRE', FLEET, 60000 + SLACK)
+  return reply
+end
+-- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the fraction it may still
+-- be using, the most it could use (its cap; fractions in millionths), then n and n
+-- quadruples as for 'f'. The hash LEASES keeps per replica 'r:<id>' = "granted reported
+-- expires cap weight" and 'd:<id>' = its demand per tenant (JSON). The reply: the grant,
+-- NOW, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
+if ARGV[1] == 'l' then
+  local rid, using, cap, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local names, weights, mine = {}, {}, {}
+  for k = 1, n do
+    local j = 5 + 4 * (k - 1)
+    names[k], weights[k] = ARGV[j + 1], tonumber(ARGV[j + 2])
+    mine[names[k]] = tonumber(ARGV[j + 4])
+  end
+  local reps, demand = {}, {}
+  local all = call('HGETALL', LEASES)
+  for j = 1, #all, 2 do
+    local f, v = all[j], all[j + 1]
+    local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
+    if kind == 'r' then
+      local g, r, e, c, w = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+      if tonumber(e) <= NOW then call('HDEL', LEASES, f, 'd:' .. id)
+      elseif id ~= rid then reps[id] = {g = tonumber(g), r = tonumber(r), c = tonumber(c), w = tonumber(w)} end
+    elseif kind == 'd' and id ~= rid then demand[id] = v end
+  end
+  local total = {}
+  for id, v in pairs(demand) do
+    if reps[id] then
+      for name, d in pairs(cjson.decode(v)) do total[name] = (total[name] or 0) + d end
+    end
+  end
+  -- this replica's part of each tenant's fleet demand, and its weight among replicas
+  local W, shares = 0, {}
+  for k = 1, n do
+    local d = mine[names[k]]
+    local sum = (total[names[k]] or 0) + d
+    local sh = 1
+    if sum > 0 then sh = d / sum end
+    shares[k] = sh
+    if d > 0 then W = W + weights[k] * sh end
+  end
+  if W <= 0 then W = 1 end
+  -- weighted max-min fairness over the live replicas' caps
+  local act = {}
+  for id, o in pairs(reps) do
+    if o.c > 0 then act[#act + 1] = {id = id, c = o.c, w = o.w} end
+  end
+  if cap > 0 then act[#act + 1] = {id = rid, c = cap, w = W} end
+  local left, allot = WHOLE, 0
+  while #act > 0 do
+    local sw = 0
+    for _, a in ipairs(act) do sw = sw + a.w end
+    local used, rest = 0, {}
+    for _, a in ipairs(act) do
+      if a.c <= left * a.w / sw then
+        used = used + a.c
+        if a.id == rid then allot = a.c end
+      else
+        rest[#rest + 1] = a
+      end
+    end
+    if #rest == #act then
+      for _, a in ipairs(act) do
+        if a.id == rid then allot = left * a.w / sw end
+      end
+      break
+    end
+    left = left - used
+    act = rest
+  end
+  local others = 0
+  for _, o in pairs(reps) do others = others + math.max(o.g, o.r) end
+  local grant = floor(math.min(allot, WHOLE - others))
+  if grant < 0 then grant = 0 end
+  if grant > using and call('EXISTS', LOST) == 1 then grant = using end
+  call('HSET', LEASES, 'r:' .. rid, fmt('%.0f %.0f %.0f %.0f %.17g', grant, using, NOW + LIFE, cap, W))
+  local report = {}
+  for k = 1, n do
+    if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
+  end
+  call('HSET', LEASES, 'd:' .. rid, cjson.encode(report))
+  call('PEXPIRE', LEASES, fmt('%.0f', ceil(LIFE / 1000) + 60000 + SLACK))
+  local reply = {grant, NOW, 0}
+  for m = 1, #M do reply[3 + m] = bench_ns(m) end
+  for k = 1, n do reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5) end
   return reply
 end
 -- 'b': a batch of operations, 5 arguments each: kind, member, then

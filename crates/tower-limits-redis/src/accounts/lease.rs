@@ -1,0 +1,481 @@
+//! Account leases: each replica decides the accounts alone, from a fraction of every
+//! member that it leases from Redis, and asks Redis once per refresh for all of them.
+//!
+//! # The scheme
+//!
+//! A replica holds one *fraction* `g` of the pool (counted in millionths): a fraction `g`
+//! of every member's limits. For a limit of `A` units per period
+//! `P` with burst `B`, it runs a token bucket of its own, refilled at `g·A` per `P` and
+//! holding at most `g·B`, and admits from it with no round trip: choosing the member with
+//! the most headroom, as the per-request script does. Settles and cancels correct the
+//! bucket that granted, locally.
+//!
+//! Every refresh period (100 ms by default) a replica sends one call: the fraction it may
+//! still be using, the fraction it could use (its *cap*: everything while it refuses or
+//! has requests waiting, else twice what it admitted in the last period), and, with
+//! [`fleet`](super::RedisAccountsBuilder::fleet), its fair queue's demand per tenant. The
+//! script divides the pool among the live replicas by weighted max-min fairness: each
+//! replica's weight is `Σ_t w_t·s_t` over its tenants with demand, `s_t` its part of
+//! tenant `t`'s demand across the fleet, so that tenant `t` gets capacity in proportion
+//! to its weight whichever replicas its requests land on. It grants the caller
+//! `min(its allotment, WHOLE − Σ others)`, where an other counts the larger of what it
+//! was granted and what it said it may still be using. The reply also carries the
+//! members' benches and the caller's part of each tenant's demand, which the fair queue
+//! uses as its tenants' weights.
+//!
+//! # Bounds
+//!
+//! Over every window of length `W`, the fleet charges a member's limit at most
+//! `B + W·A/P` units: its own bound, with no excess.
+//!
+//! - The fractions Redis counts sum to at most the whole at every instant: a replica's
+//!   entry counts the larger of its grant and what it reports until it confirms the
+//!   smaller one, and until its lease expires. So the rates the replicas refill at sum to
+//!   at most `A`, and their buckets' capacities to at most `B`.
+//! - A replica stops using a lease at its local expiry, counted from a `now` taken before
+//!   its call was sent, so never after Redis stops counting it.
+//! - Tokens come only from refills. A bucket whose fraction grows keeps its tokens (a new
+//!   lease starts empty); one that shrinks drops what is above its new capacity.
+//!
+//! As in memory, a settle that charges more than a grant took is a debt of the bucket
+//! that granted it, repaid by its refill; the fleet may exceed the bound by the overrun
+//! of each replica's last grant.
+//!
+//! A Redis that lost its state (see the module's "Restarted empty") forgets the fleet's
+//! leases: for one lifetime after a replica finds that out, no replica is granted more
+//! than it says it may still be using, so the fractions still sum to at most the whole.
+//!
+//! # What it costs
+//!
+//! One call per replica per refresh period while it has traffic, whatever the requests;
+//! none while it is idle. A first request on a replica without a lease waits for one
+//! call; a replica whose lease is spent refuses locally with the exact wait of its
+//! bucket, or, granted nothing, until its next refresh.
+//!
+//! # Failure
+//!
+//! While Redis is slow or away a replica decides from its lease until it expires (the
+//! lifetime, 1 s by default), then the failure policy applies: the pool's local sets
+//! (fallback), or refusals (fail closed).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tower_limits_core::Instant;
+
+/// The whole pool, in the millionths leases are counted in.
+pub(crate) const WHOLE: u64 = 1_000_000;
+
+/// How account leases are refreshed: see
+/// [`RedisAccountsBuilder::leases`](super::RedisAccountsBuilder::leases).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits_redis::AccountLeases;
+///
+/// let leases = AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(Duration::from_millis(500));
+/// assert_eq!(leases.refresh(), Duration::from_millis(50));
+/// assert_eq!(leases.lasts(), Duration::from_millis(500));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct AccountLeases {
+    refresh: Duration,
+    lifetime: Duration,
+}
+
+impl Default for AccountLeases {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AccountLeases {
+    /// Refreshed every 100 ms, living 1 s.
+    pub const fn new() -> AccountLeases {
+        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1) }
+    }
+
+    /// How often a replica with traffic renews its lease and reports its demand (default
+    /// 100 ms): the fleet's Redis work is one call per busy replica per period, and
+    /// capacity moves between replicas within about three periods.
+    pub const fn refresh_every(mut self, every: Duration) -> Self {
+        self.refresh = every;
+        self
+    }
+
+    /// How long a lease lives without a refresh (default 1 s): how long a replica serves
+    /// while Redis is away, and how long the fraction of a replica that died stays taken.
+    /// At least two refresh periods plus the call timeout.
+    pub const fn lifetime(mut self, lifetime: Duration) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
+    /// The refresh period.
+    #[must_use]
+    pub const fn refresh(&self) -> Duration {
+        self.refresh
+    }
+
+    /// How long a lease lives without a refresh.
+    #[must_use]
+    pub const fn lasts(&self) -> Duration {
+        self.lifetime
+    }
+}
+
+/// One limit of a member, as its bucket is sized.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LeasedLimit {
+    /// Units per period.
+    pub(super) amount: u64,
+    pub(super) period_ns: u64,
+    pub(super) burst: u64,
+    /// Counts the request's cost (else one per request).
+    pub(super) cost: bool,
+}
+
+impl LeasedLimit {
+    /// One unit, in the bucket's scale (units times the period times [`WHOLE`]).
+    fn unit(&self) -> i128 {
+        i128::from(self.period_ns) * i128::from(WHOLE)
+    }
+
+    fn capacity(&self, fraction: u64) -> i128 {
+        i128::from(self.burst) * i128::from(fraction) * i128::from(self.period_ns)
+    }
+
+    /// The refill a nanosecond.
+    fn refill(&self, fraction: u64) -> i128 {
+        i128::from(self.amount) * i128::from(fraction)
+    }
+
+    fn need(&self, cost: u64) -> i128 {
+        i128::from(if self.cost { cost } else { 1 }) * self.unit()
+    }
+}
+
+/// What the local lease decided.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Decision {
+    /// The member charged.
+    Granted(usize),
+    /// Refused; the wait until a member could grant.
+    Refused(Duration),
+    /// No lease in force: ask Redis.
+    NoLease,
+}
+
+/// This replica's lease and its buckets.
+pub(super) struct Leases {
+    pub(super) settings: AccountLeases,
+    limits: Vec<Vec<LeasedLimit>>,
+    /// The requests the members allow in one refresh period, together.
+    per_refresh: f64,
+    state: Mutex<State>,
+    /// One refresh at a time, so that answers apply in the order they were asked.
+    pub(super) refreshing: tokio::sync::Mutex<()>,
+    /// The latest `now` an acquisition or a refresh was given, ns.
+    pub(super) latest: AtomicU64,
+}
+
+struct State {
+    fraction: u64,
+    expires: Instant,
+    /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
+    pending: Option<(u64, Instant)>,
+    /// Per member, per limit: tokens in units times the period times [`WHOLE`].
+    tokens: Vec<Vec<i128>>,
+    at: Instant,
+    /// Requests admitted and refused since the last report.
+    admitted: u64,
+    refused: u64,
+    /// Granted nothing: refused without asking until then.
+    denied_until: Instant,
+    /// Until when the replica counts as busy (a lifetime after its last acquisition).
+    busy_until: Instant,
+}
+
+impl Leases {
+    pub(super) fn new(settings: AccountLeases, limits: Vec<Vec<LeasedLimit>>) -> Leases {
+        let refresh_ns = settings.refresh.as_nanos() as f64;
+        let per_refresh = limits
+            .iter()
+            .filter_map(|member| member.iter().find(|l| !l.cost))
+            .map(|l| l.amount as f64 * refresh_ns / l.period_ns.max(1) as f64)
+            .sum::<f64>();
+        let tokens = limits.iter().map(|m| vec![0; m.len()]).collect();
+        Leases {
+            settings,
+            limits,
+            per_refresh,
+            state: Mutex::new(State {
+                fraction: 0,
+                expires: Instant::ZERO,
+                pending: None,
+                tokens,
+                at: Instant::ZERO,
+                admitted: 0,
+                refused: 0,
+                denied_until: Instant::ZERO,
+                busy_until: Instant::ZERO,
+            }),
+            refreshing: tokio::sync::Mutex::new(()),
+            latest: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Brings the buckets to `now`: refilled at the fraction until the lease expires; an
+    /// expired lease is dropped (debts are kept).
+    fn advance(&self, st: &mut State, now: Instant) {
+        if now > st.at {
+            let until = if now < st.expires { now } else { st.expires.max(st.at) };
+            let elapsed = i128::from(until.nanos_since(st.at));
+            for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
+                for (l, t) in member.iter().zip(tokens.iter_mut()) {
+                    *t = (*t + elapsed * l.refill(st.fraction)).min(l.capacity(st.fraction));
+                }
+            }
+            st.at = now;
+        }
+        if now >= st.expires && st.fraction > 0 {
+            st.fraction = 0;
+            for t in st.tokens.iter_mut().flatten() {
+                *t = (*t).min(0);
+            }
+        }
+    }
+
+    /// Applies the last refresh's answer: a grown fraction keeps the tokens, a shrunk one
+    /// drops those above its capacity.
+    fn take_pending(&self, st: &mut State, now: Instant) {
+        self.advance(st, now);
+        if let Some((fraction, expires)) = st.pending.take() {
+            if now < expires {
+                st.fraction = fraction;
+                st.expires = expires;
+                for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
+                    for (l, t) in member.iter().zip(tokens.iter_mut()) {
+                        *t = (*t).min(l.capacity(fraction));
+                    }
+                }
+            }
+            self.advance(st, now);
+        }
+    }
+
+    /// Decides a request of `cost` at `now` from the lease, skipping the members benched
+    /// past `now` (`benched`, ns of the caller's clock).
+    pub(super) fn decide(&self, cost: u64, benched: &[u64], now: Instant) -> Decision {
+        self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        let mut st = self.lock();
+        self.take_pending(&mut st, now);
+        st.busy_until = now + self.settings.lifetime;
+        if st.fraction == 0 {
+            if now < st.denied_until {
+                st.refused += 1;
+                return Decision::Refused(Duration::from_nanos(st.denied_until.nanos_since(now)));
+            }
+            // Wanted and not held: the refresh that follows asks for all it may need.
+            st.refused += 1;
+            return Decision::NoLease;
+        }
+        let mut best: Option<(usize, f64)> = None;
+        let mut wait = u64::MAX;
+        let refresh_ns = u64::try_from(self.settings.refresh.as_nanos()).unwrap_or(u64::MAX);
+        for (m, member) in self.limits.iter().enumerate() {
+            let bench = benched.get(m).copied().unwrap_or(0);
+            if bench > now.as_nanos() {
+                wait = wait.min(bench - now.as_nanos());
+                continue;
+            }
+            // The member's headroom after the request: the smallest remaining part of a
+            // limit's capacity.
+            let (mut headroom, mut short) = (f64::INFINITY, 0_u64);
+            let mut fits = true;
+            for (l, &t) in member.iter().zip(&st.tokens[m]) {
+                let need = l.need(cost);
+                let capacity = l.capacity(st.fraction);
+                if need > capacity {
+                    fits = false;
+                } else if t < need {
+                    let refill = l.refill(st.fraction).max(1);
+                    let ns = u64::try_from((need - t + refill - 1) / refill).unwrap_or(u64::MAX);
+                    short = short.max(ns);
+                } else {
+                    headroom = headroom.min((t - need) as f64 / capacity.max(1) as f64);
+                }
+            }
+            if !fits {
+                // Too large for this fraction: the next lease may hold it.
+                wait = wait.min(refresh_ns);
+            } else if short > 0 {
+                wait = wait.min(short);
+            } else if best.is_none_or(|(_, h)| headroom > h) {
+                best = Some((m, headroom));
+            }
+        }
+        match best {
+            Some((m, _)) => {
+                for (l, t) in self.limits[m].iter().zip(st.tokens[m].iter_mut()) {
+                    *t -= l.need(cost);
+                }
+                st.admitted += 1;
+                Decision::Granted(m)
+            }
+            None => {
+                st.refused += 1;
+                Decision::Refused(Duration::from_nanos(wait.min(refresh_ns.max(1).saturating_mul(10))))
+            }
+        }
+    }
+
+    /// Charges `requests` and `cost` more (or refunds them, negative) to `member`'s
+    /// bucket: a settle or a cancel.
+    pub(super) fn adjust(&self, member: usize, requests: i64, cost: i64) {
+        let mut st = self.lock();
+        let fraction = st.fraction;
+        let (Some(limits), Some(tokens)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
+        for (l, t) in limits.iter().zip(tokens.iter_mut()) {
+            let units = i128::from(if l.cost { cost } else { requests });
+            *t = (*t - units * l.unit()).min(l.capacity(fraction));
+        }
+    }
+
+    /// What the upstream said is left of `member`'s limits: this replica's fraction of it
+    /// bounds its bucket.
+    pub(super) fn correct(&self, member: usize, requests: Option<u64>, tokens: Option<u64>) {
+        let mut st = self.lock();
+        let fraction = i128::from(st.fraction);
+        let (Some(limits), Some(buckets)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
+        for (l, t) in limits.iter().zip(buckets.iter_mut()) {
+            if let Some(left) = if l.cost { tokens } else { requests } {
+                *t = (*t).min(i128::from(left) * l.unit() * fraction / i128::from(WHOLE));
+            }
+        }
+    }
+
+    /// What a refresh reports at `now`: the fraction this replica may still be using, the
+    /// most it could use (`backlog`: requests are waiting for the accounts), and the
+    /// counts it stands for, to [`reported`](Self::reported) once Redis has them.
+    pub(super) fn report(&self, now: Instant, backlog: bool) -> (u64, u64, (u64, u64)) {
+        let mut st = self.lock();
+        self.advance(&mut st, now);
+        let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
+        let pending = st.pending.map_or(0, |(f, e)| live(f, e));
+        let using = live(st.fraction, st.expires).max(pending);
+        let cap = if st.refused > 0 || backlog {
+            WHOLE
+        } else if st.admitted == 0 {
+            0
+        } else {
+            let part = 2.0 * st.admitted as f64 / self.per_refresh.max(1.0);
+            ((part * WHOLE as f64) as u64).clamp(WHOLE / 64, WHOLE)
+        };
+        (using, cap, (st.admitted, st.refused))
+    }
+
+    /// Redis heard the counts of a report: the next one starts after them.
+    pub(super) fn reported(&self, (admitted, refused): (u64, u64)) {
+        let mut st = self.lock();
+        st.admitted = st.admitted.saturating_sub(admitted);
+        st.refused = st.refused.saturating_sub(refused);
+    }
+
+    /// Takes a refresh's answer: `fraction` until `expires`; granted nothing, the replica
+    /// refuses without asking until its next refresh.
+    pub(super) fn granted(&self, fraction: u64, expires: Instant, now: Instant) {
+        let mut st = self.lock();
+        st.pending = Some((fraction, expires));
+        if fraction == 0 {
+            st.denied_until = now + self.settings.refresh;
+        }
+    }
+
+    /// Whether the replica had no acquisition within a lifetime and holds no lease: its
+    /// refreshes can stop.
+    pub(super) fn idle(&self, now: Instant) -> bool {
+        let st = self.lock();
+        now >= st.busy_until && (st.fraction == 0 || now >= st.expires) && st.pending.is_none_or(|(f, _)| f == 0)
+    }
+
+    /// The fraction in force at `now` (tests and stats).
+    pub(super) fn fraction(&self, now: Instant) -> u64 {
+        let mut st = self.lock();
+        self.take_pending(&mut st, now);
+        st.fraction
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leases() -> Leases {
+        // One member: 10 requests a second with a burst of 2, 100 tokens a second with a
+        // burst of 50.
+        let rpm = LeasedLimit { amount: 10, period_ns: 1_000_000_000, burst: 2, cost: false };
+        let tpm = LeasedLimit { amount: 100, period_ns: 1_000_000_000, burst: 50, cost: true };
+        Leases::new(AccountLeases::new(), vec![vec![rpm, tpm]])
+    }
+
+    fn at(ms: u64) -> Instant {
+        Instant::from_nanos(ms * 1_000_000)
+    }
+
+    #[test]
+    fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
+        let l = leases();
+        assert_eq!(l.decide(1, &[], at(0)), Decision::NoLease);
+        l.granted(WHOLE / 2, at(1000), at(0));
+        // Half of 10 a second: one request every 200 ms, nothing at first.
+        assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(200)));
+        assert_eq!(l.decide(1, &[], at(200)), Decision::Granted(0));
+        assert!(matches!(l.decide(1, &[], at(200)), Decision::Refused(_)));
+        // The burst at half is 1: a long pause refills one request, not two.
+        assert_eq!(l.decide(1, &[], at(900)), Decision::Granted(0));
+        assert!(matches!(l.decide(1, &[], at(900)), Decision::Refused(_)));
+        // Expired: nothing is decided locally any more.
+        assert_eq!(l.decide(1, &[], at(1000)), Decision::NoLease);
+    }
+
+    #[test]
+    fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
+        let l = leases();
+        l.granted(WHOLE / 2, at(10_000), at(0));
+        assert_eq!(l.fraction(at(0)), WHOLE / 2);
+        // Full at half: one request. Grown to the whole: still one, not two.
+        l.granted(WHOLE, at(10_000), at(5000));
+        assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
+        assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
+        // Full at the whole (two), shrunk to half: one.
+        l.granted(WHOLE / 2, at(20_000), at(9000));
+        assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
+        assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
+    }
+
+    #[test]
+    fn settles_charge_the_bucket_and_reports_say_what_is_used() {
+        let l = leases();
+        l.granted(WHOLE, at(10_000), at(0));
+        assert_eq!(l.fraction(at(0)), WHOLE);
+        assert_eq!(l.decide(10, &[], at(1000)), Decision::Granted(0));
+        // 50 tokens of burst: 40 left; a settle to 45 leaves 5.
+        l.adjust(0, 0, 35);
+        assert!(matches!(l.decide(10, &[], at(1000)), Decision::Refused(w) if w == Duration::from_millis(50)));
+        let (using, cap, counts) = l.report(at(1000), false);
+        assert_eq!((using, cap), (WHOLE, WHOLE), "refused: it could use everything");
+        assert_eq!(l.report(at(1000), false).1, WHOLE, "not heard: reported again");
+        l.reported(counts);
+        assert_eq!(l.report(at(1000), false).1, 0, "nothing asked since: idle");
+        // A benched member is skipped, with the bench as the wait.
+        let bench = [at(1500).as_nanos()];
+        assert!(matches!(l.decide(1, &bench, at(1100)), Decision::Refused(w) if w == Duration::from_millis(400)));
+    }
+}

@@ -1,0 +1,339 @@
+//! Law 30: upstream accounts leased to a fleet through Redis. Each replica holds a
+//! fraction of every account and decides from it alone; over every window the fleet
+//! charges an account at most its burst plus its rate, whatever the traffic, the order
+//! of refreshes, answers lost on their way back or replicas that stop; capacity follows
+//! demand; a replica that stops gives its fraction back within a lifetime; a Redis that
+//! lost its state does not hand the fleet's leases out twice. Every test runs against a
+//! real `redis-server`, on a manual clock (the test chooses when leases are refreshed).
+
+mod redis_common;
+
+use std::time::Duration;
+
+use tower_limits_core::{
+    AcquireError, Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey,
+};
+use tower_limits_redis::test_support::{own_redis_for, redis_for};
+use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisConnection};
+use tower_limits_tests::quota;
+
+use redis_common::{connect, namespace, runtime};
+
+/// Two accounts: requests per second with a burst, and tokens per second (cost).
+const ACCOUNTS: [(&str, u64, u64, u64, u64); 2] = [("a", 100, 10, 2_000, 300), ("b", 40, 4, 1_000, 100)];
+
+fn account(rps: u64, burst: u64, tps: u64, tburst: u64) -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .limit(LimitPolicy::gcra("rpm", quota(rps, Duration::from_secs(1), burst)))
+        .limit(LimitPolicy::token_bucket("tpm", quota(tps, Duration::from_secs(1), tburst)).counting_cost())
+}
+
+const LIFETIME: Duration = Duration::from_millis(300);
+
+/// One replica: its own connection, store and pool, leasing the accounts.
+async fn replica(url: &str, ns: &str) -> (LimitPool, RedisAccounts) {
+    let conn: RedisConnection = connect(url).await;
+    let mut store = RedisAccounts::builder("accounts")
+        .namespace(ns)
+        .timeout(Duration::from_secs(5))
+        .on_failure(FailurePolicy::FailClosed)
+        .manual_clock()
+        .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME));
+    let mut pool = LimitPool::builder(Selection::MostHeadroom);
+    for (name, rps, burst, tps, tburst) in ACCOUNTS {
+        store = store.member(name, account(rps, burst, tps, tburst));
+        pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
+    }
+    let store = store.build(&conn).unwrap();
+    (pool.shared(std::sync::Arc::new(store.clone())).build().unwrap(), store)
+}
+
+fn ms(n: u64) -> Instant {
+    Instant::from_nanos(n * 1_000_000)
+}
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The rate bound over every window: for each account and limit, no window of length
+/// `w` holds more than the burst plus what the rate refills in `w`.
+fn assert_bound(grants: &[(u64, usize, u64)], seed: u64) {
+    for (m, (name, rps, burst, tps, tburst)) in ACCOUNTS.iter().enumerate() {
+        let mine: Vec<(u64, u64)> = grants.iter().filter(|g| g.1 == m).map(|g| (g.0, g.2)).collect();
+        for w_ms in [10, 50, 100, 300, 1000, 3000] {
+            let mut j = 0;
+            let (mut requests, mut tokens) = (0u64, 0u64);
+            for i in 0..mine.len() {
+                // The window [mine[i].0, mine[i].0 + w]: grants from i on.
+                while j < mine.len() && mine[j].0 <= mine[i].0 + w_ms * 1_000_000 {
+                    requests += 1;
+                    tokens += mine[j].1;
+                    j += 1;
+                }
+                let r_bound = burst + rps * w_ms / 1000 + 1;
+                let t_bound = tburst + tps * w_ms / 1000 + 1;
+                assert!(
+                    requests <= r_bound,
+                    "seed {seed}: account {name}, {requests} requests in {w_ms} ms > {r_bound}"
+                );
+                assert!(tokens <= t_bound, "seed {seed}: account {name}, {tokens} tokens in {w_ms} ms > {t_bound}");
+                requests -= 1;
+                tokens -= mine[i].1;
+            }
+        }
+    }
+}
+
+/// Random traffic over three replicas: phases of flood, one busy replica, a replica that
+/// stops for a while (no traffic, no refresh), refreshes heard, lost on the way back, or
+/// not sent. The bound holds over every window, and the fleet uses the accounts.
+#[test]
+fn leased_accounts_keep_the_rate_bound_under_random_traffic() {
+    let Some(server) = redis_for("leased_accounts_keep_the_rate_bound_under_random_traffic") else { return };
+    runtime().block_on(async {
+        for seed in [1u64, 7, 42] {
+            let ns = namespace("leases-law");
+            let mut replicas = Vec::new();
+            for _ in 0..3 {
+                replicas.push(replica(&server.url(), &ns).await);
+            }
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let key = TenantKey::global();
+            let mut grants = Vec::new();
+            let mut now_ms = 0;
+            let mut last_refresh = [0u64; 3];
+            while now_ms < 6_000 {
+                now_ms += 1 + rng.below(8);
+                let now = ms(now_ms);
+                let phase = (now_ms / 1000) % 3;
+                // Phase 0: everyone floods; 1: replica 0 alone; 2: replica 2 is deaf and
+                // silent.
+                for (r, (pool, store)) in replicas.iter().enumerate() {
+                    // Phase 1: replica 0 floods, the others trickle (one step in eight).
+                    let active = match phase {
+                        0 => true,
+                        1 => r == 0 || rng.below(8) == 0,
+                        _ => r != 2,
+                    };
+                    if phase == 2 && r == 2 {
+                        continue;
+                    }
+                    if now_ms - last_refresh[r] >= 50 + rng.below(30) {
+                        last_refresh[r] = now_ms;
+                        match rng.below(10) {
+                            0 => {}
+                            1 => {
+                                store.refresh_leases_unheard(now).await;
+                            }
+                            _ => {
+                                store.refresh_leases(now).await;
+                            }
+                        }
+                    }
+                    // The fractions in force never sum to more than the whole pool.
+                    let held: f64 = replicas.iter().map(|(_, s)| s.leased_fraction(now).unwrap()).sum();
+                    assert!(held <= 1.0 + 1e-9, "seed {seed}: {held} of the pool held at {now_ms} ms");
+                    if !active {
+                        continue;
+                    }
+                    for _ in 0..rng.below(4) {
+                        let cost = 1 + rng.below(40);
+                        match Backend::acquire(pool, &key, cost, now).await {
+                            Ok(grant) => {
+                                grants.push((now.as_nanos(), grant.chosen().index, cost));
+                                Backend::release(pool, &key, grant);
+                            }
+                            Err(AcquireError::Refused(_)) => {}
+                            Err(e) => panic!("seed {seed}: {e}"),
+                        }
+                    }
+                }
+            }
+            assert_bound(&grants, seed);
+            // 6 s of mostly saturated traffic: the fleet used most of what the accounts
+            // allow (140 requests a second, and the bursts).
+            assert!(grants.len() > 400, "seed {seed}: only {} grants", grants.len());
+            for (_, store) in &replicas {
+                assert_eq!(store.stats().acquire_calls, 0, "seed {seed}: no call per request");
+            }
+        }
+    });
+}
+
+/// Two replicas that both want more than the accounts allow end with half each; one
+/// that stops refreshing gives its fraction back within a lifetime.
+#[test]
+fn capacity_follows_demand_and_a_silent_replica_gives_its_lease_back() {
+    let Some(server) = redis_for("capacity_follows_demand_and_a_silent_replica_gives_its_lease_back") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("leases-demand");
+        let (first, first_store) = replica(&server.url(), &ns).await;
+        let (second, second_store) = replica(&server.url(), &ns).await;
+        let key = TenantKey::global();
+        let flood = |pool: &LimitPool, now: Instant| {
+            let pool = pool.clone();
+            let key = key.clone();
+            async move {
+                for _ in 0..50 {
+                    if let Ok(g) = Backend::acquire(&pool, &key, 1, now).await {
+                        Backend::release(&pool, &key, g);
+                    }
+                }
+            }
+        };
+        // The first alone takes everything.
+        flood(&first, ms(0)).await;
+        first_store.refresh_leases(ms(10)).await;
+        assert_eq!(first_store.leased_fraction(ms(10)), Some(1.0));
+        // Both flood: within a few refreshes each holds half.
+        let mut t = 20;
+        for _ in 0..6 {
+            flood(&first, ms(t)).await;
+            flood(&second, ms(t)).await;
+            first_store.refresh_leases(ms(t + 1)).await;
+            second_store.refresh_leases(ms(t + 2)).await;
+            flood(&first, ms(t + 3)).await;
+            t += 50;
+        }
+        let (a, b) = (first_store.leased_fraction(ms(t)).unwrap(), second_store.leased_fraction(ms(t)).unwrap());
+        assert!((a - 0.5).abs() < 0.01 && (b - 0.5).abs() < 0.01, "{a} and {b}, not half each");
+        // The first falls silent: the second gets everything once the first's lease has
+        // lived its lifetime, not before.
+        let silent_from = t;
+        flood(&second, ms(t)).await;
+        second_store.refresh_leases(ms(t + 1)).await;
+        assert!(second_store.leased_fraction(ms(t + 1)).unwrap() <= 0.5 + 0.01);
+        let back = silent_from + LIFETIME.as_millis() as u64 + 1;
+        flood(&second, ms(back)).await;
+        second_store.refresh_leases(ms(back)).await;
+        assert_eq!(second_store.leased_fraction(ms(back)), Some(1.0));
+    });
+}
+
+/// A fraction moves from one replica to another only once the first has confirmed it
+/// gave it up: an answer lost on its way back leaves the replica using its old fraction,
+/// and Redis keeps counting that until the replica says otherwise or its lease ends.
+#[test]
+fn a_hand_over_never_counts_a_fraction_twice() {
+    let Some(server) = redis_for("a_hand_over_never_counts_a_fraction_twice") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-hand-over");
+        let (x, x_store) = replica(&server.url(), &ns).await;
+        let (y, y_store) = replica(&server.url(), &ns).await;
+        let key = TenantKey::global();
+        let want = |pool: &LimitPool, t: u64| {
+            let (pool, key) = (pool.clone(), key.clone());
+            async move {
+                for _ in 0..20 {
+                    if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
+                        Backend::release(&pool, &key, g);
+                    }
+                }
+            }
+        };
+        let held = |t: u64| x_store.leased_fraction(ms(t)).unwrap() + y_store.leased_fraction(ms(t)).unwrap();
+        want(&x, 0).await;
+        assert_eq!(x_store.leased_fraction(ms(0)), Some(1.0));
+        // y wants some: nothing is free.
+        want(&y, 10).await;
+        assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
+        // x is granted half, but never hears it: it keeps using the whole.
+        want(&x, 20).await;
+        x_store.refresh_leases_unheard(ms(20)).await;
+        assert_eq!(x_store.leased_fraction(ms(21)), Some(1.0));
+        want(&y, 70).await;
+        y_store.refresh_leases(ms(70)).await;
+        assert_eq!(y_store.leased_fraction(ms(70)), Some(0.0), "x may still be using the whole");
+        assert!(held(70) <= 1.0);
+        // x hears half now, and uses it; until it says so, Redis counts the whole.
+        want(&x, 80).await;
+        x_store.refresh_leases(ms(80)).await;
+        assert_eq!(x_store.leased_fraction(ms(81)), Some(0.5));
+        want(&y, 90).await;
+        y_store.refresh_leases(ms(90)).await;
+        assert_eq!(y_store.leased_fraction(ms(90)), Some(0.0), "x has not confirmed the half yet");
+        // x confirms; then y gets the other half.
+        want(&x, 130).await;
+        x_store.refresh_leases(ms(130)).await;
+        want(&y, 140).await;
+        y_store.refresh_leases(ms(140)).await;
+        assert_eq!(y_store.leased_fraction(ms(140)), Some(0.5));
+        assert!(held(140) <= 1.0);
+    });
+}
+
+/// While Redis is away a replica decides from its lease until it expires, then the
+/// failure policy (here fail closed) answers; no request makes a call meanwhile.
+#[test]
+fn while_redis_is_away_a_lease_serves_until_it_expires() {
+    let Some(mut server) = own_redis_for("while_redis_is_away_a_lease_serves_until_it_expires") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-away");
+        let (pool, store) = replica(&server.url(), &ns).await;
+        let key = TenantKey::global();
+        // The lease is taken (the first request waits for it), and refills.
+        assert!(matches!(Backend::acquire(&pool, &key, 1, ms(0)).await, Err(AcquireError::Refused(_))));
+        server.stop();
+        let mut granted = 0;
+        for t in (10..LIFETIME.as_millis() as u64).step_by(10) {
+            if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
+                granted += 1;
+                Backend::release(&pool, &key, g);
+            }
+        }
+        assert!(granted >= 20, "only {granted} granted from the lease while Redis was away");
+        let after = Backend::acquire(&pool, &key, 1, ms(LIFETIME.as_millis() as u64 + 1)).await;
+        assert!(matches!(after, Err(AcquireError::Unavailable(_))), "{after:?}");
+        drop(store);
+    });
+}
+
+/// A Redis that restarts empty forgot the fleet's leases: for a lifetime, no replica is
+/// granted more than it says it may still be using, so a replica that held nothing gets
+/// nothing while the one that held everything may still be using it.
+#[test]
+fn a_redis_restarted_empty_does_not_hand_the_leases_out_twice() {
+    let Some(mut server) = own_redis_for("a_redis_restarted_empty_does_not_hand_the_leases_out_twice") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("leases-lost");
+        let (holder, holder_store) = replica(&server.url(), &ns).await;
+        let (other, other_store) = replica(&server.url(), &ns).await;
+        let key = TenantKey::global();
+        let _ = Backend::acquire(&holder, &key, 1, ms(0)).await;
+        assert_eq!(holder_store.leased_fraction(ms(0)), Some(1.0));
+        // The other has reached Redis before (it refreshed, holding nothing, asking for
+        // nothing).
+        other_store.refresh_leases(ms(5)).await;
+        server.restart().expect("the server restarts");
+        // The other asks for everything: Redis remembers no lease, yet grants nothing.
+        let _ = Backend::acquire(&other, &key, 1, ms(20)).await;
+        let mut asked = false;
+        for _ in 0..100 {
+            if other_store.refresh_leases(ms(30)).await {
+                asked = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(asked, "redis never answered again");
+        assert_eq!(other_store.leased_fraction(ms(30)), Some(0.0), "a lease handed out twice");
+        // The holder keeps what it had.
+        holder_store.refresh_leases(ms(40)).await;
+        assert_eq!(holder_store.leased_fraction(ms(40)), Some(1.0));
+    });
+}
