@@ -275,6 +275,54 @@ fn a_hand_over_never_counts_a_fraction_twice() {
     });
 }
 
+/// A fraction whose part of a burst cannot hold one request is never granted: with a
+/// burst of one request, two replicas cannot each hold half (neither could ever admit);
+/// one holds the whole and the other waits for it.
+#[test]
+fn no_lease_is_too_small_to_hold_a_request() {
+    let Some(server) = redis_for("no_lease_is_too_small_to_hold_a_request") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-smallest");
+        let tight = || LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(20, Duration::from_secs(1), 1)));
+        let mut sides = Vec::new();
+        for _ in 0..2 {
+            let conn = connect(&server.url()).await;
+            let store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .member("only", tight())
+                .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME))
+                .build(&conn)
+                .unwrap();
+            let pool = LimitPool::builder(Selection::MostHeadroom)
+                .member("only", LimitSet::new(tight()).unwrap(), ())
+                .shared(std::sync::Arc::new(store.clone()))
+                .build()
+                .unwrap();
+            sides.push((pool, store));
+        }
+        let key = TenantKey::global();
+        let mut served = [0u64; 2];
+        for t in (0..1000).step_by(10) {
+            for (i, (pool, store)) in sides.iter().enumerate() {
+                if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+                    served[i] += 1;
+                    Backend::release(pool, &key, g);
+                }
+                if t % 50 == 0 {
+                    store.refresh_leases(ms(t)).await;
+                }
+                let f = store.leased_fraction(ms(t)).unwrap();
+                assert!(f == 0.0 || f == 1.0, "a fraction of {f} cannot hold a request of a burst of one");
+            }
+        }
+        // The first holds the account and uses it: 20 a second.
+        assert!(served[0] >= 15, "{served:?}");
+        assert_eq!(served[1], 0, "{served:?}");
+    });
+}
+
 /// While Redis is away a replica decides from its lease until it expires, then the
 /// failure policy (here fail closed) answers; no request makes a call meanwhile.
 #[test]

@@ -530,7 +530,8 @@ impl RedisAccountsBuilder {
         keys.push(format!("{prefix}lost"));
         let _ = writeln!(table, "local LOST = KEYS[{}]", keys.len());
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
-        let _ = writeln!(table, "local LIFE, WHOLE = {life_us}, {}", lease::WHOLE);
+        let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
+        let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
         // The last arguments: whether this store reached Redis before, then (on a manual
         // clock) the time.
@@ -698,7 +699,6 @@ impl Inner {
     async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
         let Some(leases) = &self.leases else { return false };
         let _one_at_a_time = leases.refreshing.lock().await;
-        leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         if self.manual_clock {
             self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
@@ -797,13 +797,21 @@ async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
+    // The caller's clock, estimated: the latest `now` an acquisition was given, plus the
+    // time since this task first saw it. It was given before it was seen, so the
+    // estimate never runs ahead of the caller's clock, and a lease counted from it ends
+    // no later than one counted from the real instant.
+    let mut seen = (0, tokio::time::Instant::now());
     loop {
         tick.tick().await;
         let Some(inner) = weak.upgrade() else { return };
         let Some(leases) = &inner.leases else { return };
-        // The latest `now` an acquisition was given: a lease counted from it ends no
-        // later than one counted from the real instant.
-        let now = Instant::from_nanos(leases.latest.load(Ordering::Relaxed));
+        let latest = leases.latest.load(Ordering::Relaxed);
+        if latest != seen.0 {
+            seen = (latest, tokio::time::Instant::now());
+        }
+        let elapsed = u64::try_from(seen.1.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let now = Instant::from_nanos(latest.saturating_add(elapsed));
         if leases.idle(now) || inner.breaker.gate() == Gate::Open {
             continue;
         }
@@ -871,6 +879,9 @@ impl RedisAccounts {
     /// Dropping the future drops the answer: the replica keeps its lease, and Redis
     /// counts the larger of the two until the next refresh.
     pub async fn refresh_leases(&self, now: Instant) -> bool {
+        if let Some(leases) = &self.inner.leases {
+            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        }
         self.inner.refresh_lease(now, true).await
     }
 
@@ -878,6 +889,9 @@ impl RedisAccounts {
     /// back: Redis applied it, the replica never learns it (tests).
     #[cfg(feature = "test-support")]
     pub async fn refresh_leases_unheard(&self, now: Instant) -> bool {
+        if let Some(leases) = &self.inner.leases {
+            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        }
         self.inner.refresh_lease(now, false).await
     }
 

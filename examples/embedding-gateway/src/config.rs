@@ -138,6 +138,13 @@ pub struct GatewaySettings {
     /// The longest a call to Redis may take before the failure policy decides (250 ms: a
     /// loopback or LAN Redis on a busy machine; longer across zones).
     pub redis_timeout: Duration,
+    /// With Redis: how often a replica renews its lease of the upstream accounts, deciding
+    /// every request from it with no round trip; zero (the default) asks Redis for every
+    /// request instead. A lease lives ten periods, at least two periods and
+    /// `redis_timeout`. Each replica's lease holds its part of every mirror's burst, which
+    /// must hold `max_request_tokens` (`mirror.burst_percent`): with smaller bursts,
+    /// fewer replicas hold leases at once.
+    pub account_lease_refresh: Duration,
     /// How much later than the exact wait a refusal's `Retry-After` may say, in percent
     /// of the wait, drawn afresh per refusal: clients refused at one moment come back
     /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).

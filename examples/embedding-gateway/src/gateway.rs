@@ -73,7 +73,7 @@ use tower_limits::shell::body::{HeldBody, OpenAiStreamUsage};
 use tower_limits::{
     Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
 };
-use tower_limits_redis::{FailurePolicy, RedisAccounts, RedisBackend, RedisConnection};
+use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest, UsageOnly};
@@ -243,6 +243,8 @@ struct RedisPlans {
     backends: Mutex<Vec<RedisBackend>>,
     /// `gateway.redis_timeout`.
     redis_timeout: Duration,
+    /// `gateway.account_lease_refresh` (zero: the accounts per request).
+    lease_refresh: Duration,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -452,6 +454,7 @@ impl Gateway {
                 max_request_tokens: config.gateway.max_request_tokens,
                 backends: Mutex::new(Vec::new()),
                 redis_timeout: config.gateway.redis_timeout,
+                lease_refresh: config.gateway.account_lease_refresh,
             })
         });
 
@@ -569,6 +572,15 @@ impl Gateway {
             });
         for (name, policy) in &r.accounts {
             store = store.member(name.clone(), policy.clone());
+        }
+        if !r.lease_refresh.is_zero() {
+            let lifetime = (r.lease_refresh * 10).max(r.lease_refresh * 2 + r.redis_timeout);
+            store = store.leases(
+                AccountLeases::new()
+                    .refresh_every(r.lease_refresh)
+                    .lifetime(lifetime)
+                    .largest_cost(r.max_request_tokens),
+            );
         }
         let store = store.build(connection)?;
         if self.pool.share_through(Arc::new(store.clone())) {

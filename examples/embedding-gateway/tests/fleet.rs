@@ -112,6 +112,53 @@ fn two_replicas_without_a_count_send_no_429_upstream_through_a_redis_outage() {
     });
 }
 
+/// With `gateway.account_lease_refresh`, two replicas decide the accounts from leases:
+/// calls through both are served, the upstream refuses none, and the accounts make no
+/// call per request.
+#[test]
+fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("replicas_leasing_the_accounts") else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        // An account of 20 requests a second, its mirror's burst half of it: each lease
+        // holds a request.
+        let text = config_text(
+            "account_lease_refresh = \"50ms\"",
+            "org = { rpm = 600000, concurrency = 64 }",
+            "http://127.0.0.1:9",
+        )
+        .replace("rpm = 60000\n", "rpm = 1200\n")
+        .replace("jitter = \"100ms\"", "jitter = \"100ms\"\nburst_percent = 50");
+        let config = parse_config(&text);
+        let (router, stats) = upstream::router(&config.accounts, config.upstream);
+        let namespace = format!("egw-leases-{}", std::process::id());
+        let mut replicas = Vec::new();
+        for _ in 0..2 {
+            let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+            let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
+            replicas.push(Gateway::with_sharing(&config, in_process(router.clone()), &sharing).unwrap());
+        }
+        let mut calls = Vec::new();
+        for i in 0..40 {
+            let gateway = replicas[i % 2].clone();
+            let key = if i % 3 == 0 { "sk-globex-bob" } else { "sk-acme-alice" };
+            calls.push(tokio::spawn(async move { embed_as(&gateway, key, "hello").await }));
+        }
+        for call in calls {
+            let (status, body) = call.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "{body}");
+        }
+        assert_eq!(stats.refused(), 0, "the upstream refused calls");
+        for gateway in &replicas {
+            let accounts = gateway.accounts().unwrap().stats();
+            assert_eq!(accounts.acquire_calls, 0, "a call per request");
+            assert!(accounts.lease_refreshes > 0 && accounts.leased_grants > 0, "{accounts:?}");
+        }
+    });
+}
+
 /// After a Redis stall, a tenant with nothing in flight is not refused for its
 /// concurrency: the holds of the requests that ended during the stall are released as
 /// soon as Redis answers, before any later acquisition.

@@ -353,7 +353,8 @@ fn replicas_share_the_tenants_limits_through_redis() {
         }
         for replica in &replicas {
             let ok = replica.router.clone().oneshot(request(Some("sk-acme-alice"), &"hello".into())).await.unwrap();
-            assert_eq!(ok.status(), StatusCode::OK);
+            let status = ok.status();
+            assert_eq!(status, StatusCode::OK, "{}", json(ok).await);
         }
         // acme's burst of two is spent across the fleet, whichever replica it asks.
         for replica in &replicas {

@@ -191,7 +191,8 @@ async fn stalled_uploads_cost_their_tenant_not_the_others() {
     assert_openai_error(&refused, 429, "too_many_uploads");
     assert!(refused.header("retry-after").is_some(), "{refused:?}");
     assert_eq!(refused.header("connection").as_deref(), Some("close"));
-    assert_openai_error(&embed(addr, "sk-acme-alice", "hello".into()).await, 429, "too_many_uploads");
+    // A request whose body comes whole needs no place.
+    assert_eq!(embed(addr, "sk-acme-alice", "hello".into()).await.status, 200);
 
     // Another tenant, and the probes, are served as if nothing happened.
     assert_eq!(embed(addr, "sk-globex-bob", "hello".into()).await.status, 200);

@@ -83,6 +83,7 @@ pub(crate) const WHOLE: u64 = 1_000_000;
 pub struct AccountLeases {
     refresh: Duration,
     lifetime: Duration,
+    largest_cost: u64,
 }
 
 impl Default for AccountLeases {
@@ -94,7 +95,7 @@ impl Default for AccountLeases {
 impl AccountLeases {
     /// Refreshed every 100 ms, living 1 s.
     pub const fn new() -> AccountLeases {
-        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1) }
+        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1), largest_cost: 1 }
     }
 
     /// How often a replica with traffic renews its lease and reports its demand (default
@@ -113,6 +114,17 @@ impl AccountLeases {
         self
     }
 
+    /// The largest cost a request will have (default 1): a lease is granted only if its
+    /// part of every burst holds one such request (and one request of every limit that
+    /// counts requests). A fraction too small for that would refuse the request for good
+    /// while keeping the capacity from others. So the bursts must hold this cost once for
+    /// every replica that holds a lease at the same time; with smaller bursts, fewer
+    /// replicas hold leases, the first to ask first.
+    pub const fn largest_cost(mut self, cost: u64) -> Self {
+        self.largest_cost = cost;
+        self
+    }
+
     /// The refresh period.
     #[must_use]
     pub const fn refresh(&self) -> Duration {
@@ -123,6 +135,21 @@ impl AccountLeases {
     #[must_use]
     pub const fn lasts(&self) -> Duration {
         self.lifetime
+    }
+
+    /// The smallest fraction (in millionths) whose part of every limit's burst holds one
+    /// request of the largest cost.
+    pub(super) fn smallest_fraction(&self, limits: &[Vec<LeasedLimit>]) -> u64 {
+        limits
+            .iter()
+            .flatten()
+            .map(|l| {
+                let need = if l.cost { self.largest_cost.clamp(1, l.burst.max(1)) } else { 1 };
+                (u128::from(need) * u128::from(WHOLE)).div_ceil(u128::from(l.burst.max(1))) as u64
+            })
+            .max()
+            .unwrap_or(1)
+            .clamp(1, WHOLE)
     }
 }
 
@@ -366,7 +393,9 @@ impl Leases {
     /// counts it stands for, to [`reported`](Self::reported) once Redis has them.
     pub(super) fn report(&self, now: Instant, backlog: bool) -> (u64, u64, (u64, u64)) {
         let mut st = self.lock();
-        self.advance(&mut st, now);
+        // The last answer came before this refresh began: it is in force now, even for a
+        // replica that made no acquisition since.
+        self.take_pending(&mut st, now);
         let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
         let pending = st.pending.map_or(0, |(f, e)| live(f, e));
         let using = live(st.fraction, st.expires).max(pending);

@@ -273,8 +273,13 @@ if ARGV[1] == 'l' then
   end
   local others = 0
   for _, o in pairs(reps) do others = others + math.max(o.g, o.r) end
-  local grant = floor(math.min(allot, WHOLE - others))
-  if grant < 0 then grant = 0 end
+  local room = WHOLE - others
+  local grant = floor(math.min(allot, room))
+  -- a fraction whose bursts cannot hold the largest request would refuse it for good:
+  -- the least usable fraction if there is room for it, else none
+  if grant < QMIN then
+    if cap > 0 and room >= QMIN then grant = QMIN else grant = 0 end
+  end
   if grant > using and call('EXISTS', LOST) == 1 then grant = using end
   call('HSET', LEASES, 'r:' .. rid, fmt('%.0f %.0f %.0f %.0f %.17g', grant, using, NOW + LIFE, cap, W))
   local report = {}

@@ -58,6 +58,7 @@ pub(super) struct RawGateway {
     pub(super) auth_failure_burst: Option<S<u64>>,
     pub(super) retry_spread_percent: Option<S<u64>>,
     pub(super) redis_timeout: Option<S<String>>,
+    pub(super) account_lease_refresh: Option<S<String>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -179,6 +179,16 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     let shutdown_grace = positive(&g.shutdown_grace, "gateway.shutdown_grace", Duration::from_secs(20))?;
     let upstream_timeout = positive(&g.upstream_timeout, "gateway.upstream_timeout", Duration::from_secs(30))?;
     let redis_timeout = positive(&g.redis_timeout, "gateway.redis_timeout", Duration::from_millis(250))?;
+    let account_lease_refresh = match &g.account_lease_refresh {
+        Some(v) => {
+            let d = duration(src, v, "gateway.account_lease_refresh")?;
+            if d > Duration::from_secs(60) {
+                return Err(src.at(v, "gateway.account_lease_refresh", "must be at most 60s (0s: no leases)"));
+            }
+            d
+        }
+        None => Duration::ZERO,
+    };
     let max_connections = match &g.max_connections {
         Some(v) => at_least(src, v, "gateway.max_connections", 1, 1 << 20)? as usize,
         None => 512,
@@ -209,6 +219,7 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     Ok(GatewaySettings {
         retry_spread_percent,
         redis_timeout,
+        account_lease_refresh,
         auth_failures,
         listen,
         max_wait,
@@ -297,7 +308,7 @@ fn models(
 fn mirror(src: &Source<'_>, m: &RawMirror) -> Result<MirrorSettings, ConfigError> {
     let jitter = match &m.jitter {
         Some(v) => duration(src, v, "mirror.jitter")?,
-        None => Duration::from_millis(100),
+        None => Duration::ZERO,
     };
     let burst_percent = match &m.burst_percent {
         Some(v) => at_least(src, v, "mirror.burst_percent", 1, 90)?,

@@ -53,19 +53,25 @@ where
         let settings = self.settings.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
-            // A body still to come takes one of its tenant's upload places while it does.
+            // A body still to come takes one of its tenant's upload places while it does;
+            // with none free, it must come at once.
             let place = match parts.extensions.get::<Identity>() {
-                Some(id) if !http_body::Body::is_end_stream(&body) => match settings.uploads.place(&id.fair.0) {
-                    Ok(place) => Some(place),
-                    Err(refused) => return Ok(*refused),
-                },
+                Some(id) if !http_body::Body::is_end_stream(&body) => Some(settings.uploads.place(&id.fair.0)),
                 _ => None,
             };
-            let body = match settings.uploads.read(body).await {
+            let read = match place {
+                Some(Err(refused)) => settings.uploads.read_without_place(body, refused).await,
+                Some(Ok(place)) => {
+                    let read = settings.uploads.read(body).await;
+                    drop(place);
+                    read
+                }
+                None => settings.uploads.read(body).await,
+            };
+            let body = match read {
                 Ok(b) => b,
                 Err(refused) => return Ok(*refused),
             };
-            drop(place);
             let is_chat = parts.uri.path() == CHAT_PATH;
             let (model, tokens, inputs, stream, param) = if is_chat {
                 match api::ChatRequest::parse(&body) {

@@ -3,9 +3,12 @@
 //! Two bounds, both on before a byte of the body is read:
 //!
 //! - **Per tenant.** A body being received holds one of its tenant's upload places
-//!   (`gateway.uploads_per_tenant`, a semaphore of this library keyed by tenant). A tenant
-//!   whose places are all taken is answered `429` at once, its body unread and the
-//!   connection closed: one tenant's stalled uploads cost that tenant, not the others.
+//!   (`gateway.uploads_per_tenant`, a semaphore of this library keyed by tenant). When a
+//!   tenant's places are all taken, a body that arrives within [`QUICK_BODY`] needs none
+//!   (a client's request usually comes whole, in one segment, and a burst of them must
+//!   not be refused for it); any other is answered `429`, the rest of its body unread
+//!   and the connection closed: one tenant's stalled uploads cost that tenant, not the
+//!   others.
 //! - **Per body, a pace.** The body must average `gateway.body_min_rate` bytes a second,
 //!   and may fall behind that pace by `gateway.body_grace` at most: after `n` bytes the
 //!   next ones must come by `start + body_grace + n / body_min_rate`. A body that stops
@@ -27,6 +30,9 @@ use tower_limits::{LimitPolicy, LimitSet, LimitSetPolicy, PolicyError, TenantKey
 
 use super::BACKEND_DOWN_WAIT;
 use crate::api;
+
+/// How long a body may take without an upload place, when its tenant's are all taken.
+pub const QUICK_BODY: Duration = Duration::from_millis(50);
 
 /// How bodies are received: the per-tenant places and the pace (see the module docs).
 #[derive(Clone)]
@@ -107,6 +113,22 @@ impl UploadRules {
                 r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
                 Err(Box::new(r))
             }
+        }
+    }
+
+    /// The body of a request that found no upload place (`refused` is the answer that
+    /// says so): read if it arrives within [`QUICK_BODY`].
+    ///
+    /// # Errors
+    /// `refused` when the body takes longer; as [`read`](Self::read) otherwise.
+    pub async fn read_without_place(
+        &self,
+        body: Body,
+        refused: Box<Response<Body>>,
+    ) -> Result<Bytes, Box<Response<Body>>> {
+        match tokio::time::timeout(QUICK_BODY, self.read(body)).await {
+            Ok(read) => read,
+            Err(_) => Err(refused),
         }
     }
 
