@@ -143,7 +143,9 @@ fn leased_accounts_keep_the_rate_bound_under_random_traffic() {
                     }
                     // The fractions in force never sum to more than the whole pool.
                     let held: f64 = replicas.iter().map(|(_, s)| s.leased_fraction(now).unwrap()).sum();
-                    assert!(held <= 1.0 + 1e-9, "seed {seed}: {held} of the pool held at {now_ms} ms");
+                    assert!(held <= 1.0 + 1e-9, "seed {seed}: {held} of the rates held at {now_ms} ms");
+                    let bursts: f64 = replicas.iter().map(|(_, s)| s.leased_burst(now).unwrap()).sum();
+                    assert!(bursts <= 1.0 + 1e-9, "seed {seed}: {bursts} of the bursts held at {now_ms} ms");
                     if !active {
                         continue;
                     }
@@ -244,7 +246,11 @@ fn a_hand_over_never_counts_a_fraction_twice() {
                 }
             }
         };
-        let held = |t: u64| x_store.leased_fraction(ms(t)).unwrap() + y_store.leased_fraction(ms(t)).unwrap();
+        let held = |t: u64| {
+            let rates = x_store.leased_fraction(ms(t)).unwrap() + y_store.leased_fraction(ms(t)).unwrap();
+            let bursts = x_store.leased_burst(ms(t)).unwrap() + y_store.leased_burst(ms(t)).unwrap();
+            rates.max(bursts)
+        };
         want(&x, 0).await;
         assert_eq!(x_store.leased_fraction(ms(0)), Some(1.0));
         // y wants some: nothing is free.
@@ -275,9 +281,9 @@ fn a_hand_over_never_counts_a_fraction_twice() {
     });
 }
 
-/// A fraction whose part of a burst cannot hold one request is never granted: with a
-/// burst of one request, two replicas cannot each hold half (neither could ever admit);
-/// one holds the whole and the other waits for it.
+/// A burst too small to hold one request is never granted: with a burst of one request,
+/// two replicas cannot each hold half (neither could ever admit); one holds the whole at
+/// a time, the heavier (here a tie, broken by the replicas' ids).
 #[test]
 fn no_lease_is_too_small_to_hold_a_request() {
     let Some(server) = redis_for("no_lease_is_too_small_to_hold_a_request") else { return };
@@ -317,9 +323,8 @@ fn no_lease_is_too_small_to_hold_a_request() {
                 assert!(f == 0.0 || f == 1.0, "a fraction of {f} cannot hold a request of a burst of one");
             }
         }
-        // The first holds the account and uses it: 20 a second.
-        assert!(served[0] >= 15, "{served:?}");
-        assert_eq!(served[1], 0, "{served:?}");
+        // One holds the account at a time and uses it: 20 a second.
+        assert!(served[0] + served[1] >= 15, "{served:?}");
     });
 }
 

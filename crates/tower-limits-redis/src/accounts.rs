@@ -703,8 +703,8 @@ impl Inner {
             self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
         let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
-        let (using, cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
-        let mut args = vec!["l".to_owned(), self.id.clone(), using.to_string(), cap.to_string()];
+        let ((rate, burst), cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
         demand_args(&reported, &mut args);
         self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
         let reply = match self.call(&args).await {
@@ -727,8 +727,8 @@ impl Inner {
         leases.reported(counts);
         self.heard(&ints[3..], reported, now);
         if heard {
-            let fraction = u64::try_from(ints[0]).unwrap_or(0).min(lease::WHOLE);
-            leases.granted(fraction, now + leases.settings.lasts(), now);
+            let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
+            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now);
         }
         true
     }
@@ -895,12 +895,20 @@ impl RedisAccounts {
         self.inner.refresh_lease(now, false).await
     }
 
-    /// The part of every account this replica's lease holds at `now`, from 0 to 1
+    /// The part of every account's rate this replica's lease holds at `now`, from 0 to 1
     /// (`None` without leases).
     #[must_use]
     pub fn leased_fraction(&self, now: Instant) -> Option<f64> {
         let leases = self.inner.leases.as_ref()?;
-        Some(leases.fraction(now) as f64 / lease::WHOLE as f64)
+        Some(leases.fractions(now).0 as f64 / lease::WHOLE as f64)
+    }
+
+    /// The part of every account's burst this replica's lease holds at `now`, from 0 to 1
+    /// (`None` without leases): at least what holds one request of the largest cost.
+    #[must_use]
+    pub fn leased_burst(&self, now: Instant) -> Option<f64> {
+        let leases = self.inner.leases.as_ref()?;
+        Some(leases.fractions(now).1 as f64 / lease::WHOLE as f64)
     }
 }
 
@@ -943,7 +951,12 @@ impl SharedAccounts for RedisAccounts {
             benched[index] = benched[index].max(until);
         }
         if let Some(leases) = &self.inner.leases {
+            // What is left corrects this replica's buckets; only a bench concerns the fleet
+            // (the mirrors in Redis decide nothing under leases).
             leases.correct(index, report.remaining_requests, report.remaining_tokens);
+            if report.retry_after.is_none() {
+                return;
+            }
         }
         self.inner.send(Op::Report {
             member: index,

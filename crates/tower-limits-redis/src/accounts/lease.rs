@@ -1,40 +1,50 @@
-//! Account leases: each replica decides the accounts alone, from a fraction of every
-//! member that it leases from Redis, and asks Redis once per refresh for all of them.
+//! Account leases: each replica decides the accounts alone, from a part of every member
+//! that it leases from Redis, and asks Redis once per refresh for all of them.
 //!
 //! # The scheme
 //!
-//! A replica holds one *fraction* `g` of the pool (counted in millionths): a fraction `g`
-//! of every member's limits. For a limit of `A` units per period
-//! `P` with burst `B`, it runs a token bucket of its own, refilled at `g·A` per `P` and
-//! holding at most `g·B`, and admits from it with no round trip: choosing the member with
-//! the most headroom, as the per-request script does. Settles and cancels correct the
-//! bucket that granted, locally.
+//! A replica holds two fractions of the pool, counted in millionths: a fraction `g` of
+//! every member's rates and a fraction `h` of every member's bursts. For a limit of `A`
+//! units per period `P` with burst `B`, it runs a token bucket of its own, refilled at
+//! `g·A` per `P` and holding at most `h·B`, and admits from it with no round trip,
+//! choosing the member with the most headroom as the per-request script does. Settles,
+//! cancels and the upstream's `x-ratelimit-remaining-*` correct the bucket that granted,
+//! locally; a `Retry-After` still benches the member for the whole fleet.
 //!
-//! Every refresh period (100 ms by default) a replica sends one call: the fraction it may
-//! still be using, the fraction it could use (its *cap*: everything while it refuses or
-//! has requests waiting, else twice what it admitted in the last period), and, with
-//! [`fleet`](super::RedisAccountsBuilder::fleet), its fair queue's demand per tenant. The
-//! script divides the pool among the live replicas by weighted max-min fairness: each
-//! replica's weight is `Σ_t w_t·s_t` over its tenants with demand, `s_t` its part of
-//! tenant `t`'s demand across the fleet, so that tenant `t` gets capacity in proportion
-//! to its weight whichever replicas its requests land on. It grants the caller
-//! `min(its allotment, WHOLE − Σ others)`, where an other counts the larger of what it
-//! was granted and what it said it may still be using. The reply also carries the
-//! members' benches and the caller's part of each tenant's demand, which the fair queue
-//! uses as its tenants' weights.
+//! Every refresh period (100 ms by default) a busy replica sends one call: the fractions
+//! it may still be using, the most rate it could use (its *cap*: everything while it
+//! refuses or has requests waiting, else twice what it admitted in the last period), and,
+//! with [`fleet`](super::RedisAccountsBuilder::fleet), its fair queue's demand per
+//! tenant. The script divides the rates by weighted max-min fairness over the live
+//! replicas: each replica's weight is `Σ_t w_t·s_t` over its tenants with demand, `s_t`
+//! its part of tenant `t`'s demand across the fleet, so that tenant `t` gets capacity in
+//! proportion to its weight whichever replicas its requests land on.
+//!
+//! The bursts are divided differently, because a bucket must hold one request of the
+//! largest cost ([`AccountLeases::largest_cost`]) to admit it at all: each replica with a
+//! rate gets that least usable part `q` of the bursts, and the rest in proportion to its
+//! rate. At most `⌊1/q⌋` replicas hold leases at once, the heaviest first; a burst split
+//! in proportion to rates alone would give a small replica a bucket that never fills to
+//! one request.
+//!
+//! The caller is granted its allotment, but never more than the others leave: an other
+//! counts the larger of what it was granted and what it said it may still be using. The
+//! reply also carries the members' benches and the caller's part of each tenant's demand,
+//! which the fair queue uses as its tenants' weights.
 //!
 //! # Bounds
 //!
 //! Over every window of length `W`, the fleet charges a member's limit at most
 //! `B + W·A/P` units: its own bound, with no excess.
 //!
-//! - The fractions Redis counts sum to at most the whole at every instant: a replica's
-//!   entry counts the larger of its grant and what it reports until it confirms the
-//!   smaller one, and until its lease expires. So the rates the replicas refill at sum to
-//!   at most `A`, and their buckets' capacities to at most `B`.
+//! - The rate fractions Redis counts sum to at most the whole at every instant, and so do
+//!   the burst fractions: a replica's entry counts the larger of its grant and what it
+//!   reports until it confirms the smaller one, and until its lease expires. So the rates
+//!   the replicas refill at sum to at most `A`, and their buckets' capacities to at most
+//!   `B`.
 //! - A replica stops using a lease at its local expiry, counted from a `now` taken before
 //!   its call was sent, so never after Redis stops counting it.
-//! - Tokens come only from refills. A bucket whose fraction grows keeps its tokens (a new
+//! - Tokens come only from refills. A bucket whose burst grows keeps its tokens (a new
 //!   lease starts empty); one that shrinks drops what is above its new capacity.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
@@ -47,10 +57,10 @@
 //!
 //! # What it costs
 //!
-//! One call per replica per refresh period while it has traffic, whatever the requests;
-//! none while it is idle. A first request on a replica without a lease waits for one
-//! call; a replica whose lease is spent refuses locally with the exact wait of its
-//! bucket, or, granted nothing, until its next refresh.
+//! One call per busy replica per refresh period, whatever the requests; none while it is
+//! idle. A first request on a replica without a lease waits for one call; a replica
+//! whose lease is spent refuses locally with the exact wait of its bucket, or, granted
+//! nothing, until its next refresh.
 //!
 //! # Failure
 //!
@@ -114,12 +124,11 @@ impl AccountLeases {
         self
     }
 
-    /// The largest cost a request will have (default 1): a lease is granted only if its
-    /// part of every burst holds one such request (and one request of every limit that
-    /// counts requests). A fraction too small for that would refuse the request for good
-    /// while keeping the capacity from others. So the bursts must hold this cost once for
-    /// every replica that holds a lease at the same time; with smaller bursts, fewer
-    /// replicas hold leases, the first to ask first.
+    /// The largest cost a request will have (default 1): every lease's part of every
+    /// burst holds one such request (and one request of every limit that counts
+    /// requests), so that no lease refuses a request for good. So the bursts must hold
+    /// this cost once for every replica that holds a lease at the same time; with smaller
+    /// bursts, fewer replicas hold leases, the heaviest first.
     pub const fn largest_cost(mut self, cost: u64) -> Self {
         self.largest_cost = cost;
         self
@@ -209,10 +218,12 @@ pub(super) struct Leases {
 }
 
 struct State {
-    fraction: u64,
+    /// The fraction of every rate the lease holds, and of every burst.
+    rate: u64,
+    burst: u64,
     expires: Instant,
     /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
-    pending: Option<(u64, Instant)>,
+    pending: Option<(u64, u64, Instant)>,
     /// Per member, per limit: tokens in units times the period times [`WHOLE`].
     tokens: Vec<Vec<i128>>,
     at: Instant,
@@ -239,7 +250,8 @@ impl Leases {
             limits,
             per_refresh,
             state: Mutex::new(State {
-                fraction: 0,
+                rate: 0,
+                burst: 0,
                 expires: Instant::ZERO,
                 pending: None,
                 tokens,
@@ -264,32 +276,33 @@ impl Leases {
         if now > st.at {
             let until = if now < st.expires { now } else { st.expires.max(st.at) };
             let elapsed = i128::from(until.nanos_since(st.at));
+            let (rate, burst) = (st.rate, st.burst);
             for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
                 for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                    *t = (*t + elapsed * l.refill(st.fraction)).min(l.capacity(st.fraction));
+                    *t = (*t + elapsed * l.refill(rate)).min(l.capacity(burst));
                 }
             }
             st.at = now;
         }
-        if now >= st.expires && st.fraction > 0 {
-            st.fraction = 0;
+        if now >= st.expires && st.rate > 0 {
+            st.rate = 0;
+            st.burst = 0;
             for t in st.tokens.iter_mut().flatten() {
                 *t = (*t).min(0);
             }
         }
     }
 
-    /// Applies the last refresh's answer: a grown fraction keeps the tokens, a shrunk one
+    /// Applies the last refresh's answer: a grown burst keeps the tokens, a shrunk one
     /// drops those above its capacity.
     fn take_pending(&self, st: &mut State, now: Instant) {
         self.advance(st, now);
-        if let Some((fraction, expires)) = st.pending.take() {
+        if let Some((rate, burst, expires)) = st.pending.take() {
             if now < expires {
-                st.fraction = fraction;
-                st.expires = expires;
+                (st.rate, st.burst, st.expires) = (rate, burst, expires);
                 for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
                     for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                        *t = (*t).min(l.capacity(fraction));
+                        *t = (*t).min(l.capacity(burst));
                     }
                 }
             }
@@ -304,7 +317,7 @@ impl Leases {
         let mut st = self.lock();
         self.take_pending(&mut st, now);
         st.busy_until = now + self.settings.lifetime;
-        if st.fraction == 0 {
+        if st.rate == 0 {
             if now < st.denied_until {
                 st.refused += 1;
                 return Decision::Refused(Duration::from_nanos(st.denied_until.nanos_since(now)));
@@ -328,11 +341,11 @@ impl Leases {
             let mut fits = true;
             for (l, &t) in member.iter().zip(&st.tokens[m]) {
                 let need = l.need(cost);
-                let capacity = l.capacity(st.fraction);
+                let capacity = l.capacity(st.burst);
                 if need > capacity {
                     fits = false;
                 } else if t < need {
-                    let refill = l.refill(st.fraction).max(1);
+                    let refill = l.refill(st.rate).max(1);
                     let ns = u64::try_from((need - t + refill - 1) / refill).unwrap_or(u64::MAX);
                     short = short.max(ns);
                 } else {
@@ -367,11 +380,11 @@ impl Leases {
     /// bucket: a settle or a cancel.
     pub(super) fn adjust(&self, member: usize, requests: i64, cost: i64) {
         let mut st = self.lock();
-        let fraction = st.fraction;
+        let burst = st.burst;
         let (Some(limits), Some(tokens)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
         for (l, t) in limits.iter().zip(tokens.iter_mut()) {
             let units = i128::from(if l.cost { cost } else { requests });
-            *t = (*t - units * l.unit()).min(l.capacity(fraction));
+            *t = (*t - units * l.unit()).min(l.capacity(burst));
         }
     }
 
@@ -379,7 +392,7 @@ impl Leases {
     /// bounds its bucket.
     pub(super) fn correct(&self, member: usize, requests: Option<u64>, tokens: Option<u64>) {
         let mut st = self.lock();
-        let fraction = i128::from(st.fraction);
+        let fraction = i128::from(st.rate);
         let (Some(limits), Some(buckets)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
         for (l, t) in limits.iter().zip(buckets.iter_mut()) {
             if let Some(left) = if l.cost { tokens } else { requests } {
@@ -388,17 +401,18 @@ impl Leases {
         }
     }
 
-    /// What a refresh reports at `now`: the fraction this replica may still be using, the
-    /// most it could use (`backlog`: requests are waiting for the accounts), and the
-    /// counts it stands for, to [`reported`](Self::reported) once Redis has them.
-    pub(super) fn report(&self, now: Instant, backlog: bool) -> (u64, u64, (u64, u64)) {
+    /// What a refresh reports at `now`: the rate and burst fractions this replica may still
+    /// be using, the most rate it could use (`backlog`: requests are waiting for the
+    /// accounts), and the counts it stands for, to [`reported`](Self::reported) once Redis
+    /// has them.
+    pub(super) fn report(&self, now: Instant, backlog: bool) -> ((u64, u64), u64, (u64, u64)) {
         let mut st = self.lock();
         // The last answer came before this refresh began: it is in force now, even for a
         // replica that made no acquisition since.
         self.take_pending(&mut st, now);
         let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
-        let pending = st.pending.map_or(0, |(f, e)| live(f, e));
-        let using = live(st.fraction, st.expires).max(pending);
+        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e)| (live(r, e), live(b, e)));
+        let using = (live(st.rate, st.expires).max(pending_rate), live(st.burst, st.expires).max(pending_burst));
         let cap = if st.refused > 0 || backlog {
             WHOLE
         } else if st.admitted == 0 {
@@ -417,12 +431,12 @@ impl Leases {
         st.refused = st.refused.saturating_sub(refused);
     }
 
-    /// Takes a refresh's answer: `fraction` until `expires`; granted nothing, the replica
-    /// refuses without asking until its next refresh.
-    pub(super) fn granted(&self, fraction: u64, expires: Instant, now: Instant) {
+    /// Takes a refresh's answer: fractions of every `rate` and `burst` until `expires`;
+    /// granted nothing, the replica refuses without asking until its next refresh.
+    pub(super) fn granted(&self, rate: u64, burst: u64, expires: Instant, now: Instant) {
         let mut st = self.lock();
-        st.pending = Some((fraction, expires));
-        if fraction == 0 {
+        st.pending = Some((rate, burst, expires));
+        if rate == 0 {
             st.denied_until = now + self.settings.refresh;
         }
     }
@@ -431,14 +445,14 @@ impl Leases {
     /// refreshes can stop.
     pub(super) fn idle(&self, now: Instant) -> bool {
         let st = self.lock();
-        now >= st.busy_until && (st.fraction == 0 || now >= st.expires) && st.pending.is_none_or(|(f, _)| f == 0)
+        now >= st.busy_until && (st.rate == 0 || now >= st.expires) && st.pending.is_none_or(|(r, _, _)| r == 0)
     }
 
-    /// The fraction in force at `now` (tests and stats).
-    pub(super) fn fraction(&self, now: Instant) -> u64 {
+    /// The fractions of every rate and every burst in force at `now` (tests and stats).
+    pub(super) fn fractions(&self, now: Instant) -> (u64, u64) {
         let mut st = self.lock();
         self.take_pending(&mut st, now);
-        st.fraction
+        (st.rate, st.burst)
     }
 }
 
@@ -462,7 +476,7 @@ mod tests {
     fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
         let l = leases();
         assert_eq!(l.decide(1, &[], at(0)), Decision::NoLease);
-        l.granted(WHOLE / 2, at(1000), at(0));
+        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(0));
         // Half of 10 a second: one request every 200 ms, nothing at first.
         assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(200)));
         assert_eq!(l.decide(1, &[], at(200)), Decision::Granted(0));
@@ -477,14 +491,14 @@ mod tests {
     #[test]
     fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
         let l = leases();
-        l.granted(WHOLE / 2, at(10_000), at(0));
-        assert_eq!(l.fraction(at(0)), WHOLE / 2);
+        l.granted(WHOLE / 2, WHOLE / 2, at(10_000), at(0));
+        assert_eq!(l.fractions(at(0)).0, WHOLE / 2);
         // Full at half: one request. Grown to the whole: still one, not two.
-        l.granted(WHOLE, at(10_000), at(5000));
+        l.granted(WHOLE, WHOLE, at(10_000), at(5000));
         assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
         // Full at the whole (two), shrunk to half: one.
-        l.granted(WHOLE / 2, at(20_000), at(9000));
+        l.granted(WHOLE / 2, WHOLE / 2, at(20_000), at(9000));
         assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
     }
@@ -492,14 +506,14 @@ mod tests {
     #[test]
     fn settles_charge_the_bucket_and_reports_say_what_is_used() {
         let l = leases();
-        l.granted(WHOLE, at(10_000), at(0));
-        assert_eq!(l.fraction(at(0)), WHOLE);
+        l.granted(WHOLE, WHOLE, at(10_000), at(0));
+        assert_eq!(l.fractions(at(0)).0, WHOLE);
         assert_eq!(l.decide(10, &[], at(1000)), Decision::Granted(0));
         // 50 tokens of burst: 40 left; a settle to 45 leaves 5.
         l.adjust(0, 0, 35);
         assert!(matches!(l.decide(10, &[], at(1000)), Decision::Refused(w) if w == Duration::from_millis(50)));
         let (using, cap, counts) = l.report(at(1000), false);
-        assert_eq!((using, cap), (WHOLE, WHOLE), "refused: it could use everything");
+        assert_eq!((using, cap), ((WHOLE, WHOLE), WHOLE), "refused: it could use everything");
         assert_eq!(l.report(at(1000), false).1, WHOLE, "not heard: reported again");
         l.reported(counts);
         assert_eq!(l.report(at(1000), false).1, 0, "nothing asked since: idle");

@@ -202,16 +202,17 @@ if ARGV[1] == 'f' then
   call('PEXPIRE', FLEET, 60000 + SLACK)
   return reply
 end
--- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the fraction it may still
--- be using, the most it could use (its cap; fractions in millionths), then n and n
--- quadruples as for 'f'. The hash LEASES keeps per replica 'r:<id>' = "granted reported
--- expires cap weight" and 'd:<id>' = its demand per tenant (JSON). The reply: the grant,
--- NOW, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
+-- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the rate fraction and the
+-- burst fraction it may still be using, the most rate it could use (its cap; fractions
+-- in millionths), then n and n quadruples as for 'f'. The hash LEASES keeps per replica
+-- 'r:<id>' = "rate granted, rate reported, burst granted, burst reported, expires, cap,
+-- weight" and 'd:<id>' = its demand per tenant (JSON). The reply: the rate and burst
+-- granted, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
 if ARGV[1] == 'l' then
-  local rid, using, cap, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local rid, ug, uh, cap, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   local names, weights, mine = {}, {}, {}
   for k = 1, n do
-    local j = 5 + 4 * (k - 1)
+    local j = 6 + 4 * (k - 1)
     names[k], weights[k] = ARGV[j + 1], tonumber(ARGV[j + 2])
     mine[names[k]] = tonumber(ARGV[j + 4])
   end
@@ -221,9 +222,11 @@ if ARGV[1] == 'l' then
     local f, v = all[j], all[j + 1]
     local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
     if kind == 'r' then
-      local g, r, e, c, w = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
-      if tonumber(e) <= NOW then call('HDEL', LEASES, f, 'd:' .. id)
-      elseif id ~= rid then reps[id] = {g = tonumber(g), r = tonumber(r), c = tonumber(c), w = tonumber(w)} end
+      local g, r, hg, hr, e, c, w = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+      if not e or tonumber(e) <= NOW then call('HDEL', LEASES, f, 'd:' .. id)
+      elseif id ~= rid then
+        reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c), w = tonumber(w)}
+      end
     elseif kind == 'd' and id ~= rid then demand[id] = v end
   end
   local total = {}
@@ -243,12 +246,17 @@ if ARGV[1] == 'l' then
     if d > 0 then W = W + weights[k] * sh end
   end
   if W <= 0 then W = 1 end
-  -- weighted max-min fairness over the live replicas' caps
+  -- the rate: weighted max-min fairness over the live replicas' caps, among at most as
+  -- many replicas as the bursts can give each the least usable part (the heaviest first)
   local act = {}
   for id, o in pairs(reps) do
     if o.c > 0 then act[#act + 1] = {id = id, c = o.c, w = o.w} end
   end
   if cap > 0 then act[#act + 1] = {id = rid, c = cap, w = W} end
+  table.sort(act, function(a, b) if a.w ~= b.w then return a.w > b.w end return a.id < b.id end)
+  local most = floor(WHOLE / QMIN)
+  while #act > most do act[#act] = nil end
+  local holders = #act
   local left, allot = WHOLE, 0
   while #act > 0 do
     local sw = 0
@@ -271,24 +279,31 @@ if ARGV[1] == 'l' then
     left = left - used
     act = rest
   end
-  local others = 0
-  for _, o in pairs(reps) do others = others + math.max(o.g, o.r) end
-  local room = WHOLE - others
-  local grant = floor(math.min(allot, room))
-  -- a fraction whose bursts cannot hold the largest request would refuse it for good:
-  -- the least usable fraction if there is room for it, else none
-  if grant < QMIN then
-    if cap > 0 and room >= QMIN then grant = QMIN else grant = 0 end
+  -- the burst: the least usable part for each holder, the rest by rate
+  local hallot = 0
+  if allot > 0 then hallot = QMIN + (WHOLE - holders * QMIN) * allot / WHOLE end
+  local og, oh = 0, 0
+  for _, o in pairs(reps) do
+    og = og + math.max(o.g, o.r)
+    oh = oh + math.max(o.hg, o.hr)
   end
-  if grant > using and call('EXISTS', LOST) == 1 then grant = using end
-  call('HSET', LEASES, 'r:' .. rid, fmt('%.0f %.0f %.0f %.0f %.17g', grant, using, NOW + LIFE, cap, W))
+  local g = floor(math.min(allot, WHOLE - og))
+  local h = floor(math.min(hallot, WHOLE - oh))
+  -- a burst too small to hold the largest request would refuse it for good
+  if g <= 0 or h < QMIN then g, h = 0, 0 end
+  if call('EXISTS', LOST) == 1 then
+    if g > ug then g = ug end
+    if h > uh then h = uh end
+    if h < QMIN then g, h = 0, 0 end
+  end
+  call('HSET', LEASES, 'r:' .. rid, fmt('%.0f %.0f %.0f %.0f %.0f %.0f %.17g', g, ug, h, uh, NOW + LIFE, cap, W))
   local report = {}
   for k = 1, n do
     if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
   end
   call('HSET', LEASES, 'd:' .. rid, cjson.encode(report))
   call('PEXPIRE', LEASES, fmt('%.0f', ceil(LIFE / 1000) + 60000 + SLACK))
-  local reply = {grant, NOW, 0}
+  local reply = {g, h, 0}
   for m = 1, #M do reply[3 + m] = bench_ns(m) end
   for k = 1, n do reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5) end
   return reply
