@@ -67,6 +67,31 @@ pub fn keys(pairs: &[[&str; 2]]) -> Vec<TenantKey> {
     pairs.iter().map(|p| TenantKey::new(*p).expect("a valid key")).collect()
 }
 
+/// A small deterministic generator (xorshift64): a test's random program is the same on
+/// every run and every backend. The seed must not be zero.
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// A number from `lo` to `hi`, both included.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
 /// Parameters of the algorithms for the property laws, and their strategies.
 pub mod params {
     use std::time::Duration;

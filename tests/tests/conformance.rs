@@ -17,7 +17,7 @@ use tower_limits_core::{
 };
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{RedisBackend, RedisConnection};
-use tower_limits_tests::{describe, quota};
+use tower_limits_tests::{Rng, describe, quota};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000_000_000;
@@ -61,24 +61,6 @@ impl Harness for Redis {
     }
     async fn flush(&self, backend: &RedisBackend) {
         backend.flush().await;
-    }
-}
-
-/// A small deterministic generator: the same program runs on every backend.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
     }
 }
 
@@ -292,9 +274,9 @@ fn program(seed: u64, len: usize) -> Vec<Step> {
     (0..len)
         .map(|_| match rng.below(10) {
             0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, 20) },
-            4 => Step::Settle { held: rng.next(), actual: rng.range(0, 30) },
-            5 | 6 => Step::Release { held: rng.next() },
-            7 => Step::Cancel { held: rng.next() },
+            4 => Step::Settle { held: rng.next_u64(), actual: rng.range(0, 30) },
+            5 | 6 => Step::Release { held: rng.next_u64() },
+            7 => Step::Cancel { held: rng.next_u64() },
             _ => Step::Advance(rng.below(300 * MS)),
         })
         .collect()

@@ -15,7 +15,7 @@ use tower_limits_core::{
 };
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisConnection};
-use tower_limits_tests::quota;
+use tower_limits_tests::{Rng, quota};
 
 use redis_common::{connect, namespace, runtime};
 
@@ -50,20 +50,6 @@ async fn replica(url: &str, ns: &str) -> (LimitPool, RedisAccounts) {
 
 fn ms(n: u64) -> Instant {
     Instant::from_nanos(n * 1_000_000)
-}
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// The rate bound over every window: for each account and limit, no window of length

@@ -58,6 +58,22 @@ local function choose(cost, reply)
   end
   return best, bestf, ds, wait
 end
+-- this replica's part of each of its n tenants' fleet demand (`mine` of `total` plus
+-- `mine`), and its weight among replicas: the sum of weight times part over the tenants
+-- whose `counts` is positive (1 when none is)
+local function parts(n, names, weights, mine, total, counts)
+  local W, shares = 0, {}
+  for k = 1, n do
+    local d = mine[names[k]]
+    local sum = (total[names[k]] or 0) + d
+    local sh = 1
+    if sum > 0 then sh = d / sum end
+    shares[k] = sh
+    if counts[k] > 0 then W = W + weights[k] * sh end
+  end
+  if W <= 0 then W = 1 end
+  return W, shares
+end
 local function charge(best, ds, cost)
   for i, l in ipairs(M[best].l) do
     local need = 1
@@ -147,18 +163,8 @@ if ARGV[1] == 'f' then
       end
     end
   end
-  -- this replica's share of each tenant's fleet demand, and its weight among replicas
-  -- (over the tenants it has waiting)
-  local W, shares = 0, {}
-  for k = 1, n do
-    local d = mine[names[k]]
-    local sum = (total[names[k]] or 0) + d
-    local sh = 1
-    if sum > 0 then sh = d / sum end
-    shares[k] = sh
-    if waiting[k] > 0 then W = W + weights[k] * sh end
-  end
-  if W <= 0 then W = 1 end
+  -- its weight among replicas over the tenants it has waiting
+  local W, shares = parts(n, names, weights, mine, total, waiting)
   local S = V
   if myF and myF > S then S = myF end
   -- start-time fair queuing among the replicas: the lowest start tag waiting goes first
@@ -235,17 +241,10 @@ if ARGV[1] == 'l' then
       for name, d in pairs(cjson.decode(v)) do total[name] = (total[name] or 0) + d end
     end
   end
-  -- this replica's part of each tenant's fleet demand, and its weight among replicas
-  local W, shares = 0, {}
-  for k = 1, n do
-    local d = mine[names[k]]
-    local sum = (total[names[k]] or 0) + d
-    local sh = 1
-    if sum > 0 then sh = d / sum end
-    shares[k] = sh
-    if d > 0 then W = W + weights[k] * sh end
-  end
-  if W <= 0 then W = 1 end
+  -- its weight among replicas over the tenants it has demand for
+  local demanded = {}
+  for k = 1, n do demanded[k] = mine[names[k]] end
+  local W, shares = parts(n, names, weights, mine, total, demanded)
   -- the rate: weighted max-min fairness over the live replicas' caps, among at most as
   -- many replicas as the bursts can give each the least usable part (the heaviest first)
   local act = {}
