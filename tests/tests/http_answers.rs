@@ -394,6 +394,10 @@ async fn a_concurrency_refusal_suggests_the_recent_hold_time() {
     tokio::task::yield_now().await;
     let refused = svc.clone().oneshot(request(None, 1)).await.unwrap();
     assert_eq!(refused.headers()["retry-after-ms"], "1000");
+    // The answer carries its error for the layers outside.
+    let error = refused.extensions().get::<tower_limits::LimitError>().expect("the refusal in the extensions");
+    assert_eq!(error.kind(), tower_limits::ErrorKind::ConcurrencyLimited);
+    assert_eq!(error.openai_code(), "concurrency_limited");
     drop(held.await.unwrap().unwrap());
     // One request held its permit 20 ms: the next refusal says so.
     let held = tokio::spawn(svc.clone().oneshot(request(None, 1)));

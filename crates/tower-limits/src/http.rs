@@ -140,6 +140,42 @@ impl LimitError {
 }
 
 impl LimitError {
+    /// The `code` of this refusal's [OpenAI error object](Self::openai_json):
+    /// `rate_limit_exceeded` for a tenant's rate limit, `limits_unavailable` when the
+    /// limits' store cannot answer, and the refusal's kind otherwise (as a metric label,
+    /// say).
+    ///
+    /// ```
+    /// use tower_limits::{Instant, LimitError, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(1)));
+    /// let global = TenantKey::global();
+    /// let _first = set.acquire(&global, 1, Instant::ZERO).unwrap();
+    /// let refused = LimitError::from(set.acquire(&global, 1, Instant::ZERO).unwrap_err());
+    /// assert_eq!(refused.openai_code(), "rate_limit_exceeded");
+    /// ```
+    #[must_use]
+    pub fn openai_code(&self) -> &'static str {
+        self.openai_type_and_code().1
+    }
+
+    fn openai_type_and_code(&self) -> (&'static str, &'static str) {
+        match self.kind() {
+            ErrorKind::MissingKey => ("invalid_request_error", "invalid_api_key"),
+            ErrorKind::KeySourceMissing => ("server_error", "key_source_missing"),
+            ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
+            // Says what cannot be reached, as a gateway's own answer while its store is
+            // away says it.
+            ErrorKind::Unavailable => ("server_error", "limits_unavailable"),
+            _ if self.is_shared() => ("server_error", kind_name(self.kind())),
+            ErrorKind::RateLimited => {
+                let counts_cost = self.counts() == Some(Counts::Cost);
+                (if counts_cost { "tokens" } else { "requests" }, "rate_limit_exceeded")
+            }
+            other => ("requests", kind_name(other)),
+        }
+    }
+
     /// The error object OpenAI's APIs answer with, which OpenAI's SDKs read:
     /// `{"error": {"message", "type", "param", "code"}}`. The message names the limit, its
     /// tier and when to retry; `type` is `requests` or `tokens` for a rate limit (as
@@ -162,20 +198,7 @@ impl LimitError {
     /// ```
     #[must_use]
     pub fn openai_json(&self) -> String {
-        let (kind, code) = match self.kind() {
-            ErrorKind::MissingKey => ("invalid_request_error", "invalid_api_key"),
-            ErrorKind::KeySourceMissing => ("server_error", "key_source_missing"),
-            ErrorKind::CostAboveCapacity => ("invalid_request_error", "cost_above_capacity"),
-            // Says what cannot be reached, as a gateway's own answer while its store is
-            // away says it.
-            ErrorKind::Unavailable => ("server_error", "limits_unavailable"),
-            _ if self.is_shared() => ("server_error", kind_name(self.kind())),
-            ErrorKind::RateLimited => {
-                let counts_cost = self.counts() == Some(Counts::Cost);
-                (if counts_cost { "tokens" } else { "requests" }, "rate_limit_exceeded")
-            }
-            other => ("requests", kind_name(other)),
-        };
+        let (kind, code) = self.openai_type_and_code();
         let mut message = String::from(match self.kind() {
             ErrorKind::RateLimited => "Rate limit reached",
             ErrorKind::ConcurrencyLimited if !self.is_shared() => "Too many requests in flight",
@@ -379,7 +402,9 @@ impl<B: From<String>> AnswerBody<B> for JsonBody {
 /// [`shell::body`](crate::shell::body)): a concurrency limit bounds the streams in flight,
 /// not only the heads. The layer's response body is then a
 /// [`HeldBody`] around the inner one; `O` reads the real
-/// usage from it ([`usage_from_body`](Self::usage_from_body)).
+/// usage from it ([`usage_from_body`](Self::usage_from_body)). A refusal's answer carries
+/// its [`LimitError`] in the response's extensions, for the layers outside to count or
+/// log (by [`LimitError::openai_code`], say) without reading the body.
 ///
 /// ```
 /// use axum::{Router, routing::get};
@@ -680,6 +705,8 @@ where
             response.headers_mut().insert(CONTENT_TYPE, content_type);
         }
         self.headers(response.headers_mut(), &error);
+        // For the layers outside: what the answer says, to count or log.
+        response.extensions_mut().insert(*error);
         Ok(response)
     }
 

@@ -108,9 +108,14 @@ pub(crate) fn status_label(status: http::StatusCode) -> &'static str {
 /// Counts each answer of `router` in `gateway_responses` by status.
 pub fn count_responses(router: Router) -> Router {
     router.layer(tower::util::MapResponseLayer::new(|response: Response<Body>| {
-        // The gateway's own error code; the limit layers' refusals are counted by reason
-        // in `rate_limiting_requests`.
-        let code = response.extensions().get::<crate::api::ErrorCode>().map_or("none", |c| c.0);
+        // The gateway's own error code, or that of a limit layer's refusal (which are also
+        // counted by reason in `rate_limiting_requests`).
+        let ext = response.extensions();
+        let code = match (ext.get::<crate::api::ErrorCode>(), ext.get::<tower_limits::LimitError>()) {
+            (Some(own), _) => own.0,
+            (None, Some(refusal)) => refusal.openai_code(),
+            (None, None) => "none",
+        };
         metrics::counter!("gateway_responses", "status" => status_label(response.status()), "code" => code)
             .increment(1);
         response

@@ -109,7 +109,8 @@ async fn metrics_show_every_family_after_traffic() {
         ("gateway_responses", &[r#"status="200""#]),
         ("gateway_responses", &[r#"status="401""#, r#"code="invalid_api_key""#]),
         ("gateway_responses", &[r#"status="404""#, r#"code="not_found""#]),
-        ("gateway_responses", &[r#"status="429""#]),
+        // A limit layer's refusal is counted with the code its answer gives.
+        ("gateway_responses", &[r#"status="429""#, r#"code="rate_limit_exceeded""#]),
     ] {
         assert!(!samples(&text, name, labels).is_empty(), "no {name} with {labels:?} in\n{text}");
     }
