@@ -312,6 +312,17 @@ pub fn error_response(status: StatusCode, kind: &str, code: &'static str, messag
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ErrorCode(pub &'static str);
 
+/// The `code` an answer's error object carries, read from its extensions: the gateway's
+/// own ([`ErrorCode`]), or that of a limit layer's refusal; `None` for a success.
+#[must_use]
+pub fn answer_code(extensions: &http::Extensions) -> Option<&'static str> {
+    match (extensions.get::<ErrorCode>(), extensions.get::<tower_limits::LimitError>()) {
+        (Some(own), _) => Some(own.0),
+        (None, Some(refusal)) => Some(refusal.openai_code()),
+        (None, None) => None,
+    }
+}
+
 /// A JSON error answer in OpenAI's shape naming the parameter at fault.
 #[must_use]
 pub fn error_with_param(

@@ -110,12 +110,7 @@ pub fn count_responses(router: Router) -> Router {
     router.layer(tower::util::MapResponseLayer::new(|response: Response<Body>| {
         // The gateway's own error code, or that of a limit layer's refusal (which are also
         // counted by reason in `rate_limiting_requests`).
-        let ext = response.extensions();
-        let code = match (ext.get::<crate::api::ErrorCode>(), ext.get::<tower_limits::LimitError>()) {
-            (Some(own), _) => own.0,
-            (None, Some(refusal)) => refusal.openai_code(),
-            (None, None) => "none",
-        };
+        let code = crate::api::answer_code(response.extensions()).unwrap_or("none");
         metrics::counter!("gateway_responses", "status" => status_label(response.status()), "code" => code)
             .increment(1);
         response

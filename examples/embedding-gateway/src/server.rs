@@ -693,6 +693,7 @@ async fn handle(
             method = %method,
             path = %path,
             status = response.status().as_u16(),
+            code = crate::api::answer_code(response.extensions()),
             tenant = info.tenant.as_deref(),
             tokens = info.tokens,
             queued_us = info.queued.map(us),

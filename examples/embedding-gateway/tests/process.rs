@@ -303,6 +303,7 @@ async fn logs_tell_what_happened_as_json_lines() {
         .find(|l| l["target"] == "access" && l["status"] == 502)
         .unwrap_or_else(|| panic!("no access line for the 502: {lines:?}"));
     assert_eq!(access["tenant"], "acme");
+    assert_eq!(access["code"], "upstream_unreachable");
     assert_eq!(access["tokens"], 2);
     assert!(access["upstream_us"].is_u64() && access["queued_us"].is_u64(), "{access}");
     assert!(access["total_us"].is_u64() && access["client"] == "127.0.0.1", "{access}");
