@@ -20,7 +20,10 @@ use tower_limits_tests::{Rng, quota};
 use redis_common::{connect, namespace, runtime};
 
 /// Two accounts: requests per second with a burst, and tokens per second (cost).
-const ACCOUNTS: [(&str, u64, u64, u64, u64); 2] = [("a", 100, 10, 2_000, 300), ("b", 40, 4, 1_000, 100)];
+const ACCOUNTS: [(&str, u64, u64, u64, u64); 2] = [("a", 100, 10, 2_000, 300), ("b", 40, 4, 1_000, 200)];
+
+/// The largest cost the tests ask for: every lease's burst holds it.
+const LARGEST: u64 = 40;
 
 fn account(rps: u64, burst: u64, tps: u64, tburst: u64) -> LimitSetPolicy {
     LimitSetPolicy::new()
@@ -38,7 +41,7 @@ async fn replica(url: &str, ns: &str) -> (LimitPool, RedisAccounts) {
         .timeout(Duration::from_secs(5))
         .on_failure(FailurePolicy::FailClosed)
         .manual_clock()
-        .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME));
+        .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME).largest_cost(LARGEST));
     let mut pool = LimitPool::builder(Selection::MostHeadroom);
     for (name, rps, burst, tps, tburst) in ACCOUNTS {
         store = store.member(name, account(rps, burst, tps, tburst));
@@ -136,7 +139,7 @@ fn leased_accounts_keep_the_rate_bound_under_random_traffic() {
                         continue;
                     }
                     for _ in 0..rng.below(4) {
-                        let cost = 1 + rng.below(40);
+                        let cost = 1 + rng.below(LARGEST);
                         match Backend::acquire(pool, &key, cost, now).await {
                             Ok(grant) => {
                                 grants.push((now.as_nanos(), grant.chosen().index, cost));
@@ -309,8 +312,8 @@ fn no_lease_is_too_small_to_hold_a_request() {
                 assert!(f == 0.0 || f == 1.0, "a fraction of {f} cannot hold a request of a burst of one");
             }
         }
-        // One holds the account at a time and uses it: 20 a second.
-        assert!(served[0] + served[1] >= 15, "{served:?}");
+        // One holds the account at a time and uses it: 20 a second, less the hand-overs.
+        assert!(served[0] + served[1] >= 12, "{served:?}");
     });
 }
 
@@ -371,8 +374,19 @@ fn a_redis_restarted_empty_does_not_hand_the_leases_out_twice() {
         }
         assert!(asked, "redis never answered again");
         assert_eq!(other_store.leased_fraction(ms(30)), Some(0.0), "a lease handed out twice");
-        // The holder keeps what it had.
-        holder_store.refresh_leases(ms(40)).await;
-        assert_eq!(holder_store.leased_fraction(ms(40)), Some(1.0));
+        // The holder may keep what it says it uses (here its fair half, the other asking
+        // too), never more: the two never hold more than the whole.
+        let mut heard = false;
+        for _ in 0..100 {
+            if holder_store.refresh_leases(ms(40)).await {
+                heard = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(heard, "redis never answered the holder again");
+        let holder = holder_store.leased_fraction(ms(40)).unwrap();
+        assert!(holder > 0.0 && holder <= 1.0, "{holder}");
+        assert_eq!(other_store.leased_fraction(ms(40)), Some(0.0));
     });
 }

@@ -697,8 +697,18 @@ impl Inner {
     /// Renews this replica's lease at `now`, in one call; with `heard` false the answer is
     /// dropped as if lost on its way back (tests). Whether Redis answered.
     async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
+        self.refresh_lease_if(now, heard, false).await
+    }
+
+    /// As [`refresh_lease`](Self::refresh_lease); with `unless_held`, nothing is sent if
+    /// a lease came in force while this one waited for its turn (requests without a
+    /// lease wait for one call, not one each).
+    async fn refresh_lease_if(&self, now: Instant, heard: bool, unless_held: bool) -> bool {
         let Some(leases) = &self.leases else { return false };
         let _one_at_a_time = leases.refreshing.lock().await;
+        if unless_held && leases.in_force(now) {
+            return true;
+        }
         if self.manual_clock {
             self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
@@ -707,15 +717,18 @@ impl Inner {
         let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
         demand_args(&reported, &mut args);
         self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
+        let sent = tokio::time::Instant::now();
         let reply = match self.call(&args).await {
             Ok(reply) => reply,
             Err(_) => {
                 if let Some(fleet) = &self.fleet {
                     fleet.clear_shares();
                 }
+                leases.failed(now);
                 return false;
             }
         };
+        let took = sent.elapsed();
         let ints = match &reply {
             Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
             _ => None,
@@ -728,7 +741,7 @@ impl Inner {
         self.heard(&ints[3..], reported, now);
         if heard {
             let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
-            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now);
+            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now + took, now);
         }
         true
     }
@@ -797,21 +810,13 @@ async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
-    // The caller's clock, estimated: the latest `now` an acquisition was given, plus the
-    // time since this task first saw it. It was given before it was seen, so the
-    // estimate never runs ahead of the caller's clock, and a lease counted from it ends
-    // no later than one counted from the real instant.
-    let mut seen = (0, tokio::time::Instant::now());
     loop {
         tick.tick().await;
         let Some(inner) = weak.upgrade() else { return };
         let Some(leases) = &inner.leases else { return };
-        let latest = leases.latest.load(Ordering::Relaxed);
-        if latest != seen.0 {
-            seen = (latest, tokio::time::Instant::now());
-        }
-        let elapsed = u64::try_from(seen.1.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let now = Instant::from_nanos(latest.saturating_add(elapsed));
+        // The caller's clock, estimated: a lease counted from it ends no later than one
+        // counted from the real instant.
+        let now = leases.estimated_now();
         if leases.idle(now) || inner.breaker.gate() == Gate::Open {
             continue;
         }
@@ -833,6 +838,13 @@ impl RedisAccounts {
             return Box::pin(std::future::ready(Err(e)));
         }
         if let Some(leases) = &inner.leases {
+            let largest = leases.settings.largest();
+            if cost > largest {
+                // A lease's burst holds no more than this: it would never pass.
+                let limit = inner.members.first().map_or("account", |m| m.limit);
+                let e = AcquireError::CostAboveCapacity(CostAboveCapacity::new(limit, None, cost, largest));
+                return Box::pin(std::future::ready(Err(e)));
+            }
             let benched = inner.benched.lock().unwrap_or_else(PoisonError::into_inner).clone();
             match leases.decide(cost, &benched, now) {
                 Decision::Granted(index) => {
@@ -840,6 +852,9 @@ impl RedisAccounts {
                     return Box::pin(std::future::ready(Ok(SharedGrant { index, charged: cost })));
                 }
                 Decision::Refused(wait) => return Box::pin(std::future::ready(Err(inner.refusal(wait)))),
+                Decision::Down => {
+                    return Box::pin(std::future::ready(Err(inner.unavailable("the last lease refresh failed"))));
+                }
                 Decision::NoLease => {}
             }
         }
@@ -853,7 +868,7 @@ impl RedisAccounts {
             // No lease in force: one call for it, then the lease decides.
             let inner = inner.clone();
             return Box::pin(async move {
-                if !inner.refresh_lease(now, true).await {
+                if !inner.refresh_lease_if(now, true, true).await {
                     return Err(inner.unavailable("no lease, and the lease refresh failed"));
                 }
                 let Some(leases) = &inner.leases else { return Err(inner.unavailable("no lease")) };
@@ -865,6 +880,7 @@ impl RedisAccounts {
                     }
                     Decision::Refused(wait) => Err(inner.refusal(wait)),
                     Decision::NoLease => Err(inner.refusal(leases.settings.refresh())),
+                    Decision::Down => Err(inner.unavailable("the last lease refresh failed")),
                 }
             });
         }

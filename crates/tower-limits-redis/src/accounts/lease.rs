@@ -55,6 +55,26 @@
 //! leases: for one lifetime after a replica finds that out, no replica is granted more
 //! than it says it may still be using, so the fractions still sum to at most the whole.
 //!
+//! # Known limits
+//!
+//! These are stated rather than handled yet:
+//!
+//! - **Holders past `⌊1/q⌋`.** Beyond that many replicas, the lightest hold no lease at
+//!   all, and with equal weights the order is fixed, so the same replicas wait for as
+//!   long as the others stay busy. Leases want bursts that hold the largest request once
+//!   for every replica.
+//! - **Loss seen first by a new replica.** A Redis that lost its state is recognised by a
+//!   replica that reached it before. If a replica that just started is the first to
+//!   call, the others' leases are not counted for up to a lifetime. The same goes for a
+//!   Redis rolled back to an older snapshot, or failed over to a replica that lags: its
+//!   epoch is there, and the leases it lost are not counted until their holders refresh.
+//! - **Fallback while others still hold leases.** When Redis is away, a replica whose
+//!   lease ended falls back to its local share of each account, while another's lease
+//!   may still run for up to about one refresh period more.
+//! - **A stale call.** A refresh that a client retries after a newer one has been applied
+//!   overwrites the newer entry. Entries expire by the server's wall clock, so a clock
+//!   step forward ends them early.
+//!
 //! # What it costs
 //!
 //! One call per busy replica per refresh period, whatever the requests; none while it is
@@ -126,12 +146,19 @@ impl AccountLeases {
 
     /// The largest cost a request will have (default 1): every lease's part of every
     /// burst holds one such request (and one request of every limit that counts
-    /// requests), so that no lease refuses a request for good. So the bursts must hold
-    /// this cost once for every replica that holds a lease at the same time; with smaller
-    /// bursts, fewer replicas hold leases, the heaviest first.
+    /// requests), so that no lease refuses a request for good; a request costing more is
+    /// refused at once as above capacity. So the bursts must hold this cost once for
+    /// every replica that holds a lease at the same time; with smaller bursts, fewer
+    /// replicas hold leases, the heaviest first.
     pub const fn largest_cost(mut self, cost: u64) -> Self {
         self.largest_cost = cost;
         self
+    }
+
+    /// The largest cost a request may have.
+    #[must_use]
+    pub const fn largest(&self) -> u64 {
+        self.largest_cost
     }
 
     /// The refresh period.
@@ -202,6 +229,8 @@ pub(super) enum Decision {
     Refused(Duration),
     /// No lease in force: ask Redis.
     NoLease,
+    /// No lease in force, and the last refresh failed moments ago: the failure policy.
+    Down,
 }
 
 /// This replica's lease and its buckets.
@@ -222,8 +251,10 @@ struct State {
     rate: u64,
     burst: u64,
     expires: Instant,
-    /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
-    pending: Option<(u64, u64, Instant)>,
+    /// A refresh's answer, applied by the next acquisition (whose `now` is after it): the
+    /// rate and burst parts, their expiry, and the instant the answer came, before which
+    /// the new parts refill nothing.
+    pending: Option<(u64, u64, Instant, Instant)>,
     /// Per member, per limit: tokens in units times the period times [`WHOLE`].
     tokens: Vec<Vec<i128>>,
     at: Instant,
@@ -234,6 +265,11 @@ struct State {
     denied_until: Instant,
     /// Until when the replica counts as busy (a lifetime after its last acquisition).
     busy_until: Instant,
+    /// A refresh failed: acquisitions without a lease go to the failure policy until then,
+    /// with no call of their own.
+    down_until: Instant,
+    /// When the latest `now` was given, on tokio's clock (for the background task).
+    latest_at: tokio::time::Instant,
 }
 
 impl Leases {
@@ -260,6 +296,8 @@ impl Leases {
                 refused: 0,
                 denied_until: Instant::ZERO,
                 busy_until: Instant::ZERO,
+                down_until: Instant::ZERO,
+                latest_at: tokio::time::Instant::now(),
             }),
             refreshing: tokio::sync::Mutex::new(()),
             latest: AtomicU64::new(0),
@@ -297,7 +335,7 @@ impl Leases {
     /// drops those above its capacity.
     fn take_pending(&self, st: &mut State, now: Instant) {
         self.advance(st, now);
-        if let Some((rate, burst, expires)) = st.pending.take() {
+        if let Some((rate, burst, expires, from)) = st.pending.take() {
             if now < expires {
                 (st.rate, st.burst, st.expires) = (rate, burst, expires);
                 for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
@@ -305,6 +343,9 @@ impl Leases {
                         *t = (*t).min(l.capacity(burst));
                     }
                 }
+                // The new parts refill from when the answer came, not from when it was
+                // asked: another replica may have used them until then.
+                st.at = st.at.max(from);
             }
             self.advance(st, now);
         }
@@ -313,14 +354,19 @@ impl Leases {
     /// Decides a request of `cost` at `now` from the lease, skipping the members benched
     /// past `now` (`benched`, ns of the caller's clock).
     pub(super) fn decide(&self, cost: u64, benched: &[u64], now: Instant) -> Decision {
-        self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let mut st = self.lock();
+        if self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed) < now.as_nanos() {
+            st.latest_at = tokio::time::Instant::now();
+        }
         self.take_pending(&mut st, now);
         st.busy_until = now + self.settings.lifetime;
         if st.rate == 0 {
             if now < st.denied_until {
                 st.refused += 1;
                 return Decision::Refused(Duration::from_nanos(st.denied_until.nanos_since(now)));
+            }
+            if now < st.down_until {
+                return Decision::Down;
             }
             // Wanted and not held: the refresh that follows asks for all it may need.
             st.refused += 1;
@@ -382,9 +428,12 @@ impl Leases {
         let mut st = self.lock();
         let burst = st.burst;
         let (Some(limits), Some(tokens)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
+        // (Bounded so that no product overflows: a charge beyond a day's worth of a burst
+        // is a debt as final as the bound.)
+        let most = 1_i128 << 40;
         for (l, t) in limits.iter().zip(tokens.iter_mut()) {
-            let units = i128::from(if l.cost { cost } else { requests });
-            *t = (*t - units * l.unit()).min(l.capacity(burst));
+            let units = i128::from(if l.cost { cost } else { requests }).clamp(-most, most);
+            *t = (*t - units * l.unit()).clamp(-most * l.unit(), l.capacity(burst));
         }
     }
 
@@ -396,7 +445,8 @@ impl Leases {
         let (Some(limits), Some(buckets)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
         for (l, t) in limits.iter().zip(buckets.iter_mut()) {
             if let Some(left) = if l.cost { tokens } else { requests } {
-                *t = (*t).min(i128::from(left) * l.unit() * fraction / i128::from(WHOLE));
+                let left = i128::from(left.min(l.burst));
+                *t = (*t).min(left * l.unit() * fraction / i128::from(WHOLE));
             }
         }
     }
@@ -411,7 +461,7 @@ impl Leases {
         // replica that made no acquisition since.
         self.take_pending(&mut st, now);
         let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
-        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e)| (live(r, e), live(b, e)));
+        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e, _)| (live(r, e), live(b, e)));
         let using = (live(st.rate, st.expires).max(pending_rate), live(st.burst, st.expires).max(pending_burst));
         let cap = if st.refused > 0 || backlog {
             WHOLE
@@ -431,21 +481,43 @@ impl Leases {
         st.refused = st.refused.saturating_sub(refused);
     }
 
-    /// Takes a refresh's answer: fractions of every `rate` and `burst` until `expires`;
-    /// granted nothing, the replica refuses without asking until its next refresh.
-    pub(super) fn granted(&self, rate: u64, burst: u64, expires: Instant, now: Instant) {
+    /// Takes a refresh's answer, asked at `now` and come at `from`: parts of every `rate`
+    /// and `burst` until `expires`; granted nothing, the replica refuses without asking
+    /// until its next refresh.
+    pub(super) fn granted(&self, rate: u64, burst: u64, expires: Instant, from: Instant, now: Instant) {
         let mut st = self.lock();
-        st.pending = Some((rate, burst, expires));
+        st.pending = Some((rate, burst, expires, from));
         if rate == 0 {
             st.denied_until = now + self.settings.refresh;
         }
+    }
+
+    /// A refresh at `now` failed: acquisitions without a lease go to the failure policy
+    /// for a refresh period, without a call each.
+    pub(super) fn failed(&self, now: Instant) {
+        self.lock().down_until = now + self.settings.refresh;
+    }
+
+    /// Whether a lease is in force at `now`, or an answer waits to be applied: a request
+    /// without one need not ask again.
+    pub(super) fn in_force(&self, now: Instant) -> bool {
+        let st = self.lock();
+        (st.rate > 0 && now < st.expires) || st.pending.is_some_and(|(r, _, e, _)| r > 0 && now < e)
+    }
+
+    /// The caller's clock, estimated from the latest `now` it gave and the time since, on
+    /// tokio's clock: never ahead of it, since that `now` was read before it was given.
+    pub(super) fn estimated_now(&self) -> Instant {
+        let st = self.lock();
+        let elapsed = u64::try_from(st.latest_at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        Instant::from_nanos(self.latest.load(Ordering::Relaxed).saturating_add(elapsed))
     }
 
     /// Whether the replica had no acquisition within a lifetime and holds no lease: its
     /// refreshes can stop.
     pub(super) fn idle(&self, now: Instant) -> bool {
         let st = self.lock();
-        now >= st.busy_until && (st.rate == 0 || now >= st.expires) && st.pending.is_none_or(|(r, _, _)| r == 0)
+        now >= st.busy_until && (st.rate == 0 || now >= st.expires) && st.pending.is_none_or(|(r, _, _, _)| r == 0)
     }
 
     /// The fractions of every rate and every burst in force at `now` (tests and stats).
@@ -476,7 +548,7 @@ mod tests {
     fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
         let l = leases();
         assert_eq!(l.decide(1, &[], at(0)), Decision::NoLease);
-        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(0));
+        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(0), at(0));
         // Half of 10 a second: one request every 200 ms, nothing at first.
         assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(200)));
         assert_eq!(l.decide(1, &[], at(200)), Decision::Granted(0));
@@ -491,22 +563,37 @@ mod tests {
     #[test]
     fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
         let l = leases();
-        l.granted(WHOLE / 2, WHOLE / 2, at(10_000), at(0));
+        l.granted(WHOLE / 2, WHOLE / 2, at(10_000), at(0), at(0));
         assert_eq!(l.fractions(at(0)).0, WHOLE / 2);
         // Full at half: one request. Grown to the whole: still one, not two.
-        l.granted(WHOLE, WHOLE, at(10_000), at(5000));
+        l.granted(WHOLE, WHOLE, at(10_000), at(5000), at(5000));
         assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
         // Full at the whole (two), shrunk to half: one.
-        l.granted(WHOLE / 2, WHOLE / 2, at(20_000), at(9000));
+        l.granted(WHOLE / 2, WHOLE / 2, at(20_000), at(9000), at(9000));
         assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
     }
 
     #[test]
+    fn a_lease_refills_from_when_its_answer_came() {
+        let l = leases();
+        // Asked at 0, answered at 100 ms: the first request comes 200 ms after the answer.
+        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(100), at(0));
+        assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(_)));
+        assert!(matches!(l.decide(1, &[], at(200)), Decision::Refused(_)));
+        assert_eq!(l.decide(1, &[], at(300)), Decision::Granted(0));
+        // A failed refresh: no lease, and no call either for a refresh period.
+        assert_eq!(l.decide(1, &[], at(1000)), Decision::NoLease);
+        l.failed(at(1000));
+        assert_eq!(l.decide(1, &[], at(1050)), Decision::Down);
+        assert_eq!(l.decide(1, &[], at(1100)), Decision::NoLease);
+    }
+
+    #[test]
     fn settles_charge_the_bucket_and_reports_say_what_is_used() {
         let l = leases();
-        l.granted(WHOLE, WHOLE, at(10_000), at(0));
+        l.granted(WHOLE, WHOLE, at(10_000), at(0), at(0));
         assert_eq!(l.fractions(at(0)).0, WHOLE);
         assert_eq!(l.decide(10, &[], at(1000)), Decision::Granted(0));
         // 50 tokens of burst: 40 left; a settle to 45 leaves 5.
