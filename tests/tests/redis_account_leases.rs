@@ -364,29 +364,24 @@ fn a_redis_restarted_empty_does_not_hand_the_leases_out_twice() {
         server.restart().expect("the server restarts");
         // The other asks for everything: Redis remembers no lease, yet grants nothing.
         let _ = Backend::acquire(&other, &key, 1, ms(20)).await;
-        let mut asked = false;
-        for _ in 0..100 {
-            if other_store.refresh_leases(ms(30)).await {
-                asked = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(asked, "redis never answered again");
+        refreshed_once_redis_answers(&other_store, ms(30)).await;
         assert_eq!(other_store.leased_fraction(ms(30)), Some(0.0), "a lease handed out twice");
         // The holder may keep what it says it uses (here its fair half, the other asking
         // too), never more: the two never hold more than the whole.
-        let mut heard = false;
-        for _ in 0..100 {
-            if holder_store.refresh_leases(ms(40)).await {
-                heard = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(heard, "redis never answered the holder again");
+        refreshed_once_redis_answers(&holder_store, ms(40)).await;
         let holder = holder_store.leased_fraction(ms(40)).unwrap();
         assert!(holder > 0.0 && holder <= 1.0, "{holder}");
         assert_eq!(other_store.leased_fraction(ms(40)), Some(0.0));
     });
+}
+
+/// Refreshes `store`'s lease at `now` once the restarted Redis answers (within 2 s).
+async fn refreshed_once_redis_answers(store: &RedisAccounts, now: Instant) {
+    for _ in 0..100 {
+        if store.refresh_leases(now).await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("redis never answered again");
 }

@@ -102,8 +102,6 @@
 //! may be charged one burst more.
 
 use std::fmt;
-use std::fmt::Write as _;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -112,22 +110,22 @@ use redis::Value;
 use tokio::sync::{mpsc, oneshot};
 use tower_limits_core::fleet::FleetShares;
 use tower_limits_core::{
-    AcquireError, AlgorithmKind, CostAboveCapacity, Counts, Instant, Limit, LimitRefusal, LimitSetPolicy, Scope,
-    SharedAccounts, SharedAcquire, SharedGrant, Snapshot, TenantKey, Unavailable, UpstreamReport, intern,
+    AcquireError, CostAboveCapacity, Instant, LimitRefusal, SharedAccounts, SharedAcquire, SharedGrant, Snapshot,
+    TenantKey, Unavailable, UpstreamReport,
 };
 
 use crate::connection::RedisConnection;
-use crate::error::BuildError;
 use crate::failure::{Breaker, FailurePolicy, Gate};
-use crate::keys::escape_into;
 
+mod batches;
+mod builder;
 pub mod lease;
+mod renewal;
+
+pub use builder::RedisAccountsBuilder;
 
 pub use lease::AccountLeases;
-use lease::{Decision, LeasedLimit, Leases};
-
-/// The most operations one background call carries.
-const BATCH: usize = 64;
+use lease::{Decision, Leases};
 
 /// How long a replica's reported demand counts after its last acquisition, us.
 const DEMAND_LIVES_US: u64 = 250_000;
@@ -230,21 +228,6 @@ enum Op {
     Flush(oneshot::Sender<()>),
 }
 
-/// Builds a [`RedisAccounts`]; from [`RedisAccounts::builder`].
-#[derive(Debug, Clone)]
-#[must_use]
-pub struct RedisAccountsBuilder {
-    pool: String,
-    namespace: String,
-    members: Vec<(String, LimitSetPolicy)>,
-    timeout: Duration,
-    failure: FailurePolicy,
-    breaker: (u32, Duration),
-    fleet: Option<Arc<FleetShares>>,
-    manual_clock: bool,
-    leases: Option<AccountLeases>,
-}
-
 impl fmt::Debug for RedisAccounts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisAccounts")
@@ -312,272 +295,6 @@ impl RedisAccounts {
         &self.inner.source
     }
 }
-
-impl RedisAccountsBuilder {
-    /// One more member: an account named `name` whose limits `policy` mirrors. Its limits
-    /// must be GCRA or token-bucket limits over the whole account (no tiers).
-    pub fn member(mut self, name: impl Into<String>, policy: LimitSetPolicy) -> Self {
-        self.members.push((name.into(), policy));
-        self
-    }
-
-    /// The prefix of every key (default `tl`).
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
-        self
-    }
-
-    /// How long a call to Redis may take before the failure policy decides (default 50 ms).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// What acquisitions do when Redis cannot answer: fail closed (the default), or fall
-    /// back to the pool's local sets (the `share` is the caller's to apply to them).
-    pub fn on_failure(mut self, policy: FailurePolicy) -> Self {
-        self.failure = policy;
-        self
-    }
-
-    /// The circuit breaker: open after `failures` failed calls in a row, for `open_for`.
-    pub fn circuit_breaker(mut self, failures: u32, open_for: Duration) -> Self {
-        self.breaker = (failures, open_for);
-        self
-    }
-
-    /// Shares the accounts fairly across the fleet: every acquisition reports the
-    /// backlog this replica's fair queue published to `fleet` (the same handle given to
-    /// its [`FairQueueLayer::fleet`](https://docs.rs/tower-limits)), the replicas
-    /// competing for the accounts take turns in start-time fair order weighted by their
-    /// tenants' weights and demand, and the answer sets this replica's shares in `fleet`.
-    /// See the guide's "Fleet-wide weighted fairness". Every replica sharing the pool
-    /// must use it, or none.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use tower_limits_core::FleetShares;
-    /// use tower_limits_redis::RedisAccounts;
-    ///
-    /// let fleet = Arc::new(FleetShares::new());
-    /// let builder = RedisAccounts::builder("accounts").fleet(fleet.clone());
-    /// # drop(builder);
-    /// ```
-    pub fn fleet(mut self, fleet: Arc<FleetShares>) -> Self {
-        self.fleet = Some(fleet);
-        self
-    }
-
-    /// Decides the accounts from leases: this replica holds a fraction of every member,
-    /// granted by Redis and refreshed once per period for all of them, and admits from it
-    /// with no round trip. The fractions follow the replicas' demand, weighted by their
-    /// tenants' weights with [`fleet`](Self::fleet), and never sum to more than the whole
-    /// pool: over every window the fleet charges an account at most its burst plus its
-    /// rate. See [the scheme and its bounds](lease) and [`AccountLeases`].
-    ///
-    /// ```
-    /// use tower_limits_redis::{AccountLeases, RedisAccounts};
-    ///
-    /// let builder = RedisAccounts::builder("accounts").leases(AccountLeases::new());
-    /// # drop(builder);
-    /// ```
-    pub fn leases(mut self, leases: AccountLeases) -> Self {
-        self.leases = Some(leases);
-        self
-    }
-
-    /// Test support: the script decides with the `now` each acquisition is given (a
-    /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`;
-    /// background calls use the last one. Keys then expire an hour later than their
-    /// state needs. Never in production: replicas' clocks disagree.
-    ///
-    /// ```
-    /// use tower_limits_redis::RedisAccounts;
-    ///
-    /// let builder = RedisAccounts::builder("accounts").manual_clock();
-    /// # drop(builder);
-    /// ```
-    #[cfg(feature = "test-support")]
-    pub fn manual_clock(mut self) -> Self {
-        self.manual_clock = true;
-        self
-    }
-
-    /// Validates everything and builds the store on `connection`. Must be called inside
-    /// a tokio runtime (it starts the background task that sends settles and reports).
-    ///
-    /// # Errors
-    /// - [`BuildError::Policy`]: a member's policy is invalid.
-    /// - [`BuildError::Unsupported`]: a limit other than GCRA or token bucket, a limit
-    ///   keyed by a tier, or a tolerance beyond the 52 days a script counts exactly.
-    /// - [`BuildError::Invalid`]: no member, two members with one name, a pool name or
-    ///   namespace empty or with braces, a zero timeout, [`FailurePolicy::FailOpen`], or
-    ///   no tokio runtime.
-    pub fn build(self, connection: &RedisConnection) -> Result<RedisAccounts, BuildError> {
-        let invalid = |field: &'static str, message: String| BuildError::Invalid { field, message };
-        for (field, text) in [("pool", self.pool.as_str()), ("namespace", self.namespace.as_str())] {
-            if text.is_empty() || text.contains(['{', '}']) {
-                return Err(invalid(field, format!("{text:?} must be non-empty, without braces")));
-            }
-        }
-        if self.members.is_empty() {
-            return Err(invalid("members", "a pool needs at least one member".into()));
-        }
-        if self.timeout.is_zero() {
-            return Err(invalid("timeout", "the timeout must be positive".into()));
-        }
-        if self.failure == FailurePolicy::FailOpen {
-            return Err(invalid(
-                "on_failure",
-                "an upstream account cannot fail open: choose FailClosed or Fallback".into(),
-            ));
-        }
-        if let Some(leases) = &self.leases {
-            if leases.refresh().is_zero() {
-                return Err(invalid("leases.refresh", "the refresh period must be positive".into()));
-            }
-            // (On a manual clock, calls take no time the leases count.)
-            let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
-            if leases.lasts() < leases.refresh() * 2 + call {
-                return Err(invalid(
-                    "leases.lifetime",
-                    format!(
-                        "a lease of {:?} cannot outlive two refreshes of {:?} and a call of {:?}",
-                        leases.lasts(),
-                        leases.refresh(),
-                        call
-                    ),
-                ));
-            }
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Err(invalid("runtime", "build the accounts inside a tokio runtime".into()));
-        };
-        let mut prefix = format!("{}:{{", self.namespace);
-        escape_into(&mut prefix, &self.pool);
-        prefix.push_str("}:");
-        let mut keys = Vec::new();
-        let mut members = Vec::new();
-        let mut leased = Vec::new();
-        let mut table = String::from("local M = {\n");
-        for (i, (name, policy)) in self.members.iter().enumerate() {
-            if self.members[..i].iter().any(|(n, _)| n == name) {
-                return Err(invalid("members", format!("{name:?} is already a member's name")));
-            }
-            policy.validate()?;
-            let mut base = prefix.clone();
-            escape_into(&mut base, name);
-            keys.push(format!("{base}:bench"));
-            let _ = write!(table, "  {{b = {}, l = {{", keys.len());
-            let mut max_cost = u64::MAX;
-            let mut limits = Vec::new();
-            for p in &policy.limits {
-                let unsupported =
-                    |reason: &str| BuildError::Unsupported { limit: p.name.clone(), reason: reason.into() };
-                if !matches!(p.algorithm, AlgorithmKind::Gcra | AlgorithmKind::TokenBucket) {
-                    return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits"));
-                }
-                if p.scope != Scope::Global {
-                    return Err(unsupported("an account's limits cover the whole account (no tier)"));
-                }
-                let quota = match Limit::from_policy(p)? {
-                    Limit::Gcra(g) => g.quota(),
-                    Limit::TokenBucket(t) => t.quota(),
-                    _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
-                };
-                let burst = quota.max_burst();
-                limits.push(LeasedLimit {
-                    amount: quota.amount(),
-                    period_ns: u64::try_from(quota.period().as_nanos()).unwrap_or(u64::MAX),
-                    burst,
-                    cost: p.counts == Counts::Cost,
-                });
-                let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
-                let tolerance = interval.saturating_mul(burst);
-                if tolerance >= 1 << 52 {
-                    return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));
-                }
-                let cost = p.counts == Counts::Cost;
-                if cost {
-                    max_cost = max_cost.min(burst);
-                }
-                let mut key = base.clone();
-                key.push(':');
-                escape_into(&mut key, &p.name);
-                key.push_str(":g");
-                keys.push(key);
-                let _ = write!(
-                    table,
-                    "{{k = {}, iv = {interval}, tol = {tolerance}, c = {}}}, ",
-                    keys.len(),
-                    u8::from(cost)
-                );
-            }
-            table.push_str("}},\n");
-            let limit = policy.limits.first().map_or("account", |l| intern(&l.name));
-            members.push(MemberInfo { name: name.clone(), max_cost, limit });
-            leased.push(limits);
-        }
-        table.push_str("}\n");
-        keys.push(format!("{prefix}hold"));
-        let _ = writeln!(table, "local HOLD = KEYS[{}]", keys.len());
-        keys.push(format!("{prefix}fleet"));
-        let _ = writeln!(table, "local FLEET = KEYS[{}]", keys.len());
-        keys.push(format!("{prefix}epoch"));
-        let _ = writeln!(table, "local EPOCH = KEYS[{}]", keys.len());
-        keys.push(format!("{prefix}leases"));
-        let _ = writeln!(table, "local LEASES = KEYS[{}]", keys.len());
-        keys.push(format!("{prefix}lost"));
-        let _ = writeln!(table, "local LOST = KEYS[{}]", keys.len());
-        let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
-        let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
-        let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
-        let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
-        // The last arguments: whether this store reached Redis before, then (on a manual
-        // clock) the time.
-        if self.manual_clock {
-            table.push_str("local NOW, SLACK = tonumber(ARGV[#ARGV]), 3600000\n");
-            table.push_str("local KNOWN = ARGV[#ARGV - 1] == '1'\n");
-        } else {
-            table.push_str("local T = redis.call('TIME')\nlocal NOW, SLACK = T[1] * 1000000 + T[2], 0\n");
-            table.push_str("local KNOWN = ARGV[#ARGV] == '1'\n");
-        }
-        let source: Arc<str> = format!("{table}{SCRIPT}").into();
-        let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let n = members.len();
-        #[cfg(feature = "metrics")]
-        crate::metrics::register(crate::metrics::ACCOUNTS);
-        let inner = Arc::new(Inner {
-            conn: connection.clone(),
-            source,
-            sha,
-            keys,
-            members,
-            timeout: self.timeout,
-            failure: self.failure,
-            breaker: Breaker::new(self.breaker.0, self.breaker.1),
-            benched: Mutex::new(vec![0; n]),
-            ops: tx,
-            stats: Stats::default(),
-            id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
-            fleet: self.fleet,
-            manual_clock: self.manual_clock,
-            last_now_us: AtomicU64::new(0),
-            reached: AtomicBool::new(false),
-            leases: self.leases.map(|settings| Leases::new(settings, leased)),
-        });
-        runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
-        // On a manual clock the test chooses when leases are refreshed.
-        if let Some(leases) = inner.leases.as_ref().filter(|_| !inner.manual_clock) {
-            runtime.spawn(renew_leases(Arc::downgrade(&inner), leases.settings.refresh()));
-        }
-        Ok(RedisAccounts { inner })
-    }
-}
-
-/// The script after the members' table: `a` acquires, `b` applies a batch.
-const SCRIPT: &str = include_str!("accounts/script.lua");
 
 impl Inner {
     async fn eval(&self, args: &[String]) -> redis::RedisResult<Value> {
@@ -694,103 +411,9 @@ impl Inner {
         AcquireError::Refused(LimitRefusal::new(limit, None, 0, wait, false, snapshot))
     }
 
-    /// Renews this replica's lease at `now`, in one call; with `heard` false the answer is
-    /// dropped as if lost on its way back (tests). Whether Redis answered.
-    async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
-        self.refresh_lease_if(now, heard, false).await
-    }
-
-    /// As [`refresh_lease`](Self::refresh_lease); with `unless_held`, nothing is sent if
-    /// a lease came in force while this one waited for its turn (requests without a
-    /// lease wait for one call, not one each).
-    async fn refresh_lease_if(&self, now: Instant, heard: bool, unless_held: bool) -> bool {
-        let Some(leases) = &self.leases else { return false };
-        let _one_at_a_time = leases.refreshing.lock().await;
-        if unless_held && leases.in_force(now) {
-            return true;
-        }
-        if self.manual_clock {
-            self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
-        }
-        let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
-        let ((rate, burst), cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
-        let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
-        demand_args(&reported, &mut args);
-        self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
-        let sent = tokio::time::Instant::now();
-        let reply = match self.call(&args).await {
-            Ok(reply) => reply,
-            Err(_) => {
-                if let Some(fleet) = &self.fleet {
-                    fleet.clear_shares();
-                }
-                leases.failed(now);
-                return false;
-            }
-        };
-        let took = sent.elapsed();
-        let ints = match &reply {
-            Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
-            _ => None,
-        };
-        let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == 3 + self.members.len() + reported.len()) else {
-            tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
-            return false;
-        };
-        leases.reported(counts);
-        self.heard(&ints[3..], reported, now);
-        if heard {
-            let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
-            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now + took, now);
-        }
-        true
-    }
-
     fn send(&self, op: Op) {
         if self.ops.send(op).is_err() {
             self.stats.failures.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// Sends the queued operations in batches while the store lives.
-async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Op>) {
-    let mut batch = Vec::with_capacity(BATCH);
-    // While Redis is away every batch fails: one warning every few seconds says so, with
-    // how many it stands for.
-    let warnings = crate::throttle::Throttle::new();
-    while rx.recv_many(&mut batch, BATCH).await > 0 {
-        let Some(inner) = weak.upgrade() else { return };
-        let mut args = Vec::with_capacity(1 + 5 * batch.len());
-        args.push("b".to_owned());
-        let mut flushes = Vec::new();
-        for op in batch.drain(..) {
-            let fields = match op {
-                Op::Adjust { member, requests, cost } => [1, member as i64 + 1, requests, cost, 0],
-                Op::Report { member, retry_us, requests, tokens } => [2, member as i64 + 1, retry_us, requests, tokens],
-                Op::Flush(done) => {
-                    flushes.push(done);
-                    continue;
-                }
-            };
-            args.extend(fields.iter().map(i64::to_string));
-        }
-        if args.len() > 1 {
-            inner.stats.batch_calls.fetch_add(1, Ordering::Relaxed);
-            inner.stats.batched_ops.fetch_add(((args.len() - 1) / 5) as u64, Ordering::Relaxed);
-            if let Err(e) = inner.call(&args).await {
-                if let Some(suppressed) = warnings.warn_now() {
-                    tracing::warn!(
-                        target: "tower_limits_redis",
-                        error = %e,
-                        suppressed,
-                        "a batch of account settles and reports may not have been applied"
-                    );
-                }
-            }
-        }
-        for done in flushes {
-            let _ = done.send(());
         }
     }
 }
@@ -801,26 +424,6 @@ fn demand_args(reported: &[tower_limits_core::fleet::TenantDemand], args: &mut V
     args.push(reported.len().to_string());
     for d in reported {
         args.extend([d.key.to_string(), d.weight.to_string(), d.waiting.to_string(), d.outstanding.to_string()]);
-    }
-}
-
-/// Renews this replica's lease every period while the store lives and the replica is busy
-/// (an acquisition within a lifetime, or a lease held).
-async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let Some(inner) = weak.upgrade() else { return };
-        let Some(leases) = &inner.leases else { return };
-        // The caller's clock, estimated: a lease counted from it ends no later than one
-        // counted from the real instant.
-        let now = leases.estimated_now();
-        if leases.idle(now) || inner.breaker.gate() == Gate::Open {
-            continue;
-        }
-        inner.refresh_lease(now, true).await;
     }
 }
 
@@ -885,46 +488,6 @@ impl RedisAccounts {
             });
         }
         Box::pin(inner.clone().acquire(tenant.cloned(), cost, now))
-    }
-
-    /// Renews this replica's lease now ([`RedisAccountsBuilder::leases`]), as the
-    /// background task does every refresh period: for tests on a manual clock, where no
-    /// background task runs and the test chooses when refreshes happen. Whether Redis answered; `false` without leases.
-    ///
-    /// # Cancel safety
-    /// Dropping the future drops the answer: the replica keeps its lease, and Redis
-    /// counts the larger of the two until the next refresh.
-    pub async fn refresh_leases(&self, now: Instant) -> bool {
-        if let Some(leases) = &self.inner.leases {
-            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
-        }
-        self.inner.refresh_lease(now, true).await
-    }
-
-    /// As [`refresh_leases`](Self::refresh_leases), but the answer is lost on its way
-    /// back: Redis applied it, the replica never learns it (tests).
-    #[cfg(feature = "test-support")]
-    pub async fn refresh_leases_unheard(&self, now: Instant) -> bool {
-        if let Some(leases) = &self.inner.leases {
-            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
-        }
-        self.inner.refresh_lease(now, false).await
-    }
-
-    /// The part of every account's rate this replica's lease holds at `now`, from 0 to 1
-    /// (`None` without leases).
-    #[must_use]
-    pub fn leased_fraction(&self, now: Instant) -> Option<f64> {
-        let leases = self.inner.leases.as_ref()?;
-        Some(leases.fractions(now).0 as f64 / lease::WHOLE as f64)
-    }
-
-    /// The part of every account's burst this replica's lease holds at `now`, from 0 to 1
-    /// (`None` without leases): at least what holds one request of the largest cost.
-    #[must_use]
-    pub fn leased_burst(&self, now: Instant) -> Option<f64> {
-        let leases = self.inner.leases.as_ref()?;
-        Some(leases.fractions(now).1 as f64 / lease::WHOLE as f64)
     }
 }
 

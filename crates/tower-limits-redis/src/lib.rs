@@ -174,6 +174,7 @@ mod failure;
 mod keys;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod periodic;
 pub mod script;
 mod stats;
 #[cfg(feature = "test-support")]

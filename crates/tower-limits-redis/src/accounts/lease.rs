@@ -57,7 +57,7 @@
 //!
 //! # Known limits
 //!
-//! These are stated rather than handled yet:
+//! What the scheme does not handle:
 //!
 //! - **Holders past `⌊1/q⌋`.** Beyond that many replicas, the lightest hold no lease at
 //!   all, and with equal weights the order is fixed, so the same replicas wait for as

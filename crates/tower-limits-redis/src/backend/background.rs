@@ -184,9 +184,7 @@ static GAVE_UP: Throttle = Throttle::new();
 /// Renews the leases of this replica's grants every third of the lease, while the backend
 /// lives.
 pub(super) async fn renew_leases(weak: Weak<Inner>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
+    let mut tick = crate::periodic::ticks(every, every);
     loop {
         tick.tick().await;
         let Some(inner) = weak.upgrade() else { return };

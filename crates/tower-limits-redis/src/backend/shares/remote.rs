@@ -299,8 +299,7 @@ async fn take_from_pools(
 /// Refreshes every period while the backend lives. Its `now` is the latest an acquisition
 /// was given: never later than the clock, so shares expire locally no later than in Redis.
 async fn refresh_loop(inner: Weak<Inner>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = crate::periodic::ticks(Duration::ZERO, every);
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };

@@ -1,0 +1,52 @@
+//! The background task that sends a store's settles, cancels and reports in batches.
+
+use std::sync::atomic::Ordering;
+
+use tokio::sync::mpsc;
+
+use super::{Inner, Op};
+
+/// The most operations one background call carries.
+const BATCH: usize = 64;
+
+/// Sends the queued operations in batches while the store lives.
+pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Op>) {
+    let mut batch = Vec::with_capacity(BATCH);
+    // While Redis is away every batch fails: one warning every few seconds says so, with
+    // how many it stands for.
+    let warnings = crate::throttle::Throttle::new();
+    while rx.recv_many(&mut batch, BATCH).await > 0 {
+        let Some(inner) = weak.upgrade() else { return };
+        let mut args = Vec::with_capacity(1 + 5 * batch.len());
+        args.push("b".to_owned());
+        let mut flushes = Vec::new();
+        for op in batch.drain(..) {
+            let fields = match op {
+                Op::Adjust { member, requests, cost } => [1, member as i64 + 1, requests, cost, 0],
+                Op::Report { member, retry_us, requests, tokens } => [2, member as i64 + 1, retry_us, requests, tokens],
+                Op::Flush(done) => {
+                    flushes.push(done);
+                    continue;
+                }
+            };
+            args.extend(fields.iter().map(i64::to_string));
+        }
+        if args.len() > 1 {
+            inner.stats.batch_calls.fetch_add(1, Ordering::Relaxed);
+            inner.stats.batched_ops.fetch_add(((args.len() - 1) / 5) as u64, Ordering::Relaxed);
+            if let Err(e) = inner.call(&args).await {
+                if let Some(suppressed) = warnings.warn_now() {
+                    tracing::warn!(
+                        target: "tower_limits_redis",
+                        error = %e,
+                        suppressed,
+                        "a batch of account settles and reports may not have been applied"
+                    );
+                }
+            }
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! What leases ask of Redis: the refresh, one call for every member, and the task that
+//! renews a busy replica's lease every period. The scheme is in [`super::lease`].
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use redis::Value;
+use tower_limits_core::Instant;
+
+use super::{Inner, RedisAccounts, demand_args, lease};
+use crate::failure::Gate;
+
+impl Inner {
+    /// Renews this replica's lease at `now`, in one call; with `heard` false the answer is
+    /// dropped as if lost on its way back (tests). Whether Redis answered.
+    pub(super) async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
+        self.refresh_lease_if(now, heard, false).await
+    }
+
+    /// As [`refresh_lease`](Self::refresh_lease); with `unless_held`, nothing is sent if
+    /// a lease came in force while this one waited for its turn (requests without a
+    /// lease wait for one call, not one each).
+    pub(super) async fn refresh_lease_if(&self, now: Instant, heard: bool, unless_held: bool) -> bool {
+        let Some(leases) = &self.leases else { return false };
+        let _one_at_a_time = leases.refreshing.lock().await;
+        if unless_held && leases.in_force(now) {
+            return true;
+        }
+        if self.manual_clock {
+            self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
+        }
+        let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
+        let ((rate, burst), cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
+        demand_args(&reported, &mut args);
+        self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
+        let sent = tokio::time::Instant::now();
+        let reply = match self.call(&args).await {
+            Ok(reply) => reply,
+            Err(_) => {
+                if let Some(fleet) = &self.fleet {
+                    fleet.clear_shares();
+                }
+                leases.failed(now);
+                return false;
+            }
+        };
+        let took = sent.elapsed();
+        let ints = match &reply {
+            Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
+            _ => None,
+        };
+        let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == 3 + self.members.len() + reported.len()) else {
+            tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
+            return false;
+        };
+        leases.reported(counts);
+        self.heard(&ints[3..], reported, now);
+        if heard {
+            let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
+            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now + took, now);
+        }
+        true
+    }
+}
+
+impl RedisAccounts {
+    /// Renews this replica's lease now ([`RedisAccountsBuilder::leases`](super::RedisAccountsBuilder::leases)), as the
+    /// background task does every refresh period: for tests on a manual clock, where no
+    /// background task runs and the test chooses when refreshes happen. Whether Redis answered; `false` without leases.
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops the answer: the replica keeps its lease, and Redis
+    /// counts the larger of the two until the next refresh.
+    pub async fn refresh_leases(&self, now: Instant) -> bool {
+        if let Some(leases) = &self.inner.leases {
+            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        }
+        self.inner.refresh_lease(now, true).await
+    }
+
+    /// As [`refresh_leases`](Self::refresh_leases), but the answer is lost on its way
+    /// back: Redis applied it, the replica never learns it (tests).
+    #[cfg(feature = "test-support")]
+    pub async fn refresh_leases_unheard(&self, now: Instant) -> bool {
+        if let Some(leases) = &self.inner.leases {
+            leases.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        }
+        self.inner.refresh_lease(now, false).await
+    }
+
+    /// The part of every account's rate this replica's lease holds at `now`, from 0 to 1
+    /// (`None` without leases).
+    #[must_use]
+    pub fn leased_fraction(&self, now: Instant) -> Option<f64> {
+        let leases = self.inner.leases.as_ref()?;
+        Some(leases.fractions(now).0 as f64 / lease::WHOLE as f64)
+    }
+
+    /// The part of every account's burst this replica's lease holds at `now`, from 0 to 1
+    /// (`None` without leases): at least what holds one request of the largest cost.
+    #[must_use]
+    pub fn leased_burst(&self, now: Instant) -> Option<f64> {
+        let leases = self.inner.leases.as_ref()?;
+        Some(leases.fractions(now).1 as f64 / lease::WHOLE as f64)
+    }
+}
+
+/// Renews this replica's lease every period while the store lives and the replica is busy
+/// (an acquisition within a lifetime, or a lease held).
+pub(super) async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
+    let mut tick = crate::periodic::ticks(every, every);
+    loop {
+        tick.tick().await;
+        let Some(inner) = weak.upgrade() else { return };
+        let Some(leases) = &inner.leases else { return };
+        // The caller's clock, estimated: a lease counted from it ends no later than one
+        // counted from the real instant.
+        let now = leases.estimated_now();
+        if leases.idle(now) || inner.breaker.gate() == Gate::Open {
+            continue;
+        }
+        inner.refresh_lease(now, true).await;
+    }
+}
