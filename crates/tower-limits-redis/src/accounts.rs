@@ -411,6 +411,27 @@ impl Inner {
         AcquireError::Refused(LimitRefusal::new(limit, None, 0, wait, false, snapshot))
     }
 
+    /// What this replica's lease decides for a request of `cost` at `now`, the members'
+    /// benches read in place.
+    fn decide_leased(&self, leases: &Leases, cost: u64, now: Instant) -> Decision {
+        let benched = self.benched.lock().unwrap_or_else(PoisonError::into_inner);
+        leases.decide(cost, &benched, now)
+    }
+
+    /// The acquisition's answer for a lease's decision (no lease even after a refresh: a
+    /// refusal until the next one).
+    fn leased_answer(&self, leases: &Leases, decision: Decision, cost: u64) -> Result<SharedGrant, AcquireError> {
+        match decision {
+            Decision::Granted(index) => {
+                self.stats.leased_grants.fetch_add(1, Ordering::Relaxed);
+                Ok(SharedGrant { index, charged: cost })
+            }
+            Decision::Refused(wait) => Err(self.refusal(wait)),
+            Decision::NoLease => Err(self.refusal(leases.settings.refresh())),
+            Decision::Down => Err(self.unavailable("the last lease refresh failed")),
+        }
+    }
+
     fn send(&self, op: Op) {
         if self.ops.send(op).is_err() {
             self.stats.failures.fetch_add(1, Ordering::Relaxed);
@@ -448,17 +469,9 @@ impl RedisAccounts {
                 let e = AcquireError::CostAboveCapacity(CostAboveCapacity::new(limit, None, cost, largest));
                 return Box::pin(std::future::ready(Err(e)));
             }
-            let benched = inner.benched.lock().unwrap_or_else(PoisonError::into_inner).clone();
-            match leases.decide(cost, &benched, now) {
-                Decision::Granted(index) => {
-                    inner.stats.leased_grants.fetch_add(1, Ordering::Relaxed);
-                    return Box::pin(std::future::ready(Ok(SharedGrant { index, charged: cost })));
-                }
-                Decision::Refused(wait) => return Box::pin(std::future::ready(Err(inner.refusal(wait)))),
-                Decision::Down => {
-                    return Box::pin(std::future::ready(Err(inner.unavailable("the last lease refresh failed"))));
-                }
-                Decision::NoLease => {}
+            let decision = inner.decide_leased(leases, cost, now);
+            if decision != Decision::NoLease {
+                return Box::pin(std::future::ready(inner.leased_answer(leases, decision, cost)));
             }
         }
         if inner.breaker.gate() == Gate::Open {
@@ -475,16 +488,8 @@ impl RedisAccounts {
                     return Err(inner.unavailable("no lease, and the lease refresh failed"));
                 }
                 let Some(leases) = &inner.leases else { return Err(inner.unavailable("no lease")) };
-                let benched = inner.benched.lock().unwrap_or_else(PoisonError::into_inner).clone();
-                match leases.decide(cost, &benched, now) {
-                    Decision::Granted(index) => {
-                        inner.stats.leased_grants.fetch_add(1, Ordering::Relaxed);
-                        Ok(SharedGrant { index, charged: cost })
-                    }
-                    Decision::Refused(wait) => Err(inner.refusal(wait)),
-                    Decision::NoLease => Err(inner.refusal(leases.settings.refresh())),
-                    Decision::Down => Err(inner.unavailable("the last lease refresh failed")),
-                }
+                let decision = inner.decide_leased(leases, cost, now);
+                inner.leased_answer(leases, decision, cost)
             });
         }
         Box::pin(inner.clone().acquire(tenant.cloned(), cost, now))
