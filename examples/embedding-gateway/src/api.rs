@@ -8,6 +8,8 @@ use axum::body::{Body, Bytes};
 use http::{HeaderValue, Response, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
+use crate::tokenizer::{Encoding, MESSAGE_OVERHEAD, NAME_OVERHEAD, REPLY_PRIMING};
+
 /// The most inputs one request may carry (OpenAI's limit).
 pub const MAX_INPUTS: usize = 2048;
 
@@ -39,12 +41,11 @@ pub enum Input {
 }
 
 impl Input {
-    /// Its tokens: counted by [`tokenizer`](crate::tokenizer) for a text, one per id for
-    /// token ids.
+    /// Its tokens: counted with `encoding` for a text, one per id for token ids.
     #[must_use]
-    pub fn tokens(&self) -> u64 {
+    pub fn tokens(&self, encoding: Encoding) -> u64 {
         match self {
-            Input::Text(t) => crate::tokenizer::count(t),
+            Input::Text(t) => encoding.count(t),
             Input::Tokens(ids) => ids.len() as u64,
         }
     }
@@ -152,10 +153,24 @@ impl EmbeddingRequest {
         Ok(EmbeddingRequest { model, inputs, dimensions, encoding_format })
     }
 
-    /// The tokens of every input.
+    /// The tokens of every input, counted with `encoding`.
     #[must_use]
-    pub fn tokens(&self) -> u64 {
-        self.inputs.iter().map(Input::tokens).sum()
+    pub fn tokens(&self, encoding: Encoding) -> u64 {
+        self.inputs.iter().map(|i| i.tokens(encoding)).sum()
+    }
+
+    /// The tokens of every input if there are at most `limit` in all, else `None`
+    /// (counting stops about where the limit is passed).
+    #[must_use]
+    pub fn tokens_within(&self, encoding: Encoding, limit: u64) -> Option<u64> {
+        self.inputs.iter().try_fold(0u64, |sum, input| {
+            let left = limit - sum;
+            let n = match input {
+                Input::Text(t) => encoding.count_within(t, left)?,
+                Input::Tokens(ids) => Some(ids.len() as u64).filter(|&n| n <= left)?,
+            };
+            Some(sum + n)
+        })
     }
 }
 
@@ -363,20 +378,60 @@ pub fn bearer(headers: &http::HeaderMap) -> Option<&str> {
 }
 
 /// A request body of `POST /v1/chat/completions`, checked: `{"model", "messages"}` with
-/// the optional `stream`, `stream_options.include_usage` and `max_tokens` (or
-/// `max_completion_tokens`). Other fields are passed on untouched.
+/// the optional `stream`, `stream_options.include_usage`, `max_tokens` (or
+/// `max_completion_tokens`) and `tools`. Other fields are passed on untouched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatRequest {
     /// The model asked for.
     pub model: String,
-    /// The text of every message, in order (the text parts of a message given as parts).
-    pub messages: Vec<String>,
+    /// The messages, in order.
+    pub messages: Vec<ChatMessage>,
+    /// The JSON text of `tools` (or the older `functions`), if the request has them: the
+    /// model reads their definitions as part of its prompt.
+    pub tools: Option<String>,
     /// Whether the answer is streamed as server-sent events.
     pub stream: bool,
     /// Whether a streamed answer ends with a `usage` chunk.
     pub include_usage: bool,
     /// The most tokens the answer may have.
     pub max_tokens: Option<u64>,
+}
+
+/// What the provider counts of one chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, ...
+    pub role: String,
+    /// The participant's `name`, if given.
+    pub name: Option<String>,
+    /// Its text: the content, or the text parts of a content given as parts, joined by
+    /// new lines.
+    pub text: String,
+    /// The JSON text of its `tool_calls` (or `function_call`), if it has them.
+    pub tool_calls: Option<String>,
+}
+
+impl ChatMessage {
+    /// The message's tokens with its framing, if at most `limit`.
+    fn tokens_within(&self, encoding: Encoding, limit: u64) -> Option<u64> {
+        let mut left = limit.checked_sub(MESSAGE_OVERHEAD)?;
+        take(&mut left, encoding, &self.role)?;
+        take(&mut left, encoding, &self.text)?;
+        if let Some(name) = &self.name {
+            take(&mut left, encoding, name)?;
+            left = left.checked_sub(NAME_OVERHEAD)?;
+        }
+        if let Some(calls) = &self.tool_calls {
+            take(&mut left, encoding, calls)?;
+        }
+        Some(limit - left)
+    }
+}
+
+/// Takes the tokens of `text` from `left`; `None` when there are more.
+fn take(left: &mut u64, encoding: Encoding, text: &str) -> Option<()> {
+    *left -= encoding.count_within(text, *left)?;
+    Some(())
 }
 
 impl ChatRequest {
@@ -415,17 +470,30 @@ impl ChatRequest {
         if items.is_empty() {
             return Err(wrong());
         }
+        let json_text = |v: Option<&Value>| v.filter(|v| !v.is_null()).map(Value::to_string);
         let messages = items
             .iter()
-            .map(|m| match m.get("content") {
-                Some(Value::String(text)) => Ok(text.clone()),
-                Some(Value::Array(parts)) => {
-                    Ok(parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join(" "))
-                }
-                Some(Value::Null) => Ok(String::new()),
-                _ => Err(wrong()),
+            .map(|m| {
+                let text = match m.get("content") {
+                    Some(Value::String(text)) => text.clone(),
+                    Some(Value::Array(parts)) => {
+                        parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join("\n")
+                    }
+                    // An assistant's message with tool calls may have no content.
+                    Some(Value::Null) => String::new(),
+                    None if m.get("tool_calls").is_some() || m.get("function_call").is_some() => String::new(),
+                    _ => return Err(wrong()),
+                };
+                let role = match m.get("role") {
+                    Some(Value::String(r)) => r.clone(),
+                    _ => return Err(wrong()),
+                };
+                let name = m.get("name").and_then(Value::as_str).map(str::to_owned);
+                let tool_calls = json_text(m.get("tool_calls").or_else(|| m.get("function_call")));
+                Ok(ChatMessage { role, name, text, tool_calls })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let tools = json_text(map.get("tools").or_else(|| map.get("functions")));
         let stream = match map.get("stream") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
@@ -448,22 +516,36 @@ impl ChatRequest {
                 }
             },
         };
-        Ok(ChatRequest { model, messages, stream, include_usage, max_tokens })
+        Ok(ChatRequest { model, messages, tools, stream, include_usage, max_tokens })
     }
 
-    /// The tokens of the prompt: every message's text.
+    /// The tokens of the prompt, counted with `encoding`: every message with its framing,
+    /// the tools' definitions and the answer's priming (see [`crate::tokenizer`]).
     #[must_use]
-    pub fn prompt_tokens(&self) -> u64 {
-        self.messages.iter().map(|m| crate::tokenizer::count(m)).sum()
+    pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
+        self.prompt_tokens_within(encoding, u64::MAX).unwrap_or(u64::MAX)
     }
 
-    /// What the request may cost at most: its prompt and the longest answer it allows,
-    /// `max_tokens`, or else whatever `max_request_tokens` leaves (charged up front, settled
-    /// to the upstream's usage when the answer, or the stream, ends).
+    /// The tokens of the prompt if at most `limit`, else `None` (counting stops about
+    /// where the limit is passed).
     #[must_use]
-    pub fn estimate(&self, max_request_tokens: u64) -> u64 {
-        let prompt = self.prompt_tokens();
-        prompt + self.max_tokens.unwrap_or(max_request_tokens.saturating_sub(prompt).max(1))
+    pub fn prompt_tokens_within(&self, encoding: Encoding, limit: u64) -> Option<u64> {
+        let mut left = limit.checked_sub(REPLY_PRIMING)?;
+        if let Some(tools) = &self.tools {
+            take(&mut left, encoding, tools)?;
+        }
+        for m in &self.messages {
+            left -= m.tokens_within(encoding, left)?;
+        }
+        Some(limit - left)
+    }
+
+    /// The tokens reserved for the answer: `max_tokens` when the request gives it, else
+    /// `default` when one is configured, else what `max_request_tokens` leaves of
+    /// `prompt` (at least 1).
+    #[must_use]
+    pub fn completion_reserve(&self, prompt: u64, default: Option<u64>, max_request_tokens: u64) -> u64 {
+        self.max_tokens.or(default).unwrap_or_else(|| max_request_tokens.saturating_sub(prompt).max(1))
     }
 }
 

@@ -90,7 +90,8 @@ pub struct GatewaySettings {
     pub listen: SocketAddr,
     /// The longest a request waits in the fair queue for upstream capacity before a 503.
     pub max_wait: Duration,
-    /// The most tokens one request may carry (above it: 413 at once).
+    /// The most tokens one request may carry, prompt and reserved completion (above it:
+    /// `400 context_length_exceeded` at once, counted no further than the limit).
     pub max_request_tokens: u64,
     /// The largest request body read, in bytes.
     pub max_body_bytes: usize,
@@ -107,6 +108,14 @@ pub struct GatewaySettings {
     /// The models `POST /v1/chat/completions` serves (`gateway.chat_models`; others:
     /// `404`).
     pub chat_models: Vec<String>,
+    /// The encoding each served model counts tokens with (`gateway.encodings`, or known
+    /// from the model's name; see [`crate::tokenizer`]).
+    pub encodings: crate::tokenizer::ModelEncodings,
+    /// The tokens a chat request without `max_tokens` reserves for its answer
+    /// (`gateway.default_max_tokens`); `None`: whatever `max_request_tokens` leaves of
+    /// the prompt. Below the model's real maximum it is an estimate, not a bound: a
+    /// longer answer settles to its usage afterwards.
+    pub default_max_tokens: Option<u64>,
     /// How long a client has to send a request's headers once its connection is open, or
     /// once it sent the first byte of the next request.
     pub header_timeout: Duration,

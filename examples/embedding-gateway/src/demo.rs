@@ -306,7 +306,8 @@ async fn start_upstream(config: &mut Config) -> Result<(SocketAddr, Arc<Upstream
     for account in &mut config.accounts {
         account.base_url = format!("http://{upstream_addr}");
     }
-    let (upstream_router, upstream_stats) = upstream::router(&config.accounts, config.upstream);
+    let (upstream_router, upstream_stats) =
+        upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     tokio::spawn(async move { axum::serve(upstream_listener, upstream_router).await });
     Ok((upstream_addr, upstream_stats))
 }

@@ -5,10 +5,11 @@
 //! POST /v1/embeddings, POST /v1/chat/completions (streamed or not)
 //!   AuthLayer          Bearer key -> TenantKey + Identity          401
 //!   Prepare            a place among the tenant's uploads; the     429 uploads_per_tenant,
-//!                      body at its pace, within body_timeout ->    408, 400, 404 (model),
-//!                      the inputs in any OpenAI form ->            413
+//!                      body at its pace, within body_timeout ->    408, 413 (bytes), 400,
+//!                      the inputs in any OpenAI form, counted      404 (model), 400
+//!                      with the model's encoding ->                context_length_exceeded
 //!                      Cost(tokens; for a chat: prompt +
-//!                      max_tokens)
+//!                      max_tokens or default_max_tokens)
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (Retry-After,
 //!                      concurrency per tenant (LimitSetLayer,          retry-after-ms, the
 //!                      in memory or on Redis)                          RateLimit and x-ratelimit
@@ -301,6 +302,8 @@ impl Gateway {
     /// # Errors
     /// A plan or pool the library refuses (validation catches these first).
     pub fn new(config: &Config, transport: Transport) -> Result<Self, BoxError> {
+        // Every encoding's tables, before the first request needs them.
+        config.gateway.encodings.load();
         Self::with_sharing(config, transport, &Sharing::InMemory)
     }
 
@@ -472,6 +475,8 @@ impl Gateway {
                 max_tokens: config.gateway.max_request_tokens,
                 embedding_models: config.gateway.embedding_models.iter().cloned().collect(),
                 chat_models: config.gateway.chat_models.iter().cloned().collect(),
+                encodings: config.gateway.encodings.clone(),
+                default_max_tokens: config.gateway.default_max_tokens,
             })
             .service(PlanLimits { plans: slot });
         let router = crate::metrics::count_responses(crate::health::routes(

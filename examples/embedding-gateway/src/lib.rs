@@ -8,7 +8,8 @@
 //! and runs the demo.
 //!
 //! - [`config`]: the TOML file, with errors naming field and line.
-//! - [`tokenizer`]: the cost of a request, known before the call.
+//! - [`tokenizer`]: the cost of a request, counted before the call with the model's
+//!   encoding, as the provider bills it.
 //! - [`auth`]: bearer keys to tenant tiers.
 //! - [`gateway`]: the router and its layers.
 //! - [`upstream`]: the mock provider with strict limits of its own.
@@ -26,7 +27,8 @@
 //! Each request (`POST /v1/embeddings`, or `POST /v1/chat/completions`, streamed or not)
 //! meets, in order (see [`gateway`]): the auth layer (`401`, and `429` for a client
 //! address that sent too many missing or unknown keys); the cost, its
-//! token count (`400`, `413`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
+//! token count with the model's encoding (`400`, `413` for a body over
+//! `max_body_bytes`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
 //! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`,
 //! `retry-after-ms`, the `RateLimit` and `x-ratelimit-*` fields stating the plan, and
 //! OpenAI's error object naming tier, limit and wait); then the shared upstream
@@ -72,7 +74,8 @@
 //!    any allowed request fits): large enough that the pool does not serialise requests,
 //!    small enough that the sustained rate stays near `L / W`.
 //! 4. **Cost.** Tokens are charged at admission with an estimate that is never below the
-//!    provider's count ([`tokenizer`]); the answer's `usage.total_tokens` then settles the
+//!    provider's count: the model's own encoding, exactly, for its inputs and messages
+//!    ([`tokenizer`]); the answer's `usage.total_tokens` then settles the
 //!    charge, refunding any excess. A request that fails or is cancelled keeps its charge
 //!    (the upstream may have counted it).
 //! 5. **Feedback.** Every upstream answer's `x-ratelimit-remaining-*` lowers the mirror

@@ -206,6 +206,14 @@ fn main() -> ExitCode {
                     config.tenants.len(),
                     config.accounts.len()
                 );
+                for (model, encoding) in config.gateway.encodings.iter() {
+                    let how = if encoding.is_exact() {
+                        "the provider's count"
+                    } else {
+                        "an upper bound: one token per byte, settled to the provider's usage"
+                    };
+                    println!("model {model}: tokens counted with {encoding} ({how})");
+                }
                 let plain = config.tenants.iter().flat_map(|t| &t.keys).filter(|k| k.plain).count();
                 if plain > 0 {
                     println!(
@@ -402,7 +410,7 @@ fn redis_link(gateway: Gateway, url: String, policy: BackendFailure) {
 async fn upstream(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
     logging::init(args.log_format);
     let stop = shutdown_signal()?;
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let addr = args.listen.unwrap_or(config.upstream.listen);
     let listener = bind(addr, "the mock upstream").await?;
     println!("mock upstream listening on http://{}", listener.local_addr()?);

@@ -1,55 +1,267 @@
-//! A small deterministic tokenizer: what a request costs, known before the call.
+//! What a request costs, counted before the call as the provider will count it.
 //!
-//! Embedding providers charge by tokens of their own tokenizer; a gateway needs the count
-//! *before* it sends the request, to charge the tenant's tokens-per-minute and the
-//! upstream account's mirror. This one is simple and stable, so that the estimate, the
-//! mock upstream's `usage` and the tests agree:
+//! Providers bill, and rate-limit, by the tokens of their own encoding. The gateway must
+//! know a request's tokens *before* it sends it, to charge the tenant's tokens-per-minute
+//! and the upstream account's mirror, and that count must never be below the provider's:
+//! a mirror that under-charges lets through a request the real account answers with
+//! `429`. An over-count costs little, since every request settles to the `usage` the
+//! provider reports once the answer is in, but it holds capacity back until then.
 //!
-//! - whitespace is free;
-//! - a run of letters and digits (any script) costs one token per started four
-//!   characters (`"embedding"` is 9 characters: 3 tokens);
-//! - every other character (punctuation, symbols, emoji) is one token.
+//! So each served model names its [`Encoding`], and the gateway counts with it:
 //!
-//! So `"Hello, world!"` is `Hello` (2) `,` (1) `world` (2) `!` (1): 6 tokens. A real
-//! deployment would count with the provider's tokenizer or an upper bound of it: the
-//! estimate must never be below what the provider will count, or the mirror would
-//! under-charge; the gateway settles to the provider's reported usage afterwards, so an
-//! over-estimate costs nothing once the answer is in.
+//! - [`Encoding::Cl100kBase`] and [`Encoding::O200kBase`] are OpenAI's byte-pair
+//!   encodings, counted exactly by the `bpe-openai` crate, whose tables are compiled
+//!   into the binary (nothing is downloaded at run time). `cl100k_base` serves the
+//!   `text-embedding-3-*` and `ada-002` embedding models, GPT-4 and GPT-3.5;
+//!   `o200k_base` serves GPT-4o, GPT-4.1, GPT-5 and the o-series.
+//!   [`Encoding::for_model`] knows those names, so their encoding need not be
+//!   configured.
+//! - [`Encoding::Utf8Bytes`] counts one token per byte of UTF-8: an upper bound for
+//!   every byte-level BPE (each of their tokens stands for at least one byte), for a
+//!   model whose encoding is not built in. It over-charges English text about four
+//!   times until each request settles; the configuration must choose it by name.
+//!
+//! Counting stops at a limit ([`Encoding::count_within`]): a request with more tokens
+//! than the gateway accepts costs the work of counting up to the limit, not of its
+//! whole body.
+//!
+//! # What a request is charged
+//!
+//! - **Embeddings:** the sum over the inputs of each text's tokens, one token per id for
+//!   token-id inputs: what the provider bills, exactly.
+//! - **Chat completions:** every message costs its role's and its content's tokens and
+//!   [`MESSAGE_OVERHEAD`] more (the tokens that frame a message), a message's `name`
+//!   its tokens and [`NAME_OVERHEAD`], and the prompt [`REPLY_PRIMING`] for the start of
+//!   the answer: the formula OpenAI publishes for its chat models. Tool calls are
+//!   counted as the tokens of their JSON text, which is longer than the form the model
+//!   sees. Image parts are not counted (their cost depends on the image's size, which
+//!   the gateway does not fetch); they settle to the reported usage.
+//!   The completion is reserved on top: `max_completion_tokens` (or `max_tokens`) when
+//!   the request gives it, or else the gateway's configured default.
+//!
+//! ```
+//! use embedding_gateway::tokenizer::Encoding;
+//!
+//! let cl100k = Encoding::Cl100kBase;
+//! assert_eq!(cl100k.count("Hello, world!"), 4);
+//! assert_eq!(cl100k.count_within("Hello, world!", 3), None);
+//! assert_eq!(Encoding::Utf8Bytes.count("naïve"), 6);
+//! ```
 
-/// Characters per token in a run of letters and digits.
-const CHARS_PER_TOKEN: usize = 4;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
 
-/// The number of tokens in `text`.
+/// Tokens that frame each chat message (its start, role separator and end), on top of
+/// its role's and content's tokens.
+pub const MESSAGE_OVERHEAD: u64 = 3;
+
+/// Tokens a message's `name` costs on top of its own.
+pub const NAME_OVERHEAD: u64 = 1;
+
+/// Tokens that prime the answer of a chat completion, once per request.
+pub const REPLY_PRIMING: u64 = 3;
+
+/// How a model's text is cut into tokens.
 ///
 /// ```
-/// use embedding_gateway::tokenizer::count;
+/// use embedding_gateway::tokenizer::Encoding;
 ///
-/// assert_eq!(count("Hello, world!"), 6);
-/// assert_eq!(count("  "), 0);
-/// assert_eq!(count("embedding"), 3);
+/// let e: Encoding = "o200k_base".parse().unwrap();
+/// assert_eq!(e, Encoding::O200kBase);
+/// assert_eq!(e.name(), "o200k_base");
+/// assert!(e.is_exact());
+/// assert!("p50k_base".parse::<Encoding>().is_err());
 /// ```
-#[must_use]
-pub fn count(text: &str) -> u64 {
-    let mut tokens = 0u64;
-    let mut run = 0usize;
-    for c in text.chars() {
-        if c.is_alphanumeric() {
-            run += 1;
-            continue;
-        }
-        tokens += run.div_ceil(CHARS_PER_TOKEN) as u64;
-        run = 0;
-        if !c.is_whitespace() {
-            tokens += 1;
-        }
-    }
-    tokens + run.div_ceil(CHARS_PER_TOKEN) as u64
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Encoding {
+    /// OpenAI's `cl100k_base`: `text-embedding-3-*`, `text-embedding-ada-002`, GPT-4,
+    /// GPT-3.5.
+    Cl100kBase,
+    /// OpenAI's `o200k_base`: GPT-4o, GPT-4.1, GPT-4.5, GPT-5, o1, o3, o4.
+    O200kBase,
+    /// One token per byte of UTF-8 (`utf8_bytes`): an upper bound of every byte-level
+    /// BPE, for models whose encoding is not built in.
+    Utf8Bytes,
 }
 
-/// The tokens of every input of a request.
-#[must_use]
-pub fn count_all<S: AsRef<str>>(inputs: &[S]) -> u64 {
-    inputs.iter().map(|s| count(s.as_ref())).sum()
+/// The encoding names a configuration may give.
+pub const ENCODING_NAMES: [&str; 3] = ["cl100k_base", "o200k_base", "utf8_bytes"];
+
+/// Model name prefixes whose encoding is known, most specific first.
+const KNOWN_MODELS: [(&str, Encoding); 13] = [
+    ("text-embedding-3-", Encoding::Cl100kBase),
+    ("text-embedding-ada-002", Encoding::Cl100kBase),
+    ("gpt-4o", Encoding::O200kBase),
+    ("chatgpt-4o", Encoding::O200kBase),
+    ("gpt-4.1", Encoding::O200kBase),
+    ("gpt-4.5", Encoding::O200kBase),
+    ("gpt-5", Encoding::O200kBase),
+    ("o1", Encoding::O200kBase),
+    ("o3", Encoding::O200kBase),
+    ("o4", Encoding::O200kBase),
+    ("gpt-4", Encoding::Cl100kBase),
+    ("gpt-3.5-turbo", Encoding::Cl100kBase),
+    ("gpt-35-turbo", Encoding::Cl100kBase),
+];
+
+impl Encoding {
+    /// The encoding of one of OpenAI's models, by its name or a dated version of it
+    /// (`gpt-4o-2024-08-06`); `None` for a model this table does not know.
+    ///
+    /// ```
+    /// use embedding_gateway::tokenizer::Encoding;
+    ///
+    /// assert_eq!(Encoding::for_model("text-embedding-3-small"), Some(Encoding::Cl100kBase));
+    /// assert_eq!(Encoding::for_model("gpt-4o-mini"), Some(Encoding::O200kBase));
+    /// assert_eq!(Encoding::for_model("gpt-4-turbo"), Some(Encoding::Cl100kBase));
+    /// assert_eq!(Encoding::for_model("nomic-embed-text"), None);
+    /// ```
+    #[must_use]
+    pub fn for_model(model: &str) -> Option<Encoding> {
+        KNOWN_MODELS.iter().find(|(prefix, _)| model.starts_with(prefix)).map(|&(_, e)| e)
+    }
+
+    /// The name configurations use (`cl100k_base`, `o200k_base`, `utf8_bytes`).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::Cl100kBase => ENCODING_NAMES[0],
+            Encoding::O200kBase => ENCODING_NAMES[1],
+            Encoding::Utf8Bytes => ENCODING_NAMES[2],
+        }
+    }
+
+    /// Whether counts are the provider's own (`false`: an upper bound).
+    #[must_use]
+    pub fn is_exact(self) -> bool {
+        self != Encoding::Utf8Bytes
+    }
+
+    /// Builds the encoding's tables now rather than on the first request that needs them
+    /// (some 100 ms for a BPE).
+    pub fn load(self) {
+        let _ = self.bpe();
+    }
+
+    fn bpe(self) -> Option<&'static bpe_openai::Tokenizer> {
+        match self {
+            Encoding::Cl100kBase => Some(bpe_openai::cl100k_base()),
+            Encoding::O200kBase => Some(bpe_openai::o200k_base()),
+            Encoding::Utf8Bytes => None,
+        }
+    }
+
+    /// The tokens of `text`.
+    ///
+    /// ```
+    /// use embedding_gateway::tokenizer::Encoding;
+    ///
+    /// assert_eq!(Encoding::Cl100kBase.count("rate limits"), 2);
+    /// assert_eq!(Encoding::Cl100kBase.count(""), 0);
+    /// ```
+    #[must_use]
+    pub fn count(self, text: &str) -> u64 {
+        match self.bpe() {
+            Some(bpe) => bpe.count(text) as u64,
+            None => text.len() as u64,
+        }
+    }
+
+    /// The tokens of `text` if there are at most `limit`, else `None`: counting stops
+    /// about where the limit is passed, so a long text costs the work of `limit` tokens.
+    ///
+    /// ```
+    /// use embedding_gateway::tokenizer::Encoding;
+    ///
+    /// let e = Encoding::Cl100kBase;
+    /// assert_eq!(e.count_within("Hello, world!", 4), Some(4));
+    /// assert_eq!(e.count_within(&"word ".repeat(1_000_000), 10), None);
+    /// ```
+    #[must_use]
+    pub fn count_within(self, text: &str, limit: u64) -> Option<u64> {
+        match self.bpe() {
+            Some(bpe) => {
+                // Each token stands for at least one byte.
+                if text.len() as u64 <= limit {
+                    return Some(bpe.count(text) as u64).filter(|&n| n <= limit);
+                }
+                let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                bpe.count_till_limit(&bpe.normalize(text), limit).map(|n| n as u64)
+            }
+            None => Some(text.len() as u64).filter(|&n| n <= limit),
+        }
+    }
+}
+
+impl fmt::Display for Encoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An encoding name that is none of [`ENCODING_NAMES`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownEncoding(pub String);
+
+impl fmt::Display for UnknownEncoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown encoding {:?}: one of {}", self.0, ENCODING_NAMES.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownEncoding {}
+
+impl FromStr for Encoding {
+    type Err = UnknownEncoding;
+
+    fn from_str(s: &str) -> Result<Self, UnknownEncoding> {
+        match s {
+            "cl100k_base" => Ok(Encoding::Cl100kBase),
+            "o200k_base" => Ok(Encoding::O200kBase),
+            "utf8_bytes" => Ok(Encoding::Utf8Bytes),
+            other => Err(UnknownEncoding(other.to_owned())),
+        }
+    }
+}
+
+/// The encoding of every served model, shared by the gateway's stages and the mock
+/// provider.
+///
+/// ```
+/// use embedding_gateway::tokenizer::{Encoding, ModelEncodings};
+///
+/// let models = ModelEncodings::new([("text-embedding-3-small".to_owned(), Encoding::Cl100kBase)]);
+/// assert_eq!(models.get("text-embedding-3-small"), Some(Encoding::Cl100kBase));
+/// assert_eq!(models.get("other"), None);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct ModelEncodings(Arc<BTreeMap<String, Encoding>>);
+
+impl ModelEncodings {
+    /// From each model's name and encoding.
+    pub fn new(models: impl IntoIterator<Item = (String, Encoding)>) -> Self {
+        ModelEncodings(Arc::new(models.into_iter().collect()))
+    }
+
+    /// The encoding of `model`, if it is one of these.
+    #[must_use]
+    pub fn get(&self, model: &str) -> Option<Encoding> {
+        self.0.get(model).copied()
+    }
+
+    /// Every model and its encoding, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Encoding)> {
+        self.0.iter().map(|(m, e)| (m.as_str(), *e))
+    }
+
+    /// Builds every encoding's tables now (see [`Encoding::load`]).
+    pub fn load(&self) {
+        for (_, e) in self.iter() {
+            e.load();
+        }
+    }
 }
 
 #[cfg(test)]
@@ -57,14 +269,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts() {
-        assert_eq!(count(""), 0);
-        assert_eq!(count("a"), 1);
-        assert_eq!(count("abcd"), 1);
-        assert_eq!(count("abcde"), 2);
-        assert_eq!(count("a b c"), 3);
-        assert_eq!(count("naïve café"), 2 + 1);
-        assert_eq!(count("x+y=z"), 5);
-        assert_eq!(count_all(&["a b", "cd."]), 4);
+    fn counts_stop_at_the_limit_and_not_before() {
+        let e = Encoding::Cl100kBase;
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(50);
+        let n = e.count(&text);
+        assert!(n > 100, "{n}");
+        assert_eq!(e.count_within(&text, n), Some(n));
+        assert_eq!(e.count_within(&text, n - 1), None);
+        assert_eq!(Encoding::Utf8Bytes.count_within("abcd", 4), Some(4));
+        assert_eq!(Encoding::Utf8Bytes.count_within("abcd", 3), None);
+    }
+
+    #[test]
+    fn every_name_parses_back() {
+        for name in ENCODING_NAMES {
+            assert_eq!(name.parse::<Encoding>().map(Encoding::name), Ok(name));
+        }
+        assert_eq!(Encoding::for_model("o3-mini"), Some(Encoding::O200kBase));
+        assert_eq!(Encoding::for_model("gpt-3.5-turbo-0125"), Some(Encoding::Cl100kBase));
+        assert!(!Encoding::Utf8Bytes.is_exact());
     }
 }

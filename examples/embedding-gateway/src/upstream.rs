@@ -9,8 +9,10 @@
 //! window. A request over the quota is answered `429` with `Retry-After` (whole seconds,
 //! rounded up), `retry-after-ms` (exact) and the `x-ratelimit-*` fields, and counted in
 //! [`UpstreamStats::refused`]; accepted requests carry the `x-ratelimit-*` fields too.
-//! Tokens are counted with [`crate::tokenizer`] when the request arrives, before the
-//! answer is prepared (a token-id input counts one token per id).
+//! Tokens are counted with each model's encoding ([`crate::tokenizer`], from the same
+//! configuration as the gateway's) when the request arrives, before the answer is
+//! prepared (a token-id input counts one token per id); a model the configuration does
+//! not serve is answered `404 model_not_found`, as the provider does.
 //!
 //! Like the real provider, it honours `dimensions` (the length of the vectors; the
 //! configured `upstream.dimensions` otherwise) and `encoding_format: "base64"` (each vector
@@ -36,6 +38,7 @@ use tokio::time::Instant;
 
 use crate::api::{self, Embedding, EmbeddingRequest, EmbeddingResponse, EncodingFormat, UsageReport, Vector};
 use crate::config::{Account, UpstreamSettings};
+use crate::tokenizer::{Encoding, ModelEncodings};
 
 /// Counters of the mock provider.
 #[derive(Debug, Default)]
@@ -144,12 +147,18 @@ struct Remaining {
 struct Provider {
     accounts: Vec<AccountLimits>,
     settings: UpstreamSettings,
+    encodings: ModelEncodings,
     stats: Arc<UpstreamStats>,
 }
 
 /// The mock provider's router (`POST /v1/embeddings`, `POST /v1/chat/completions`, `GET
-/// /stats`) and its counters.
-pub fn router(accounts: &[Account], settings: UpstreamSettings) -> (Router, Arc<UpstreamStats>) {
+/// /stats`) and its counters; `encodings` names the models it serves and how it counts
+/// their tokens.
+pub fn router(
+    accounts: &[Account],
+    settings: UpstreamSettings,
+    encodings: &ModelEncodings,
+) -> (Router, Arc<UpstreamStats>) {
     let stats = Arc::new(UpstreamStats::default());
     let provider = Provider {
         accounts: accounts
@@ -164,6 +173,7 @@ pub fn router(accounts: &[Account], settings: UpstreamSettings) -> (Router, Arc<
             })
             .collect(),
         settings,
+        encodings: encodings.clone(),
         stats: stats.clone(),
     };
     let router = Router::new()
@@ -209,7 +219,8 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
             "this model gives at most 4096 dimensions",
         );
     }
-    let tokens = request.tokens();
+    let Some(encoding) = p.encodings.get(&request.model) else { return unknown_model(&request.model) };
+    let tokens = request.tokens(encoding);
     let (verdict, state) = account.admit(now, tokens);
     let mut response = match verdict {
         Verdict::Admitted => {
@@ -278,11 +289,32 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
     response
 }
 
-/// The words of every mock chat answer, one token each.
+/// The words of every mock chat answer, joined by spaces.
 const ANSWER: [&str; 8] = ["the", "mock", "says", "hi", "and", "then", "it", "ends"];
 
-/// `POST /v1/chat/completions`: an answer of at most eight one-token words (fewer with a
-/// smaller `max_tokens`), counted with the prompt when the request arrives. Streamed as
+/// The most words of [`ANSWER`] whose text has at most `max_tokens` tokens, and those
+/// tokens.
+fn answer_within(encoding: Encoding, max_tokens: u64) -> (usize, u64) {
+    (0..=ANSWER.len())
+        .rev()
+        .map(|words| (words, encoding.count(&ANSWER[..words].join(" "))))
+        .find(|&(_, tokens)| tokens <= max_tokens)
+        .unwrap_or((0, 0))
+}
+
+/// The provider's `404` for a model it does not serve.
+fn unknown_model(model: &str) -> Response<Body> {
+    api::error_with_param(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "model_not_found",
+        Some("model"),
+        &format!("The model `{model}` does not exist or you do not have access to it."),
+    )
+}
+
+/// `POST /v1/chat/completions`: an answer of at most eight words (fewer when their tokens
+/// would pass `max_tokens`), counted with the prompt when the request arrives. Streamed as
 /// server-sent events when asked (`stream: true`): the head after `latency`, then one
 /// `chat.completion.chunk` per word every quarter of `latency`, then, with
 /// `stream_options.include_usage`, a chunk with no choices and the `usage`, then `data:
@@ -301,9 +333,10 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
         Ok(r) => r,
         Err(e) => return e.response(),
     };
-    let words = request.max_tokens.map_or(ANSWER.len(), |m| (m as usize).min(ANSWER.len()));
-    let prompt = request.prompt_tokens();
-    let tokens = prompt + words as u64;
+    let Some(encoding) = p.encodings.get(&request.model) else { return unknown_model(&request.model) };
+    let (words, completion) = answer_within(encoding, request.max_tokens.unwrap_or(u64::MAX));
+    let prompt = request.prompt_tokens(encoding);
+    let tokens = prompt + completion;
     let (verdict, _) = account.admit(now, tokens);
     match verdict {
         Verdict::Admitted => {}
@@ -332,7 +365,7 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
     }
     p.stats.served.fetch_add(1, Ordering::Relaxed);
     p.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
-    let usage = serde_json::json!({ "prompt_tokens": prompt, "completion_tokens": words, "total_tokens": tokens });
+    let usage = serde_json::json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": tokens });
     let id = format!("chatcmpl-mock-{}", p.stats.served.load(Ordering::Relaxed));
     if !request.stream {
         let answer = serde_json::json!({

@@ -41,7 +41,7 @@ async fn mock_upstream(plan: &str) -> String {
     let accounts = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let (router, _) = upstream::router(&accounts.accounts, accounts.upstream);
+    let (router, _) = upstream::router(&accounts.accounts, accounts.upstream, &accounts.gateway.encodings);
     tokio::spawn(async move { axum::serve(listener, router).await });
     url
 }
@@ -164,7 +164,7 @@ async fn refusals_that_no_wait_helps_are_openai_errors_without_a_wait() {
     method.openai_error(405);
 
     let large = send(&client, addr, "POST", embeddings(key, &input(&"word ".repeat(101)))).await;
-    assert_eq!(large.openai_error(413), "too_many_tokens");
+    assert_eq!(large.openai_error(400), "context_length_exceeded");
     large.assert_no_wait();
 
     let ok = send(&client, addr, "POST", embeddings(key, &input("hi"))).await;
@@ -272,7 +272,7 @@ async fn an_upstream_that_refuses_is_a_503_with_its_wait() {
     let config = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
     let mut stricter = config.accounts.clone();
     stricter[0].rpm = 60;
-    let (router, _) = upstream::router(&stricter, config.upstream);
+    let (router, _) = upstream::router(&stricter, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
     let addr = serve(&gateway, &config).await;
     let client = reqwest::Client::new();
@@ -404,7 +404,7 @@ async fn an_sdk_shaped_client_retries_after_exactly_the_wait_the_gateway_said() 
     let gateway = "header_timeout = \"1h\"\nidle_timeout = \"1h\"\nretry_spread_percent = 0";
     let text = config_text(gateway, plan, "http://127.0.0.1:9");
     let config = parse_config(&text);
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
     let addr = serve(&gateway, &config).await;
     let client = reqwest::Client::new();

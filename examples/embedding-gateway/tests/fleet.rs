@@ -55,7 +55,7 @@ fn two_replicas_without_a_count_send_no_429_upstream_through_a_redis_outage() {
         let text = config_text("", "org = { rpm = 600000, concurrency = 16 }", "http://127.0.0.1:9")
             .replace("rpm = 60000\n", "rpm = 1200\n");
         let config = parse_config(&text);
-        let (router, stats) = upstream::router(&config.accounts, config.upstream);
+        let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let namespace = format!("egw-outage-{}", std::process::id());
         let mut replicas = Vec::new();
         for i in 0..2 {
@@ -132,7 +132,7 @@ fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
         .replace("rpm = 60000\n", "rpm = 1200\n")
         .replace("jitter = \"100ms\"", "jitter = \"100ms\"\nburst_percent = 50");
         let config = parse_config(&text);
-        let (router, stats) = upstream::router(&config.accounts, config.upstream);
+        let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let namespace = format!("egw-leases-{}", std::process::id());
         let mut replicas = Vec::new();
         for _ in 0..2 {
@@ -322,7 +322,7 @@ fn a_replica_resized_for_a_larger_fleet_mirrors_less_of_each_account() {
     runtime.block_on(async {
         let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
         let config = parse_config(&config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9"));
-        let (router, _) = upstream::router(&config.accounts, config.upstream);
+        let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-resize".into() };
         let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
         let quota = |g: &Gateway| {
@@ -359,7 +359,7 @@ fn a_tenant_at_exactly_its_concurrency_on_redis_is_never_refused() {
         // generous timeout keeps the failure policy out of the test.
         let config =
             parse_config(&config_text("redis_timeout = \"5s\"", "org = { concurrency = 2 }", "http://127.0.0.1:9"));
-        let (router, _) = upstream::router(&config.accounts, config.upstream);
+        let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let sharing = Sharing::Redis { connection, replicas: 1, namespace: "egw-exact".into() };
         let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();
         let mut clients = Vec::new();

@@ -10,7 +10,8 @@ use std::time::Duration;
 use axum::body::Body;
 use embedding_gateway::config::Config;
 use embedding_gateway::gateway::{ACCOUNT_HEADER, Gateway, Sharing, Transport, in_process};
-use embedding_gateway::{tokenizer, upstream};
+use embedding_gateway::tokenizer::Encoding;
+use embedding_gateway::upstream;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -26,6 +27,7 @@ max_request_tokens = 100
 max_wait = "60s"
 embedding_models = ["m"]
 chat_models = ["m"]
+encodings = {{ m = "cl100k_base" }}
 tenant_queue = 200
 retry_spread_percent = 0 # the exact waits: the end-to-end tests see them spread
 
@@ -82,7 +84,7 @@ async fn json(response: Response<Body>) -> serde_json::Value {
 
 /// The mock upstream of `config`, in process.
 fn mock(config: &Config) -> (Transport, Arc<upstream::UpstreamStats>) {
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     (in_process(router), stats)
 }
 
@@ -169,6 +171,49 @@ fn validation_errors_carry_field_and_line() {
 }
 
 #[test]
+fn model_encodings_are_checked_by_name_and_line() {
+    let base = config_text("org = { rpm = 60 }", "");
+    let ours = "encodings = { m = \"cl100k_base\" }";
+    // (the encodings line, the served models' line, the line to expect, field, message)
+    let cases: [(&str, &str, &str, &str, &str); 4] = [
+        (
+            "encodings = { m = \"p50k_base\" }",
+            "",
+            "p50k_base",
+            "gateway.encodings.\"m\"",
+            "unknown encoding \"p50k_base\": one of cl100k_base, o200k_base, utf8_bytes",
+        ),
+        (
+            "encodings = { m = \"cl100k_base\", x = \"cl100k_base\" }",
+            "",
+            "x = ",
+            "gateway.encodings.\"x\"",
+            "\"x\" is not served",
+        ),
+        ("", "chat_models = [\"m\", \"llama-3\"]", "llama-3", "gateway.chat_models[1]", "has no known encoding"),
+        ("default_max_tokens = 100", "", "default_max_tokens", "gateway.default_max_tokens", "must be below"),
+    ];
+    for (encodings, models, needle, field, message) in cases {
+        let mut text = base.replace(ours, &format!("{ours}\n{encodings}"));
+        if encodings.starts_with("encodings") {
+            text = base.replace(ours, encodings);
+        }
+        if !models.is_empty() {
+            text = text.replace("chat_models = [\"m\"]", models);
+        }
+        let err = config_error(&text);
+        assert_eq!(err.field, field, "{err}");
+        assert_eq!(err.line, Some(line_of(&text, needle)), "{err}");
+        assert!(err.message.contains(message), "{err}");
+    }
+    // OpenAI's models need no entry; the answer counts with theirs.
+    let text = base.replace("chat_models = [\"m\"]", "chat_models = [\"m\", \"gpt-4o-mini\"]");
+    let config = Config::parse(&text, None).unwrap();
+    assert_eq!(config.gateway.encodings.get("gpt-4o-mini"), Some(Encoding::O200kBase));
+    assert_eq!(config.gateway.encodings.get("m"), Some(Encoding::Cl100kBase));
+}
+
+#[test]
 fn the_bundled_configuration_is_valid() {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/gateway.toml")).unwrap();
     let config = Config::parse(&text, None).unwrap();
@@ -205,7 +250,7 @@ async fn embeddings_come_back_in_openai_shape() {
     assert_eq!(body["data"].as_array().unwrap().len(), 2);
     assert_eq!(body["data"][1]["index"], 1);
     assert_eq!(body["data"][0]["embedding"].as_array().unwrap().len(), 16);
-    let tokens = tokenizer::count("Hello, world!") + tokenizer::count("rate limits");
+    let tokens = Encoding::Cl100kBase.count("Hello, world!") + Encoding::Cl100kBase.count("rate limits");
     assert_eq!(body["usage"]["total_tokens"], tokens);
     assert_eq!(stats.served.load(Ordering::Relaxed), 1);
 }
@@ -220,8 +265,8 @@ async fn bad_bodies_and_large_requests_are_refused_before_any_limit() {
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     let long = "word ".repeat(101);
     let response = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &long.into())).await.unwrap();
-    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(json(response).await["error"]["code"], "too_many_tokens");
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(response).await["error"]["code"], "context_length_exceeded");
     // Neither used the tenant's only request.
     let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"hi".into())).await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
@@ -278,8 +323,8 @@ async fn the_upstream_usage_settles_the_tenants_tokens() {
     let config = config("user = { tpm = 6000, tpm_burst = 1000 }");
     let calls = Arc::new(AtomicU64::new(0));
     // The estimate of this input is 50 tokens; the upstream reports 20.
-    let input: serde_json::Value = "a ".repeat(50).into();
-    assert_eq!(tokenizer::count(input.as_str().unwrap()), 50);
+    let input: serde_json::Value = format!("a{}", " a".repeat(49)).into();
+    assert_eq!(Encoding::Cl100kBase.count(input.as_str().unwrap()), 50);
     let gateway = Gateway::new(&config, fixed_usage(20, calls.clone())).unwrap();
     let first = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &input)).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
@@ -297,7 +342,7 @@ async fn an_upstream_429_benches_the_account_and_answers_503() {
     let config = config("org = { rpm = 6000 }");
     let mut stricter = config.accounts.clone();
     stricter[0].rpm = 60;
-    let (router, upstream_stats) = upstream::router(&stricter, config.upstream);
+    let (router, upstream_stats) = upstream::router(&stricter, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
     let ok = gateway.router.clone().oneshot(request(Some("sk-acme-alice"), &"one".into())).await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);

@@ -63,7 +63,7 @@ fn samples<'a>(text: &'a str, name: &str, labels: &[&str]) -> Vec<&'a str> {
 #[tokio::test(start_paused = true)]
 async fn metrics_show_every_family_after_traffic() {
     let config = config();
-    let (router, _stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, _stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
 
     // Two tenants at once: the account's mirror admits one, the others wait their turn.
@@ -136,7 +136,7 @@ fn metrics_show_the_redis_backend_families() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
         let config = parse_config(&config_text("", "user = { rpm = 600 }", "http://127.0.0.1:9"));
-        let (router, _stats) = upstream::router(&config.accounts, config.upstream);
+        let (router, _stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
         let sharing = Sharing::Redis { connection, replicas: 1, namespace: format!("metrics-{}", std::process::id()) };
         let gateway = Gateway::with_sharing(&config, in_process(router), &sharing).unwrap();

@@ -268,10 +268,17 @@ async fn start_up_errors_name_what_failed() {
     let digests = text
         .replace("key = \"sk-acme-alice\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-acme-alice").to_hex()))
         .replace("key = \"sk-globex-bob\"", &format!("key_sha256 = \"{}\"", KeyDigest::of("sk-globex-bob").to_hex()));
-    std::fs::write(&config, digests).unwrap();
+    std::fs::write(&config, &digests).unwrap();
     let out = Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("warning"), "{out:?}");
+
+    // Each model's encoding is stated, and an upper bound is called one.
+    assert!(String::from_utf8_lossy(&out.stdout).contains("model m: tokens counted with cl100k_base"), "{out:?}");
+    std::fs::write(&config, digests.replace("m = \"cl100k_base\"", "m = \"utf8_bytes\"")).unwrap();
+    let out = Command::new(BIN).args(["check", "--config"]).arg(&config).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains("model m: tokens counted with utf8_bytes (an upper bound"), "{stdout}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,7 +311,7 @@ async fn logs_tell_what_happened_as_json_lines() {
         .unwrap_or_else(|| panic!("no access line for the 502: {lines:?}"));
     assert_eq!(access["tenant"], "acme");
     assert_eq!(access["code"], "upstream_unreachable");
-    assert_eq!(access["tokens"], 2);
+    assert_eq!(access["tokens"], 1, "\"hello\" is one token of cl100k_base");
     assert!(access["upstream_us"].is_u64() && access["queued_us"].is_u64(), "{access}");
     assert!(access["total_us"].is_u64() && access["client"] == "127.0.0.1", "{access}");
     let failed = find("upstream call failed").unwrap_or_else(|| panic!("no upstream warning: {lines:?}"));

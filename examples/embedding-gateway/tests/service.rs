@@ -64,7 +64,11 @@ impl Running {
 async fn mock_upstream(config_for_accounts: &Config) -> (String, Arc<upstream::UpstreamStats>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let (router, stats) = upstream::router(&config_for_accounts.accounts, config_for_accounts.upstream);
+    let (router, stats) = upstream::router(
+        &config_for_accounts.accounts,
+        config_for_accounts.upstream,
+        &config_for_accounts.gateway.encodings,
+    );
     tokio::spawn(async move { axum::serve(listener, router).await });
     (url, stats)
 }
@@ -367,7 +371,8 @@ async fn remaining_after_a_timeout(on_timeout: &str) -> u64 {
         "http://127.0.0.1:9",
     );
     let gateway = Gateway::new(&parse_config(&text), first_call_hangs()).unwrap();
-    let input = serde_json::json!("a ".repeat(50));
+    // 50 tokens of cl100k_base.
+    let input = serde_json::json!(format!("a{}", " a".repeat(49)));
     let request = || {
         Request::post("/v1/embeddings")
             .header("authorization", "Bearer sk-acme-alice")
@@ -396,7 +401,7 @@ async fn a_timed_out_request_keeps_or_refunds_its_tokens_as_configured() {
 /// The gateway and the mock upstream in one process.
 fn in_memory(plan: &str) -> (Gateway, Arc<upstream::UpstreamStats>) {
     let config = parse_config(&config_text("", plan, "http://127.0.0.1:9"));
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     (Gateway::new(&config, in_process(router)).unwrap(), stats)
 }
 
@@ -509,14 +514,15 @@ async fn bad_inputs_are_explained_in_the_apis_terms() {
     assert_eq!(stats.served.load(Ordering::Relaxed), 0, "nothing bad reached the upstream");
 }
 
-/// Each endpoint serves the models of its kind; too many tokens names the parameter that
-/// asked for them.
+/// Each endpoint serves the models of its kind; too many tokens is OpenAI's `400
+/// context_length_exceeded` naming the parameter that asked for them.
 #[tokio::test(start_paused = true)]
 async fn models_are_served_by_kind_and_too_many_tokens_names_the_cause() {
     let text = config_text("", "org = { rpm = 6000 }", "http://127.0.0.1:9")
-        .replace("chat_models = [\"m\"]", "chat_models = [\"c\"]");
+        .replace("chat_models = [\"m\"]", "chat_models = [\"c\"]")
+        .replace("encodings = { m = \"cl100k_base\" }", "encodings = { m = \"cl100k_base\", c = \"o200k_base\" }");
     let config = parse_config(&text);
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
     let chat = |model: &str, max_tokens: u64, content: &str| serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens});
     let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("m", 5, "hi")).await;
@@ -532,10 +538,12 @@ async fn models_are_served_by_kind_and_too_many_tokens_names_the_cause() {
     // max_request_tokens is 100: a short prompt asking for 1,000 more is max_tokens' fault,
     // a prompt of its own too long the messages'.
     let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("c", 1000, "hi")).await;
-    assert_eq!((status, &body["error"]["param"]), (StatusCode::PAYLOAD_TOO_LARGE, &serde_json::json!("max_tokens")));
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::BAD_REQUEST, &serde_json::json!("max_tokens")));
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
     let long = "word ".repeat(200);
     let (status, body) = call(&gateway, "POST", "/v1/chat/completions", chat("c", 1, &long)).await;
-    assert_eq!((status, &body["error"]["param"]), (StatusCode::PAYLOAD_TOO_LARGE, &serde_json::json!("messages")));
+    assert_eq!((status, &body["error"]["param"]), (StatusCode::BAD_REQUEST, &serde_json::json!("messages")));
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
     assert_eq!(stats.served.load(Ordering::Relaxed), 1, "only the good request reached the upstream");
 
     // The old single list is named, with what replaced it.
@@ -544,6 +552,30 @@ async fn models_are_served_by_kind_and_too_many_tokens_names_the_cause() {
     let err = Config::parse(&old, Some("old.toml")).unwrap_err();
     assert_eq!(err.field, "gateway.models", "{err}");
     assert!(err.message.contains("embedding_models") && err.message.contains("chat_models"), "{err}");
+}
+
+/// A chat request without `max_tokens` reserves `gateway.default_max_tokens` for its
+/// answer, or else whatever `max_request_tokens` leaves of its prompt.
+#[tokio::test(start_paused = true)]
+async fn a_chat_without_max_tokens_reserves_the_configured_default() {
+    let charged = |gateway_settings: &'static str| async move {
+        let text = config_text(gateway_settings, "user = { tpm = 6000, tpm_burst = 1000 }", "http://127.0.0.1:9");
+        let config = parse_config(&text);
+        let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
+        let gateway = Gateway::new(&config, in_process(router)).unwrap();
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]});
+        let request = Request::post("/v1/chat/completions")
+            .header("authorization", "Bearer sk-acme-alice")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let answer = gateway.router.clone().oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        let remaining: u64 = answer.headers()["x-ratelimit-remaining-tokens"].to_str().unwrap().parse().unwrap();
+        1000 - remaining
+    };
+    // "hello there" is 9 tokens of prompt with its framing.
+    assert_eq!(charged("default_max_tokens = 20").await, 9 + 20);
+    assert_eq!(charged("").await, 100, "max_request_tokens (100) less the prompt, and the prompt");
 }
 
 #[tokio::test]

@@ -118,11 +118,12 @@ async fn a_stream_settles_the_tokens_to_its_final_usage() {
     // 100 tokens a second at most: nothing visible comes back on paused time.
     let (transport, mut streams) = scripted();
     let gateway = Gateway::new(&config("user = { tpm = 6000, tpm_burst = 1000 }"), transport).unwrap();
-    // "a a a a a a a a a a": 10 tokens of prompt, at most 50 of answer: 60 charged.
-    let prompt = "a ".repeat(10);
+    // "a a a a a a a a a a": 10 tokens of text; with the message's framing (3), its role
+    // (1) and the answer's priming (3), 17 of prompt; at most 50 of answer: 67 charged.
+    let prompt = format!("a{}", " a".repeat(9));
 
     let first = gateway.router.clone().oneshot(chat(&prompt, 50, true)).await.unwrap();
-    assert_eq!(remaining_tokens(&first), 940, "charged the estimate at admission");
+    assert_eq!(remaining_tokens(&first), 1000 - 67, "charged the estimate at admission");
     let upstream = streams.recv().await.unwrap();
     let mut body = first.into_body();
     upstream.send(content("Hi")).await.unwrap();
@@ -131,9 +132,9 @@ async fn a_stream_settles_the_tokens_to_its_final_usage() {
     drop(upstream);
     while body.frame().await.is_some() {}
 
-    // Settled to the reported 15: 45 came back.
+    // Settled to the reported 15: 52 came back.
     let second = gateway.router.clone().oneshot(chat(&prompt, 50, true)).await.unwrap();
-    assert_eq!(remaining_tokens(&second), 1000 - 15 - 60);
+    assert_eq!(remaining_tokens(&second), 1000 - 15 - 67);
     let upstream = streams.recv().await.unwrap();
     let mut body = second.into_body();
     // A stream that ends without a usage chunk keeps its estimate.
@@ -143,7 +144,7 @@ async fn a_stream_settles_the_tokens_to_its_final_usage() {
     while body.frame().await.is_some() {}
 
     let third = gateway.router.clone().oneshot(chat(&prompt, 50, true)).await.unwrap();
-    assert_eq!(remaining_tokens(&third), 1000 - 15 - 60 - 60);
+    assert_eq!(remaining_tokens(&third), 1000 - 15 - 67 - 67);
     drop(third);
 }
 
@@ -152,7 +153,7 @@ async fn a_stream_settles_the_tokens_to_its_final_usage() {
 #[tokio::test(start_paused = true)]
 async fn the_mock_upstream_streams_chunks_usage_and_done() {
     let config = config("user = { tpm = 6000, tpm_burst = 1000 }");
-    let (router, stats) = upstream::router(&config.accounts, config.upstream);
+    let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
     let answer = gateway.router.clone().oneshot(chat("hello there", 3, true)).await.unwrap();
     assert_eq!(answer.status(), StatusCode::OK);
@@ -165,18 +166,19 @@ async fn the_mock_upstream_streams_chunks_usage_and_done() {
         .collect();
     let words: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(words, "the mock says");
-    // "hello there": 4 tokens of prompt, 3 words of answer.
+    // "hello there": 2 tokens of text, 9 of prompt with its framing; 3 of answer.
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"], serde_json::json!([]));
-    assert_eq!(last["usage"]["total_tokens"], 7);
-    assert_eq!(stats.tokens.load(Ordering::Relaxed), 7);
+    assert_eq!(last["usage"]["prompt_tokens"], 9);
+    assert_eq!(last["usage"]["total_tokens"], 12);
+    assert_eq!(stats.tokens.load(Ordering::Relaxed), 12);
 
-    // Settled to 7 (the estimate was 4 + 3 = 7 too), then a whole answer.
+    // Settled to 12 (the estimate was 9 + 3 = 12 too), then a whole answer.
     let whole = gateway.router.clone().oneshot(chat("hello there", 3, false)).await.unwrap();
-    assert_eq!(remaining_tokens(&whole), 1000 - 7 - 7);
+    assert_eq!(remaining_tokens(&whole), 1000 - 12 - 12);
     let body: serde_json::Value =
         serde_json::from_slice(&whole.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["content"], "the mock says");
-    assert_eq!(body["usage"]["total_tokens"], 7);
+    assert_eq!(body["usage"]["total_tokens"], 12);
 }

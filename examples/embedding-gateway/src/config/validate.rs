@@ -13,6 +13,8 @@ use toml::Spanned;
 use tower_limits::core::policy::parse_duration;
 use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
+use crate::tokenizer::{ENCODING_NAMES, Encoding, ModelEncodings, UnknownEncoding};
+
 use super::raw::{Raw, RawAccount, RawDemo, RawGateway, RawMirror, RawTenant, RawTierLimits, RawUpstream, S};
 use super::{
     Account, ApiKey, BackendFailure, Config, ConfigError, DemoClient, DemoSettings, GatewaySettings, KeyDigest,
@@ -162,6 +164,18 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     let embedding_models =
         models(src, g.embedding_models.as_ref(), "gateway.embedding_models", "mock-embedding-small")?;
     let chat_models = models(src, g.chat_models.as_ref(), "gateway.chat_models", "mock-chat-small")?;
+    let encodings = encodings(src, g, &embedding_models, &chat_models)?;
+    let default_max_tokens = match &g.default_max_tokens {
+        Some(v) if *v.get_ref() >= max_request_tokens => {
+            return Err(src.at(
+                v,
+                "gateway.default_max_tokens",
+                format!("must be below gateway.max_request_tokens ({max_request_tokens}), to leave room for a prompt"),
+            ));
+        }
+        Some(v) => Some(at_least(src, v, "gateway.default_max_tokens", 1, 1 << 32)?),
+        None => None,
+    };
     let positive =
         |v: &Option<S<String>>, field: &str, default: Duration| positive_duration(src, v.as_ref(), field, default);
     let header_timeout = positive(&g.header_timeout, "gateway.header_timeout", Duration::from_secs(10))?;
@@ -231,6 +245,8 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         selection,
         embedding_models,
         chat_models,
+        encodings,
+        default_max_tokens,
         header_timeout,
         idle_timeout,
         body_timeout,
@@ -302,6 +318,59 @@ fn models(
         }
     }
     Ok(list.get_ref().iter().map(|m| m.get_ref().clone()).collect())
+}
+
+/// `gateway.encodings`: the encoding of each served model, from the table or else from
+/// the model's name ([`Encoding::for_model`]); the default models (when the lists are
+/// left out) are the mock provider's, counted with `cl100k_base`.
+fn encodings(
+    src: &Source<'_>,
+    g: &RawGateway,
+    embedding_models: &[String],
+    chat_models: &[String],
+) -> Result<ModelEncodings, ConfigError> {
+    let empty = BTreeMap::new();
+    let table = g.encodings.as_ref().map_or(&empty, |t| t.get_ref());
+    let mut chosen = BTreeMap::new();
+    for (model, name) in table {
+        let field = format!("gateway.encodings.{model:?}");
+        let encoding: Encoding =
+            name.get_ref().parse().map_err(|e: UnknownEncoding| src.at(name, &field, e.to_string()))?;
+        if !embedding_models.contains(model) && !chat_models.contains(model) {
+            return Err(src.at(
+                name,
+                field,
+                format!("{model:?} is not served: name it in gateway.embedding_models or gateway.chat_models"),
+            ));
+        }
+        chosen.insert(model.clone(), encoding);
+    }
+    for (list, field) in [(&g.embedding_models, "gateway.embedding_models"), (&g.chat_models, "gateway.chat_models")] {
+        let Some(list) = list else { continue };
+        for (i, m) in list.get_ref().iter().enumerate() {
+            let model = m.get_ref();
+            if chosen.contains_key(model) {
+                continue;
+            }
+            let Some(encoding) = Encoding::for_model(model) else {
+                return Err(src.at(
+                    m,
+                    format!("{field}[{i}]"),
+                    format!(
+                        "{model:?} has no known encoding: name it under [gateway.encodings] ({:?} = one of {}; \
+                         utf8_bytes counts one token per byte, an upper bound for any model)",
+                        model,
+                        ENCODING_NAMES.join(", ")
+                    ),
+                ));
+            };
+            chosen.insert(model.clone(), encoding);
+        }
+    }
+    for model in embedding_models.iter().chain(chat_models) {
+        chosen.entry(model.clone()).or_insert(Encoding::Cl100kBase);
+    }
+    Ok(ModelEncodings::new(chosen))
 }
 
 /// The `[mirror]` section.

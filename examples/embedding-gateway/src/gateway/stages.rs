@@ -6,6 +6,7 @@
 use super::upload::UploadRules;
 use super::*;
 use crate::access::AccessInfo;
+use crate::tokenizer::{Encoding, ModelEncodings};
 
 /// Reads the body (within the bounds of [`UploadRules`]: a place among its tenant's
 /// uploads, a pace, `body_timeout`), checks it, counts its tokens and puts the [`Cost`]
@@ -16,6 +17,8 @@ pub struct PrepareLayer {
     pub(super) max_tokens: u64,
     pub(super) embedding_models: Arc<[String]>,
     pub(super) chat_models: Arc<[String]>,
+    pub(super) encodings: ModelEncodings,
+    pub(super) default_max_tokens: Option<u64>,
 }
 
 impl<S> Layer<S> for PrepareLayer {
@@ -73,60 +76,52 @@ where
                 Err(refused) => return Ok(*refused),
             };
             let is_chat = parts.uri.path() == CHAT_PATH;
-            let (model, tokens, inputs, stream, param) = if is_chat {
-                match api::ChatRequest::parse(&body) {
-                    Ok(r) => {
-                        // Too many tokens: the prompt's fault if it alone is too long,
-                        // else the completion's it asks room for.
-                        let param = if r.prompt_tokens() > settings.max_tokens { "messages" } else { "max_tokens" };
-                        (r.model.clone(), r.estimate(settings.max_tokens), r.messages.len(), r.stream, param)
+            let request = if is_chat {
+                api::ChatRequest::parse(&body).map(Parsed::Chat)
+            } else {
+                EmbeddingRequest::parse(&body).map(Parsed::Embedding)
+            };
+            let request = match request {
+                Ok(r) => r,
+                Err(e) => return Ok(e.response()),
+            };
+            let model = request.model();
+            let Some(encoding) = settings.served(is_chat, model) else {
+                return Ok(not_served(&settings, is_chat, model, parts.uri.path()));
+            };
+            let limit = settings.max_tokens;
+            let (tokens, inputs, stream) = match &request {
+                Parsed::Embedding(r) => match r.tokens_within(encoding, limit) {
+                    Some(tokens) => (tokens, r.inputs.len(), false),
+                    None => {
+                        return Ok(too_many_tokens("input", &format!("`input` has more than {limit} tokens"), limit));
                     }
-                    Err(e) => return Ok(e.response()),
-                }
-            } else {
-                match EmbeddingRequest::parse(&body) {
-                    Ok(r) => (r.model.clone(), r.tokens(), r.inputs.len(), false, "input"),
-                    Err(e) => return Ok(e.response()),
+                },
+                Parsed::Chat(r) => {
+                    let Some(prompt) = r.prompt_tokens_within(encoding, limit) else {
+                        return Ok(too_many_tokens(
+                            "messages",
+                            &format!("the messages have more than {limit} tokens"),
+                            limit,
+                        ));
+                    };
+                    let completion = r.completion_reserve(prompt, settings.default_max_tokens, limit);
+                    let tokens = prompt.saturating_add(completion);
+                    if tokens > limit {
+                        let mut response = too_many_tokens(
+                            "max_tokens",
+                            &format!(
+                                "you requested {tokens} tokens ({prompt} in the messages, {completion} for the \
+                                 completion)"
+                            ),
+                            limit,
+                        );
+                        response.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
+                        return Ok(response);
+                    }
+                    (tokens, r.messages.len(), r.stream)
                 }
             };
-            let (served, kind, other) = if is_chat {
-                (&settings.chat_models, "chat", &settings.embedding_models)
-            } else {
-                (&settings.embedding_models, "embedding", &settings.chat_models)
-            };
-            if !served.contains(&model) {
-                let message = if other.contains(&model) {
-                    format!(
-                        "the model {model:?} is not a{} {kind} model and is not served on {}",
-                        if kind == "embedding" { "n" } else { "" },
-                        parts.uri.path()
-                    )
-                } else {
-                    format!(
-                        "the model {model:?} does not exist here; {} serves {}",
-                        parts.uri.path(),
-                        served.join(", ")
-                    )
-                };
-                return Ok(api::error_with_param(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    "model_not_found",
-                    Some("model"),
-                    &message,
-                ));
-            }
-            if tokens > settings.max_tokens {
-                let mut r = api::error_with_param(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "invalid_request_error",
-                    "too_many_tokens",
-                    Some(param),
-                    &format!("{tokens} tokens; a request may carry at most {}", settings.max_tokens),
-                );
-                r.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
-                return Ok(r);
-            }
             parts.extensions.insert(Cost(tokens));
             let path = if is_chat { CHAT_PATH } else { EMBEDDINGS_PATH };
             parts.extensions.insert(Prepared { body, tokens, inputs, path, stream });
@@ -136,6 +131,58 @@ where
             Ok(response)
         })
     }
+}
+
+/// A request body read and checked.
+enum Parsed {
+    Embedding(EmbeddingRequest),
+    Chat(api::ChatRequest),
+}
+
+impl Parsed {
+    fn model(&self) -> &str {
+        match self {
+            Parsed::Embedding(r) => &r.model,
+            Parsed::Chat(r) => &r.model,
+        }
+    }
+}
+
+impl PrepareLayer {
+    /// The encoding of `model` if it is served on the path (chat or embeddings).
+    fn served(&self, is_chat: bool, model: &str) -> Option<Encoding> {
+        let served = if is_chat { &self.chat_models } else { &self.embedding_models };
+        served.iter().any(|m| m == model).then(|| self.encodings.get(model)).flatten()
+    }
+}
+
+/// The `404` for a model not served on `path`.
+fn not_served(settings: &PrepareLayer, is_chat: bool, model: &str, path: &str) -> Response<Body> {
+    let (served, kind, other) = if is_chat {
+        (&settings.chat_models, "chat", &settings.embedding_models)
+    } else {
+        (&settings.embedding_models, "embedding", &settings.chat_models)
+    };
+    let message = if other.iter().any(|m| m == model) {
+        format!(
+            "the model {model:?} is not a{} {kind} model and is not served on {path}",
+            if kind == "embedding" { "n" } else { "" },
+        )
+    } else {
+        format!("the model {model:?} does not exist here; {path} serves {}", served.join(", "))
+    };
+    api::error_with_param(StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found", Some("model"), &message)
+}
+
+/// OpenAI's `400 context_length_exceeded` for a request over `limit` tokens.
+fn too_many_tokens(param: &'static str, what: &str, limit: u64) -> Response<Body> {
+    api::error_with_param(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "context_length_exceeded",
+        Some(param),
+        &format!("{what}; a request may carry at most {limit} tokens. Please reduce the request."),
+    )
 }
 
 /// Sends each request through the limits of its tenant's plan.

@@ -24,6 +24,7 @@ max_request_tokens = 100
 max_wait = "5s"
 embedding_models = ["m"]
 chat_models = ["m"]
+encodings = {{ m = "cl100k_base" }}
 {gateway}
 
 [mirror]
