@@ -21,6 +21,8 @@
 //! - [`metrics`]: `/metrics`, the layers' numbers in Prometheus' text format.
 //! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
+//! - [`hop`]: a minimal reverse proxy, the baseline of [`bench`], which measures the
+//!   gateway's CPU per request and added latency against it (and nginx).
 //!
 //! # The layers
 //!
@@ -95,11 +97,13 @@
 pub mod access;
 pub mod api;
 pub mod auth;
+pub mod bench;
 pub mod chart;
 pub mod config;
 pub mod demo;
 pub mod gateway;
 pub mod health;
+pub mod hop;
 pub mod logging;
 pub mod metrics;
 pub mod roster;

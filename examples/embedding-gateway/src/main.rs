@@ -5,6 +5,8 @@
 //! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
+//! embedding-gateway hop      [--listen ADDR] --upstream URL
+//! embedding-gateway bench    [--config FILE] [--seconds N] [--rounds N] [--connections N]
 //! embedding-gateway help | --help | version | --version
 //! ```
 //!
@@ -15,6 +17,13 @@
 //! Without `--config`, the bundled `gateway.toml` is used. `demo` runs the mock upstream,
 //! the gateway and the load in this process, on loopback ports, and exits 1 if the
 //! upstream answered any 429 or a tenant's share strayed beyond the tolerance.
+//!
+//! `hop` is a minimal reverse proxy (every request forwarded to `--upstream` over a
+//! keep-alive pool, the answer streamed back): the baseline of `bench`, which spawns the
+//! mock upstream, the gateway, the hop and nginx (when on `PATH`) as child processes,
+//! drives each in interleaved rounds, and prints their requests a second, latency and CPU
+//! per request, and the gateway's cost against the hop's and nginx's (see
+//! `embedding_gateway::bench`). It exits 1 if any answer was not a `200`.
 
 // Printing usage, errors and the demo's report is this binary's job.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -25,10 +34,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use embedding_gateway::bench::{self, BenchOptions};
 use embedding_gateway::config::{BackendFailure, Config};
 use embedding_gateway::demo::{self, DemoOptions, RedisOptions};
 use embedding_gateway::gateway::{Gateway, http_transport};
 use embedding_gateway::health::BackendStatus;
+use embedding_gateway::hop::{self as proxy, Upstream};
 use embedding_gateway::logging::{self, LogFormat};
 use embedding_gateway::server::{self, ServerSettings};
 use embedding_gateway::upstream;
@@ -44,6 +55,8 @@ usage:
   embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
   embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
+  embedding-gateway hop      [--listen ADDR] --upstream URL
+  embedding-gateway bench    [--config FILE] [--seconds N] [--rounds N] [--connections N]
   embedding-gateway help | --help | version | --version
 
 Without --config, the bundled gateway.toml is used. With --redis, the tenants' limits
@@ -60,7 +73,16 @@ serve and upstream log on stderr (level from RUST_LOG, default info), drain on S
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
 The gateway answers GET /healthz, GET /readyz and GET /v1/models besides
 POST /v1/embeddings and POST /v1/chat/completions (\"stream\": true for server-sent
-events).";
+events).
+
+hop is a minimal reverse proxy to --upstream (default --listen 127.0.0.1:8081), the
+baseline of bench. bench spawns the mock upstream (no latency), the gateway, the hop and
+nginx (if on PATH) and drives each over --connections keep-alive connections (default
+16) for --rounds interleaved rounds (default 5) of --seconds (default 3): it prints
+requests a second, p50 and p99 latency and the CPU per request of each process, and the
+gateway's CPU per request and added latency against the hop's and nginx's. Its
+configuration (a small bundled one, or --config) is rewritten so that nothing is
+refused. It exits 1 if any answer was not a 200.";
 
 /// The parsed command line.
 struct Args {
@@ -77,11 +99,19 @@ struct Args {
     /// `--advisory-shares`: the demo does not fail on the shares.
     advisory_shares: bool,
     log_format: LogFormat,
+    /// `--upstream URL`: where `hop` forwards.
+    upstream: Option<String>,
+    /// `--rounds N`: the bench's rounds.
+    rounds: Option<u32>,
+    /// `--connections N`: the bench's connections.
+    connections: Option<usize>,
+    /// `--only TARGET` (not in the usage): the bench drives one target, for profiling.
+    only: Option<String>,
 }
 
 /// What the command line asks for.
 enum Cli {
-    Run(Args),
+    Run(Box<Args>),
     Help,
     Version,
 }
@@ -96,7 +126,7 @@ fn parse_args() -> Result<Cli, String> {
     }
     let mut it = all.into_iter();
     let command = it.next().ok_or("no command given")?;
-    if !["demo", "serve", "upstream", "check"].contains(&command.as_str()) {
+    if !["demo", "serve", "upstream", "check", "hop", "bench"].contains(&command.as_str()) {
         return Err(format!("unknown command {command:?}"));
     }
     let mut args = Args {
@@ -111,6 +141,10 @@ fn parse_args() -> Result<Cli, String> {
         uneven: false,
         advisory_shares: false,
         log_format: LogFormat::Text,
+        upstream: None,
+        rounds: None,
+        connections: None,
+        only: None,
     };
     while let Some(flag) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -142,6 +176,24 @@ fn parse_args() -> Result<Cli, String> {
                 args.replicas = Some(n);
             }
             "--log-format" => args.log_format = value("--log-format")?.parse()?,
+            "--upstream" => args.upstream = Some(value("--upstream")?),
+            "--rounds" => {
+                let v = value("--rounds")?;
+                let n: u32 = v.parse().map_err(|_| format!("--rounds: {v:?} is not a whole number"))?;
+                if !(1..=100).contains(&n) {
+                    return Err("--rounds: between 1 and 100".into());
+                }
+                args.rounds = Some(n);
+            }
+            "--connections" => {
+                let v = value("--connections")?;
+                let n: usize = v.parse().map_err(|_| format!("--connections: {v:?} is not a whole number"))?;
+                if !(1..=1024).contains(&n) {
+                    return Err("--connections: between 1 and 1024".into());
+                }
+                args.connections = Some(n);
+            }
+            "--only" => args.only = Some(value("--only")?),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -151,7 +203,10 @@ fn parse_args() -> Result<Cli, String> {
     if args.replicas.is_some() && args.redis.is_none() {
         return Err("--replicas needs --redis URL".into());
     }
-    Ok(Cli::Run(args))
+    if args.command == "hop" && args.upstream.is_none() {
+        return Err("hop needs --upstream URL".into());
+    }
+    Ok(Cli::Run(Box::new(args)))
 }
 
 fn load(args: &Args) -> Result<Config, String> {
@@ -168,7 +223,7 @@ fn load_from(path: Option<&std::path::Path>) -> Result<Config, String> {
 
 fn main() -> ExitCode {
     let args = match parse_args() {
-        Ok(Cli::Run(a)) => a,
+        Ok(Cli::Run(a)) => *a,
         Ok(Cli::Help) => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -182,11 +237,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let config = match load(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    // hop needs no configuration, and bench reads (and rewrites) its own.
+    let config = if matches!(args.command.as_str(), "hop" | "bench") {
+        None
+    } else {
+        match load(&args) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
         }
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -197,6 +257,20 @@ fn main() -> ExitCode {
         }
     };
     let result: Result<bool, tower::BoxError> = runtime.block_on(async move {
+        let config = match config {
+            Some(c) => c,
+            None if args.command == "hop" => return hop(&args).await.map(|()| true),
+            None => {
+                let options = BenchOptions {
+                    config: args.config.clone(),
+                    seconds: args.seconds.unwrap_or(3),
+                    rounds: args.rounds.unwrap_or(5),
+                    connections: args.connections.unwrap_or(16),
+                    only: args.only.clone(),
+                };
+                return bench::run(&options).await;
+            }
+        };
         match args.command.as_str() {
             "check" => {
                 println!(
@@ -417,5 +491,16 @@ async fn upstream(args: &Args, config: &Config) -> Result<(), tower::BoxError> {
     let settings = ServerSettings { access_log: false, ..ServerSettings::from(&config.gateway) };
     server::serve(listener, router, settings, None, stop).await?;
     println!("429 answers given: {}", stats.refused());
+    Ok(())
+}
+
+/// `hop`: the baseline reverse proxy, until SIGTERM or SIGINT.
+async fn hop(args: &Args) -> Result<(), tower::BoxError> {
+    let stop = shutdown_signal()?;
+    let upstream: Upstream = args.upstream.as_deref().ok_or("hop needs --upstream URL")?.parse()?;
+    let addr = args.listen.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 8081)));
+    let listener = bind(addr, "the hop").await?;
+    println!("hop listening on http://{}", listener.local_addr()?);
+    proxy::serve(listener, upstream, stop).await?;
     Ok(())
 }
