@@ -27,6 +27,24 @@
 //! with very large quotas, plans' rates and concurrency raised, queues widened, the
 //! mock's latency zero. Its load sends the first plain-text key of every tenant, in turn
 //! per connection.
+//!
+//! # Reading the figures
+//!
+//! The load is closed-loop (each connection waits for its answer), so on a small machine
+//! the latencies are mostly queueing behind the slowest process: the added p50 tracks the
+//! throughput, not the cost of one request alone (`--connections 1` measures that). CPU
+//! per request is the steadier figure, but it too rises as a process idles more between
+//! requests (more wake-ups per request): compare the mock's own column across targets.
+//!
+//! # Profiling one target
+//!
+//! `--only TARGET` (not in the usage) drives one target and prints the pids, so that a
+//! profiler can attach to it for the length of the run:
+//!
+//! ```text
+//! embedding-gateway bench --only gateway --rounds 1 --seconds 20 &
+//! perf record -g -p <gateway pid> -- sleep 10
+//! ```
 
 // Printing the progress and the report is the bench's job.
 #![allow(clippy::print_stdout)]
@@ -179,8 +197,8 @@ fn array_of_tables<'a>(doc: &'a mut toml::Table, key: &str) -> Result<Vec<&'a mu
 }
 
 /// Rewrites the configuration `source` for the bench: every account's `base_url` becomes
-/// `upstream` and its quotas [`BENCH_RPM`] and [`BENCH_TPM`]; every plan tier's rates
-/// become those (their bursts the default), its concurrency [`BENCH_WIDE`]; the queues,
+/// `upstream` and its quotas 60M rpm and 300M tpm; every plan tier's rates
+/// become those (their bursts the default), its concurrency 65,536; the queues,
 /// uploads and connections are widened and the mock answers at once.
 ///
 /// # Errors

@@ -21,8 +21,8 @@
 //! - [`metrics`]: `/metrics`, the layers' numbers in Prometheus' text format.
 //! - [`logging`]: `tracing-subscriber` as text or JSON, rate-limited warnings.
 //! - [`demo`] and [`chart`]: the load driver, its table and its SVG chart.
-//! - [`hop`]: a minimal reverse proxy, the baseline of [`bench`], which measures the
-//!   gateway's CPU per request and added latency against it (and nginx).
+//! - [`hop`]: a minimal reverse proxy, the baseline of [`bench`](mod@bench), which
+//!   measures the gateway's CPU per request and added latency against it (and nginx).
 //!
 //! # The layers
 //!
