@@ -80,6 +80,7 @@ queue = 65536
 uploads_per_tenant = 65536
 max_connections = 4096
 embedding_models = ["mock-embedding-small"]
+encodings = { "mock-embedding-small" = "cl100k_base" }
 
 [upstream]
 dimensions = 16
