@@ -308,6 +308,33 @@ pub struct UsageReport {
     pub total_tokens: u64,
 }
 
+/// The `usage.total_tokens` of an answer. OpenAI's answers end with their `usage`, so it
+/// is read from there, without parsing the vectors before it; an answer shaped otherwise
+/// is read whole.
+///
+/// ```
+/// use embedding_gateway::api::usage_total;
+///
+/// let answer = br#"{"object":"list","data":[{"embedding":[0.1,0.2]}],"model":"m","usage":{"prompt_tokens":3,"total_tokens":3}}"#;
+/// assert_eq!(usage_total(answer), Some(3));
+/// assert_eq!(usage_total(br#"{"usage": {"prompt_tokens": 2, "total_tokens": 2}, "data": []}"#), Some(2));
+/// assert_eq!(usage_total(br#"{"data": []}"#), None);
+/// ```
+#[must_use]
+pub fn usage_total(body: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"usage\"";
+    let tail = body.windows(KEY.len()).rposition(|w| w == KEY).and_then(|at| {
+        let rest = &body[at + KEY.len()..];
+        let colon = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+        if rest[colon] != b':' {
+            return None;
+        }
+        let mut values = serde_json::Deserializer::from_slice(&rest[colon + 1..]).into_iter::<UsageReport>();
+        values.next()?.ok()
+    });
+    tail.or_else(|| serde_json::from_slice::<UsageOnly>(body).ok().map(|u| u.usage)).map(|u| u.total_tokens)
+}
+
 /// Reads only the `usage` of an answer, whatever else it carries.
 #[derive(Debug, Deserialize)]
 pub struct UsageOnly {

@@ -62,7 +62,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::routing::post_service;
-use http::{HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::BodyExt;
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
@@ -77,7 +77,7 @@ use tower_limits::{
 use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection};
 
 use crate::BoxFuture;
-use crate::api::{self, EmbeddingRequest, UsageOnly};
+use crate::api::{self, EmbeddingRequest};
 use crate::auth::{Arrived, AuthLayer, FairTenant, Identity};
 use crate::config::{Account, BackendFailure, Config, TimeoutCharge};
 use crate::health::Health;
@@ -86,6 +86,7 @@ use crate::logging::Throttle;
 // The pipeline's own stages, in a module of their own.
 mod stages;
 pub mod upload;
+use stages::AccountRoute;
 pub use stages::{
     ACCOUNT_HEADER, BACKEND_DOWN_WAIT, PlanLimits, Prepare, PrepareLayer, QUEUE_TIME_HEADER, UpstreamCall,
 };
@@ -386,6 +387,8 @@ impl Gateway {
             pool: pool.clone(),
             now: now.clone(),
             stats: stats.clone(),
+            // The pool's members are the accounts, in order.
+            routes: config.accounts.iter().map(AccountRoute::new).collect::<Result<_, _>>()?,
         };
         let inner: PlanService =
             BoxCloneSyncService::new(ServiceBuilder::new().map_response(unheld).layer(shared).service(call));

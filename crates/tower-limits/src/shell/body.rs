@@ -179,8 +179,9 @@ impl BodyUsage for NoBodyUsage {
 
 /// The usage an OpenAI-compatible stream reports: the `total_tokens` of the final
 /// `usage` object that a server-sent-events stream sends when the request asked for it
-/// (`"stream_options": {"include_usage": true}`). Lines are reassembled across frames,
-/// each kept to at most 64 KiB (a longer line is skipped).
+/// (`"stream_options": {"include_usage": true}`). Data lines are reassembled across
+/// frames, each kept to at most 64 KiB (a longer line is skipped); any other line, such
+/// as a whole JSON answer, is skipped as it passes, without being copied.
 ///
 /// ```
 /// use tower_limits::shell::body::{BodyUsage, OpenAiStreamUsage};
@@ -189,6 +190,11 @@ impl BodyUsage for NoBodyUsage {
 /// assert_eq!(usage.data(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n"), None);
 /// assert_eq!(usage.data(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tok"), None);
 /// assert_eq!(usage.data(b"ens\":3,\"total_tokens\":12}}\n\ndata: [DONE]\n\n"), Some(12));
+///
+/// // A line split inside its `data:` is reassembled; other lines count for nothing.
+/// assert_eq!(usage.data(b"event: usage\nda"), None);
+/// assert_eq!(usage.data(b"ta: {\"usage\":{\"total_tokens\":7}}\n"), Some(7));
+/// assert_eq!(usage.data(b"{\"usage\":{\"total_tokens\":5}}\n"), None);
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct OpenAiStreamUsage {
@@ -196,12 +202,15 @@ pub struct OpenAiStreamUsage {
     skipping: bool,
 }
 
+/// What a server-sent event's data line begins with.
+const DATA: &[u8] = b"data:";
+
 /// The longest line [`OpenAiStreamUsage`] reassembles.
 const MAX_LINE: usize = 64 * 1024;
 
 impl OpenAiStreamUsage {
     fn line_usage(line: &[u8]) -> Option<u64> {
-        let data = line.strip_prefix(b"data:")?;
+        let data = line.strip_prefix(DATA)?;
         let at = find(data, b"\"usage\"")?;
         let rest = &data[at..];
         let total = find(rest, b"\"total_tokens\"")?;
@@ -222,6 +231,16 @@ impl BodyUsage for OpenAiStreamUsage {
         for piece in chunk.split_inclusive(|b| *b == b'\n') {
             let complete = piece.ends_with(b"\n");
             let piece = piece.strip_suffix(b"\n").unwrap_or(piece);
+            // Only a `data:` line carries usage: a line that begins otherwise (a whole
+            // JSON answer, an `event:` line) is skipped without being copied.
+            let have = self.line.len();
+            if !self.skipping && have < DATA.len() {
+                let n = (DATA.len() - have).min(piece.len());
+                if piece[..n] != DATA[have..have + n] {
+                    self.skipping = true;
+                    self.line.clear();
+                }
+            }
             if !self.skipping {
                 if self.line.len() + piece.len() > MAX_LINE {
                     self.skipping = true;

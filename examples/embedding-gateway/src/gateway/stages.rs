@@ -227,6 +227,40 @@ pub struct UpstreamCall {
     pub(super) pool: LimitPool<Account>,
     pub(super) now: Arc<dyn Fn() -> Instant + Send + Sync>,
     pub(super) stats: Arc<GatewayStats>,
+    /// Each account's addresses and headers, by its place in the pool.
+    pub(super) routes: Arc<[AccountRoute]>,
+}
+
+/// What a call to one account needs, built once: its two addresses, its `Authorization`
+/// and the value of [`ACCOUNT_HEADER`].
+#[derive(Debug)]
+pub(super) struct AccountRoute {
+    embeddings: http::Uri,
+    chat: http::Uri,
+    authorization: HeaderValue,
+    name: HeaderValue,
+}
+
+impl AccountRoute {
+    /// The route to `account`.
+    ///
+    /// # Errors
+    /// Its base URL does not make an address, or its key or name a header value.
+    pub(super) fn new(account: &Account) -> Result<Self, BoxError> {
+        let uri = |path: &str| -> Result<http::Uri, BoxError> {
+            format!("{}{path}", account.base_url)
+                .parse()
+                .map_err(|e| format!("account {}: base_url {:?}: {e}", account.name, account.base_url).into())
+        };
+        Ok(AccountRoute {
+            embeddings: uri(EMBEDDINGS_PATH)?,
+            chat: uri(CHAT_PATH)?,
+            authorization: HeaderValue::try_from(format!("Bearer {}", account.api_key))
+                .map_err(|_| format!("account {}: the API key is not a valid header value", account.name))?,
+            name: HeaderValue::try_from(account.name.as_str())
+                .map_err(|_| format!("account {}: the name is not a valid header value", account.name))?,
+        })
+    }
 }
 
 impl fmt::Debug for UpstreamCall {
@@ -262,9 +296,9 @@ pub const BACKEND_DOWN_WAIT: Duration = Duration::from_secs(1);
 
 /// The queueing time of an answer, in microseconds: from arrival at the gateway to the
 /// call to the upstream.
-pub const QUEUE_TIME_HEADER: &str = "x-gateway-queue-us";
+pub const QUEUE_TIME_HEADER: HeaderName = HeaderName::from_static("x-gateway-queue-us");
 /// The upstream account that served an answer.
-pub const ACCOUNT_HEADER: &str = "x-gateway-account";
+pub const ACCOUNT_HEADER: HeaderName = HeaderName::from_static("x-gateway-account");
 
 impl UpstreamCall {
     async fn forward(self, req: Request<Body>) -> Response<Body> {
@@ -278,12 +312,14 @@ impl UpstreamCall {
         };
         let tenant = req.extensions().get::<Identity>().map(|i| i.tenant.clone());
         let queued = req.extensions().get::<Arrived>().map(|a| a.0.elapsed());
-        let account = &chosen.config;
-        let upstream = Request::post(format!("{}{}", account.base_url, prepared.path))
-            .header(header::AUTHORIZATION, format!("Bearer {}", account.api_key))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(prepared.body));
-        let Ok(upstream) = upstream else { return internal("the upstream URL is not valid") };
+        let Some(route) = self.routes.get(chosen.index) else { return internal("the account has no route") };
+        let uri = if prepared.path == CHAT_PATH { route.chat.clone() } else { route.embeddings.clone() };
+        let mut upstream = Request::new(Body::from(prepared.body));
+        *upstream.method_mut() = http::Method::POST;
+        *upstream.uri_mut() = uri;
+        let h = upstream.headers_mut();
+        h.insert(header::AUTHORIZATION, route.authorization.clone());
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         let started = tokio::time::Instant::now();
         let call = async {
             let response = self.transport.clone().oneshot(upstream).await?;
@@ -303,7 +339,7 @@ impl UpstreamCall {
             tokens: Some(prepared.tokens),
             queued,
             upstream: Some(took),
-            account: Some(Arc::from(&*chosen.name)),
+            account: Some(chosen.name.clone()),
         };
         let mut out = match result {
             Err(_) => {
@@ -364,9 +400,7 @@ impl UpstreamCall {
             }
         };
         let h = out.headers_mut();
-        if let Ok(v) = HeaderValue::from_str(&chosen.name) {
-            h.insert(ACCOUNT_HEADER, v);
-        }
+        h.insert(ACCOUNT_HEADER, route.name.clone());
         if let Some(q) = queued {
             h.insert(QUEUE_TIME_HEADER, HeaderValue::from(q.as_micros() as u64));
         }
@@ -422,9 +456,9 @@ impl UpstreamCall {
             r.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
         }
         if parts.status.is_success() {
-            if let Ok(u) = serde_json::from_slice::<UsageOnly>(&bytes) {
+            if let Some(total) = api::usage_total(&bytes) {
                 // Settles the tenant's TPM and the account's mirror to the real count.
-                r.extensions_mut().insert(Usage(u.usage.total_tokens));
+                r.extensions_mut().insert(Usage(total));
             }
         }
         r
