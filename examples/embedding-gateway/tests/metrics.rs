@@ -60,8 +60,18 @@ fn samples<'a>(text: &'a str, name: &str, labels: &[&str]) -> Vec<&'a str> {
         .collect()
 }
 
-#[tokio::test(start_paused = true)]
-async fn metrics_show_every_family_after_traffic() {
+/// The recorder is the process's: the tests take turns, so that one's requests in flight
+/// are not in the other's gauges.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn metrics_show_every_family_after_traffic() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
+    runtime.block_on(every_family_after_traffic());
+}
+
+async fn every_family_after_traffic() {
     let config = config();
     let (router, _stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
     let gateway = Gateway::new(&config, in_process(router)).unwrap();
@@ -128,6 +138,7 @@ async fn metrics_show_every_family_after_traffic() {
 /// there from the start (at zero until a failure).
 #[test]
 fn metrics_show_the_redis_backend_families() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(server) = tower_limits_redis::test_support::own_redis_for("metrics_show_the_redis_backend_families")
     else {
         return;
