@@ -174,7 +174,75 @@ enum Phase {
     Idle { since: Instant },
 }
 
-type PhaseTx = Arc<watch::Sender<Phase>>;
+/// A connection's phase in one atomic word, written by the connection's reads and
+/// requests and read by its watchdog and the registry. Nothing is woken when it changes:
+/// the watchdog never sleeps past the earliest deadline a change could bring (see
+/// [`watchdog`]), so a request costs no wake-up and no timer of its own.
+#[derive(Debug)]
+struct PhaseCell {
+    origin: Instant,
+    /// The tag in the top two bits; below them, the requests in flight (busy) or the
+    /// phase's start in microseconds since `origin` (head, idle).
+    word: AtomicU64,
+}
+
+const TAG_SHIFT: u32 = 62;
+const HEAD: u64 = 0;
+const BUSY: u64 = 1;
+const IDLE: u64 = 2;
+const LOW: u64 = (1 << TAG_SHIFT) - 1;
+
+impl PhaseCell {
+    /// A connection whose headers are awaited from now.
+    fn new() -> Self {
+        PhaseCell { origin: Instant::now(), word: AtomicU64::new(HEAD << TAG_SHIFT) }
+    }
+
+    fn since_now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(LOW).min(LOW)
+    }
+
+    fn get(&self) -> Phase {
+        let word = self.word.load(Ordering::Acquire);
+        let low = word & LOW;
+        let since = || self.origin + Duration::from_micros(low);
+        match word >> TAG_SHIFT {
+            BUSY => Phase::Busy { requests: usize::try_from(low).unwrap_or(usize::MAX) },
+            IDLE => Phase::Idle { since: since() },
+            _ => Phase::Head { since: since() },
+        }
+    }
+
+    /// The first byte of a request arrived: an idle connection awaits its headers.
+    fn byte_read(&self) {
+        let word = self.word.load(Ordering::Acquire);
+        if word >> TAG_SHIFT == IDLE {
+            let head = (HEAD << TAG_SHIFT) | self.since_now();
+            // Lost to a request beginning at once: it was not idle any more.
+            let _ = self.word.compare_exchange(word, head, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// A request is in flight.
+    fn begin(&self) {
+        let _ = self.word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+            Some(match word >> TAG_SHIFT {
+                BUSY => word + 1,
+                _ => (BUSY << TAG_SHIFT) | 1,
+            })
+        });
+    }
+
+    /// A request in flight ended: the last one leaves the connection idle.
+    fn end(&self) {
+        let idle = (IDLE << TAG_SHIFT) | self.since_now();
+        let _ = self.word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+            Some(if word >> TAG_SHIFT == BUSY && word & LOW > 1 { word - 1 } else { idle })
+        });
+    }
+}
+
+type PhaseTx = Arc<PhaseCell>;
 
 /// The connection's socket: the first byte read while idle starts the head phase.
 struct Watched {
@@ -187,13 +255,7 @@ impl AsyncRead for Watched {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.stream).poll_read(cx, buf);
         if buf.filled().len() > before {
-            self.phase.send_if_modified(|p| match p {
-                Phase::Idle { .. } => {
-                    *p = Phase::Head { since: Instant::now() };
-                    true
-                }
-                _ => false,
-            });
+            self.phase.byte_read();
         }
         polled
     }
@@ -323,53 +385,47 @@ struct InFlight(PhaseTx);
 
 impl InFlight {
     fn begin(phase: &PhaseTx) -> Self {
-        phase.send_modify(|p| {
-            *p = match *p {
-                Phase::Busy { requests } => Phase::Busy { requests: requests + 1 },
-                _ => Phase::Busy { requests: 1 },
-            }
-        });
+        phase.begin();
         InFlight(phase.clone())
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.send_modify(|p| {
-            *p = match *p {
-                Phase::Busy { requests } if requests > 1 => Phase::Busy { requests: requests - 1 },
-                _ => Phase::Idle { since: Instant::now() },
-            }
-        });
+        self.0.end();
     }
 }
 
 /// Completes with the reason when the connection has been in its phase too long.
-async fn watchdog(mut phase: watch::Receiver<Phase>, settings: ServerSettings) -> &'static str {
+///
+/// It is never woken by a change of phase: it sleeps until its phase's deadline, or for
+/// the shorter of `header_timeout` and `idle_timeout` at most, then looks again. No
+/// change can bring a deadline closer than that (a phase that begins now ends its
+/// allowance no sooner than one of the two from now), so it closes a connection exactly
+/// at its deadline, for one timer wake-up per period per connection however many
+/// requests it serves.
+async fn watchdog(phase: PhaseTx, settings: ServerSettings) -> &'static str {
+    let period = settings.header_timeout.min(settings.idle_timeout);
+    let timer = tokio::time::sleep(period);
+    let mut timer = pin!(timer);
     loop {
-        let deadline = match *phase.borrow_and_update() {
+        let now = Instant::now();
+        let deadline = match phase.get() {
             Phase::Head { since } => {
                 Some((since + settings.header_timeout, "no complete headers within header_timeout"))
             }
             Phase::Idle { since } => Some((since + settings.idle_timeout, "idle beyond idle_timeout")),
             Phase::Busy { .. } => None,
         };
-        match deadline {
-            Some((at, why)) => {
-                if Instant::now() >= at {
-                    return why;
-                }
-                tokio::select! {
-                    () = tokio::time::sleep_until(at) => {}
-                    changed = phase.changed() => if changed.is_err() { std::future::pending::<()>().await },
-                }
+        let mut wake = now + period;
+        if let Some((at, why)) = deadline {
+            if now >= at {
+                return why;
             }
-            None => {
-                if phase.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            }
+            wake = wake.min(at);
         }
+        timer.as_mut().reset(wake);
+        timer.as_mut().await;
     }
 }
 
@@ -381,14 +437,14 @@ struct Registry {
 }
 
 /// An open connection's phase, its upload, and how to tell it to close.
-type Evictable = (watch::Receiver<Phase>, Arc<Upload>, Arc<Notify>);
+type Evictable = (PhaseTx, Arc<Upload>, Arc<Notify>);
 
 impl Registry {
     fn next_id(&self) -> u64 {
         self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn register(&self, id: u64, phase: watch::Receiver<Phase>, upload: Arc<Upload>) -> Arc<Notify> {
+    fn register(&self, id: u64, phase: PhaseTx, upload: Arc<Upload>) -> Arc<Notify> {
         let evict = Arc::new(Notify::new());
         self.open.lock().unwrap_or_else(PoisonError::into_inner).insert(id, (phase, upload, evict.clone()));
         evict
@@ -401,7 +457,7 @@ impl Registry {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         let waiting = open
             .iter()
-            .filter_map(|(id, (phase, _, _))| match *phase.borrow() {
+            .filter_map(|(id, (phase, _, _))| match phase.get() {
                 Phase::Head { since } | Phase::Idle { since } => Some((since, *id)),
                 Phase::Busy { .. } => None,
             })
@@ -588,10 +644,9 @@ async fn connection(
     mut stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let (phase_tx, phase_rx) = watch::channel(Phase::Head { since: Instant::now() });
-    let phase: PhaseTx = Arc::new(phase_tx);
+    let phase: PhaseTx = Arc::new(PhaseCell::new());
     let upload = Arc::new(Upload::new(slot.connections.clone()));
-    let evict = slot.registry.register(slot.id, phase_rx.clone(), upload.clone());
+    let evict = slot.registry.register(slot.id, phase.clone(), upload.clone());
     let io = TokioIo::new(Watched { stream, phase: phase.clone() });
     let service_phase = phase.clone();
     let for_probes = slot.for_probes;
@@ -631,7 +686,7 @@ async fn connection(
                 }
                 break;
             }
-            why = watchdog(phase_rx.clone(), settings) => {
+            why = watchdog(phase.clone(), settings) => {
                 tracing::debug!(%peer, reason = why, "closing connection");
                 break;
             }
@@ -642,7 +697,7 @@ async fn connection(
             changed = stop.changed(), if !draining => {
                 if changed.is_err() || *stop.borrow() {
                     // Nothing in flight (idle, or headers still coming): close now.
-                    if !matches!(*phase_rx.borrow(), Phase::Busy { .. }) {
+                    if !matches!(phase.get(), Phase::Busy { .. }) {
                         break;
                     }
                     draining = true;
