@@ -107,12 +107,20 @@ pub(crate) fn status_label(status: http::StatusCode) -> &'static str {
 
 /// Counts each answer of `router` in `gateway_responses` by status.
 pub fn count_responses(router: Router) -> Router {
-    router.layer(tower::util::MapResponseLayer::new(|response: Response<Body>| {
+    // The recorder first: the handle of the most frequent answer is resolved once, here.
+    let _ = handle();
+    let ok = metrics::counter!("gateway_responses", "status" => "200", "code" => "none");
+    router.layer(tower::util::MapResponseLayer::new(move |response: Response<Body>| {
         // The gateway's own error code, or that of a limit layer's refusal (which are also
         // counted by reason in `rate_limiting_requests`).
-        let code = crate::api::answer_code(response.extensions()).unwrap_or("none");
-        metrics::counter!("gateway_responses", "status" => status_label(response.status()), "code" => code)
-            .increment(1);
+        let code = crate::api::answer_code(response.extensions());
+        if response.status() == StatusCode::OK && code.is_none() {
+            ok.increment(1);
+        } else {
+            let code = code.unwrap_or("none");
+            metrics::counter!("gateway_responses", "status" => status_label(response.status()), "code" => code)
+                .increment(1);
+        }
         response
     }))
 }

@@ -25,7 +25,7 @@ impl<S> Layer<S> for PrepareLayer {
     type Service = Prepare<S>;
 
     fn layer(&self, inner: S) -> Prepare<S> {
-        Prepare { inner, settings: self.clone() }
+        Prepare { inner, settings: Arc::new(self.clone()) }
     }
 }
 
@@ -33,7 +33,7 @@ impl<S> Layer<S> for PrepareLayer {
 #[derive(Debug, Clone)]
 pub struct Prepare<S> {
     inner: S,
-    settings: PrepareLayer,
+    settings: Arc<PrepareLayer>,
 }
 
 impl<S> Service<Request<Body>> for Prepare<S>
