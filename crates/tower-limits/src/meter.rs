@@ -42,10 +42,10 @@ pub(crate) fn reason(kind: crate::ErrorKind) -> &'static str {
 
 #[cfg(feature = "metrics")]
 mod on {
-    use std::sync::Arc;
+    use std::sync::{Arc, OnceLock};
     use std::time::Duration;
 
-    use ::metrics::{SharedString, counter, gauge, histogram};
+    use ::metrics::{Counter, Gauge, Histogram, SharedString, counter, gauge, histogram};
     use hashbrown::HashMap;
     use tower_limits_core::{Clock, Instant, TenantKey};
 
@@ -53,16 +53,28 @@ mod on {
     use crate::error::LimitError;
     use crate::metrics::{ACTIVE_LEASES, LEASE_DURATION, QUEUED_REQUESTS, REQUESTS, TIME_IN_QUEUE};
 
-    /// A layer's meter: its name label and the tenants it may label by name.
+    /// A layer's meter: its name label, the tenants it may label by name, and the
+    /// handles of the series every admission touches.
     #[derive(Clone)]
     pub(crate) struct Meter {
         layer: SharedString,
         tenants: Arc<HashMap<TenantKey, SharedString>>,
+        hot: Arc<OnceLock<Hot>>,
+    }
+
+    /// The series of the layer that every admitted request writes, looked up in the
+    /// recorder once, at the layer's first event, rather than by their labels per request.
+    struct Hot {
+        admitted: Counter,
+        active: Gauge,
+        lease: Histogram,
+        queued: Gauge,
+        waited: Histogram,
     }
 
     impl Default for Meter {
         fn default() -> Self {
-            Meter { layer: SharedString::const_str("default"), tenants: Arc::default() }
+            Meter { layer: SharedString::const_str("default"), tenants: Arc::default(), hot: Arc::default() }
         }
     }
 
@@ -81,6 +93,7 @@ mod on {
 
         pub(crate) fn named(mut self, name: SharedString) -> Self {
             self.layer = name;
+            self.hot = Arc::default();
             self
         }
 
@@ -97,18 +110,35 @@ mod on {
             self.layer.clone()
         }
 
+        /// The handles of the hot series, resolved in the recorder installed at the first
+        /// event.
+        fn hot(&self) -> &Hot {
+            self.hot.get_or_init(|| {
+                let layer = self.layer();
+                Hot {
+                    admitted: counter!(REQUESTS, "layer" => layer.clone(), "result" => "admitted"),
+                    active: gauge!(ACTIVE_LEASES, "layer" => layer.clone()),
+                    lease: histogram!(LEASE_DURATION, "layer" => layer.clone()),
+                    queued: gauge!(QUEUED_REQUESTS, "layer" => layer.clone()),
+                    waited: histogram!(TIME_IN_QUEUE, "layer" => layer, "result" => "admitted"),
+                }
+            })
+        }
+
         /// A request admitted: its lease begins.
         pub(crate) fn admitted(&self, clock: &LayerClock) -> Lease {
-            counter!(REQUESTS, "layer" => self.layer(), "result" => "admitted").increment(1);
-            gauge!(ACTIVE_LEASES, "layer" => self.layer()).increment(1.0);
+            let hot = self.hot();
+            hot.admitted.increment(1);
+            hot.active.increment(1.0);
             clock.now()
         }
 
         /// A lease ended (the response completed, failed, or was dropped).
         pub(crate) fn lease_ended(&self, since: Lease, clock: &LayerClock) {
             let held = clock.now().saturating_since(since);
-            histogram!(LEASE_DURATION, "layer" => self.layer()).record(held.as_secs_f64());
-            gauge!(ACTIVE_LEASES, "layer" => self.layer()).decrement(1.0);
+            let hot = self.hot();
+            hot.lease.record(held.as_secs_f64());
+            hot.active.decrement(1.0);
         }
 
         /// A request refused.
@@ -139,7 +169,7 @@ mod on {
                 "tier" => tier.unwrap_or(""),
             )
             .increment(1);
-            gauge!(ACTIVE_LEASES, "layer" => self.layer()).increment(1.0);
+            self.hot().active.increment(1.0);
             clock.now()
         }
 
@@ -160,7 +190,7 @@ mod on {
         /// A request enters a queue (waits for capacity, or for its fair turn).
         pub(crate) fn enter_queue(&self, key: &TenantKey, clock: &LayerClock) -> QueueWatch {
             let tenant = self.tenants.get(key).cloned();
-            gauge!(QUEUED_REQUESTS, "layer" => self.layer()).increment(1.0);
+            self.hot().queued.increment(1.0);
             if let Some(t) = &tenant {
                 gauge!(QUEUED_REQUESTS, "layer" => self.layer(), "tenant" => t.clone()).increment(1.0);
             }
@@ -190,8 +220,13 @@ mod on {
             }
             let waited: Duration = self.clock.now().saturating_since(self.since);
             let layer = self.meter.layer();
-            histogram!(TIME_IN_QUEUE, "layer" => layer.clone(), "result" => result).record(waited.as_secs_f64());
-            gauge!(QUEUED_REQUESTS, "layer" => layer.clone()).decrement(1.0);
+            let hot = self.meter.hot();
+            if result == "admitted" {
+                hot.waited.record(waited.as_secs_f64());
+            } else {
+                histogram!(TIME_IN_QUEUE, "layer" => layer.clone(), "result" => result).record(waited.as_secs_f64());
+            }
+            hot.queued.decrement(1.0);
             if let Some(t) = self.tenant.take() {
                 gauge!(QUEUED_REQUESTS, "layer" => layer.clone(), "tenant" => t).decrement(1.0);
             }
