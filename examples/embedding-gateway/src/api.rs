@@ -406,7 +406,7 @@ pub fn bearer(headers: &http::HeaderMap) -> Option<&str> {
 
 /// A request body of `POST /v1/chat/completions`, checked: `{"model", "messages"}` with
 /// the optional `stream`, `stream_options.include_usage`, `max_tokens` (or
-/// `max_completion_tokens`) and `tools`. Other fields are passed on untouched.
+/// `max_completion_tokens`), `n` and `tools`. Other fields are passed on untouched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatRequest {
     /// The model asked for.
@@ -420,9 +420,14 @@ pub struct ChatRequest {
     pub stream: bool,
     /// Whether a streamed answer ends with a `usage` chunk.
     pub include_usage: bool,
-    /// The most tokens the answer may have.
+    /// The most tokens each answer may have.
     pub max_tokens: Option<u64>,
+    /// How many answers are asked for (`n`, 1 by default): each is billed.
+    pub choices: u64,
 }
+
+/// The most answers one chat request may ask for (`n`, OpenAI's limit).
+pub const MAX_CHOICES: u64 = 128;
 
 /// What the provider counts of one chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -543,7 +548,20 @@ impl ChatRequest {
                 }
             },
         };
-        Ok(ChatRequest { model, messages, tools, stream, include_usage, max_tokens })
+        let choices = match map.get("n") {
+            None | Some(Value::Null) => 1,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=MAX_CHOICES).contains(&n) => n,
+                _ => {
+                    return Err(RequestError::new(
+                        Some("n"),
+                        "invalid_n",
+                        format!("`n` must be a whole number from 1 to {MAX_CHOICES}"),
+                    ));
+                }
+            },
+        };
+        Ok(ChatRequest { model, messages, tools, stream, include_usage, max_tokens, choices })
     }
 
     /// The tokens of the prompt, counted with `encoding`: every message with its framing,
@@ -567,12 +585,33 @@ impl ChatRequest {
         Some(limit - left)
     }
 
-    /// The tokens reserved for the answer: `max_tokens` when the request gives it, else
-    /// `default` when one is configured, else what `max_request_tokens` leaves of
-    /// `prompt` (at least 1).
+    /// The tokens reserved for the answers, every one of the `n` billed: `max_tokens`
+    /// each when the request gives it, else `default` each when one is configured, else
+    /// what `max_request_tokens` leaves of `prompt`, shared by the answers (at least 1
+    /// each).
+    ///
+    /// ```
+    /// use embedding_gateway::api::ChatRequest;
+    ///
+    /// let chat = |extra: &str| {
+    ///     let body = format!(r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#);
+    ///     ChatRequest::parse(body.as_bytes()).unwrap()
+    /// };
+    /// assert_eq!(chat(r#", "max_tokens": 50"#).completion_reserve(9, None, 512), 50);
+    /// assert_eq!(chat(r#", "max_tokens": 50, "n": 3"#).completion_reserve(9, None, 512), 150);
+    /// assert_eq!(chat(r#", "n": 2"#).completion_reserve(9, Some(100), 512), 200);
+    /// assert_eq!(chat(r#", "n": 2"#).completion_reserve(12, None, 512), 500);
+    ///
+    /// let none = br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 0}"#;
+    /// assert_eq!(ChatRequest::parse(none).unwrap_err().param, Some("n"));
+    /// ```
     #[must_use]
     pub fn completion_reserve(&self, prompt: u64, default: Option<u64>, max_request_tokens: u64) -> u64 {
-        self.max_tokens.or(default).unwrap_or_else(|| max_request_tokens.saturating_sub(prompt).max(1))
+        let each = self
+            .max_tokens
+            .or(default)
+            .unwrap_or_else(|| (max_request_tokens.saturating_sub(prompt) / self.choices).max(1));
+        each.saturating_mul(self.choices)
     }
 }
 

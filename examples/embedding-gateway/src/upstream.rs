@@ -313,8 +313,9 @@ fn unknown_model(model: &str) -> Response<Body> {
     )
 }
 
-/// `POST /v1/chat/completions`: an answer of at most eight words (fewer when their tokens
-/// would pass `max_tokens`), counted with the prompt when the request arrives. Streamed as
+/// `POST /v1/chat/completions`: `n` answers (one by default) of at most eight words each
+/// (fewer when their tokens would pass `max_tokens`), counted with the prompt when the
+/// request arrives. Streamed as
 /// server-sent events when asked (`stream: true`): the head after `latency`, then one
 /// `chat.completion.chunk` per word every quarter of `latency`, then, with
 /// `stream_options.include_usage`, a chunk with no choices and the `usage`, then `data:
@@ -334,7 +335,8 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
         Err(e) => return e.response(),
     };
     let Some(encoding) = p.encodings.get(&request.model) else { return unknown_model(&request.model) };
-    let (words, completion) = answer_within(encoding, request.max_tokens.unwrap_or(u64::MAX));
+    let (words, each) = answer_within(encoding, request.max_tokens.unwrap_or(u64::MAX));
+    let completion = each * request.choices;
     let prompt = request.prompt_tokens(encoding);
     let tokens = prompt + completion;
     let (verdict, _) = account.admit(now, tokens);
@@ -372,11 +374,11 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
             "id": id,
             "object": "chat.completion",
             "model": request.model,
-            "choices": [{
-                "index": 0,
+            "choices": (0..request.choices).map(|index| serde_json::json!({
+                "index": index,
                 "message": { "role": "assistant", "content": ANSWER[..words].join(" ") },
                 "finish_reason": "stop",
-            }],
+            })).collect::<Vec<_>>(),
             "usage": usage,
         });
         return api::json_response(answer.to_string());
@@ -384,20 +386,23 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let pause = p.settings.latency / 4;
     tokio::spawn(async move {
-        let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+        let chunk = |index: u64, delta: serde_json::Value, finish: Option<&str>| {
             api::sse_event(&serde_json::json!({
                 "id": id,
                 "object": "chat.completion.chunk",
                 "model": request.model,
-                "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+                "choices": [{ "index": index, "delta": delta, "finish_reason": finish }],
             }))
         };
-        let mut events = vec![chunk(serde_json::json!({ "role": "assistant", "content": "" }), None)];
-        for (i, word) in ANSWER[..words].iter().enumerate() {
-            let text = if i == 0 { (*word).to_owned() } else { format!(" {word}") };
-            events.push(chunk(serde_json::json!({ "content": text }), None));
+        let mut events = Vec::new();
+        for index in 0..request.choices {
+            events.push(chunk(index, serde_json::json!({ "role": "assistant", "content": "" }), None));
+            for (i, word) in ANSWER[..words].iter().enumerate() {
+                let text = if i == 0 { (*word).to_owned() } else { format!(" {word}") };
+                events.push(chunk(index, serde_json::json!({ "content": text }), None));
+            }
+            events.push(chunk(index, serde_json::json!({}), Some("stop")));
         }
-        events.push(chunk(serde_json::json!({}), Some("stop")));
         if request.include_usage {
             events.push(api::sse_event(&serde_json::json!({
                 "id": id,

@@ -554,28 +554,41 @@ async fn models_are_served_by_kind_and_too_many_tokens_names_the_cause() {
     assert!(err.message.contains("embedding_models") && err.message.contains("chat_models"), "{err}");
 }
 
-/// A chat request without `max_tokens` reserves `gateway.default_max_tokens` for its
-/// answer, or else whatever `max_request_tokens` leaves of its prompt.
+/// A chat request reserves every answer it asks for (`n`): `max_tokens` each, else
+/// `gateway.default_max_tokens` each, else whatever `max_request_tokens` leaves of its
+/// prompt; the mock bills each answer, and the reserve is exact when the answers fill it.
 #[tokio::test(start_paused = true)]
-async fn a_chat_without_max_tokens_reserves_the_configured_default() {
-    let charged = |gateway_settings: &'static str| async move {
+async fn a_chat_reserves_every_answer_it_asks_for() {
+    let charged = |gateway_settings: &'static str, extra: serde_json::Value| async move {
         let text = config_text(gateway_settings, "user = { tpm = 6000, tpm_burst = 1000 }", "http://127.0.0.1:9");
         let config = parse_config(&text);
         let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
         let gateway = Gateway::new(&config, in_process(router)).unwrap();
-        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]});
-        let request = Request::post("/v1/chat/completions")
-            .header("authorization", "Bearer sk-acme-alice")
-            .body(Body::from(body.to_string()))
-            .unwrap();
-        let answer = gateway.router.clone().oneshot(request).await.unwrap();
+        let mut body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let request = || {
+            Request::post("/v1/chat/completions")
+                .header("authorization", "Bearer sk-acme-alice")
+                .body(Body::from(body.to_string()))
+                .unwrap()
+        };
+        let answer = gateway.router.clone().oneshot(request()).await.unwrap();
         assert_eq!(answer.status(), StatusCode::OK);
-        let remaining: u64 = answer.headers()["x-ratelimit-remaining-tokens"].to_str().unwrap().parse().unwrap();
-        1000 - remaining
+        let remaining = |a: &Response<Body>| -> u64 {
+            a.headers()["x-ratelimit-remaining-tokens"].to_str().unwrap().parse().unwrap()
+        };
+        let reserved = 1000 - remaining(&answer);
+        let billed: serde_json::Value =
+            serde_json::from_slice(&answer.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        (reserved, billed["usage"]["total_tokens"].as_u64().unwrap(), billed["choices"].as_array().unwrap().len())
     };
-    // "hello there" is 9 tokens of prompt with its framing.
-    assert_eq!(charged("default_max_tokens = 20").await, 9 + 20);
-    assert_eq!(charged("").await, 100, "max_request_tokens (100) less the prompt, and the prompt");
+    // "hello there" is 9 tokens of prompt with its framing; each mock answer, "the mock
+    // says ...", 3 tokens within max_tokens = 3.
+    assert_eq!(charged("", serde_json::json!({"max_tokens": 3, "n": 3})).await, (9 + 3 * 3, 9 + 3 * 3, 3));
+    assert_eq!(charged("default_max_tokens = 20", serde_json::json!({})).await.0, 9 + 20);
+    assert_eq!(charged("default_max_tokens = 20", serde_json::json!({"n": 2})).await.0, 9 + 2 * 20);
+    // max_request_tokens (100) less the prompt, shared by the two answers.
+    assert_eq!(charged("", serde_json::json!({"n": 2})).await.0, 9 + 2 * 45);
 }
 
 #[tokio::test]
