@@ -441,6 +441,8 @@ pub struct ChatMessage {
     pub text: String,
     /// The JSON text of its `tool_calls` (or `function_call`), if it has them.
     pub tool_calls: Option<String>,
+    /// How many images its content parts carry (`"type": "image_url"`).
+    pub images: u64,
 }
 
 impl ChatMessage {
@@ -506,9 +508,13 @@ impl ChatRequest {
         let messages = items
             .iter()
             .map(|m| {
+                let mut images = 0;
                 let text = match m.get("content") {
                     Some(Value::String(text)) => text.clone(),
                     Some(Value::Array(parts)) => {
+                        images =
+                            parts.iter().filter(|p| p.get("type").and_then(Value::as_str) == Some("image_url")).count()
+                                as u64;
                         parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join("\n")
                     }
                     // An assistant's message with tool calls may have no content.
@@ -522,7 +528,7 @@ impl ChatRequest {
                 };
                 let name = m.get("name").and_then(Value::as_str).map(str::to_owned);
                 let tool_calls = json_text(m.get("tool_calls").or_else(|| m.get("function_call")));
-                Ok(ChatMessage { role, name, text, tool_calls })
+                Ok(ChatMessage { role, name, text, tool_calls, images })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let tools = json_text(map.get("tools").or_else(|| map.get("functions")));
@@ -564,15 +570,23 @@ impl ChatRequest {
         Ok(ChatRequest { model, messages, tools, stream, include_usage, max_tokens, choices })
     }
 
-    /// The tokens of the prompt, counted with `encoding`: every message with its framing,
-    /// the tools' definitions and the answer's priming (see [`crate::tokenizer`]).
+    /// The tokens of the prompt's text, counted with `encoding`: every message with its
+    /// framing, the tools' definitions and the answer's priming (see
+    /// [`crate::tokenizer`]); images are not in it ([`Self::images`]).
     #[must_use]
     pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
         self.prompt_tokens_within(encoding, u64::MAX).unwrap_or(u64::MAX)
     }
 
-    /// The tokens of the prompt if at most `limit`, else `None` (counting stops about
-    /// where the limit is passed).
+    /// How many images the messages carry: the provider bills each by its size, which
+    /// the gateway does not fetch (see [`crate::tokenizer`]).
+    #[must_use]
+    pub fn images(&self) -> u64 {
+        self.messages.iter().map(|m| m.images).sum()
+    }
+
+    /// The tokens of the prompt's text if at most `limit`, else `None` (counting stops
+    /// about where the limit is passed); images are not in it ([`Self::images`]).
     #[must_use]
     pub fn prompt_tokens_within(&self, encoding: Encoding, limit: u64) -> Option<u64> {
         let mut left = limit.checked_sub(REPLY_PRIMING)?;

@@ -109,7 +109,8 @@ pub struct GatewaySettings {
     /// `404`).
     pub chat_models: Vec<String>,
     /// The encoding each served model counts tokens with (`gateway.encodings`, or known
-    /// from the model's name; see [`crate::tokenizer`]).
+    /// from the model's name; see [`crate::tokenizer`]), and what an image in a chat
+    /// message is charged (`gateway.image_tokens`).
     pub encodings: crate::tokenizer::ModelEncodings,
     /// The tokens a chat request without `max_tokens` reserves for its answer
     /// (`gateway.default_max_tokens`); `None`: whatever `max_request_tokens` leaves of

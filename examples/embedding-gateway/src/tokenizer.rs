@@ -34,8 +34,10 @@
 //!   its tokens and [`NAME_OVERHEAD`], and the prompt [`REPLY_PRIMING`] for the start of
 //!   the answer: the formula OpenAI publishes for its chat models. Tool calls are
 //!   counted as the tokens of their JSON text, which is longer than the form the model
-//!   sees. Image parts are not counted (their cost depends on the image's size, which
-//!   the gateway does not fetch); they settle to the reported usage.
+//!   sees. An image part costs what its size and the model make it, and the gateway does
+//!   not fetch the image: each is charged [`ModelEncodings::image_tokens`]
+//!   (`gateway.image_tokens`, by default 1,445, the most one image costs GPT-4o at high
+//!   detail; GPT-4o-mini bills up to 48,169), then settled to the reported usage.
 //!   The completion is reserved on top: `max_completion_tokens` (or `max_tokens`) when
 //!   the request gives it, or else the gateway's configured default.
 //!
@@ -236,24 +238,57 @@ impl FromStr for Encoding {
 /// assert_eq!(models.get("text-embedding-3-small"), Some(Encoding::Cl100kBase));
 /// assert_eq!(models.get("other"), None);
 /// ```
-#[derive(Debug, Clone, Default)]
-pub struct ModelEncodings(Arc<BTreeMap<String, Encoding>>);
+#[derive(Debug, Clone)]
+pub struct ModelEncodings {
+    models: Arc<BTreeMap<String, Encoding>>,
+    image_tokens: u64,
+}
+
+/// What one image of a chat message is charged unless configured:
+/// the most one image costs GPT-4o at high detail (85 + 170 for each of 8 tiles).
+pub const DEFAULT_IMAGE_TOKENS: u64 = 1_445;
+
+impl Default for ModelEncodings {
+    fn default() -> Self {
+        ModelEncodings { models: Arc::default(), image_tokens: DEFAULT_IMAGE_TOKENS }
+    }
+}
 
 impl ModelEncodings {
-    /// From each model's name and encoding.
+    /// From each model's name and encoding; images charged [`DEFAULT_IMAGE_TOKENS`].
     pub fn new(models: impl IntoIterator<Item = (String, Encoding)>) -> Self {
-        ModelEncodings(Arc::new(models.into_iter().collect()))
+        ModelEncodings { models: Arc::new(models.into_iter().collect()), image_tokens: DEFAULT_IMAGE_TOKENS }
+    }
+
+    /// Each image of a chat message charged `tokens`.
+    ///
+    /// ```
+    /// use embedding_gateway::tokenizer::{DEFAULT_IMAGE_TOKENS, ModelEncodings};
+    ///
+    /// assert_eq!(ModelEncodings::default().image_tokens(), DEFAULT_IMAGE_TOKENS);
+    /// assert_eq!(ModelEncodings::default().with_image_tokens(765).image_tokens(), 765);
+    /// ```
+    #[must_use]
+    pub fn with_image_tokens(mut self, tokens: u64) -> Self {
+        self.image_tokens = tokens;
+        self
+    }
+
+    /// What each image of a chat message is charged.
+    #[must_use]
+    pub fn image_tokens(&self) -> u64 {
+        self.image_tokens
     }
 
     /// The encoding of `model`, if it is one of these.
     #[must_use]
     pub fn get(&self, model: &str) -> Option<Encoding> {
-        self.0.get(model).copied()
+        self.models.get(model).copied()
     }
 
     /// Every model and its encoding, by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, Encoding)> {
-        self.0.iter().map(|(m, e)| (m.as_str(), *e))
+        self.models.iter().map(|(m, e)| (m.as_str(), *e))
     }
 
     /// Builds every encoding's tables now (see [`Encoding::load`]).

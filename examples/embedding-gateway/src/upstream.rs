@@ -337,7 +337,7 @@ async fn chat_completions(State(p): State<Arc<Provider>>, headers: HeaderMap, bo
     let Some(encoding) = p.encodings.get(&request.model) else { return unknown_model(&request.model) };
     let (words, each) = answer_within(encoding, request.max_tokens.unwrap_or(u64::MAX));
     let completion = each * request.choices;
-    let prompt = request.prompt_tokens(encoding);
+    let prompt = request.prompt_tokens(encoding) + request.images() * p.encodings.image_tokens();
     let tokens = prompt + completion;
     let (verdict, _) = account.admit(now, tokens);
     match verdict {

@@ -589,6 +589,15 @@ async fn a_chat_reserves_every_answer_it_asks_for() {
     assert_eq!(charged("default_max_tokens = 20", serde_json::json!({"n": 2})).await.0, 9 + 2 * 20);
     // max_request_tokens (100) less the prompt, shared by the two answers.
     assert_eq!(charged("", serde_json::json!({"n": 2})).await.0, 9 + 2 * 45);
+    // An image is charged gateway.image_tokens, by the gateway and the mock alike.
+    let with_image = serde_json::json!({
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hello there"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+        ]}],
+    });
+    assert_eq!(charged("image_tokens = 40", with_image).await, (9 + 40 + 3, 9 + 40 + 3, 1));
 }
 
 #[tokio::test]

@@ -45,6 +45,7 @@ pub(super) struct RawGateway {
     pub(super) chat_models: Option<S<Vec<S<String>>>>,
     pub(super) encodings: Option<S<BTreeMap<String, S<String>>>>,
     pub(super) default_max_tokens: Option<S<u64>>,
+    pub(super) image_tokens: Option<S<u64>>,
     pub(super) header_timeout: Option<S<String>>,
     pub(super) idle_timeout: Option<S<String>>,
     pub(super) body_timeout: Option<S<String>>,

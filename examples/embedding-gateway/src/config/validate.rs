@@ -164,7 +164,11 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     let embedding_models =
         models(src, g.embedding_models.as_ref(), "gateway.embedding_models", "mock-embedding-small")?;
     let chat_models = models(src, g.chat_models.as_ref(), "gateway.chat_models", "mock-chat-small")?;
-    let encodings = encodings(src, g, &embedding_models, &chat_models)?;
+    let image_tokens = match &g.image_tokens {
+        Some(v) => at_least(src, v, "gateway.image_tokens", 0, 1 << 24)?,
+        None => crate::tokenizer::DEFAULT_IMAGE_TOKENS,
+    };
+    let encodings = encodings(src, g, &embedding_models, &chat_models)?.with_image_tokens(image_tokens);
     let default_max_tokens = match &g.default_max_tokens {
         Some(v) if *v.get_ref() >= max_request_tokens => {
             return Err(src.at(

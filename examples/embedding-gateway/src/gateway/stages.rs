@@ -98,7 +98,9 @@ where
                     }
                 },
                 Parsed::Chat(r) => {
-                    let Some(prompt) = r.prompt_tokens_within(encoding, limit) else {
+                    let images = r.images().saturating_mul(settings.encodings.image_tokens());
+                    let text = limit.checked_sub(images).and_then(|left| r.prompt_tokens_within(encoding, left));
+                    let Some(prompt) = text.map(|t| t + images) else {
                         return Ok(too_many_tokens(
                             "messages",
                             &format!("the messages have more than {limit} tokens"),
