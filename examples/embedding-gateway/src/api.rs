@@ -319,6 +319,8 @@ pub struct UsageReport {
 /// assert_eq!(usage_total(answer), Some(3));
 /// assert_eq!(usage_total(br#"{"usage": {"prompt_tokens": 2, "total_tokens": 2}, "data": []}"#), Some(2));
 /// assert_eq!(usage_total(br#"{"data": []}"#), None);
+/// // What comes before the usage is not read.
+/// assert_eq!(usage_total(br#"{"data": [not json], "usage": {"prompt_tokens": 4, "total_tokens": 4}}"#), Some(4));
 /// ```
 #[must_use]
 pub fn usage_total(body: &[u8]) -> Option<u64> {
@@ -654,3 +656,18 @@ pub fn sse_event(json: &serde_json::Value) -> Bytes {
 
 /// The event that ends a chat completion stream.
 pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_read_from_the_tail_or_else_from_the_whole() {
+        let tail = br#"{"data": [not json], "model": "usage", "usage" : {"prompt_tokens": 4, "total_tokens": 4}}"#;
+        assert_eq!(usage_total(tail), Some(4));
+        let first = br#"{"usage": {"prompt_tokens": 2, "total_tokens": 2}, "data": [], "model": "usage"}"#;
+        assert_eq!(usage_total(first), Some(2));
+        assert_eq!(usage_total(br#"{"data": [], "note": "no \"usage\" here"}"#), None);
+        assert_eq!(usage_total(b""), None);
+    }
+}

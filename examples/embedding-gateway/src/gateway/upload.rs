@@ -139,13 +139,14 @@ impl UploadRules {
     pub async fn read(&self, mut body: Body) -> Result<Bytes, Box<Response<Body>>> {
         let start = tokio::time::Instant::now();
         let whole = start + self.timeout;
-        let mut received: Vec<u8> = Vec::new();
+        // A body of one frame (most are) is passed on as it came, without a copy.
+        let mut received = Received::default();
         loop {
             let paced = self.pace_deadline(start, received.len());
             let deadline = paced.min(whole);
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Ok(Some(Ok(frame))) => frame,
-                Ok(None) => return Ok(Bytes::from(received)),
+                Ok(None) => return Ok(received.into_bytes()),
                 Ok(Some(Err(_))) => {
                     return Err(Box::new(closing(api::error_response(
                         StatusCode::BAD_REQUEST,
@@ -176,7 +177,7 @@ impl UploadRules {
                     &format!("the body is larger than {} bytes", self.max_bytes),
                 )));
             }
-            received.extend_from_slice(&data);
+            received.push(data);
         }
     }
 
@@ -201,6 +202,50 @@ impl UploadRules {
                 self.min_rate
             ),
         )
+    }
+}
+
+/// The bytes of a body so far: its one frame as it came, or the frames copied into one
+/// buffer once a second arrives.
+#[derive(Default)]
+enum Received {
+    #[default]
+    Nothing,
+    One(Bytes),
+    Many(Vec<u8>),
+}
+
+impl Received {
+    fn len(&self) -> usize {
+        match self {
+            Received::Nothing => 0,
+            Received::One(b) => b.len(),
+            Received::Many(v) => v.len(),
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        *self = match std::mem::take(self) {
+            Received::Nothing => Received::One(data),
+            Received::One(first) => {
+                let mut all = Vec::with_capacity(first.len() + data.len());
+                all.extend_from_slice(&first);
+                all.extend_from_slice(&data);
+                Received::Many(all)
+            }
+            Received::Many(mut all) => {
+                all.extend_from_slice(&data);
+                Received::Many(all)
+            }
+        };
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Received::Nothing => Bytes::new(),
+            Received::One(b) => b,
+            Received::Many(v) => Bytes::from(v),
+        }
     }
 }
 
