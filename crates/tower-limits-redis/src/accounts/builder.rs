@@ -160,17 +160,7 @@ impl RedisAccountsBuilder {
             }
             // (On a manual clock, calls take no time the leases count.)
             let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
-            if leases.lasts() < leases.refresh() * 2 + call {
-                return Err(invalid(
-                    "leases.lifetime",
-                    format!(
-                        "a lease of {:?} cannot outlive two refreshes of {:?} and a call of {:?}",
-                        leases.lasts(),
-                        leases.refresh(),
-                        call
-                    ),
-                ));
-            }
+            crate::periodic::check_lifetime("leases.lifetime", leases.refresh(), leases.lasts(), call)?;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(invalid("runtime", "build the accounts inside a tokio runtime".into()));

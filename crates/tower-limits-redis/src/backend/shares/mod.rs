@@ -222,16 +222,7 @@ impl Shares {
         if self.refresh < Duration::from_millis(1) {
             return invalid("shares.refresh", format!("must be at least 1ms, got {:?}", self.refresh));
         }
-        if self.lifetime < self.refresh * 2 + timeout {
-            return invalid(
-                "shares.lifetime",
-                format!(
-                    "must be at least two refresh periods plus the timeout ({:?}), got {:?}",
-                    self.refresh * 2 + timeout,
-                    self.lifetime
-                ),
-            );
-        }
+        crate::periodic::check_lifetime("shares.lifetime", self.refresh, self.lifetime, timeout)?;
         if self.max_scopes == 0 {
             return invalid("shares.max_scopes", "must be at least 1".into());
         }
