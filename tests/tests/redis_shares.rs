@@ -423,6 +423,48 @@ fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
     });
 }
 
+/// A semaphore far from full on one replica leaves room for another replica's first
+/// request: the share of the first holds its demand and half of what no demand claims,
+/// so the second replica's fetch finds permits at once. Caught: handing every unclaimed
+/// permit to the replicas that demand any, which refused the newcomer, with 2 of 64
+/// permits in use, until the holder's next refresh.
+#[test]
+fn a_replica_s_first_request_finds_permits_another_replica_does_not_use() {
+    let Some(server) = redis_for("a_replica_s_first_request_finds_permits_another_replica_does_not_use") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 64).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-first-permit"), 2).await;
+        let tenant = TenantKey::new(["a"]).unwrap();
+        let start = 1_000_000 * MS;
+        // Replica 0 holds two permits through several refreshes: its share settles.
+        let mut held = Vec::new();
+        for step in 0..100u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                replicas[0].refresh_shares(now).await;
+            }
+            if step < 2 {
+                held.push(replicas[0].acquire(&tenant, 1, now).await.unwrap());
+            }
+        }
+        // Replica 1's first requests: granted, with 62 permits free.
+        let now = Instant::from_nanos(start + 100 * MS);
+        for i in 0..4 {
+            match replicas[1].acquire(&tenant, 1, now).await {
+                Ok(grant) => replicas[1].release(&tenant, grant),
+                Err(e) => panic!("request {i} of the second replica: {e}"),
+            }
+        }
+        for grant in held {
+            replicas[0].release(&tenant, grant);
+        }
+    });
+}
+
 #[test]
 fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };
@@ -594,6 +636,67 @@ fn a_burst_excess_lets_split_bursts_sum_to_more_and_bounds_the_fleet_by_it() {
         assert_bound("global", &admitted, 300, 1_000 * MS, 2 * 30);
         // And the excess is there to use: the flood gets more than one burst at once.
         assert!(at_flood > 30, "the flood got {at_flood}");
+    });
+}
+
+/// A tenant far below its limits whose requests come in bunches of uneven size (3, then
+/// 30, every refresh period) on one replica of three: its share follows the bunches, and
+/// it is never refused, as it would not be without shares; most grants come from the
+/// share. Caught: a share given up by every period with fewer than `hot_after` requests
+/// (then 87 of 990 grants came from the share, the rest a round trip each), and a
+/// shrinking share dropping its tokens above the new burst instead of giving them back
+/// (each growth then took the pool's tokens as a gift and each shrink lost them, until
+/// the pool was dry: 64 refusals).
+#[test]
+fn a_tenant_far_below_its_limits_with_bunched_requests_is_never_refused() {
+    let Some(server) = redis_for("a_tenant_far_below_its_limits_with_bunched_requests_is_never_refused") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        // A plan as the embedding gateway's: requests and tokens a minute per org.
+        let policy = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(12_000)).burst(nz!(1_200))).per("org"))
+            .limit(
+                LimitPolicy::gcra("tpm", Quota::per_minute(nz!(1_200_000)).burst(nz!(120_000)))
+                    .per("org")
+                    .counting_cost(),
+            );
+        let ns = namespace("shares-bunched");
+        let mut replicas = Vec::new();
+        for _ in 0..3 {
+            let conn = connect(&url).await;
+            let settings = Shares::new().refresh_every(Duration::from_millis(100)).lifetime(Duration::from_secs(1));
+            replicas.push(manual(policy.clone(), "shares").namespace(&ns).shares(settings).build(&conn).unwrap());
+        }
+        let key = TenantKey::new(["acme"]).unwrap();
+        let start = 1_000_000 * MS;
+        let (mut admitted, mut refused) = (0u64, Vec::new());
+        for step in 0..6_000u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 100 == 0 {
+                for r in &replicas {
+                    r.refresh_shares(now).await;
+                }
+            }
+            if step % 100 == 50 {
+                let bunch = if (step / 100) % 2 == 0 { 3 } else { 30 };
+                let r = &replicas[0];
+                for _ in 0..bunch {
+                    match r.acquire(&key, 100, now).await {
+                        Ok(grant) => {
+                            admitted += 1;
+                            r.release(&key, grant);
+                        }
+                        Err(e) => refused.push((step, e)),
+                    }
+                }
+            }
+        }
+        assert!(refused.is_empty(), "refused {} of {}: {:?}", refused.len(), admitted, refused.first());
+        let shared: u64 = replicas.iter().map(|r| r.stats().shared_grants).sum();
+        assert!(shared * 4 >= admitted * 3, "most grants from the shares: {shared} of {admitted}");
     });
 }
 

@@ -155,6 +155,14 @@ pub struct GatewaySettings {
     /// must hold `max_request_tokens` (`mirror.burst_percent`): with smaller bursts,
     /// fewer replicas hold leases at once.
     pub account_lease_refresh: Duration,
+    /// With Redis: how often a replica renews its shares of the tenants' plans (their rates
+    /// and concurrency), deciding the requests of busy tenants from them with no round trip;
+    /// zero (the default) asks Redis for every request instead. A share lives ten periods, at
+    /// least two periods and `redis_timeout`. A tenant with fewer than four requests in a
+    /// period takes from a pool in Redis, one call per request. The fleet still admits at
+    /// most each limit's burst plus its rate over every window (the Redis guide's "Capacity
+    /// shares").
+    pub plan_share_refresh: Duration,
     /// How much later than the exact wait a refusal's `Retry-After` may say, in percent
     /// of the wait, drawn afresh per refusal: clients refused at one moment come back
     /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).

@@ -279,6 +279,7 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     print_layer_metrics();
     let upstream = summarize_upstream(&config, &upstream_stats, elapsed);
     print_account_store(&fleet.gateways, upstream.served);
+    print_plan_store(&fleet.gateways);
     if let Some(work) = redis_work {
         let answers = counters.per_replica.iter().map(|r| r.0.load(Ordering::Relaxed)).sum();
         work.print(answers).await?;

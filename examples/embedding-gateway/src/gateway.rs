@@ -74,7 +74,7 @@ use tower_limits::shell::body::{HeldBody, OpenAiStreamUsage};
 use tower_limits::{
     Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
 };
-use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection};
+use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection, Shares};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest};
@@ -247,6 +247,8 @@ struct RedisPlans {
     redis_timeout: Duration,
     /// `gateway.account_lease_refresh` (zero: the accounts per request).
     lease_refresh: Duration,
+    /// `gateway.plan_share_refresh` (zero: the plans per request).
+    share_refresh: Duration,
 }
 
 impl fmt::Debug for RedisPlans {
@@ -461,6 +463,7 @@ impl Gateway {
                 backends: Mutex::new(Vec::new()),
                 redis_timeout: config.gateway.redis_timeout,
                 lease_refresh: config.gateway.account_lease_refresh,
+                share_refresh: config.gateway.plan_share_refresh,
             })
         });
 
@@ -533,6 +536,16 @@ impl Gateway {
         self.redis_plans.as_ref()?.store.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
+    /// The plans' limits shared in Redis, one backend per plan, once this replica reached
+    /// Redis (empty in memory): their [`stats`](RedisBackend::stats) say how many
+    /// acquisitions took a round trip and how many were decided from shares.
+    #[must_use]
+    pub fn plan_backends(&self) -> Vec<RedisBackend> {
+        self.redis_plans
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.backends.lock().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+
     /// Moves the tenants' limits to Redis on `connection` (a gateway built with
     /// [`Gateway::with_sharing`] on Redis, or [`Gateway::awaiting_redis`]); requests
     /// already admitted keep what they hold until they end. Does nothing for a gateway in
@@ -555,11 +568,16 @@ impl Gateway {
         let mut services = Vec::new();
         let mut backends = Vec::new();
         for (name, policy) in &r.plans {
-            let backend = RedisBackend::builder(policy.clone())
+            let mut builder = RedisBackend::builder(policy.clone())
                 .namespace(format!("{namespace}:plan:{name}"))
                 .timeout(r.redis_timeout)
-                .on_failure(r.failure)
-                .build(connection)?;
+                .on_failure(r.failure);
+            if !r.share_refresh.is_zero() {
+                builder = builder.shares(
+                    Shares::new().refresh_every(r.share_refresh).lifetime(lifetime(r.share_refresh, r.redis_timeout)),
+                );
+            }
+            let backend = builder.build(connection)?;
             backends.push(backend.clone());
             services.push(plan_layer!(
                 LimitSetLayer::with_backend(backend).metrics_name("plan").retry_spacing(r.spacing),
@@ -582,11 +600,10 @@ impl Gateway {
             store = store.member(name.clone(), policy.clone());
         }
         if !r.lease_refresh.is_zero() {
-            let lifetime = (r.lease_refresh * 10).max(r.lease_refresh * 2 + r.redis_timeout);
             store = store.leases(
                 AccountLeases::new()
                     .refresh_every(r.lease_refresh)
-                    .lifetime(lifetime)
+                    .lifetime(lifetime(r.lease_refresh, r.redis_timeout))
                     .largest_cost(r.max_request_tokens),
             );
         }
@@ -599,6 +616,12 @@ impl Gateway {
         self.health.set_redis(backends);
         Ok(())
     }
+}
+
+/// How long a lease or a share renewed every `refresh` lives: ten periods, and at least
+/// two periods and a call's timeout.
+fn lifetime(refresh: Duration, timeout: Duration) -> Duration {
+    (refresh * 10).max(refresh * 2 + timeout)
 }
 
 /// `share` of every limit of `policy` (`1 / replicas`, at least 1 of each): what one

@@ -112,9 +112,10 @@ fn two_replicas_without_a_count_send_no_429_upstream_through_a_redis_outage() {
     });
 }
 
-/// With `gateway.account_lease_refresh`, two replicas decide the accounts from leases:
-/// calls through both are served, the upstream refuses none, and the accounts make no
-/// call per request.
+/// With `gateway.account_lease_refresh` and `gateway.plan_share_refresh`, two replicas
+/// decide the accounts from leases and the plans from shares: calls through both are
+/// served, the upstream refuses none, the accounts make no call per request, and most
+/// plan decisions take no round trip.
 #[test]
 fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
     let Some(server) = tower_limits_redis::test_support::redis_for("replicas_leasing_the_accounts") else {
@@ -122,14 +123,14 @@ fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
-        // An account of 20 requests a second, its mirror's burst half of it: each lease
+        // An account of 200 requests a second, its mirror's burst half of it: each lease
         // holds a request.
         let text = config_text(
-            "account_lease_refresh = \"50ms\"",
+            "account_lease_refresh = \"50ms\"\nplan_share_refresh = \"200ms\"",
             "org = { rpm = 600000, concurrency = 64 }",
             "http://127.0.0.1:9",
         )
-        .replace("rpm = 60000\n", "rpm = 1200\n")
+        .replace("rpm = 60000\n", "rpm = 12000\n")
         .replace("jitter = \"100ms\"", "jitter = \"100ms\"\nburst_percent = 50");
         let config = parse_config(&text);
         let (router, stats) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
@@ -140,15 +141,25 @@ fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
             let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
             replicas.push(Gateway::with_sharing(&config, in_process(router.clone()), &sharing).unwrap());
         }
-        let mut calls = Vec::new();
-        for i in 0..40 {
+        // Eight clients, each sending 25 calls one after another: the plans' scopes turn
+        // hot as the calls keep coming.
+        let mut clients = Vec::new();
+        for i in 0..8 {
             let gateway = replicas[i % 2].clone();
             let key = if i % 3 == 0 { "sk-globex-bob" } else { "sk-acme-alice" };
-            calls.push(tokio::spawn(async move { embed_as(&gateway, key, "hello").await }));
+            clients.push(tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for _ in 0..25 {
+                    answers.push(embed_as(&gateway, key, "hello").await);
+                }
+                answers
+            }));
         }
-        for call in calls {
-            let (status, body) = call.await.unwrap();
-            assert_eq!(status, StatusCode::OK, "{body}");
+        for client in clients {
+            for (status, body) in client.await.unwrap() {
+                let plans: Vec<_> = replicas.iter().flat_map(Gateway::plan_backends).map(|b| b.stats()).collect();
+                assert_eq!(status, StatusCode::OK, "{body} {plans:#?}");
+            }
         }
         assert_eq!(stats.refused(), 0, "the upstream refused calls");
         for gateway in &replicas {
@@ -156,6 +167,11 @@ fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
             assert_eq!(accounts.acquire_calls, 0, "a call per request");
             assert!(accounts.lease_refreshes > 0 && accounts.leased_grants > 0, "{accounts:?}");
         }
+        let plans: Vec<_> = replicas.iter().flat_map(Gateway::plan_backends).map(|b| b.stats()).collect();
+        let (acquisitions, shared) =
+            plans.iter().fold((0, 0), |(a, s), st| (a + st.acquisitions, s + st.shared_grants));
+        assert!(plans.iter().any(|st| st.share_refreshes > 0), "{plans:?}");
+        assert!(shared * 2 > acquisitions, "most plan decisions from shares: {plans:?}");
     });
 }
 

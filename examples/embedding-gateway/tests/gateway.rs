@@ -139,8 +139,15 @@ fn unknown_fields_and_wrong_types_carry_field_and_line() {
 #[test]
 fn validation_errors_carry_field_and_line() {
     // (replace, with, the line to expect, field, message)
-    let cases: [(&str, &str, &str, &str, &str); 6] = [
+    let cases: [(&str, &str, &str, &str, &str); 7] = [
         ("weight = 2", "weight = 0", "weight = 0", "tenant[0].weight", "must be at least 1"),
+        (
+            "[gateway]",
+            "[gateway]\nplan_share_refresh = \"2m\"",
+            "plan_share_refresh",
+            "gateway.plan_share_refresh",
+            "must be at most 60s (0s: no shares)",
+        ),
         ("plan = \"basic\"", "plan = \"gold\"", "gold", "tenant[0].plan", "no plan is named \"gold\""),
         ("sk-globex-bob", "sk-acme-alice", "sk-acme-alice", "tenant[1].key[0].key", "already belongs"),
         ("user = \"bob\"", "usr = \"bob\"", "usr", "tenant[1].key[0].usr", "unknown field"),

@@ -62,6 +62,7 @@ pub(super) struct RawGateway {
     pub(super) retry_spread_percent: Option<S<u64>>,
     pub(super) redis_timeout: Option<S<String>>,
     pub(super) account_lease_refresh: Option<S<String>>,
+    pub(super) plan_share_refresh: Option<S<String>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -197,16 +197,19 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
     let shutdown_grace = positive(&g.shutdown_grace, "gateway.shutdown_grace", Duration::from_secs(20))?;
     let upstream_timeout = positive(&g.upstream_timeout, "gateway.upstream_timeout", Duration::from_secs(30))?;
     let redis_timeout = positive(&g.redis_timeout, "gateway.redis_timeout", Duration::from_millis(250))?;
-    let account_lease_refresh = match &g.account_lease_refresh {
+    let refresh = |v: Option<&S<String>>, field: &'static str, off: &str| match v {
         Some(v) => {
-            let d = duration(src, v, "gateway.account_lease_refresh")?;
+            let d = duration(src, v, field)?;
             if d > Duration::from_secs(60) {
-                return Err(src.at(v, "gateway.account_lease_refresh", "must be at most 60s (0s: no leases)"));
+                return Err(src.at(v, field, format!("must be at most 60s (0s: {off})")));
             }
-            d
+            Ok(d)
         }
-        None => Duration::ZERO,
+        None => Ok(Duration::ZERO),
     };
+    let account_lease_refresh =
+        refresh(g.account_lease_refresh.as_ref(), "gateway.account_lease_refresh", "no leases")?;
+    let plan_share_refresh = refresh(g.plan_share_refresh.as_ref(), "gateway.plan_share_refresh", "no shares")?;
     let max_connections = match &g.max_connections {
         Some(v) => at_least(src, v, "gateway.max_connections", 1, 1 << 20)? as usize,
         None => 512,
@@ -238,6 +241,7 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         retry_spread_percent,
         redis_timeout,
         account_lease_refresh,
+        plan_share_refresh,
         auth_failures,
         listen,
         max_wait,

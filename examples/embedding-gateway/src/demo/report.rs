@@ -172,6 +172,24 @@ pub(super) fn print_account_store(gateways: &[Gateway], served: u64) {
     );
 }
 
+/// Prints how the plans shared in Redis decided: acquisitions with a round trip, from
+/// shares, and share refreshes (nothing in memory).
+pub(super) fn print_plan_store(gateways: &[Gateway]) {
+    let backends: Vec<_> = gateways.iter().flat_map(Gateway::plan_backends).collect();
+    if backends.is_empty() {
+        return;
+    }
+    let (mut acquisitions, mut shared, mut refreshes, mut trips) = (0, 0, 0, 0);
+    for b in &backends {
+        let st = b.stats();
+        (acquisitions, shared) = (acquisitions + st.acquisitions, shared + st.shared_grants);
+        (refreshes, trips) = (refreshes + st.share_refreshes, trips + st.round_trips);
+    }
+    println!(
+        "plans in Redis: {acquisitions} acquisitions, {shared} granted from shares, {refreshes} share refreshes, {trips} round trips in all"
+    );
+}
+
 /// Prints each replica's answers and tokens served, and its tokens by tenant.
 pub(super) fn print_replicas(counters: &LoadCounters, tenants: &[TenantInfo]) {
     let all: u64 = counters.per_replica.iter().map(|r| r.1.load(Ordering::Relaxed)).sum::<u64>().max(1);

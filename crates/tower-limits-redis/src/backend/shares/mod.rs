@@ -19,7 +19,10 @@
 //! caller `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up
 //! the difference at its own next refresh, and only then can another take it. A share
 //! too small to hold one unit of burst stays in the pool. Demand below `hot_after`
-//! requests a refresh (4) asks for no share: the scope stays with the pool. A replica
+//! requests a refresh (4) asks for no share: the scope stays with the pool; a scope that
+//! holds a share keeps asking while any request comes, and gives its share back after a
+//! period without one. Requests a semaphore of the set refuses are not counted as demand
+//! of its rates. A replica
 //! whose share is spent asks the pool before refusing; refused there, its share alone
 //! decides until the pool could have a token.
 //!
@@ -38,9 +41,11 @@
 //!   its request was sent, so never after Redis stops counting it (clocks need only run
 //!   at the same rate over one lifetime, not agree).
 //! - Tokens move between the pool and a replica only by a grant (`gift`, taken from the
-//!   pool) or a give-back (taken from the replica first); when a share shrinks or ends,
-//!   the tokens above its new burst are dropped, never moved. A new share starts with
-//!   what the pool gives it, not with a full burst.
+//!   pool) or a give-back (taken from the replica first): when a share shrinks, the tokens
+//!   above its new burst leave its bucket at once and reach the pool at the next refresh,
+//!   where the pool's own cap (the burst no replica holds) bounds them; when a share
+//!   expires unrenewed, its tokens are dropped. A new share starts with what the pool
+//!   gives it, not with a full burst.
 //! - A share that expired counts as held until Redis removes it, so the pool never
 //!   refills faster than the rate nobody holds.
 //!
@@ -80,9 +85,11 @@
 //! locally. It reports as the share it may be using the larger of its share and its
 //! permits held, so a share shrinks in Redis only as its permits come back: the fleet
 //! never holds more than the capacity. Its demand is the most it held or was asked at
-//! once in the period, plus a quarter. A semaphore has no pool, so the permits no demand
-//! claims are split among the replicas that demand any. A scope without a share fetches
-//! one with its first request (one call), and when every permit is held elsewhere it is
+//! once in the period, plus a quarter. A semaphore has no pool: half the permits no
+//! demand claims are split among the replicas that demand any, so that their next
+//! requests find room without a call, and the other half stay free. A scope without a
+//! share fetches one with its first request (one call) and finds those free permits;
+//! when every permit is held elsewhere it is
 //! refused, then refused locally until the next refresh period, its demand on record so
 //! that the others' next allotments make room. Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the

@@ -124,9 +124,11 @@ if op == 'R' then
     for _, e in pairs(s.e) do ds[#ds + 1] = e.d end
     local lvl = level(A, ds)
     local target = min(demand, lvl)
-    -- A semaphore has no pool: the permits no demand claims are split among the replicas
-    -- that demand any, so that a replica's next requests find room without a call.
-    if B == 0 and demand > 0 then target = target + leftover(A, ds, lvl) end
+    -- A semaphore has no pool: half the permits no demand claims are split among the
+    -- replicas that demand any, so that a replica's next requests find room without a
+    -- call; the other half stays free, so that a replica fetching its first share finds
+    -- room at once rather than a refusal until the others' next refresh.
+    if B == 0 and demand > 0 then target = target + floor(leftover(A, ds, lvl) / 2) end
     local new = min(target, A - s.rate)
     -- A share of a rate too small to hold one unit of burst stays in the pool. (A burst of
     -- 0 marks a semaphore: its shares are permits, and it has no pool.)

@@ -38,6 +38,8 @@ struct Scope {
     asks: u32,
     /// Units asked for since the last report; for permits, the most held or asked at once.
     wanted: u64,
+    /// Rates: units taken out of the bucket when its share shrank, for the pool.
+    returned: u64,
     reported: Instant,
     quiet: u8,
     /// Permits held by this replica's grants.
@@ -69,6 +71,7 @@ impl Scope {
             pending: None,
             asks: 0,
             wanted: 0,
+            returned: 0,
             reported: now,
             quiet: 0,
             in_flight: 0,
@@ -105,6 +108,14 @@ impl Scope {
             self.share = next.share;
             self.burst = next.burst;
             self.expires = next.expires;
+            // Tokens above a smaller burst go back to the pool at the next refresh: dropped,
+            // a share that shrinks and grows with its demand would drain the pool.
+            let excess = self.tokens - i128::from(self.burst) * p;
+            if excess >= p {
+                let units = excess / p;
+                self.returned = self.returned.saturating_add(u64::try_from(units).unwrap_or(u64::MAX));
+                self.tokens -= units * p;
+            }
             self.tokens = (self.tokens + i128::from(next.gift) * p).min(i128::from(self.burst) * p);
             self.advance(l, now);
         }
@@ -178,6 +189,8 @@ impl Table {
         self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let mut scopes = self.lock();
         let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::new());
+        // The rates' scopes and units: their demand, unless a semaphore refuses.
+        let mut rates: Vec<(Arc<str>, u64)> = Vec::new();
         // The limit that refuses, its wait in ns, and whether it waits for a release.
         let mut refused: Option<(usize, u64, bool)> = None;
         for (i, key) in keys.into_iter().enumerate() {
@@ -213,7 +226,7 @@ impl Table {
                 }
                 continue;
             }
-            s.wanted = s.wanted.saturating_add(units);
+            rates.push((scope.clone(), units));
             if s.share == 0 || units > s.burst {
                 cold.push(Part { limit: i, scope, units });
                 continue;
@@ -231,6 +244,15 @@ impl Table {
                 let wait = missing.div_ceil(s.share).min(s.pool_dry_until.nanos_since(now));
                 if refused.is_none_or(|(_, w, _)| wait > w) {
                     refused = Some((i, wait, false));
+                }
+            }
+        }
+        // A request a semaphore refuses asks nothing of the rates: counted, its retries
+        // would claim rate its tenant cannot use, and leave the pool dry for the others.
+        if !matches!(refused, Some((_, _, true))) {
+            for (scope, units) in rates {
+                if let Some(s) = scopes.get_mut(&scope) {
+                    s.wanted = s.wanted.saturating_add(units);
                 }
             }
         }
@@ -340,6 +362,7 @@ impl Table {
         let mut groups: HashMap<u16, (Vec<Arc<str>>, Vec<String>)> = HashMap::new();
         let cluster = inner.conn.is_cluster();
         let hot_after = self.settings.hot_after;
+        let refresh_ns = u64::try_from(self.settings.refresh.as_nanos()).unwrap_or(u64::MAX).max(1);
         scopes.retain(|key, s| {
             let Some(l) = inner.limits[s.limit].share else { return false };
             if only.is_some_and(|keys| !keys.contains(key)) {
@@ -349,9 +372,12 @@ impl Table {
             if l.permits {
                 return report_permits(key, s, &l, now, cluster, &mut groups);
             }
-            let elapsed = now.nanos_since(s.reported).max(1);
-            let hot = s.asks >= hot_after;
+            let elapsed = now.nanos_since(s.reported).max(refresh_ns);
             let mut using = s.using(now);
+            // A scope holding a share keeps it while it has requests: a tenant whose pace
+            // hovers near `hot_after` would otherwise hand its tokens to the pool and take
+            // them back period after period, each time starting from what the pool gives.
+            let hot = s.asks >= hot_after || (using > 0 && s.asks > 0);
             let mut back = 0;
             let demand = if hot {
                 let per_period = u128::from(s.wanted) * u128::from(l.period_us) * 1000 / u128::from(elapsed);
@@ -376,6 +402,7 @@ impl Table {
                 back = i64::try_from(s.tokens.div_euclid(l.period_ns())).unwrap_or(0);
                 s.tokens = 0;
             }
+            back = back.saturating_add(i64::try_from(std::mem::take(&mut s.returned)).unwrap_or(i64::MAX));
             let report = hot || back != 0;
             s.asks = 0;
             s.wanted = 0;
