@@ -22,6 +22,38 @@ pub const DEFAULT_GLOBAL_QUEUE_LIMIT: usize = 1024;
 /// The largest queue limit accepted (the queue indexes its slabs with 32 bits).
 pub const MAX_QUEUE_LIMIT: usize = (1 << 31) - 1;
 
+/// The most priority bands a queue may have.
+pub const MAX_BANDS: usize = 64;
+
+/// A priority band of a [`FairQueue`](super::FairQueue): its name, and the share of what
+/// the queue dispatches that it keeps while it has requests waiting, whatever the bands
+/// before it have queued.
+///
+/// ```
+/// use tower_limits_core::fair_queue::BandConfig;
+///
+/// let batch = BandConfig::new("batch", 10);
+/// assert_eq!((batch.name.as_str(), batch.min_share_percent), ("batch", 10));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BandConfig {
+    /// The band's name, unique in the queue.
+    pub name: String,
+    /// The percentage of the cost dispatched that the band keeps while it waits; 0 for
+    /// none (the band then goes only when the bands before it have nothing queued).
+    #[serde(default)]
+    pub min_share_percent: u32,
+}
+
+impl BandConfig {
+    /// A band named `name` keeping `min_share_percent` percent while it waits.
+    #[must_use]
+    pub fn new(name: impl Into<String>, min_share_percent: u32) -> Self {
+        BandConfig { name: name.into(), min_share_percent }
+    }
+}
+
 /// How a [`FairQueue`](super::FairQueue) shares: weights and queue limits, as plain data.
 ///
 /// Weights are relative: a tenant of weight 3 gets three times the cost of a tenant of
@@ -59,6 +91,13 @@ pub struct FairQueueConfig {
     /// The most requests queued in all; at least 1. Defaults to 1024.
     #[serde(default = "default_global_queue_limit")]
     pub global_queue_limit: usize,
+    /// Priority bands, the first going first; none is one band. Their minimum shares sum
+    /// to at most 100.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bands: Vec<BandConfig>,
+    /// The band of requests queued without one; the first band when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_band: Option<String>,
 }
 
 fn default_weight() -> u32 {
@@ -80,6 +119,8 @@ impl Default for FairQueueConfig {
             weights: BTreeMap::new(),
             tenant_queue_limit: DEFAULT_TENANT_QUEUE_LIMIT,
             global_queue_limit: DEFAULT_GLOBAL_QUEUE_LIMIT,
+            bands: Vec::new(),
+            default_band: None,
         }
     }
 }
@@ -119,6 +160,42 @@ impl FairQueueConfig {
         self
     }
 
+    /// With a priority band after those already given: `name`, keeping
+    /// `min_share_percent` percent of what the queue dispatches while it has requests
+    /// waiting. The first band goes first.
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::FairQueueConfig;
+    ///
+    /// let config = FairQueueConfig::new().band("interactive", 0).band("batch", 10).default_band("batch");
+    /// config.validate().unwrap();
+    /// assert_eq!(config.band_index("batch"), Some(1));
+    /// ```
+    #[must_use]
+    pub fn band(mut self, name: impl Into<String>, min_share_percent: u32) -> Self {
+        self.bands.push(BandConfig::new(name, min_share_percent));
+        self
+    }
+
+    /// With the band of requests queued without one (the first band when unset).
+    #[must_use]
+    pub fn default_band(mut self, name: impl Into<String>) -> Self {
+        self.default_band = Some(name.into());
+        self
+    }
+
+    /// The index of the band named `name` (0 is the first).
+    #[must_use]
+    pub fn band_index(&self, name: &str) -> Option<usize> {
+        self.bands.iter().position(|b| b.name == name)
+    }
+
+    /// The index of the band of requests queued without one.
+    #[must_use]
+    pub fn default_band_index(&self) -> usize {
+        self.default_band.as_deref().and_then(|n| self.band_index(n)).unwrap_or(0)
+    }
+
     /// The weight of the tenant named `name`: its entry in `weights`, or the default.
     #[must_use]
     pub fn weight_for(&self, name: &str) -> u32 {
@@ -144,6 +221,30 @@ impl FairQueueConfig {
             }
             if limit > MAX_QUEUE_LIMIT {
                 return Err(PolicyError::new(field, format!("must be at most {MAX_QUEUE_LIMIT}")));
+            }
+        }
+        if self.bands.len() > MAX_BANDS {
+            return Err(PolicyError::new("bands", format!("at most {MAX_BANDS} bands, got {}", self.bands.len())));
+        }
+        let mut total = 0u64;
+        for (i, band) in self.bands.iter().enumerate() {
+            if band.name.is_empty() {
+                return Err(PolicyError::new(format!("bands[{i}].name"), "must not be empty"));
+            }
+            if self.bands[..i].iter().any(|b| b.name == band.name) {
+                return Err(PolicyError::new(format!("bands[{i}].name"), format!("{:?} is named twice", band.name)));
+            }
+            total += u64::from(band.min_share_percent);
+            if total > 100 {
+                return Err(PolicyError::new(
+                    format!("bands[{i}].min_share_percent"),
+                    format!("the minimum shares sum to {total}%, above 100%"),
+                ));
+            }
+        }
+        if let Some(name) = &self.default_band {
+            if self.band_index(name).is_none() {
+                return Err(PolicyError::new("default_band", format!("no band is named {name:?}")));
             }
         }
         Ok(())

@@ -35,8 +35,9 @@
 //! request; cancelling a request behind the head changes no tag at all; and a tenant's
 //! tags depend only on what it was actually served, never on what it queued.
 //!
-//! **Where things live.** This file holds [`FairQueue`] and its operations (enqueue,
-//! dispatch, cancel, idle records); `tenant.rs` a tenant's record and its tag arithmetic;
+//! **Where things live.** This file holds [`FairQueue`] and its choice of band;
+//! `lane.rs` one band's operations (enqueue, dispatch, cancel, idle records);
+//! `tenant.rs` a tenant's record and its tag arithmetic;
 //! `heap.rs` the heaps of backlogged and idle tenants, whose entries move in place, so
 //! dispatch and every change of a head cost O(log n) in the number of backlogged tenants;
 //! `slab.rs` the requests, in one slab where each tenant's queue is a doubly linked list
@@ -80,6 +81,34 @@
 //!   it was away.
 //! - **Work-conserving**: [`FairQueue::pop_next`] dispatches whenever anything is
 //!   queued.
+//!
+//! # Priority bands
+//!
+//! A queue may have priority bands ([`FairQueueConfig::band`]): interactive traffic
+//! ahead of batch jobs, without starving them. Each band is a queue of its own as
+//! described above (its own virtual time, tenant records and busy periods), so tenants
+//! share by weight inside a band, with every law above. A request goes into one band
+//! ([`FairQueue::enqueue_in`]; [`FairQueue::enqueue`] uses the default band). Between
+//! bands:
+//!
+//! - **Order.** The first band with requests dispatches, unless a later band is owed its
+//!   minimum share.
+//! - **Minimum share.** A band with `min_share_percent = m` keeps `m`% of the cost
+//!   dispatched while it waits. Each waiting band keeps a deficit: `m`% of every cost
+//!   dispatched from then on (its own included), less what it was served. Before the
+//!   first band goes, the band owed the most (a deficit above zero; the first on a tie)
+//!   goes instead. Serving the band owed most keeps every deficit within about one
+//!   request: law 31 checks, on random traces of two to four bands, that a waiting band is
+//!   never more than its largest request below its minimum share, and never ahead of an
+//!   earlier band unless owed. Serving the first owed band instead broke that bound.
+//! - **No banked share.** A band's deficit starts at zero when it starts waiting and is
+//!   dropped when its last request leaves, so a band that was away owes and is owed
+//!   nothing on its return.
+//!
+//! The minimum shares sum to at most 100%; a band with none goes only when the bands
+//! before it have nothing queued. With one band (the default), the queue is exactly the
+//! start-time fair queue above. Limits are per band for a tenant's queue, and over all
+//! bands for the global one; each band keeps at most the global limit of idle records.
 //!
 //! # Idle tenants and memory
 //!
@@ -145,25 +174,24 @@
 
 mod config;
 mod heap;
+mod lane;
 mod slab;
 mod stats;
 mod tenant;
 
 use std::fmt;
-use std::hash::{BuildHasher, Hash};
+use std::hash::Hash;
 
-use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+use hashbrown::HashMap;
 
 use crate::policy_error::PolicyError;
 pub use config::{
-    DEFAULT_GLOBAL_QUEUE_LIMIT, DEFAULT_TENANT_QUEUE_LIMIT, FairQueueConfig, MAX_QUEUE_LIMIT, QueueFull, QueueKind,
+    BandConfig, DEFAULT_GLOBAL_QUEUE_LIMIT, DEFAULT_TENANT_QUEUE_LIMIT, FairQueueConfig, MAX_BANDS, MAX_QUEUE_LIMIT,
+    QueueFull, QueueKind,
 };
-use heap::{Entry, Heap};
+use lane::Lane;
 pub use slab::Ticket;
-use slab::{NONE, Node};
-use stats::Counters;
 pub use stats::{FairQueueStats, TenantStats};
-use tenant::{Tenant, tenant, tenant_mut};
 
 /// The request [`FairQueue::pop_next`] would dispatch, from [`FairQueue::peek_next`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,7 +217,8 @@ pub struct Dispatched<K, T> {
     pub item: T,
 }
 
-/// A weighted-fair queue of tenants' requests (start-time fair queuing).
+/// A weighted-fair queue of tenants' requests (start-time fair queuing), in priority
+/// bands.
 ///
 /// `K` is the tenant key (cloned once per dispatch: use a cheap one such as an `Arc`
 /// or a [`TenantKey`](crate::TenantKey)); `T` is what a request leaves in the queue,
@@ -200,24 +229,18 @@ pub struct FairQueue<K, T> {
     /// The weights of tenants by key ([`FairQueue::with_weights`]); any other tenant has
     /// the configuration's `default_weight`.
     weights: HashMap<K, u32>,
-    tenant_limit: usize,
+    /// One per band, the first going first.
+    lanes: Vec<Lane<K, T>>,
+    /// Each band's minimum share, in millionths.
+    shares: Vec<i128>,
+    /// Each backlogged band's deficit: its minimum share of what was dispatched while it
+    /// waited, less what it was served, in millionths of a cost unit.
+    deficits: Vec<i128>,
+    default_band: u8,
     global_limit: usize,
-    hasher: DefaultHashBuilder,
-    /// Tenant slot numbers, found by the tenant's key.
-    table: HashTable<u32>,
-    tenants: Vec<Option<Tenant<K>>>,
-    free_tenants: Vec<u32>,
-    /// Each tenant's position in `backlogged` (when it has requests queued) or `idle`.
-    positions: Vec<u32>,
-    backlogged: Heap,
-    idle: Heap,
-    nodes: Vec<Node<T>>,
-    free_node: u32,
     queued: usize,
-    /// Virtual time, in 2^-32 cost units per weight.
-    vtime: u128,
     next_seq: u64,
-    counters: Counters,
+    refused_global: u64,
 }
 
 impl<K, T> fmt::Debug for FairQueue<K, T> {
@@ -225,11 +248,13 @@ impl<K, T> fmt::Debug for FairQueue<K, T> {
         f.debug_struct("FairQueue")
             .field("config", &self.config)
             .field("queued", &self.queued)
-            .field("backlogged_tenants", &self.backlogged.entries.len())
-            .field("tracked_tenants", &self.table.len())
+            .field("bands", &self.lanes.len())
             .finish_non_exhaustive()
     }
 }
+
+/// Millionths in one.
+const MILLION: i128 = 1_000_000;
 
 impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// An empty queue sharing by `config`.
@@ -238,24 +263,25 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// The first problem with the configuration, naming its field.
     pub fn new(config: FairQueueConfig) -> Result<Self, PolicyError> {
         config.validate()?;
+        let (tenant_limit, global_limit) = (config.tenant_queue_limit, config.global_queue_limit);
+        let bands = config.bands.len().max(1);
+        let shares: Vec<i128> = if config.bands.is_empty() {
+            vec![0]
+        } else {
+            config.bands.iter().map(|b| i128::from(b.min_share_percent) * 10_000).collect()
+        };
+        let default_band = config.default_band_index();
         Ok(FairQueue {
-            tenant_limit: config.tenant_queue_limit,
-            global_limit: config.global_queue_limit,
+            lanes: (0..bands).map(|_| Lane::new(tenant_limit, global_limit)).collect(),
+            shares,
+            deficits: vec![0; bands],
+            default_band: u8::try_from(default_band).unwrap_or(u8::MAX),
+            global_limit,
             config,
             weights: HashMap::new(),
-            hasher: DefaultHashBuilder::default(),
-            table: HashTable::new(),
-            tenants: Vec::new(),
-            free_tenants: Vec::new(),
-            positions: Vec::new(),
-            backlogged: Heap::default(),
-            idle: Heap::default(),
-            nodes: Vec::new(),
-            free_node: NONE,
             queued: 0,
-            vtime: 0,
             next_seq: 0,
-            counters: Counters::default(),
+            refused_global: 0,
         })
     }
 
@@ -292,9 +318,16 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         self.weights.get(key).copied().unwrap_or(self.config.default_weight)
     }
 
+    /// How many bands the queue has (1 when none is configured).
+    #[must_use]
+    pub fn bands(&self) -> usize {
+        self.lanes.len()
+    }
+
     /// Queues a request of tenant `key` costing `cost` at the tenant's own
-    /// [`weight`](Self::weight), leaving `item` in the queue until it is dispatched or
-    /// cancelled. A cost of 0 is queued in turn like any other and charges nothing.
+    /// [`weight`](Self::weight), in the default band, leaving `item` in the queue until it
+    /// is dispatched or cancelled. A cost of 0 is queued in turn like any other and
+    /// charges nothing.
     ///
     /// ```
     /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
@@ -310,183 +343,140 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// ```
     ///
     /// # Errors
-    /// As [`enqueue_weighted`](Self::enqueue_weighted).
+    /// As [`enqueue_in`](Self::enqueue_in).
     pub fn enqueue(&mut self, key: K, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
         let weight = self.weight(&key);
-        self.enqueue_weighted(key, weight, cost, item)
+        self.enqueue_in(usize::from(self.default_band), key, weight, cost, item)
     }
 
     /// Queues a request of tenant `key` costing `cost` at the weight `weight` rather than
-    /// its own: for a weight that changes with what the caller learns (a replica's share
-    /// of a fleet-wide tenant, see [`FleetShares`](crate::FleetShares)). `weight`
-    /// becomes the tenant's weight for what it is served from now on, its queued requests
-    /// included; a weight of 0 counts as 1.
+    /// its own, in the default band: for a weight that changes with what the caller
+    /// learns (a replica's share of a fleet-wide tenant, see
+    /// [`FleetShares`](crate::FleetShares)). `weight` becomes the tenant's weight for what
+    /// it is served from now on, its queued requests included; a weight of 0 counts as 1.
+    ///
+    /// # Errors
+    /// As [`enqueue_in`](Self::enqueue_in).
+    pub fn enqueue_weighted(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
+        self.enqueue_in(usize::from(self.default_band), key, weight, cost, item)
+    }
+
+    /// Queues a request of tenant `key` costing `cost` at weight `weight` in band `band`
+    /// (0 is the first band configured, which goes first; a band beyond the last is the
+    /// last). Within a band, tenants share by weight; a tenant's requests in different
+    /// bands are queued and charged separately.
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// // Interactive first; batch keeps a quarter while it has work.
+    /// let config = FairQueueConfig::new().band("interactive", 0).band("batch", 25);
+    /// let mut queue = FairQueue::new(config)?;
+    /// for _ in 0..8 {
+    ///     queue.enqueue_in(1, "nightly", 1, 1, ()).unwrap();
+    ///     queue.enqueue_in(0, "chat", 1, 1, ()).unwrap();
+    /// }
+    /// let first: Vec<usize> = (0..8).map(|_| queue.pop_next().unwrap().ticket.band()).collect();
+    /// assert_eq!(first, [0, 1, 0, 0, 0, 1, 0, 0]);
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
     ///
     /// # Errors
     /// [`QueueFull`], giving `item` back, when the tenant already has
-    /// `tenant_queue_limit` requests queued ([`QueueKind::Tenant`], checked first) or the
-    /// queue holds `global_queue_limit` ([`QueueKind::Global`]). Nothing changes but the
-    /// refusal counters.
-    pub fn enqueue_weighted(&mut self, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
-        let weight = weight.max(1);
-        let hash = self.hasher.hash_one(&key);
-        let tenants = &self.tenants;
-        let found = self.table.find(hash, |&s| tenant(tenants, s).key == key).copied();
-        if let Some(slot) = found {
-            if tenant(&self.tenants, slot).len as usize >= self.tenant_limit {
-                self.counters.refused_tenant += 1;
-                return Err(QueueFull { kind: QueueKind::Tenant, limit: self.tenant_limit, item });
+    /// `tenant_queue_limit` requests queued in the band ([`QueueKind::Tenant`], checked
+    /// first) or the queue holds `global_queue_limit` in all ([`QueueKind::Global`]).
+    /// Nothing changes but the refusal counters.
+    pub fn enqueue_in(&mut self, band: usize, key: K, weight: u32, cost: u64, item: T) -> Result<Ticket, QueueFull<T>> {
+        let band = band.min(self.lanes.len() - 1);
+        let global_full = (self.queued >= self.global_limit).then_some(self.global_limit);
+        let mut ticket = match self.lanes[band].enqueue(key, weight, cost, item, self.next_seq, global_full) {
+            Ok(ticket) => ticket,
+            Err(full) => {
+                if full.kind == QueueKind::Global {
+                    self.refused_global += 1;
+                }
+                return Err(full);
             }
-        }
-        if self.queued >= self.global_limit {
-            self.counters.refused_global += 1;
-            return Err(QueueFull { kind: QueueKind::Global, limit: self.global_limit, item });
-        }
-
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let (slot, fresh) = match found {
-            Some(slot) => (slot, false),
-            None => (self.add_tenant(key, hash, weight), true),
         };
-        let node = self.add_node(Node { item: Some(item), seq, cost, tenant: slot, prev: NONE, next: NONE });
-        let t = tenant_mut(&mut self.tenants, slot);
-        let was_empty = t.len == 0;
-        if t.tail == NONE {
-            t.head = node;
-        } else {
-            self.nodes[t.tail as usize].next = node;
-            self.nodes[node as usize].prev = t.tail;
-        }
-        t.tail = node;
-        t.len += 1;
-        t.queued_cost = t.queued_cost.saturating_add(cost);
+        self.next_seq += 1;
         self.queued += 1;
-        self.counters.enqueued += 1;
+        ticket.band = band as u8;
+        Ok(ticket)
+    }
 
-        if was_empty {
-            if !fresh {
-                // Idle with F > V: it starts at F, so take it off the idle heap.
-                let at = self.positions[slot as usize] as usize;
-                self.idle.remove(at, &mut self.positions);
-            }
-            let t = tenant_mut(&mut self.tenants, slot);
-            t.reweight(weight);
-            let entry = Entry { tag: t.tag, seq, tenant: slot };
-            self.backlogged.push(entry, &mut self.positions);
-        } else if t.reweight(weight) {
-            let at = self.positions[slot as usize] as usize;
-            let entry = Entry { tag: t.tag, ..self.backlogged.entries[at] };
-            self.backlogged.replace_later(at, entry, &mut self.positions);
+    /// The band that dispatches next: the band owed most of its minimum share, if any is
+    /// owed (the first on a tie); otherwise the first band with requests queued.
+    fn next_band(&self) -> Option<usize> {
+        if self.lanes.len() == 1 {
+            return (!self.lanes[0].is_empty()).then_some(0);
         }
-        Ok(Ticket { slot: node, seq })
+        let mut owed: Option<(i128, usize)> = None;
+        for (b, lane) in self.lanes.iter().enumerate() {
+            let d = self.deficits[b];
+            if d > 0 && !lane.is_empty() && owed.is_none_or(|(most, _)| d > most) {
+                owed = Some((d, b));
+            }
+        }
+        owed.map(|(_, b)| b).or_else(|| self.lanes.iter().position(|l| !l.is_empty()))
     }
 
     /// The request [`pop_next`](Self::pop_next) would dispatch now, without taking it.
     #[must_use]
     pub fn peek_next(&self) -> Option<Next<'_, K>> {
-        let top = self.backlogged.entries.first()?;
-        let t = tenant(&self.tenants, top.tenant);
-        let node = &self.nodes[t.head as usize];
-        Some(Next { key: &t.key, ticket: Ticket { slot: t.head, seq: node.seq }, cost: node.cost })
+        let band = self.next_band()?;
+        let mut next = self.lanes[band].peek_next()?;
+        next.ticket.band = band as u8;
+        Some(next)
     }
 
-    /// Dispatches the next request: the head, among the tenants with requests queued,
-    /// with the smallest start tag (the earliest arrival on a tie). Its cost is charged
-    /// to its tenant. `None` only when nothing is queued.
+    /// Dispatches the next request: from the band [`peek_next`](Self::peek_next) names,
+    /// the head, among its tenants with requests queued, with the smallest start tag (the
+    /// earliest arrival on a tie). Its cost is charged to its tenant and counted to every
+    /// waiting band's minimum share. `None` only when nothing is queued.
     pub fn pop_next(&mut self) -> Option<Dispatched<K, T>> {
-        let top = *self.backlogged.entries.first()?;
-        let slot = top.tenant;
-        self.vtime = self.vtime.max(top.tag);
-        let t = tenant_mut(&mut self.tenants, slot);
-        let at = t.head;
-        let node = &mut self.nodes[at as usize];
-        let item = node.item.take()?;
-        let (cost, seq, next) = (node.cost, node.seq, node.next);
-        node.next = self.free_node;
-        self.free_node = at;
-        t.head = next;
-        if next == NONE {
-            t.tail = NONE;
-        } else {
-            self.nodes[next as usize].prev = NONE;
-        }
-        t.len -= 1;
-        t.queued_cost = t.queued_cost.saturating_sub(cost);
-        t.dispatched += 1;
-        t.dispatched_cost = t.dispatched_cost.saturating_add(cost);
-        t.advance(cost);
-        let key = t.key.clone();
+        let band = self.next_band()?;
+        let mut out = self.lanes[band].pop_next()?;
+        out.ticket.band = band as u8;
         self.queued -= 1;
-        self.counters.dispatched += 1;
-        self.counters.dispatched_cost = self.counters.dispatched_cost.saturating_add(cost);
-
-        if next == NONE {
-            self.backlogged.remove(0, &mut self.positions);
-            self.park(slot);
-        } else {
-            // Still backlogged: the next head starts where this request finished.
-            let entry = Entry { tag: t.tag, seq: self.nodes[next as usize].seq, tenant: slot };
-            self.backlogged.replace_later(0, entry, &mut self.positions);
+        if self.lanes.len() > 1 {
+            let cost = i128::from(out.cost);
+            for (b, lane) in self.lanes.iter().enumerate() {
+                if b == band || !lane.is_empty() {
+                    self.deficits[b] = self.deficits[b].saturating_add(self.shares[b] * cost);
+                }
+            }
+            self.deficits[band] = self.deficits[band].saturating_sub(MILLION * cost);
+            if self.lanes[band].is_empty() {
+                // Its backlog ended: a share is kept while a band waits, never banked.
+                self.deficits[band] = 0;
+            }
         }
-        self.expire_idle();
-        Some(Dispatched { key, ticket: Ticket { slot: at, seq }, cost, item })
+        Some(out)
     }
 
     /// Takes a queued request out, returning its item; `None`, changing nothing, when the
     /// ticket's request was already dispatched or cancelled. Nothing is charged.
     pub fn cancel(&mut self, ticket: Ticket) -> Option<T> {
-        let node = self.nodes.get_mut(ticket.slot as usize)?;
-        if node.seq != ticket.seq || node.item.is_none() {
-            return None;
-        }
-        let item = node.item.take();
-        let (slot, cost, prev, next) = (node.tenant, node.cost, node.prev, node.next);
-        node.next = self.free_node;
-        node.prev = NONE;
-        self.free_node = ticket.slot;
-        let t = tenant_mut(&mut self.tenants, slot);
-        if prev == NONE {
-            t.head = next;
-        } else {
-            self.nodes[prev as usize].next = next;
-        }
-        if next == NONE {
-            t.tail = prev;
-        } else {
-            self.nodes[next as usize].prev = prev;
-        }
-        t.len -= 1;
-        t.queued_cost = t.queued_cost.saturating_sub(cost);
+        let band = usize::from(ticket.band);
+        let lane = self.lanes.get_mut(band)?;
+        let item = lane.cancel(ticket)?;
         self.queued -= 1;
-        self.counters.cancelled += 1;
-
-        let at = self.positions[slot as usize] as usize;
-        if t.len == 0 {
-            self.backlogged.remove(at, &mut self.positions);
-            // Its finish tag is the start tag its head had: nothing was served.
-            self.park(slot);
-            self.expire_idle();
-        } else if prev == NONE {
-            // The next request inherits the start tag; only the tie-break changes.
-            let entry = Entry { seq: self.nodes[next as usize].seq, ..self.backlogged.entries[at] };
-            self.backlogged.replace_later(at, entry, &mut self.positions);
+        if lane.is_empty() {
+            self.deficits[band] = 0;
         }
-        item
+        Some(item)
     }
 
     /// The item of a queued request.
     #[must_use]
     pub fn get(&self, ticket: Ticket) -> Option<&T> {
-        let node = self.nodes.get(ticket.slot as usize)?;
-        if node.seq == ticket.seq { node.item.as_ref() } else { None }
+        self.lanes.get(usize::from(ticket.band))?.get(ticket)
     }
 
     /// The item of a queued request, to change it (say, to store a newer waker).
     #[must_use]
     pub fn get_mut(&mut self, ticket: Ticket) -> Option<&mut T> {
-        let node = self.nodes.get_mut(ticket.slot as usize)?;
-        if node.seq == ticket.seq { node.item.as_mut() } else { None }
+        self.lanes.get_mut(usize::from(ticket.band))?.get_mut(ticket)
     }
 
     /// How many requests are queued.
@@ -501,24 +491,30 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         self.queued == 0
     }
 
-    /// Counters of one tenant; `None` when the queue keeps no record of it (it has
-    /// nothing queued and is due nothing more than a tenant never seen).
+    /// How many requests are queued in `band`.
+    #[must_use]
+    pub fn band_len(&self, band: usize) -> usize {
+        self.lanes.get(band).map_or(0, Lane::len)
+    }
+
+    /// Counters of one tenant, over every band; `None` when the queue keeps no record of
+    /// it (it has nothing queued and is due nothing more than a tenant never seen).
     #[must_use]
     pub fn tenant_stats(&self, key: &K) -> Option<TenantStats> {
-        let hash = self.hasher.hash_one(key);
-        let slot = *self.table.find(hash, |&s| tenant(&self.tenants, s).key == *key)?;
-        let t = tenant(&self.tenants, slot);
-        Some(TenantStats {
-            weight: t.weight,
-            queued: t.len as usize,
-            queued_cost: t.queued_cost,
-            dispatched: t.dispatched,
-            dispatched_cost: t.dispatched_cost,
-        })
+        let mut found = self.lanes.iter().filter_map(|l| l.tenant_stats(key));
+        let first = found.next()?;
+        Some(found.fold(first, |a, b| TenantStats {
+            weight: a.weight,
+            queued: a.queued + b.queued,
+            queued_cost: a.queued_cost.saturating_add(b.queued_cost),
+            dispatched: a.dispatched + b.dispatched,
+            dispatched_cost: a.dispatched_cost.saturating_add(b.dispatched_cost),
+        }))
     }
 
     /// The tenants with requests queued, with how many requests and how much cost each
-    /// has queued, in no particular order: what a fleet reports as this replica's demand
+    /// has queued, in no particular order (a tenant waiting in two bands appears twice):
+    /// what a fleet reports as this replica's demand
     /// ([`FleetShares`](crate::fleet::FleetShares)).
     ///
     /// ```
@@ -530,103 +526,32 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// assert_eq!(queue.backlog().collect::<Vec<_>>(), [(&"a", 2, 7)]);
     /// ```
     pub fn backlog(&self) -> impl Iterator<Item = (&K, u64, u64)> + '_ {
-        self.backlogged.entries.iter().map(|e| {
-            let t = tenant(&self.tenants, e.tenant);
-            (&t.key, u64::from(t.len), t.queued_cost)
-        })
+        self.lanes.iter().flat_map(Lane::backlog)
     }
 
-    /// Counters of the whole queue.
+    /// Counters of the whole queue, every band together.
     #[must_use]
     pub fn stats(&self) -> FairQueueStats {
-        FairQueueStats {
-            queued: self.queued,
-            backlogged_tenants: self.backlogged.entries.len(),
-            tracked_tenants: self.table.len(),
-            enqueued: self.counters.enqueued,
-            dispatched: self.counters.dispatched,
-            dispatched_cost: self.counters.dispatched_cost,
-            cancelled: self.counters.cancelled,
-            refused_tenant_full: self.counters.refused_tenant,
-            refused_global_full: self.counters.refused_global,
-            evicted_idle: self.counters.evicted,
+        let mut all = FairQueueStats { refused_global_full: self.refused_global, ..FairQueueStats::default() };
+        for lane in &self.lanes {
+            let s = lane.stats();
+            all.queued += s.queued;
+            all.backlogged_tenants += s.backlogged_tenants;
+            all.tracked_tenants += s.tracked_tenants;
+            all.enqueued += s.enqueued;
+            all.dispatched += s.dispatched;
+            all.dispatched_cost = all.dispatched_cost.saturating_add(s.dispatched_cost);
+            all.cancelled += s.cancelled;
+            all.refused_tenant_full += s.refused_tenant_full;
+            all.evicted_idle += s.evicted_idle;
         }
+        all
     }
 
-    fn add_tenant(&mut self, key: K, hash: u64, weight: u32) -> u32 {
-        let record = Tenant::new(key, hash, self.vtime, weight);
-        let slot = match self.free_tenants.pop() {
-            Some(slot) => {
-                self.tenants[slot as usize] = Some(record);
-                slot
-            }
-            None => {
-                self.tenants.push(Some(record));
-                self.positions.push(NONE);
-                (self.tenants.len() - 1) as u32
-            }
-        };
-        let tenants = &self.tenants;
-        self.table.insert_unique(hash, slot, |&s| tenant(tenants, s).hash);
-        slot
-    }
-
-    /// Files a tenant whose queue just emptied: dropped when its finish tag is reached,
-    /// kept on the idle heap otherwise.
-    fn park(&mut self, slot: u32) {
-        let finish = tenant(&self.tenants, slot).ceil_tag();
-        if finish <= self.vtime {
-            self.drop_tenant(slot);
-            return;
-        }
-        self.idle.push(Entry { tag: finish, seq: u64::from(slot), tenant: slot }, &mut self.positions);
-        if self.idle.entries.len() > self.global_limit {
-            // Forget the one due least: it may start up to its last cost/weight early.
-            let oldest = self.idle.remove(0, &mut self.positions);
-            self.drop_tenant(oldest.tenant);
-            self.counters.evicted += 1;
-        }
-    }
-
-    /// Drops idle records whose finish tag virtual time has reached, and everything at
-    /// the end of a busy period.
-    fn expire_idle(&mut self) {
-        if self.backlogged.entries.is_empty() {
-            self.end_busy_period();
-            return;
-        }
-        while let Some(&top) = self.idle.entries.first() {
-            if top.tag > self.vtime {
-                break;
-            }
-            self.idle.remove(0, &mut self.positions);
-            self.drop_tenant(top.tenant);
-        }
-    }
-
-    /// Nothing is queued: virtual time moves past every finish tag and all records go.
-    fn end_busy_period(&mut self) {
-        debug_assert_eq!(self.queued, 0);
-        if let Some(latest) = self.idle.entries.iter().map(|e| e.tag).max() {
-            self.vtime = self.vtime.max(latest);
-        }
-        self.idle.entries.clear();
-        self.table.clear();
-        self.tenants.clear();
-        self.free_tenants.clear();
-        self.positions.clear();
-        self.nodes.clear();
-        self.free_node = NONE;
-    }
-
-    fn drop_tenant(&mut self, slot: u32) {
-        let hash = tenant(&self.tenants, slot).hash;
-        if let Ok(entry) = self.table.find_entry(hash, |&s| s == slot) {
-            entry.remove();
-        }
-        self.tenants[slot as usize] = None;
-        self.positions[slot as usize] = NONE;
-        self.free_tenants.push(slot);
+    /// Counters of one band (its refusals of a full queue apart); `None` beyond the last.
+    #[must_use]
+    pub fn band_stats(&self, band: usize) -> Option<FairQueueStats> {
+        self.lanes.get(band).map(Lane::stats)
     }
 }
 

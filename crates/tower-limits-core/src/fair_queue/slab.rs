@@ -7,14 +7,10 @@
 //! number, which the queue never gives twice, so a ticket of a request already
 //! dispatched or cancelled matches nothing, even after its slot is reused.
 
-use std::hash::Hash;
-
-use super::FairQueue;
-
 /// The end of a list, and no position.
 pub(super) const NONE: u32 = u32::MAX;
 
-/// Identifies one queued request, to [`cancel`](FairQueue::cancel) it or reach its item.
+/// Identifies one queued request, to [`cancel`](super::FairQueue::cancel) it or reach its item.
 ///
 /// A ticket stays unique for the life of the queue that issued it: once its request is
 /// dispatched or cancelled, the ticket matches nothing, even after its slot is reused.
@@ -23,6 +19,7 @@ pub(super) const NONE: u32 = u32::MAX;
 pub struct Ticket {
     pub(super) slot: u32,
     pub(super) seq: u64,
+    pub(super) band: u8,
 }
 
 impl Ticket {
@@ -30,6 +27,12 @@ impl Ticket {
     #[must_use]
     pub fn arrival(&self) -> u64 {
         self.seq
+    }
+
+    /// The band the request waits in (0, the first band configured, goes first).
+    #[must_use]
+    pub fn band(&self) -> usize {
+        usize::from(self.band)
     }
 }
 
@@ -42,19 +45,4 @@ pub(super) struct Node<T> {
     pub(super) prev: u32,
     /// The next request of the tenant, or the next free slot.
     pub(super) next: u32,
-}
-
-impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
-    pub(super) fn add_node(&mut self, node: Node<T>) -> u32 {
-        if self.free_node == NONE {
-            self.nodes.push(node);
-            (self.nodes.len() - 1) as u32
-        } else {
-            let at = self.free_node;
-            let slot = &mut self.nodes[at as usize];
-            self.free_node = slot.next;
-            *slot = node;
-            at
-        }
-    }
 }

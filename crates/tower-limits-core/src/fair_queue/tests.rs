@@ -1,14 +1,29 @@
 //! Unit tests of the weighted-fair queue: its order, shares and bounds.
 
-use super::tenant::FRACTION_BITS;
+use std::hash::Hash;
+
+use super::lane::Lane;
+use super::slab::NONE;
+use super::tenant::{FRACTION_BITS, Tenant};
 use super::*;
 
 fn queue<T>(tenant: usize, global: usize) -> FairQueue<&'static str, T> {
     FairQueue::new(FairQueueConfig::new().tenant_queue_limit(tenant).global_queue_limit(global)).unwrap()
 }
 
-/// Every structural invariant the module relies on.
+/// Every structural invariant the module relies on, in every band.
 fn check<K: Hash + Eq + Clone, T>(q: &FairQueue<K, T>) {
+    assert_eq!(q.queued, q.lanes.iter().map(|l| l.queued).sum::<usize>());
+    assert!(q.queued <= q.global_limit);
+    for (b, lane) in q.lanes.iter().enumerate() {
+        check_lane(lane);
+        if lane.queued == 0 {
+            assert_eq!(q.deficits[b], 0, "an empty band owes nothing");
+        }
+    }
+}
+
+fn check_lane<K: Hash + Eq + Clone, T>(q: &Lane<K, T>) {
     let mut live = 0;
     let mut queued = 0;
     let mut backlogged = 0;
@@ -129,7 +144,7 @@ fn stale_tickets_touch_nothing() {
     *q.get_mut(second).unwrap() = "changed";
     assert_eq!(q.cancel(second), Some("changed"));
     assert_eq!(q.cancel(second), None);
-    assert_eq!(q.cancel(Ticket { slot: 1000, seq: 0 }), None);
+    assert_eq!(q.cancel(Ticket { slot: 1000, seq: 0, band: 0 }), None);
     assert_eq!(q.len(), 1);
     check(&q);
 }
