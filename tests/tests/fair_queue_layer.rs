@@ -261,6 +261,51 @@ async fn slots_are_shared_by_weight() {
     assert_eq!(fair.stats().refused.total(), 0);
 }
 
+/// Priority bands through the layer: one slot; tenant 2 sends batch work (band 1, a
+/// fifth kept while it waits), tenants 0 and 1 interactive work (band 0, weights 1 and
+/// 3). Interactive goes first, batch keeps a fifth of the slot's turns, and inside the
+/// interactive band the weights hold.
+#[tokio::test(start_paused = true)]
+async fn bands_go_in_order_and_a_lower_band_keeps_its_minimum_share() {
+    let queue = config(&[1, 3, 1]).band("interactive", 0).band("batch", 20);
+    let fair = FairQueueLayer::concurrency(queue, 1)
+        .unwrap()
+        .key(keys())
+        .band(|job: &Job| (job.0 == 2).then_some(1))
+        .cost(costs());
+    let log = Log::default();
+    let svc = ServiceBuilder::new().layer(fair.clone()).service(recorder(
+        log.clone(),
+        u64::MAX,
+        Arc::new(Notify::new()),
+        Duration::from_millis(1),
+    ));
+    let mut calls = JoinSet::new();
+    // The batch tenant arrives first and takes the free slot; then everyone queues.
+    for tenant in std::iter::once(2).chain((0..60).map(|i| [2, 0, 1][i % 3])) {
+        let mut svc = svc.clone();
+        let call = svc.ready().await.unwrap().call((tenant, 1));
+        calls.spawn(call);
+        settle().await;
+    }
+    while let Some(done) = calls.join_next().await {
+        done.unwrap().unwrap();
+    }
+    let order: Vec<u32> = log.lock().unwrap().iter().map(|((t, _), _)| *t).collect();
+    // After the first (which found the slot free), while both bands wait: 40 interactive
+    // requests and a fifth of the turns to batch, i.e. 10 batch requests in the first 50.
+    let first_50 = &order[1..51];
+    let batch = first_50.iter().filter(|&&t| t == 2).count();
+    assert_eq!(batch, 10, "{order:?}");
+    assert_eq!(first_50.iter().filter(|&&t| t != 2).count(), 40);
+    // Inside the interactive band, weights 1 and 3 while both tenants wait (the heavy
+    // one's 20 requests last about 25 turns).
+    let count = |t: u32| order[1..26].iter().filter(|&&x| x == t).count();
+    assert!(count(1).abs_diff(3 * count(0)) <= 3, "weights 1 and 3 inside the band: {order:?}");
+    // Then the rest of the batch band.
+    assert!(order[51..].iter().all(|&t| t == 2), "{order:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_rate_is_shared_by_weight_and_never_exceeded() {
     let (rate, burst) = (1_000, 100);

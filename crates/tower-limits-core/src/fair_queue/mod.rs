@@ -318,6 +318,12 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         self.weights.get(key).copied().unwrap_or(self.config.default_weight)
     }
 
+    /// The band of requests queued without one ([`FairQueueConfig::default_band`]).
+    #[must_use]
+    pub fn default_band(&self) -> usize {
+        usize::from(self.default_band)
+    }
+
     /// How many bands the queue has (1 when none is configured).
     #[must_use]
     pub fn bands(&self) -> usize {

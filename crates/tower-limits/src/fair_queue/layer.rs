@@ -10,7 +10,7 @@ use tower_limits_core::{Backend, PolicyError, TenantKey};
 use super::service::FairQueueService;
 use super::shared::{FairQueueLayerStats, Fixed, NoRate, Shared, TenantQueueStats};
 use crate::clock::LayerClock;
-use crate::extract::Extractors;
+use crate::extract::{Extractors, WithBand};
 use crate::refusal::ReturnError;
 
 /// Queues requests per tenant and admits them in weighted-fair order to the capacity it
@@ -104,6 +104,39 @@ impl<K, C, U, A, R, B: Backend> FairQueueLayer<Extractors<K, C, U, A>, R, B> {
     pub fn key<K2>(self, keys: K2) -> FairQueueLayer<Extractors<K2, C, U, A>, R, B> {
         let FairQueueLayer { shared, extract, refusal } = self;
         FairQueueLayer { shared, extract: extract.with_keys(keys), refusal }
+    }
+
+    /// Which priority band each request waits in, for a queue configured with bands
+    /// ([`FairQueueConfig::band`]): `band` returns the band's index (0 is the first, which
+    /// goes first; an index beyond the last is the last), or `None` for the
+    /// configuration's default band. Set it after [`key`](Self::key). Each band keeps its
+    /// configured minimum share while it has requests waiting, so a lower band is served
+    /// behind a backlogged higher one but never starved (see
+    /// [`FairQueue`](tower_limits_core::fair_queue::FairQueue)).
+    ///
+    /// ```
+    /// use tower_limits::core::fair_queue::FairQueueConfig;
+    /// use tower_limits::FairQueueLayer;
+    ///
+    /// // Interactive requests first; batch keeps a tenth while it waits.
+    /// let config = FairQueueConfig::new().band("interactive", 0).band("batch", 10);
+    /// let queue = FairQueueLayer::concurrency(config, 8)
+    ///     .unwrap()
+    ///     .band(|req: &http::Request<()>| req.headers().contains_key("x-batch").then_some(1));
+    /// # drop(queue);
+    /// ```
+    #[allow(clippy::type_complexity)] // the layer's own type, with the band in its keys
+    pub fn band<F>(self, band: F) -> FairQueueLayer<Extractors<WithBand<K, F>, C, U, A>, R, B>
+    where
+        F: Send + Sync + 'static,
+    {
+        let FairQueueLayer { shared, extract, refusal } = self;
+        let Extractors { keys, cost, usage, annotate } = extract;
+        FairQueueLayer {
+            shared,
+            extract: Extractors { keys: WithBand::new(keys, band), cost, usage, annotate },
+            refusal,
+        }
     }
 
     /// What a request costs: its share of the queue and what it acquires from the rate.

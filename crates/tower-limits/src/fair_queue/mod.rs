@@ -97,6 +97,18 @@
 //! extractor ([`crate::extract::CostFromExtension`], a closure), one by default; it is
 //! both the request's share of the queue and what it acquires from the rate.
 //!
+//! # Priority bands
+//!
+//! A configuration with bands ([`FairQueueConfig::band`](crate::core::fair_queue::FairQueueConfig::band))
+//! puts interactive work ahead of batch work without starving it:
+//! [`FairQueueLayer::band`](crate::FairQueueLayer::band) says which band a request waits
+//! in (from a header, an extension the authentication layer set, the key). The first
+//! band with requests goes first, tenants share by weight inside a band, and each band
+//! keeps its minimum share of the turns while it has work, within one request (law 31;
+//! the rule and its bounds are in [`FairQueue`](crate::core::fair_queue::FairQueue)'s
+//! docs). A tenant's limits (`tenant_queue_limit`) count per band; the global limit
+//! counts every band.
+//!
 //! # Refusals
 //!
 //! | refusal | [`ErrorKind`](crate::ErrorKind) | HTTP ([`HttpAnswer`](crate::http::HttpAnswer)) |

@@ -106,7 +106,8 @@ where
             },
         };
         let cost = self.extract.cost.cost(&req);
-        match shared.arrive(&key, cost) {
+        let band = self.extract.keys.band(&req);
+        match shared.arrive(&key, band, cost) {
             Arrival::Admitted(grant, weight) => {
                 self.extract.annotate.annotate(&mut req, &grant);
                 let held = Held::new(shared.clone(), key, grant, weight);

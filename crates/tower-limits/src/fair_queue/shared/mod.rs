@@ -92,9 +92,9 @@ impl<B: Backend> Shared<B> {
     }
 
     /// A request arrives: admitted at once, queued, or refused.
-    pub(crate) fn arrive(&self, key: &TenantKey, cost: u64) -> Arrival<B::Grant> {
+    pub(crate) fn arrive(&self, key: &TenantKey, band: Option<usize>, cost: u64) -> Arrival<B::Grant> {
         let mut wake = Wakers::default();
-        let arrival = self.lock().arrive(&self.fixed, key, cost, &mut self.clock(Instant::ZERO), &mut wake);
+        let arrival = self.lock().arrive(&self.fixed, key, band, cost, &mut self.clock(Instant::ZERO), &mut wake);
         wake.wake();
         arrival
     }
@@ -234,6 +234,7 @@ impl<B: Backend> State<B> {
         &mut self,
         fx: &Fixed<B>,
         key: &TenantKey,
+        band: Option<usize>,
         cost: u64,
         now: &mut Now<'_>,
         wake: &mut Wakers,
@@ -242,7 +243,7 @@ impl<B: Backend> State<B> {
         let deadline = fx.max_queue_time.map(|d| t + d);
         let item = Queued { waker: None, since: t, deadline };
         if !(self.queue.is_empty() && self.gate.is_none() && self.in_flight < fx.slots) {
-            return match self.enqueue(fx, key, cost, item) {
+            return match self.enqueue(fx, key, band, cost, item) {
                 Ok(ticket) => {
                     self.pump(fx, now, wake);
                     Arrival::Queued(ticket)
@@ -267,7 +268,7 @@ impl<B: Backend> State<B> {
             result => {
                 // Not yet (or a remote backend): to the gate, through the queue, so that
                 // the request has a ticket. The queue was empty: it pops this request.
-                let ticket = match self.enqueue(fx, key, cost, item) {
+                let ticket = match self.enqueue(fx, key, band, cost, item) {
                     Ok(ticket) => ticket,
                     Err(full) => return Arrival::Refused(self.full(key, &full, t)),
                 };
@@ -301,16 +302,17 @@ impl<B: Backend> State<B> {
         &mut self,
         fx: &Fixed<B>,
         key: &TenantKey,
+        band: Option<usize>,
         cost: u64,
         item: Queued,
     ) -> Result<tower_limits_core::Ticket, QueueFull<Queued>> {
-        match &fx.fleet {
-            None => self.queue.enqueue(key.clone(), cost, item),
-            Some(fleet) => {
-                let weight = fleet.local_weight(key, self.queue.weight(key));
-                self.queue.enqueue_weighted(key.clone(), weight, cost, item)
-            }
-        }
+        let own = self.queue.weight(key);
+        let weight = match &fx.fleet {
+            None => own,
+            Some(fleet) => fleet.local_weight(key, own),
+        };
+        let band = band.unwrap_or_else(|| self.queue.default_band());
+        self.queue.enqueue_in(band, key.clone(), weight, cost, item)
     }
 
     /// Tells the fleet (if the layer serves one) what this replica has waiting, in
