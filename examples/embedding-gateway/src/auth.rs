@@ -26,7 +26,7 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use http::{HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use tower::{Layer, Service};
 use tower_limits::extract::AsTenantKey;
 use tower_limits::{LimitPolicy, LimitSet, LimitSetPolicy, TenantKey};
@@ -50,7 +50,14 @@ pub struct Identity {
     pub key: TenantKey,
     /// The key of its tenant in the fair queue.
     pub fair: FairTenant,
+    /// The tenant's band in the fair queue (`gateway.bands`; 0 without bands).
+    pub band: usize,
 }
+
+/// The band a request waits in at the fair queue: its tenant's, or one at or below it
+/// that the request named in `gateway.band_header`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueBand(pub usize);
 
 /// The tenant as the fair queue sees it: the key's first tier only (the org), so that
 /// all of a tenant's users and agents share its weight.
@@ -73,6 +80,10 @@ pub struct Arrived(pub tokio::time::Instant);
 pub struct AuthLayer {
     keys: Arc<RwLock<Arc<KeyTable>>>,
     failures: Option<Arc<Failures>>,
+    /// The bands' names, the first going first.
+    bands: Arc<[String]>,
+    /// `gateway.band_header`.
+    band_header: Option<HeaderName>,
 }
 
 /// The keys' digests and who each stands for.
@@ -141,7 +152,37 @@ impl AuthLayer {
             let set = LimitSet::new(policy).ok()?;
             Some(Arc::new(Failures { set, quota, origin: tokio::time::Instant::now() }))
         });
-        AuthLayer { keys, failures }
+        let bands = config.gateway.bands.iter().map(|b| b.name.clone()).collect();
+        AuthLayer { keys, failures, bands, band_header: config.gateway.band_header.clone() }
+    }
+
+    /// The band `req` waits in: its tenant's `band`, or the one it names in
+    /// `gateway.band_header`, which must exist and be at or below the tenant's own.
+    ///
+    /// # Errors
+    /// An OpenAI-shaped `400` naming the header.
+    fn band(&self, req: &Request<Body>, own: usize) -> Result<usize, Box<Response<Body>>> {
+        let Some(header) = &self.band_header else { return Ok(own) };
+        let Some(value) = req.headers().get(header) else { return Ok(own) };
+        let name = value.to_str().unwrap_or_default().trim();
+        let refuse = |message: String| {
+            let mut response = api::error_with_param(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_band",
+                Some(header.as_str()),
+                &message,
+            );
+            response.extensions_mut().insert(api::ErrorCode("invalid_band"));
+            Box::new(response)
+        };
+        match self.bands.iter().position(|b| b == name) {
+            None => Err(refuse(format!("no band is named {name:?} (bands: {})", self.bands.join(", ")))),
+            Some(band) if band < own => {
+                Err(refuse(format!("this key may use band {:?} or a later one, not {name:?}", self.bands[own])))
+            }
+            Some(band) => Ok(band),
+        }
     }
 
     /// The identity a key stands for.
@@ -160,13 +201,16 @@ impl AuthLayer {
     /// # Errors
     /// The tenants or their plans differ from those the gateway runs with.
     pub fn reload(&self, running: &Config, config: &Config) -> Result<usize, ReloadRefused> {
-        let shape = |c: &Config| -> Vec<(String, String, u32)> {
-            c.tenants.iter().map(|t| (t.name.clone(), c.plans[t.plan].name.clone(), t.weight)).collect()
+        let shape = |c: &Config| -> Vec<(String, String, u32, usize)> {
+            c.tenants.iter().map(|t| (t.name.clone(), c.plans[t.plan].name.clone(), t.weight, t.band)).collect()
         };
-        if shape(running) != shape(config) || running.tiers != config.tiers {
+        if shape(running) != shape(config)
+            || running.tiers != config.tiers
+            || running.gateway.bands != config.gateway.bands
+        {
             return Err(ReloadRefused(
-                "the tenants, their plans or weights, or the tiers changed: restart to apply them; the keys stay as \
-                 they were"
+                "the tenants, their plans, weights or bands, the bands or the tiers changed: restart to apply them; \
+                 the keys stay as they were"
                     .into(),
             ));
         }
@@ -190,6 +234,7 @@ fn key_table(config: &Config) -> KeyTable {
                 plan: t.plan,
                 weight: t.weight,
                 key: k.tenant_key.clone(),
+                band: t.band,
             };
             keys.insert(k.digest, identity);
         }
@@ -253,7 +298,12 @@ where
             response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return Box::pin(std::future::ready(Ok(response)));
         };
+        let band = match self.layer.band(&req, identity.band) {
+            Ok(band) => band,
+            Err(response) => return Box::pin(std::future::ready(Ok(*response))),
+        };
         let tenant = identity.tenant.clone();
+        req.extensions_mut().insert(QueueBand(band));
         req.extensions_mut().insert(identity.key.clone());
         req.extensions_mut().insert(identity.fair.clone());
         req.extensions_mut().insert(identity);

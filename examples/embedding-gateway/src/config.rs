@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
+mod bands;
 mod raw;
 mod validate;
 
@@ -163,6 +164,12 @@ pub struct GatewaySettings {
     /// most each limit's burst plus its rate over every window (the Redis guide's "Capacity
     /// shares").
     pub plan_share_refresh: Duration,
+    /// The fair queue's priority bands, the first going first, each with the minimum
+    /// share it keeps while it has requests waiting (none: one band).
+    pub bands: Vec<tower_limits::core::fair_queue::BandConfig>,
+    /// The header a client may name a band in, at or below its tenant's own band (none:
+    /// clients cannot choose).
+    pub band_header: Option<http::HeaderName>,
     /// How much later than the exact wait a refusal's `Retry-After` may say, in percent
     /// of the wait, drawn afresh per refusal: clients refused at one moment come back
     /// spread out rather than together (OpenAI's SDKs wait exactly `retry-after-ms`).
@@ -241,6 +248,8 @@ pub struct Tenant {
     pub plan: usize,
     /// Its weight in the fair queue.
     pub weight: u32,
+    /// Its band in the fair queue: an index into `gateway.bands` (0 when there are none).
+    pub band: usize,
     /// Its API keys.
     pub keys: Vec<ApiKey>,
 }

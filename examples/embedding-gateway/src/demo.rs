@@ -158,6 +158,10 @@ struct TenantInfo {
     name: String,
     weight: u32,
     plan: String,
+    /// Its band in the fair queue (0: the first).
+    band: usize,
+    /// Its band's minimum share (a fraction of the whole; 0 for none).
+    band_share: f64,
 }
 
 /// The gateway replicas the demo started, each serving on a loopback port of its own.
@@ -371,10 +375,13 @@ fn demo_tenants(config: &Config) -> Result<(Vec<TenantInfo>, Vec<usize>), tower:
         let index = match tenants.iter().position(|x| x.name == t.name) {
             Some(i) => i,
             None => {
+                let min = config.gateway.bands.get(t.band).map_or(0, |b| b.min_share_percent);
                 tenants.push(TenantInfo {
                     name: t.name.clone(),
                     weight: t.weight,
                     plan: config.plans[t.plan].name.clone(),
+                    band: t.band,
+                    band_share: f64::from(min) / 100.0,
                 });
                 tenants.len() - 1
             }
@@ -412,8 +419,13 @@ fn print_setup(
     }
     for (i, c) in config.demo.clients.iter().enumerate() {
         let t = &tenants[client_tenant[i]];
+        let band = match config.gateway.bands.get(t.band) {
+            Some(b) if b.min_share_percent > 0 => format!(", band {} (keeps {}%)", b.name, b.min_share_percent),
+            Some(b) => format!(", band {}", b.name),
+            None => String::new(),
+        };
         println!(
-            "  tenant  {:<10} weight {}, plan {:<9} {} in flight, {} inputs of {} words per request",
+            "  tenant  {:<10} weight {}, plan {:<9} {} in flight, {} inputs of {} words per request{band}",
             t.name, t.weight, t.plan, c.concurrency, c.batch, c.words
         );
     }

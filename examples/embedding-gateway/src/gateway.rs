@@ -78,7 +78,7 @@ use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBacke
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest};
-use crate::auth::{Arrived, AuthLayer, FairTenant, Identity};
+use crate::auth::{Arrived, AuthLayer, FairTenant, Identity, QueueBand};
 use crate::config::{Account, BackendFailure, Config, TimeoutCharge};
 use crate::health::Health;
 use crate::logging::Throttle;
@@ -355,6 +355,9 @@ impl Gateway {
         for t in &config.tenants {
             weights = weights.weight(t.name.clone(), t.weight);
         }
+        for band in &config.gateway.bands {
+            weights = weights.band(band.name.clone(), band.min_share_percent);
+        }
         // A fleet's replicas share the accounts by the tenants' weights across the fleet:
         // the fair queue reports its backlog to the shared accounts and weighs its
         // tenants by this replica's share of their demand (in memory: as configured).
@@ -372,6 +375,7 @@ impl Gateway {
             .metrics_name("upstream")
             .metrics_tenants(config.tenants.iter().map(|t| t.name.clone()))?
             .key(FromExtension::<FairTenant>::new())
+            .band(|req: &Request<Body>| req.extensions().get::<QueueBand>().map(|b| b.0))
             .cost(CostFromExtension)
             .annotate(InsertChosen)
             .usage(UsageFromExtension)

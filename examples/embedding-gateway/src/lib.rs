@@ -34,8 +34,10 @@
 //! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`,
 //! `retry-after-ms`, the `RateLimit` and `x-ratelimit-*` fields stating the plan, and
 //! OpenAI's error object naming tier, limit and wait); then the shared upstream
-//! capacity, a [`FairQueueLayer`] keyed by tenant with the configured weights, whose rate
-//! is the [`LimitPool`] of upstream accounts: tenants take turns in weighted-fair order,
+//! capacity, a [`FairQueueLayer`] keyed by tenant with the configured weights and priority
+//! bands (`gateway.bands`: the first band goes first, a later one keeps its minimum share
+//! while it waits; the tenant's `band`, or a later one named in `gateway.band_header`),
+//! whose rate is the [`LimitPool`] of upstream accounts: tenants take turns in weighted-fair order,
 //! the request whose turn it is waits until an account has room and goes to that account
 //! (`503` after `max_wait`). The plan's limits sit outside the queue, so a tenant over its
 //! own limits never queues, and its concurrency limit bounds how much of the queue it can

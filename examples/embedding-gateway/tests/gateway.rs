@@ -221,6 +221,95 @@ fn model_encodings_are_checked_by_name_and_line() {
 }
 
 #[test]
+fn bands_are_checked_by_name_and_line() {
+    let base = config_text("org = { rpm = 60 }", "");
+    let bands =
+        "tenant_queue = 200\nbands = [{ name = \"interactive\" }, { name = \"batch\", min_share_percent = 10 }]";
+    // (replace, with, the line to expect, field, message)
+    let cases: [(&str, &str, &str, &str, &str); 5] = [
+        (
+            "tenant_queue = 200",
+            "bands = [{ name = \"a\", min_share_percent = 60 }, { name = \"b\", min_share_percent = 50 }]",
+            "min_share_percent = 50",
+            "gateway.bands[1].min_share_percent",
+            "sum to 110%, above 100%",
+        ),
+        (
+            "tenant_queue = 200",
+            "bands = [{ name = \"a\" }, { name = \"a\" }]",
+            "bands",
+            "gateway.bands[1].name",
+            "named twice",
+        ),
+        ("tenant_queue = 200", "band_header = \"x-band\"", "band_header", "gateway.band_header", "needs gateway.bands"),
+        ("weight = 2", "weight = 2\nband = \"bulk\"", "bulk", "tenant[0].band", "no band is named \"bulk\""),
+        (
+            "tenant_queue = 200",
+            &format!("{bands}\nband_header = \"x band\""),
+            "x band",
+            "gateway.band_header",
+            "not a header name",
+        ),
+    ];
+    for (from, to, needle, field, message) in cases {
+        let text = base.replacen(from, to, 1);
+        let err = config_error(&text);
+        assert_eq!(err.field, field, "{err}");
+        assert_eq!(err.line, Some(line_of(&text, needle)), "{err}");
+        assert!(err.message.contains(message), "{err}");
+    }
+    let text = base.replacen("tenant_queue = 200", bands, 1).replacen(
+        "plan = \"basic\"\n\n",
+        "plan = \"basic\"\nband = \"batch\"\n\n",
+        1,
+    );
+    let config = Config::parse(&text, None).unwrap();
+    assert_eq!(config.gateway.bands.len(), 2);
+    assert_eq!((config.tenants[0].band, config.tenants[1].band), (0, 1));
+}
+
+/// A client may move its requests to a later band than its tenant's through the header
+/// the operator allows, never to an earlier one: that, or a band nobody configured, is a
+/// `400` naming the header.
+#[tokio::test(start_paused = true)]
+async fn a_band_header_may_lower_a_tenant_s_band_never_raise_it() {
+    let text = config_text("org = { rpm = 600 }", "")
+        .replacen(
+            "tenant_queue = 200",
+            "tenant_queue = 200\nbands = [{ name = \"interactive\" }, { name = \"batch\", min_share_percent = 10 }]\nband_header = \"x-band\"",
+            1,
+        )
+        .replacen("name = \"globex\"\nplan = \"basic\"", "name = \"globex\"\nplan = \"basic\"\nband = \"batch\"", 1);
+    let config = Config::parse(&text, None).unwrap();
+    assert_eq!(config.tenants[1].band, 1);
+    let (transport, _) = mock(&config);
+    let gateway = Gateway::new(&config, transport).unwrap();
+    let call = |key: &str, band: Option<&str>| {
+        let mut req = request(Some(key), &"hello".into());
+        if let Some(band) = band {
+            req.headers_mut().insert("x-band", band.parse().unwrap());
+        }
+        gateway.router.clone().oneshot(req)
+    };
+    for (key, band) in [("sk-acme-alice", Some("batch")), ("sk-acme-alice", None), ("sk-globex-bob", Some("batch"))] {
+        assert_eq!(call(key, band).await.unwrap().status(), StatusCode::OK, "{key} {band:?}");
+    }
+    for (key, band, message) in [
+        ("sk-globex-bob", "interactive", "may use band \"batch\" or a later one"),
+        ("sk-acme-alice", "urgent", "no band is named \"urgent\""),
+    ] {
+        let response = call(key, Some(band)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = json(response).await;
+        assert_eq!(
+            (body["error"]["code"].as_str(), body["error"]["param"].as_str()),
+            (Some("invalid_band"), Some("x-band"))
+        );
+        assert!(body["error"]["message"].as_str().unwrap().contains(message), "{body}");
+    }
+}
+
+#[test]
 fn the_bundled_configuration_is_valid() {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/gateway.toml")).unwrap();
     let config = Config::parse(&text, None).unwrap();

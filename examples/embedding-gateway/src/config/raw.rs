@@ -63,6 +63,15 @@ pub(super) struct RawGateway {
     pub(super) redis_timeout: Option<S<String>>,
     pub(super) account_lease_refresh: Option<S<String>>,
     pub(super) plan_share_refresh: Option<S<String>>,
+    pub(super) bands: Option<S<Vec<RawBand>>>,
+    pub(super) band_header: Option<S<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBand {
+    pub(super) name: S<String>,
+    pub(super) min_share_percent: Option<S<u64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -96,6 +105,7 @@ pub(super) struct RawTenant {
     pub(super) name: S<String>,
     pub(super) plan: S<String>,
     pub(super) weight: Option<S<u64>>,
+    pub(super) band: Option<S<String>>,
     #[serde(default)]
     pub(super) key: Vec<BTreeMap<String, S<String>>>,
 }

@@ -85,7 +85,7 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
     let mirror = mirror(src, &raw.mirror)?;
     let upstream = upstream(src, &raw.upstream)?;
     let plans = plans(src, &raw.plan, &tiers, gateway.max_request_tokens)?;
-    let tenants = tenants(src, &raw.tenant, &tiers, &plans)?;
+    let tenants = tenants(src, &raw.tenant, &tiers, &plans, &gateway.bands)?;
     let accounts = accounts(src, &raw.account, &mirror, gateway.max_request_tokens)?;
     let demo = demo(src, &raw.demo, &tenants)?;
     Ok(Config { tiers, gateway, mirror, upstream, plans, tenants, accounts, demo })
@@ -237,7 +237,10 @@ fn gateway(src: &Source<'_>, g: &RawGateway, tiers: &[String]) -> Result<Gateway
         Some(v) => at_least(src, v, "gateway.retry_spread_percent", 0, 1000)? as u16,
         None => 25,
     };
+    let (bands, band_header) = super::bands::bands(src, g)?;
     Ok(GatewaySettings {
+        bands,
+        band_header,
         retry_spread_percent,
         redis_timeout,
         account_lease_refresh,
@@ -502,7 +505,13 @@ fn tier_limits(
 
 /// The `[[tenant]]` sections and their keys: at least one tenant, each with a name of its
 /// own, a known plan and at least one key; no key given twice.
-fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]) -> Result<Vec<Tenant>, ConfigError> {
+fn tenants(
+    src: &Source<'_>,
+    raw: &[RawTenant],
+    tiers: &[String],
+    plans: &[Plan],
+    bands: &[tower_limits::core::fair_queue::BandConfig],
+) -> Result<Vec<Tenant>, ConfigError> {
     if raw.is_empty() {
         return Err(src.error(None, "tenant", "define at least one [[tenant]]"));
     }
@@ -532,6 +541,7 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
             Some(w) => at_least(src, w, &format!("{base}.weight"), 1, 1000)? as u32,
             None => 1,
         };
+        let band = super::bands::tenant_band(src, t.band.as_ref(), &base, bands)?;
         if t.key.is_empty() {
             return Err(src.at(&t.name, format!("{base}.key"), "a tenant needs at least one [[tenant.key]]"));
         }
@@ -550,7 +560,7 @@ fn tenants(src: &Source<'_>, raw: &[RawTenant], tiers: &[String], plans: &[Plan]
             let tenant_key = key_tiers(src, fields, &kbase, name, tiers)?;
             keys.push(ApiKey { digest, plain: field == "key", tenant_key });
         }
-        tenants.push(Tenant { name: name.clone(), plan, weight, keys });
+        tenants.push(Tenant { name: name.clone(), plan, weight, band, keys });
     }
     Ok(tenants)
 }

@@ -45,11 +45,26 @@ pub(super) fn set_shares_and_targets(rows: &mut [Row], tenants: &[TenantInfo]) {
     for r in rows.iter_mut() {
         r.share = r.measured as f64 / total_measured as f64;
     }
+    // Tenants held by their own limits take what they take. A later band keeps its
+    // minimum share (the first band being backlogged all along), split by weight among
+    // its tenants; the first band's tenants share the rest by weight.
     let capped_share: f64 = rows.iter().filter(|r| r.capped).map(|r| r.share).sum();
-    let free_weight: u32 = tenants.iter().zip(rows.iter()).filter(|(_, r)| !r.capped).map(|(t, _)| t.weight).sum();
+    let capped: Vec<bool> = rows.iter().map(|r| r.capped).collect();
+    let free = || tenants.iter().zip(&capped).filter(|(_, c)| !**c).map(|(t, _)| t);
+    let band_weight = |band: usize| -> u32 { free().filter(|t| t.band == band).map(|t| t.weight).sum() };
+    let mut later_bands: Vec<(usize, f64)> = free().filter(|t| t.band > 0).map(|t| (t.band, t.band_share)).collect();
+    later_bands.sort_by_key(|b| b.0);
+    later_bands.dedup_by_key(|b| b.0);
+    let kept: f64 = later_bands.iter().map(|(_, share)| share).sum();
+    let first_weight = band_weight(0);
     for (t, r) in tenants.iter().zip(rows.iter_mut()) {
-        if !r.capped && free_weight > 0 {
-            r.target = Some((1.0 - capped_share) * f64::from(t.weight) / f64::from(free_weight));
+        if r.capped {
+            continue;
+        }
+        let (pie, weight) =
+            if t.band == 0 { (1.0 - capped_share - kept, first_weight) } else { (t.band_share, band_weight(t.band)) };
+        if weight > 0 {
+            r.target = Some(pie * f64::from(t.weight) / f64::from(weight));
         }
     }
 }
