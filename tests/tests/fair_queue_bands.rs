@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestRunner};
 use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig, Ticket};
+use tower_limits_tests::Rng;
 
 fn runner(cases: u32) -> TestRunner {
     TestRunner::new(Config {
@@ -17,18 +18,6 @@ fn runner(cases: u32) -> TestRunner {
         failure_persistence: None,
         ..Config::default()
     })
-}
-
-/// A small deterministic generator (xorshift), seeded by proptest.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 /// Bands with minimum shares (percent) summing to at most 100.

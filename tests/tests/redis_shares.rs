@@ -12,22 +12,11 @@ use std::time::Duration;
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{GrantSource, RedisBackend, Shares};
+use tower_limits_tests::Rng;
 
 use redis_common::{connect, manual, namespace, runtime};
 
 const MS: u64 = 1_000_000;
-
-/// A small deterministic generator: the traffic of a seed is the same on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
 
 /// Every 20 ms each replica refreshes, but one in six refreshes is lost (never sent),
 /// and the `deaf` replica's answers are lost on the way back (Redis applies them).
