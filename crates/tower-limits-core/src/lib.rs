@@ -39,6 +39,7 @@ mod error;
 pub mod fair_queue;
 pub mod fleet;
 mod key;
+pub mod learn;
 mod limit;
 #[cfg(feature = "metrics")]
 pub mod metrics;

@@ -73,6 +73,11 @@ pub struct UpstreamReport {
     pub remaining_requests: Option<u64>,
     /// `x-ratelimit-remaining-tokens`.
     pub remaining_tokens: Option<u64>,
+    /// `x-ratelimit-limit-requests`: the account's request quota as the upstream states
+    /// it (for a [`QuotaLearner`](crate::learn::QuotaLearner)).
+    pub limit_requests: Option<u64>,
+    /// `x-ratelimit-limit-tokens`: its token quota as stated.
+    pub limit_tokens: Option<u64>,
 }
 
 /// Which member served a request, and its configuration.

@@ -217,6 +217,10 @@ pub struct MirrorSettings {
     pub jitter: Duration,
     /// The mirror's burst, as a percentage of the upstream's quota per window.
     pub burst_percent: u64,
+    /// How high the accounts' limits learned from the upstream's answers may go, in
+    /// percent of the declared ones (100: learning only lowers, and recovers up to what
+    /// was declared; 0: no learning).
+    pub learn_ceiling_percent: u32,
 }
 
 /// How the mock upstream answers.
@@ -368,6 +372,29 @@ impl Account {
         max_request_tokens: u64,
         replicas: u64,
     ) -> Result<LimitSetPolicy, String> {
+        self.mirror_policy_for(
+            self.requests_per_window(),
+            self.tokens_per_window(),
+            mirror,
+            max_request_tokens,
+            replicas,
+        )
+    }
+
+    /// As [`Account::mirror_policy`], for quotas of `requests` and `tokens` per window
+    /// rather than the declared ones: what the mirror becomes once the account's real
+    /// limits are learned.
+    ///
+    /// # Errors
+    /// As [`Account::mirror_policy`].
+    pub fn mirror_policy_for(
+        &self,
+        requests: u64,
+        tokens: u64,
+        mirror: &MirrorSettings,
+        max_request_tokens: u64,
+        replicas: u64,
+    ) -> Result<LimitSetPolicy, String> {
         let period = self.window + mirror.jitter;
         let window = tower_limits::core::policy::format_duration(self.window);
         let share = |quota: u64, at_least: u64, what: &str| {
@@ -384,8 +411,8 @@ impl Account {
                 .and_then(|q| q.try_burst(b))
                 .map_err(|e| format!("the mirror of {l} {what} per {window} window{of} cannot be built: {e}"))
         };
-        let rpm = share(self.requests_per_window(), 1, "requests")?;
-        let tpm = share(self.tokens_per_window(), max_request_tokens, "tokens")?;
+        let rpm = share(requests, 1, "requests")?;
+        let tpm = share(tokens, max_request_tokens, "tokens")?;
         Ok(LimitSetPolicy::new()
             .limit(LimitPolicy::gcra("upstream.rpm", rpm))
             .limit(LimitPolicy::gcra("upstream.tpm", tpm).counting_cost()))

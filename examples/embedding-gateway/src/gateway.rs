@@ -84,6 +84,7 @@ use crate::health::Health;
 use crate::logging::Throttle;
 
 // The pipeline's own stages, in a module of their own.
+mod learning;
 mod stages;
 pub mod upload;
 use stages::AccountRoute;
@@ -218,6 +219,8 @@ pub struct Gateway {
     /// Builds the plans' Redis-backed services once a connection exists (see
     /// [`Gateway::connect_redis`]).
     redis_plans: Option<Arc<RedisPlans>>,
+    /// The accounts' limits learned from the upstream (in memory).
+    learning: Option<Arc<learning::Learning>>,
 }
 
 /// What it takes to build the plans' services on Redis later.
@@ -386,6 +389,7 @@ impl Gateway {
             .usage_from_body(OpenAiStreamUsage::default());
         let clock = shared.clone();
         let now: Arc<dyn Fn() -> Instant + Send + Sync> = Arc::new(move || clock.now());
+        let learning = if redis { None } else { learning::Learning::new(config).map(Arc::new) };
         let call = UpstreamCall {
             transport,
             timeout: config.gateway.upstream_timeout,
@@ -395,6 +399,7 @@ impl Gateway {
             stats: stats.clone(),
             // The pool's members are the accounts, in order.
             routes: config.accounts.iter().map(AccountRoute::new).collect::<Result<_, _>>()?,
+            learning: learning.clone(),
         };
         let inner: PlanService =
             BoxCloneSyncService::new(ServiceBuilder::new().map_response(unheld).layer(shared).service(call));
@@ -495,7 +500,7 @@ impl Gateway {
             &config.gateway.models(),
             auth.clone(),
         ));
-        Ok(Gateway { router, pool, stats, health, auth, redis_plans })
+        Ok(Gateway { router, pool, stats, health, auth, redis_plans, learning })
     }
 
     /// Sizes what this replica decides alone while Redis is away for a fleet of `replicas`
@@ -532,6 +537,14 @@ impl Gateway {
     /// `config` changes the tenants, their plans or weights, or the tiers.
     pub fn reload_keys(&self, running: &Config, config: &Config) -> Result<usize, crate::auth::ReloadRefused> {
         self.auth.reload(running, config)
+    }
+
+    /// Each account's quotas per window as learned from the upstream's answers (requests,
+    /// tokens), in the pool's order; empty with Redis or with learning off
+    /// (`mirror.learn_ceiling_percent = 0`).
+    #[must_use]
+    pub fn learned_limits(&self) -> Vec<(u64, u64)> {
+        self.learning.as_ref().map_or_else(Vec::new, |l| l.learned())
     }
 
     /// The shared upstream accounts, once this replica reached Redis (`None` in memory).

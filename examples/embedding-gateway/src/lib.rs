@@ -86,6 +86,10 @@
 //!    when the provider knows less room than the mirror does (other clients of the same
 //!    account, a restart), and a `429` would bench the account until its `Retry-After`
 //!    ([`LimitPool::observe`]): a safety net, not the mechanism.
+//! 6. **Learned limits.** The quota the provider states (`x-ratelimit-limit-*`) and its
+//!    `429`s move each account's mirror from the declared quota: down at once, up by a
+//!    quarter a window, never above `mirror.learn_ceiling_percent` of what was declared
+//!    (in memory; the rule and its bounds are in [`tower_limits::core::learn`]).
 //!
 //! The demo checks the result: it fails if the mock upstream, whose log is written
 //! independently of the library, gives a single `429`.

@@ -139,8 +139,15 @@ fn unknown_fields_and_wrong_types_carry_field_and_line() {
 #[test]
 fn validation_errors_carry_field_and_line() {
     // (replace, with, the line to expect, field, message)
-    let cases: [(&str, &str, &str, &str, &str); 7] = [
+    let cases: [(&str, &str, &str, &str, &str); 8] = [
         ("weight = 2", "weight = 0", "weight = 0", "tenant[0].weight", "must be at least 1"),
+        (
+            "jitter = \"100ms\"",
+            "jitter = \"100ms\"\nlearn_ceiling_percent = 50",
+            "learn_ceiling_percent",
+            "mirror.learn_ceiling_percent",
+            "must be at least 100",
+        ),
         (
             "[gateway]",
             "[gateway]\nplan_share_refresh = \"2m\"",

@@ -7,7 +7,8 @@ use http::{HeaderMap, StatusCode};
 
 /// What an upstream's answer says about its limits: `retry-after-ms`, or `Retry-After` in
 /// either of its forms (seconds, or an HTTP date), the
-/// `x-ratelimit-remaining-{requests,tokens}` counts, and for a `429` without a retry
+/// `x-ratelimit-remaining-{requests,tokens}` counts, the `x-ratelimit-limit-*` quotas, and
+/// for a `429` without a retry
 /// time, the longer of the `x-ratelimit-reset-*` durations (one second when there is
 /// none: a refusal with no hint still benches the account for a moment). Feed it to
 /// [`LimitPool::observe`](tower_limits_core::LimitPool::observe).
@@ -25,9 +26,10 @@ use http::{HeaderMap, StatusCode};
 /// headers.insert("date", "Wed, 21 Oct 2026 07:28:00 GMT".parse().unwrap());
 /// headers.insert("retry-after", "Wed, 21 Oct 2026 07:28:30 GMT".parse().unwrap());
 /// headers.insert("x-ratelimit-remaining-tokens", "1200".parse().unwrap());
+/// headers.insert("x-ratelimit-limit-tokens", "150000".parse().unwrap());
 /// let report = upstream_report(StatusCode::TOO_MANY_REQUESTS, &headers);
 /// assert_eq!(report.retry_after, Some(Duration::from_secs(30)));
-/// assert_eq!(report.remaining_tokens, Some(1200));
+/// assert_eq!((report.remaining_tokens, report.limit_tokens), (Some(1200), Some(150_000)));
 /// ```
 #[must_use]
 pub fn upstream_report(status: StatusCode, headers: &HeaderMap) -> tower_limits_core::UpstreamReport {
@@ -74,6 +76,8 @@ pub fn upstream_report_at(
         retry_after,
         remaining_requests: number("x-ratelimit-remaining-requests"),
         remaining_tokens: number("x-ratelimit-remaining-tokens"),
+        limit_requests: number("x-ratelimit-limit-requests"),
+        limit_tokens: number("x-ratelimit-limit-tokens"),
     }
 }
 

@@ -79,6 +79,7 @@ pub(super) struct RawBand {
 pub(super) struct RawMirror {
     pub(super) jitter: Option<S<String>>,
     pub(super) burst_percent: Option<S<u64>>,
+    pub(super) learn_ceiling_percent: Option<S<u64>>,
 }
 
 #[derive(Deserialize, Default)]

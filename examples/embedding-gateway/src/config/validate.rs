@@ -394,7 +394,12 @@ fn mirror(src: &Source<'_>, m: &RawMirror) -> Result<MirrorSettings, ConfigError
         Some(v) => at_least(src, v, "mirror.burst_percent", 1, 90)?,
         None => 10,
     };
-    Ok(MirrorSettings { jitter, burst_percent })
+    let learn_ceiling_percent = match &m.learn_ceiling_percent {
+        Some(v) if *v.get_ref() == 0 => 0,
+        Some(v) => at_least(src, v, "mirror.learn_ceiling_percent", 100, 1000)? as u32,
+        None => 100,
+    };
+    Ok(MirrorSettings { jitter, burst_percent, learn_ceiling_percent })
 }
 
 /// The `[upstream]` section (the mock upstream).

@@ -231,6 +231,8 @@ pub struct UpstreamCall {
     pub(super) stats: Arc<GatewayStats>,
     /// Each account's addresses and headers, by its place in the pool.
     pub(super) routes: Arc<[AccountRoute]>,
+    /// The accounts' limits learned from the answers (in memory; `None` otherwise).
+    pub(super) learning: Option<Arc<super::learning::Learning>>,
 }
 
 /// What a call to one account needs, built once: its two addresses, its `Authorization`
@@ -389,8 +391,7 @@ impl UpstreamCall {
             }
             Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes),
             Ok(Ok((parts, Answer::Stream(body)))) => {
-                let report = upstream_report(parts.status, &parts.headers);
-                self.pool.observe(chosen.index, &report, (self.now)());
+                self.observe(&chosen, parts.status, &parts.headers);
                 let mut r = Response::new(body);
                 *r.status_mut() = parts.status;
                 for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
@@ -411,12 +412,28 @@ impl UpstreamCall {
         out
     }
 
+    /// What the upstream says about the account corrects its mirror, benches it after a
+    /// `429`, and teaches its limits.
+    fn observe(
+        &self,
+        chosen: &Chosen<Account>,
+        status: StatusCode,
+        headers: &http::HeaderMap,
+    ) -> tower_limits::UpstreamReport {
+        let report = upstream_report(status, headers);
+        let now = (self.now)();
+        self.pool.observe(chosen.index, &report, now);
+        if let Some(learning) = &self.learning {
+            learning.observe(&self.pool, chosen.index, &report, status == StatusCode::TOO_MANY_REQUESTS, now);
+        }
+        report
+    }
+
     /// The answer to the client for an upstream answer.
     fn answer(&self, chosen: &Chosen<Account>, parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
         // What the upstream says about the account corrects its mirror (and benches it
         // after a 429).
-        let report = upstream_report(parts.status, &parts.headers);
-        self.pool.observe(chosen.index, &report, (self.now)());
+        let report = self.observe(chosen, parts.status, &parts.headers);
         if parts.status == StatusCode::TOO_MANY_REQUESTS {
             // Not the tenant's fault: shared overload, retry when the account is back.
             let n = self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed) + 1;
