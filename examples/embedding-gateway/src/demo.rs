@@ -22,6 +22,7 @@
 // Printing the progress, the table and the verdict is the demo's job.
 #![allow(clippy::print_stdout)]
 
+mod quota;
 mod redis_work;
 mod report;
 use std::collections::BTreeMap;
@@ -72,6 +73,9 @@ pub struct DemoOptions {
     /// Print the shares' verdict without failing on it (to look at a configuration whose
     /// targets are not expected to hold).
     pub advisory_shares: bool,
+    /// Halve the upstream's real quota at a third of the run and double it at two thirds
+    /// (in memory: the gateway learns the accounts' limits there).
+    pub quota_changes: bool,
 }
 
 /// The `--redis URL --replicas N` mode.
@@ -115,13 +119,21 @@ pub struct DemoReport {
     pub underused: bool,
     /// Shares beyond tolerance do not fail the demo.
     pub advisory_shares: bool,
+    /// The upstream's quota changed under the gateway: its `429`s are reported, not
+    /// judged (the calls in flight at a drop meet them).
+    pub quota_changed: bool,
+    /// With quota changes: whether every change and phase kept its targets.
+    pub quota_changes_passed: bool,
 }
 
 impl DemoReport {
     /// Whether the demo passed.
     #[must_use]
     pub fn passed(&self) -> bool {
-        self.upstream_429 == 0 && (self.off_share.is_empty() || self.advisory_shares) && !self.underused
+        (self.upstream_429 == 0 || self.quota_changed)
+            && (self.off_share.is_empty() || self.advisory_shares)
+            && !self.underused
+            && self.quota_changes_passed
     }
 }
 
@@ -255,6 +267,9 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     if config.demo.clients.is_empty() {
         return Err("the configuration has no [[demo.client]]".into());
     }
+    if options.quota_changes && options.redis.is_some() {
+        return Err("--quota-changes runs in memory: the accounts' limits are learned there".into());
+    }
     let (upstream_addr, upstream_stats) = start_upstream(&mut config).await?;
     let fleet = start_gateways(&config, options.redis.as_ref()).await?;
     let (tenants, client_tenant) = demo_tenants(&config)?;
@@ -268,6 +283,10 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let load = Load::new(&fleet, tenants.len(), seconds)?;
     let uneven = options.redis.as_ref().is_some_and(|r| r.uneven);
     let tasks = load.spawn_clients(&config, &client_tenant, uneven);
+    let changes = options.quota_changes.then(|| {
+        let (stats, config) = (upstream_stats.clone(), config.clone());
+        tokio::spawn(async move { quota::run(stats, &config, seconds).await })
+    });
     load.print_progress(options.progress, &tenants, &upstream_stats).await;
     for task in tasks {
         let _ = task.await;
@@ -298,10 +317,23 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     );
     write_chart(&events, &tenants, seconds, &upstream, &options.svg)?;
 
+    let phases = match changes {
+        Some(task) => Some(task.await?),
+        None => None,
+    };
+    if let Some(p) = &phases {
+        p.print();
+    }
     // The fleet's target: the replicas together use what the shared mirrors allow.
     let underused = fleet.addrs.len() > 1 && upstream.utilization < 0.9;
-    let report =
-        DemoReport { upstream_429: upstream.refused, off_share, underused, advisory_shares: options.advisory_shares };
+    let report = DemoReport {
+        upstream_429: upstream.refused,
+        off_share,
+        underused,
+        advisory_shares: options.advisory_shares,
+        quota_changed: phases.is_some(),
+        quota_changes_passed: phases.as_ref().is_none_or(quota::Phases::passed),
+    };
     print_verdict(&report, upstream.utilization);
     Ok(report)
 }

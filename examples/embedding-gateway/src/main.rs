@@ -1,7 +1,7 @@
 //! `embedding-gateway`: a per-tenant embedding API gateway built on tower-limits.
 //!
 //! ```text
-//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
+//! embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--quota-changes] [--redis URL --replicas N [--uneven] [--advisory-shares]]
 //! embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N]
 //! embedding-gateway upstream [--config FILE] [--listen ADDR]
 //! embedding-gateway check    [--config FILE]
@@ -57,7 +57,7 @@ const BUNDLED: &str = include_str!("../gateway.toml");
 
 const USAGE: &str = "\
 usage:
-  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--redis URL --replicas N [--uneven] [--advisory-shares]]
+  embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--quota-changes] [--redis URL --replicas N [--uneven] [--advisory-shares]]
   embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
   embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
@@ -73,7 +73,9 @@ and size for the larger fleet). serve starts even while Redis is down, and follo
 gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
 to the first replica and splits the others' connections 60/30/10 (the replicas still
 share the accounts by the tenants' weights across the fleet); --advisory-shares reports
-the tenants' shares without failing on them.
+the tenants' shares without failing on them. --quota-changes (in memory) halves the mock
+upstream's real quota at a third of the run and doubles it at two thirds: the gateway
+learns both from the upstream's x-ratelimit-limit-* fields (give it 30 seconds or more).
 
 serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
@@ -104,6 +106,8 @@ struct Args {
     uneven: bool,
     /// `--advisory-shares`: the demo does not fail on the shares.
     advisory_shares: bool,
+    /// `--quota-changes`: the demo's upstream halves, then doubles, its real quota.
+    quota_changes: bool,
     log_format: LogFormat,
     /// `--upstream URL`: where `hop` forwards.
     upstream: Option<String>,
@@ -146,6 +150,7 @@ fn parse_args() -> Result<Cli, String> {
         replicas: None,
         uneven: false,
         advisory_shares: false,
+        quota_changes: false,
         log_format: LogFormat::Text,
         upstream: None,
         rounds: None,
@@ -172,6 +177,7 @@ fn parse_args() -> Result<Cli, String> {
             "--quiet" => args.quiet = true,
             "--uneven" => args.uneven = true,
             "--advisory-shares" => args.advisory_shares = true,
+            "--quota-changes" => args.quota_changes = true,
             "--redis" => args.redis = Some(value("--redis")?),
             "--replicas" => {
                 let v = value("--replicas")?;
@@ -315,6 +321,7 @@ fn main() -> ExitCode {
                     progress: !args.quiet,
                     redis,
                     advisory_shares: args.advisory_shares,
+                    quota_changes: args.quota_changes,
                 };
                 demo::run(config, &options).await.map(|r| r.passed())
             }

@@ -49,9 +49,18 @@ pub struct UpstreamStats {
     pub tokens: AtomicU64,
     /// Requests refused with `429`.
     pub refused: AtomicU64,
+    /// The accounts' real quota, in percent of the configured one (0 counts as 100).
+    real_quota_percent: Arc<AtomicU64>,
 }
 
 impl UpstreamStats {
+    /// Makes every account's real quota `percent` of its configured one from now on
+    /// (stated in its `x-ratelimit-limit-*` fields too): an upstream whose limits change
+    /// under the gateway.
+    pub fn set_real_quota_percent(&self, percent: u64) {
+        self.real_quota_percent.store(percent.max(1), Ordering::Relaxed);
+    }
+
     /// The number of `429` answers given so far.
     #[must_use]
     pub fn refused(&self) -> u64 {
@@ -64,10 +73,12 @@ impl UpstreamStats {
 struct AccountLimits {
     name: String,
     api_key: String,
+    /// The configured quotas per window; the real ones are `real_quota_percent` of them.
     max_requests: u64,
     max_tokens: u64,
     window: Duration,
     log: Mutex<Log>,
+    real_quota_percent: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -88,6 +99,12 @@ enum Verdict {
 
 impl AccountLimits {
     fn admit(&self, now: Instant, tokens: u64) -> (Verdict, Remaining) {
+        let percent = match self.real_quota_percent.load(Ordering::Relaxed) {
+            0 => 100,
+            p => p,
+        };
+        let scale = |n: u64| (u128::from(n) * u128::from(percent) / 100).max(1) as u64;
+        let (max_requests, max_tokens) = (scale(self.max_requests), scale(self.max_tokens));
         let mut log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
         // An entry leaves when it is a whole window old: the window is (now - W, now].
         while let Some(&(t, c)) = log.entries.front() {
@@ -98,19 +115,19 @@ impl AccountLimits {
                 break;
             }
         }
-        let verdict = if tokens > self.max_tokens {
+        let verdict = if tokens > max_tokens {
             Verdict::Never
-        } else if log.entries.len() as u64 + 1 > self.max_requests {
+        } else if log.entries.len() as u64 + 1 > max_requests {
             // The entry whose expiry leaves room for one more request.
-            let i = log.entries.len() - self.max_requests as usize;
+            let i = log.entries.len() - max_requests as usize;
             Verdict::Requests(self.expiry(now, log.entries[i].0))
-        } else if log.tokens + tokens > self.max_tokens {
+        } else if log.tokens + tokens > max_tokens {
             let mut freed = 0;
             let mut at = now;
             for &(t, c) in &log.entries {
                 freed += c;
                 at = t;
-                if log.tokens - freed + tokens <= self.max_tokens {
+                if log.tokens - freed + tokens <= max_tokens {
                     break;
                 }
             }
@@ -121,8 +138,10 @@ impl AccountLimits {
             Verdict::Admitted
         };
         let state = Remaining {
-            remaining_requests: self.max_requests.saturating_sub(log.entries.len() as u64),
-            remaining_tokens: self.max_tokens.saturating_sub(log.tokens),
+            limit_requests: max_requests,
+            limit_tokens: max_tokens,
+            remaining_requests: max_requests.saturating_sub(log.entries.len() as u64),
+            remaining_tokens: max_tokens.saturating_sub(log.tokens),
             reset_requests: log.entries.front().map_or(Duration::ZERO, |&(t, _)| self.expiry(now, t)),
             reset_tokens: log.entries.back().map_or(Duration::ZERO, |&(t, _)| self.expiry(now, t)),
         };
@@ -137,6 +156,8 @@ impl AccountLimits {
 /// What the headers report after a decision.
 #[derive(Debug, Clone, Copy)]
 struct Remaining {
+    limit_requests: u64,
+    limit_tokens: u64,
     remaining_requests: u64,
     remaining_tokens: u64,
     reset_requests: Duration,
@@ -160,6 +181,7 @@ pub fn router(
     encodings: &ModelEncodings,
 ) -> (Router, Arc<UpstreamStats>) {
     let stats = Arc::new(UpstreamStats::default());
+    stats.set_real_quota_percent(100);
     let provider = Provider {
         accounts: accounts
             .iter()
@@ -170,6 +192,7 @@ pub fn router(
                 max_tokens: a.tokens_per_window(),
                 window: a.window,
                 log: Mutex::new(Log::default()),
+                real_quota_percent: stats.real_quota_percent.clone(),
             })
             .collect(),
         settings,
@@ -280,8 +303,8 @@ async fn embeddings(State(p): State<Arc<Provider>>, headers: HeaderMap, body: By
     let go = |d: Duration| {
         HeaderValue::from_str(&tower_limits::http::go_duration(d)).unwrap_or(HeaderValue::from_static("0s"))
     };
-    h.insert("x-ratelimit-limit-requests", HeaderValue::from(account.max_requests));
-    h.insert("x-ratelimit-limit-tokens", HeaderValue::from(account.max_tokens));
+    h.insert("x-ratelimit-limit-requests", HeaderValue::from(state.limit_requests));
+    h.insert("x-ratelimit-limit-tokens", HeaderValue::from(state.limit_tokens));
     h.insert("x-ratelimit-remaining-requests", HeaderValue::from(state.remaining_requests));
     h.insert("x-ratelimit-remaining-tokens", HeaderValue::from(state.remaining_tokens));
     h.insert("x-ratelimit-reset-requests", go(state.reset_requests));
@@ -461,6 +484,7 @@ mod tests {
             max_tokens,
             window: Duration::from_secs(1),
             log: Mutex::new(Log::default()),
+            real_quota_percent: Arc::new(AtomicU64::new(100)),
         }
     }
 

@@ -422,10 +422,12 @@ impl UpstreamCall {
     ) -> tower_limits::UpstreamReport {
         let report = upstream_report(status, headers);
         let now = (self.now)();
-        self.pool.observe(chosen.index, &report, now);
+        // Learning first: a rebuilt mirror starts with its burst, and the remaining counts
+        // of this very answer must then bring it down to what the upstream has left.
         if let Some(learning) = &self.learning {
             learning.observe(&self.pool, chosen.index, &report, status == StatusCode::TOO_MANY_REQUESTS, now);
         }
+        self.pool.observe(chosen.index, &report, now);
         report
     }
 
