@@ -233,6 +233,16 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_stating_the_learned_quota_does_not_hold_back_a_raise() {
+        let mut q = QuotaLearner::new(1_000, W, LearnSettings::new().ceiling_percent(200));
+        assert_eq!((q.declared(), q.ceiling()), (1_000, 2_000));
+        // The upstream states exactly what is learned: nothing moves, not even the time
+        // of the next raise, so a higher limit stated at once is followed at once.
+        assert_eq!(q.observe(Some(1_000), false, at(3)), None);
+        assert_eq!(q.observe(Some(2_000), false, at(3)), Some(1_250));
+    }
+
+    #[test]
     fn settings_out_of_range_are_brought_in_range() {
         let q = QuotaLearner::new(0, W, LearnSettings::new().ceiling_percent(50).raise_percent(0));
         assert_eq!((q.declared(), q.ceiling(), q.learned()), (1, 1, 1));
