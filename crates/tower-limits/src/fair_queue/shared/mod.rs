@@ -321,6 +321,22 @@ impl<B: Backend> State<B> {
         let Some(fleet) = &fx.fleet else { return };
         let mut backlog: Vec<(TenantKey, u32, u64)> =
             self.queue.backlog().map(|(k, n, _)| (k.clone(), self.queue.weight(k), n)).collect();
+        if self.queue.bands() > 1 {
+            // A tenant waiting in two bands is listed once per band: the fleet wants one
+            // entry per tenant (its requests in flight count once).
+            let mut at: HashMap<TenantKey, usize> = HashMap::with_capacity(backlog.len());
+            let mut merged: Vec<(TenantKey, u32, u64)> = Vec::with_capacity(backlog.len());
+            for (key, weight, waiting) in backlog {
+                match at.get(&key) {
+                    Some(&i) => merged[i].2 += waiting,
+                    None => {
+                        at.insert(key.clone(), merged.len());
+                        merged.push((key, weight, waiting));
+                    }
+                }
+            }
+            backlog = merged;
+        }
         if let Some(key) = extra {
             match backlog.iter_mut().find(|(k, _, _)| k == key) {
                 Some(entry) => entry.2 += 1,
