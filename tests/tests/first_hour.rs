@@ -250,11 +250,15 @@ async fn a_concurrency_limit_that_answers_http_bounds_the_streams_whatever_the_v
 }
 
 #[test]
-fn the_readmes_policy_files_load() {
-    let readme = include_str!("../../README.md");
-    let mut blocks = readme.split("```toml\n").skip(1).map(|rest| &rest[..rest.find("```").unwrap()]).peekable();
-    assert!(blocks.peek().is_some(), "the README shows a policy file");
-    for block in blocks {
-        tower_limits::LimitSetPolicy::from_toml(block).unwrap_or_else(|e| panic!("{e}\n{block}"));
+fn the_readmes_and_the_algorithm_guide_s_policy_files_load() {
+    for (file, text) in [
+        ("README.md", include_str!("../../README.md")),
+        ("algorithms.md", include_str!("../../crates/tower-limits/docs/algorithms.md")),
+    ] {
+        let mut blocks = text.split("```toml\n").skip(1).map(|rest| &rest[..rest.find("```").unwrap()]).peekable();
+        assert!(blocks.peek().is_some(), "{file} shows a policy file");
+        for block in blocks {
+            tower_limits::LimitSetPolicy::from_toml(block).unwrap_or_else(|e| panic!("{file}: {e}\n{block}"));
+        }
     }
 }

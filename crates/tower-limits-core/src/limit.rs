@@ -5,9 +5,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
 
 use crate::algorithm::{
-    Algorithm, FixedWindow, FixedWindowState, Gcra, GcraState, Refusal, Semaphore, SemaphoreState,
-    SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, Snapshot, TokenBucket,
-    TokenBucketState,
+    Algorithm, CalendarWindow, CalendarWindowState, FixedWindow, FixedWindowState, Gcra, GcraState, Refusal, Semaphore,
+    SemaphoreState, SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, Snapshot,
+    TokenBucket, TokenBucketState,
 };
 use serde::{Deserialize, Serialize};
 
@@ -26,6 +26,8 @@ pub enum Limit {
     SlidingWindowCounter(SlidingWindowCounter),
     /// See [`FixedWindow`].
     FixedWindow(FixedWindow),
+    /// See [`CalendarWindow`].
+    CalendarWindow(CalendarWindow),
     /// See [`Semaphore`].
     Semaphore(Semaphore),
 }
@@ -43,6 +45,8 @@ pub enum LimitState {
     SlidingWindowCounter(SlidingWindowCounterState),
     /// See [`FixedWindowState`].
     FixedWindow(FixedWindowState),
+    /// See [`CalendarWindowState`].
+    CalendarWindow(CalendarWindowState),
     /// See [`SemaphoreState`].
     Semaphore(SemaphoreState),
 }
@@ -57,6 +61,7 @@ macro_rules! dispatch {
             (Limit::SlidingWindowLog($a), LimitState::SlidingWindowLog($s)) => $body,
             (Limit::SlidingWindowCounter($a), LimitState::SlidingWindowCounter($s)) => $body,
             (Limit::FixedWindow($a), LimitState::FixedWindow($s)) => $body,
+            (Limit::CalendarWindow($a), LimitState::CalendarWindow($s)) => $body,
             (Limit::Semaphore($a), LimitState::Semaphore($s)) => $body,
             _ => $mismatch,
         }
@@ -73,6 +78,7 @@ impl Limit {
             Limit::SlidingWindowLog(_) => AlgorithmKind::SlidingWindowLog,
             Limit::SlidingWindowCounter(_) => AlgorithmKind::SlidingWindowCounter,
             Limit::FixedWindow(_) => AlgorithmKind::FixedWindow,
+            Limit::CalendarWindow(_) => AlgorithmKind::CalendarWindow,
             Limit::Semaphore(_) => AlgorithmKind::Semaphore,
         }
     }
@@ -92,6 +98,7 @@ impl Limit {
             Limit::SlidingWindowLog(a) => LimitState::SlidingWindowLog(Box::new(a.fresh())),
             Limit::SlidingWindowCounter(a) => LimitState::SlidingWindowCounter(a.fresh()),
             Limit::FixedWindow(a) => LimitState::FixedWindow(a.fresh()),
+            Limit::CalendarWindow(a) => LimitState::CalendarWindow(a.fresh()),
             Limit::Semaphore(a) => LimitState::Semaphore(a.fresh()),
         }
     }
@@ -105,6 +112,7 @@ impl Limit {
             Limit::SlidingWindowLog(a) => a.capacity(),
             Limit::SlidingWindowCounter(a) => a.capacity(),
             Limit::FixedWindow(a) => a.capacity(),
+            Limit::CalendarWindow(a) => a.capacity(),
             Limit::Semaphore(a) => a.capacity(),
         }
     }
@@ -185,6 +193,9 @@ pub enum AlgorithmKind {
     SlidingWindowCounter,
     /// [`FixedWindow`](crate::algorithm::FixedWindow): `limit` and `window`.
     FixedWindow,
+    /// [`CalendarWindow`](crate::algorithm::CalendarWindow): `limit`, `period` and
+    /// `timezone`.
+    CalendarWindow,
     /// [`Semaphore`](crate::algorithm::Semaphore): `capacity`.
     Semaphore,
 }
@@ -199,6 +210,7 @@ impl AlgorithmKind {
             AlgorithmKind::SlidingWindowLog => "sliding_window_log",
             AlgorithmKind::SlidingWindowCounter => "sliding_window_counter",
             AlgorithmKind::FixedWindow => "fixed_window",
+            AlgorithmKind::CalendarWindow => "calendar_window",
             AlgorithmKind::Semaphore => "semaphore",
         }
     }

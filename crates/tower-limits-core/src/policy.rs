@@ -41,11 +41,13 @@
 use std::fmt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::algorithm::{FixedWindow, Gcra, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket};
+use crate::algorithm::{
+    CalendarPeriod, CalendarWindow, FixedWindow, Gcra, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+};
 use crate::key::MAX_TIERS;
 use crate::limit::{Config, LimitDef, Shape, VERSIONS, intern};
 use crate::rate::{Quota, Rate};
@@ -92,7 +94,8 @@ impl std::error::Error for LoadError {
 /// One limit of a set.
 ///
 /// The fields a limit needs depend on its algorithm: `rate` and `burst` for `gcra` and
-/// `token_bucket`, `limit` and `window` for the windows, `capacity` for `semaphore`. The
+/// `token_bucket`, `limit` and `window` for the windows, `limit`, `period` and `timezone`
+/// for `calendar_window`, `capacity` for `semaphore`. The
 /// fields are data, as a policy file gives them, and are checked when the policy is
 /// validated; in code, the constructors take what they need ready-made:
 /// [`LimitPolicy::gcra`] and [`LimitPolicy::token_bucket`] fill `rate` and `burst` from a
@@ -128,6 +131,22 @@ pub struct LimitPolicy {
     /// For `semaphore`: how many permits can be held at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<u64>,
+    /// For `calendar_window`: the calendar period the `limit` is counted over (`"day"`,
+    /// `"week"`, `"month"` or `"year"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<CalendarPeriod>,
+    /// For `calendar_window`: the time zone whose midnights start the periods, a name of
+    /// the IANA database (`"Europe/Berlin"`, `"UTC"`). Required: a budget's reset is a
+    /// promise to people, who live in a time zone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// For `calendar_window`: the wall-clock time at which the clock driving the set
+    /// reads [`Instant::ZERO`](crate::Instant::ZERO). Unset, it is
+    /// [`unix_origin`](crate::time::unix_origin), right for every clock this library makes;
+    /// set it when a [`ManualClock`](crate::ManualClock) drives the set. Not read from
+    /// policy files.
+    #[serde(skip)]
+    pub clock_origin: Option<SystemTime>,
     /// Shadow mode: the limit decides and counts, but never refuses. A request it would
     /// have refused is admitted without charging it (so its state stays what it would be
     /// if it enforced), and counted in [`LimitStats::shadow_refused`](crate::LimitStats::shadow_refused).
@@ -149,6 +168,9 @@ impl LimitPolicy {
             limit: None,
             window: None,
             capacity: None,
+            period: None,
+            timezone: None,
+            clock_origin: None,
             shadow: false,
         }
     }
@@ -197,6 +219,44 @@ impl LimitPolicy {
     #[must_use]
     pub fn fixed_window(name: impl Into<String>, limit: u64, window: Duration) -> Self {
         LimitPolicy { limit: Some(limit), window: Some(window), ..Self::bare(name, AlgorithmKind::FixedWindow) }
+    }
+
+    /// A calendar window: at most `limit` per `period`, the periods starting at midnight
+    /// in `timezone` (see [`CalendarWindow`]). A budget counts cost: add
+    /// [`counting_cost`](LimitPolicy::counting_cost).
+    ///
+    /// ```
+    /// use tower_limits_core::{LimitPolicy, LimitSetPolicy};
+    /// use tower_limits_core::algorithm::CalendarPeriod;
+    ///
+    /// // 100 USD a month per team, in micro-dollars.
+    /// let budget = LimitPolicy::calendar_window("usd-per-month", 100_000_000, CalendarPeriod::Month, "Europe/Berlin")
+    ///     .per("team")
+    ///     .counting_cost();
+    /// LimitSetPolicy::new().tiers(["org", "team"]).limit(budget).validate()?;
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    #[must_use]
+    pub fn calendar_window(
+        name: impl Into<String>,
+        limit: u64,
+        period: CalendarPeriod,
+        timezone: impl Into<String>,
+    ) -> Self {
+        LimitPolicy {
+            limit: Some(limit),
+            period: Some(period),
+            timezone: Some(timezone.into()),
+            ..Self::bare(name, AlgorithmKind::CalendarWindow)
+        }
+    }
+
+    /// For a calendar window driven by a clock that reads [`Instant::ZERO`](crate::Instant::ZERO)
+    /// at `origin` (see [`LimitPolicy::clock_origin`](LimitPolicy#structfield.clock_origin)).
+    #[must_use]
+    pub fn with_clock_origin(mut self, origin: SystemTime) -> Self {
+        self.clock_origin = Some(origin);
+        self
     }
 
     /// A semaphore: concurrency.
@@ -380,6 +440,10 @@ impl Limit {
             if present { Err(PolicyError::new(field, format!("is not used by {}", kind.as_str()))) } else { Ok(()) }
         };
         let required = |field: &str| PolicyError::new(field, format!("is required by {}", kind.as_str()));
+        if kind != AlgorithmKind::CalendarWindow {
+            unused("period", p.period.is_some())?;
+            unused("timezone", p.timezone.is_some())?;
+        }
         match kind {
             AlgorithmKind::Gcra | AlgorithmKind::TokenBucket => {
                 unused("limit", p.limit.is_some())?;
@@ -406,6 +470,20 @@ impl Limit {
                     }
                     _ => Limit::FixedWindow(FixedWindow::new(limit, window)?),
                 })
+            }
+            AlgorithmKind::CalendarWindow => {
+                unused("rate", p.rate.is_some())?;
+                unused("burst", p.burst.is_some())?;
+                unused("window", p.window.is_some())?;
+                unused("capacity", p.capacity.is_some())?;
+                let limit = p.limit.ok_or_else(|| required("limit"))?;
+                let period = p.period.ok_or_else(|| required("period"))?;
+                let zone = p.timezone.as_deref().ok_or_else(|| required("timezone"))?;
+                let window = CalendarWindow::new(limit, period, zone)?;
+                Ok(Limit::CalendarWindow(match p.clock_origin {
+                    Some(origin) => window.with_origin(origin),
+                    None => window,
+                }))
             }
             AlgorithmKind::Semaphore => {
                 unused("rate", p.rate.is_some())?;
@@ -567,6 +645,37 @@ mod tests {
         assert_eq!(LimitSetPolicy::from_json(&json).unwrap(), policy);
         let toml = toml::to_string(&policy).unwrap();
         assert_eq!(LimitSetPolicy::from_toml(&toml).unwrap(), policy);
+    }
+
+    #[test]
+    fn calendar_budgets_load_from_toml_and_name_their_fields() {
+        let text = |extra: &str| {
+            format!(
+                "tiers = [\"team\"]\n[[limit]]\nname = \"usd-month\"\nscope = \"team\"\ncounts = \"cost\"\n\
+                 algorithm = \"calendar_window\"\nlimit = 100000000\n{extra}"
+            )
+        };
+        let policy = LimitSetPolicy::from_toml(&text("period = \"month\"\ntimezone = \"Europe/Berlin\"\n")).unwrap();
+        let expected = LimitPolicy::calendar_window("usd-month", 100_000_000, CalendarPeriod::Month, "Europe/Berlin")
+            .per("team")
+            .counting_cost();
+        assert_eq!(policy.limits, [expected]);
+        assert_eq!(LimitSetPolicy::from_toml(&toml::to_string(&policy).unwrap()).unwrap(), policy);
+        let invalid = |extra: &str| LimitSetPolicy::from_toml(&text(extra)).unwrap_err().to_string();
+        assert!(invalid("period = \"month\"\n").contains("limits[0] (usd-month).timezone: is required"));
+        assert!(invalid("timezone = \"UTC\"\n").contains("limits[0] (usd-month).period: is required"));
+        let zone = invalid("period = \"month\"\ntimezone = \"Europe/Atlantis\"\n");
+        assert!(zone.contains("limits[0] (usd-month).timezone: \"Europe/Atlantis\" is not a time zone"), "{zone}");
+        let period = invalid("period = \"fortnight\"\ntimezone = \"UTC\"\n");
+        assert!(period.contains("line 8") && period.contains("fortnight"), "{period}");
+        let misplaced = LimitSetPolicy::new().limit(LimitPolicy {
+            timezone: Some("UTC".into()),
+            ..LimitPolicy::fixed_window("w", 1, Duration::from_secs(1))
+        });
+        assert_eq!(
+            misplaced.validate().unwrap_err().to_string(),
+            "limits[0] (w).timezone: is not used by fixed_window"
+        );
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::hash::BuildHasher;
 use hashbrown::{DefaultHashBuilder, HashTable};
 
 use crate::algorithm::{
-    Algorithm, FixedWindowState, GcraState, Refusal, SemaphoreState, SlidingWindowCounterState, SlidingWindowLogState,
-    Snapshot, TokenBucketState,
+    Algorithm, CalendarWindowState, FixedWindowState, GcraState, Refusal, SemaphoreState, SlidingWindowCounterState,
+    SlidingWindowLogState, Snapshot, TokenBucketState,
 };
 use crate::key::{NUMBER_PATH, as_ipv4, as_number};
 use crate::limit::{Limit, LimitState};
@@ -218,6 +218,7 @@ pub(crate) enum Table {
     SlidingWindowLog(Tables<SlidingWindowLogState>),
     SlidingWindowCounter(Tables<SlidingWindowCounterState>),
     FixedWindow(Tables<FixedWindowState>),
+    CalendarWindow(Tables<CalendarWindowState>),
     Semaphore(Tables<SemaphoreState>),
 }
 
@@ -257,6 +258,7 @@ macro_rules! with_table {
             (Limit::SlidingWindowLog($a), Table::SlidingWindowLog($t)) => $body,
             (Limit::SlidingWindowCounter($a), Table::SlidingWindowCounter($t)) => $body,
             (Limit::FixedWindow($a), Table::FixedWindow($t)) => $body,
+            (Limit::CalendarWindow($a), Table::CalendarWindow($t)) => $body,
             (Limit::Semaphore($a), Table::Semaphore($t)) => $body,
             _ => $mismatch,
         }
@@ -312,6 +314,7 @@ impl Table {
             Limit::SlidingWindowLog(_) => Table::SlidingWindowLog(Tables::new()),
             Limit::SlidingWindowCounter(_) => Table::SlidingWindowCounter(Tables::new()),
             Limit::FixedWindow(_) => Table::FixedWindow(Tables::new()),
+            Limit::CalendarWindow(_) => Table::CalendarWindow(Tables::new()),
             Limit::Semaphore(_) => Table::Semaphore(Tables::new()),
         }
     }
@@ -323,6 +326,7 @@ impl Table {
             Table::SlidingWindowLog(t) => t.len(),
             Table::SlidingWindowCounter(t) => t.len(),
             Table::FixedWindow(t) => t.len(),
+            Table::CalendarWindow(t) => t.len(),
             Table::Semaphore(t) => t.len(),
         }
     }
@@ -336,6 +340,7 @@ impl Table {
             Table::SlidingWindowLog(t) => t.find(h, key).is_some(),
             Table::SlidingWindowCounter(t) => t.find(h, key).is_some(),
             Table::FixedWindow(t) => t.find(h, key).is_some(),
+            Table::CalendarWindow(t) => t.find(h, key).is_some(),
             Table::Semaphore(t) => t.find(h, key).is_some(),
         }
     }
@@ -541,6 +546,7 @@ pub(crate) fn apply_global(limit: &Limit, state: &mut LimitState, op: Op, now: I
         (Limit::SlidingWindowLog(a), LimitState::SlidingWindowLog(s)) => apply(a, &mut **s, op, now),
         (Limit::SlidingWindowCounter(a), LimitState::SlidingWindowCounter(s)) => apply(a, s, op, now),
         (Limit::FixedWindow(a), LimitState::FixedWindow(s)) => apply(a, s, op, now),
+        (Limit::CalendarWindow(a), LimitState::CalendarWindow(s)) => apply(a, s, op, now),
         (Limit::Semaphore(a), LimitState::Semaphore(s)) => apply(a, s, op, now),
         _ => {}
     }

@@ -98,8 +98,50 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
     }
 }
 
-/// The machine's monotonic clock. Every `SystemClock` of a process shares one origin (the
-/// first one's creation), so instants read from any of them can be mixed.
+/// The moment every clock this library makes reads [`Instant::ZERO`]: a little before the
+/// first call (an hour before, where the machine's monotonic clock allows, so that a
+/// paused tokio clock frozen a little earlier still reads as after it). Fixed once per
+/// process.
+#[must_use]
+pub fn origin() -> std::time::Instant {
+    origins().0
+}
+
+/// The wall-clock time of [`origin`]: how a [`CalendarWindow`](crate::algorithm::CalendarWindow)
+/// places the instants of this library's clocks on the calendar. The wall clock is read
+/// once, with the origin; a process that runs for months drifts from it by what the time
+/// service corrects meanwhile.
+///
+/// ```
+/// use std::time::SystemTime;
+/// use tower_limits_core::{Clock, SystemClock};
+/// use tower_limits_core::time::unix_origin;
+///
+/// let now = unix_origin() + std::time::Duration::from_nanos(SystemClock::new().now().as_nanos());
+/// let wall = SystemTime::now();
+/// let gap = now.duration_since(wall).or_else(|e| Ok::<_, ()>(e.duration())).unwrap();
+/// assert!(gap.as_secs() < 60);
+/// ```
+#[must_use]
+pub fn unix_origin() -> std::time::SystemTime {
+    origins().1
+}
+
+fn origins() -> (std::time::Instant, std::time::SystemTime) {
+    static ORIGINS: std::sync::OnceLock<(std::time::Instant, std::time::SystemTime)> = std::sync::OnceLock::new();
+    *ORIGINS.get_or_init(|| {
+        let (now, wall) = (std::time::Instant::now(), std::time::SystemTime::now());
+        [3600, 60, 1]
+            .iter()
+            .map(|s| Duration::from_secs(*s))
+            .find_map(|back| Some((now.checked_sub(back)?, wall.checked_sub(back)?)))
+            .unwrap_or((now, wall))
+    })
+}
+
+/// The machine's monotonic clock. Every `SystemClock` of a process counts from one origin
+/// ([`origin`], shared with the layers' clocks), so instants read from any of them can be
+/// mixed.
 ///
 /// It reads the CPU's invariant time-stamp counter where there is one (calibrated once
 /// against the operating system's monotonic clock, through the `quanta` crate), which
@@ -109,6 +151,7 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
 pub struct SystemClock {
     clock: quanta::Clock,
     origin: u64,
+    offset: u64,
 }
 
 impl SystemClock {
@@ -121,7 +164,8 @@ impl SystemClock {
             .get_or_init(|| {
                 let clock = quanta::Clock::new();
                 let origin = clock.raw();
-                SystemClock { clock, origin }
+                // The counter starts now: add the time since the shared origin.
+                SystemClock { clock, origin, offset: duration_to_nanos(self::origin().elapsed()) }
             })
             .clone()
     }
@@ -136,7 +180,7 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     #[inline]
     fn now(&self) -> Instant {
-        Instant(self.clock.delta_as_nanos(self.origin, self.clock.raw()))
+        Instant(self.clock.delta_as_nanos(self.origin, self.clock.raw()).wrapping_add(self.offset))
     }
 }
 

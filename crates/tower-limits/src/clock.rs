@@ -1,9 +1,8 @@
 //! The clocks the layers read.
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use tower_limits_core::time::duration_to_nanos;
+use tower_limits_core::time::{duration_to_nanos, origin};
 use tower_limits_core::{Clock, Instant, SystemClock};
 
 /// The clock of a layer: it reads the time for decisions and turns an instant back into
@@ -13,9 +12,11 @@ use tower_limits_core::{Clock, Instant, SystemClock};
 /// in tests. [`LayerClock::system`] reads the CPU's counter instead, which is about a
 /// third of the cost per request, but does not follow a paused tokio clock.
 ///
-/// Every layer clock of a process counts from one origin, so layers that share a backend
-/// (or code that passes a layer's [`now`](crate::LimitLayer::now) to a pool) agree
-/// on what an instant means.
+/// Every layer clock of a process counts from one origin, the core's
+/// [`origin`](tower_limits_core::time::origin) (shared with its `SystemClock`), so layers
+/// that share a backend (or code that passes a layer's [`now`](crate::LimitLayer::now) to
+/// a pool) agree on what an instant means, and a calendar window places their instants on
+/// the calendar through [`unix_origin`](tower_limits_core::time::unix_origin).
 #[derive(Debug, Clone)]
 pub struct LayerClock {
     kind: Kind,
@@ -25,19 +26,8 @@ pub struct LayerClock {
 #[derive(Debug, Clone)]
 enum Kind {
     Tokio,
-    /// The system clock and how far its origin is after the process's.
-    System(SystemClock, u64),
-}
-
-/// The origin of every layer clock: a moment before the first one was made. It is set
-/// back an hour (where the machine's clock allows) so that a paused tokio clock frozen a
-/// little before it still reads as after it.
-fn origin() -> std::time::Instant {
-    static ORIGIN: OnceLock<std::time::Instant> = OnceLock::new();
-    *ORIGIN.get_or_init(|| {
-        let now = std::time::Instant::now();
-        [3600, 60, 1].iter().find_map(|s| now.checked_sub(Duration::from_secs(*s))).unwrap_or(now)
-    })
+    /// The system clock, which counts from the same origin.
+    System(SystemClock),
 }
 
 impl LayerClock {
@@ -50,11 +40,7 @@ impl LayerClock {
     /// The machine's monotonic counter (see [`SystemClock`]); not for paused-time tests.
     #[must_use]
     pub fn system() -> Self {
-        static OFFSET: OnceLock<u64> = OnceLock::new();
-        let system = SystemClock::new();
-        let offset =
-            *OFFSET.get_or_init(|| duration_to_nanos(origin().elapsed()).saturating_sub(system.now().as_nanos()));
-        LayerClock { tokio_origin: tokio::time::Instant::from_std(origin()), kind: Kind::System(system, offset) }
+        LayerClock { tokio_origin: tokio::time::Instant::from_std(origin()), kind: Kind::System(SystemClock::new()) }
     }
 
     /// The tokio instant that `at` stands for, to sleep until.
@@ -77,7 +63,7 @@ impl Clock for LayerClock {
             Kind::Tokio => Instant::from_nanos(duration_to_nanos(
                 tokio::time::Instant::now().saturating_duration_since(self.tokio_origin),
             )),
-            Kind::System(c, offset) => Instant::from_nanos(c.now().as_nanos().saturating_add(*offset)),
+            Kind::System(c) => c.now(),
         }
     }
 }

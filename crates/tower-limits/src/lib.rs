@@ -39,7 +39,8 @@ pub use fair_queue::{FairQueueLayer, FairQueueService};
 #[cfg(feature = "tonic")]
 pub use grpc::{GRPC_RETRY_PUSHBACK_MS, GrpcAnswer};
 pub use layers::{
-    FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer, SlidingWindowLayer, TokenBucketLayer,
+    CalendarWindowLayer, FixedWindowLayer, GcraLayer, LeakyBucketLayer, LimitSetLayer, SemaphoreLayer,
+    SlidingWindowLayer, TokenBucketLayer,
 };
 pub use refusal::{Hold, RefusalMode, ReturnError};
 pub use shell::{LayerStats, LimitLayer, LimitService, Unfinished};

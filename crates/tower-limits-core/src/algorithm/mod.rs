@@ -26,8 +26,10 @@
 //! | [`SlidingWindowLog`] | one entry per grant in the window | yes: `limit` in every window of length `window` | yes | hard "N per window" contracts |
 //! | [`SlidingWindowCounter`] | 24 bytes | approximate: below `2*limit` in the worst case | within the last two windows | cheap "N per window" |
 //! | [`FixedWindow`] | 16 bytes | `limit` per aligned window, `2*limit` across a boundary | within the current window | matching an upstream that counts that way |
+//! | [`CalendarWindow`] | 24 bytes | `limit` per calendar period in a time zone | within the current period | budgets per day, week, month or year |
 //! | [`Semaphore`] | 8 bytes | `capacity` held at once | n/a (release) | concurrency |
 
+mod calendar_window;
 mod fixed_window;
 mod gcra;
 mod semaphore;
@@ -37,6 +39,7 @@ mod token_bucket;
 
 use std::time::Duration;
 
+pub use calendar_window::{CalendarPeriod, CalendarWindow, CalendarWindowState};
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use gcra::{Gcra, GcraState};
 pub use semaphore::{Semaphore, SemaphoreState};

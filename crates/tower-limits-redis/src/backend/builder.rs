@@ -380,6 +380,9 @@ fn describe(
         Limit::Semaphore(_) => {
             (ScriptLimit::Semaphore { cost, capacity: exact("capacity", limit.capacity())? }, Duration::ZERO)
         }
+        Limit::CalendarWindow(_) => {
+            return Err(unsupported("calendar windows are counted in memory only for now".to_owned()));
+        }
     };
     let tier = match &p.scope {
         Scope::Global => None,
@@ -464,7 +467,10 @@ pub(super) fn scaled(policy: &LimitSetPolicy, share: f64) -> LimitSetPolicy {
                     l.rate = Some(Rate::new(rate.amount(), rate.period().div_f64(share)));
                 }
             }
-            AlgorithmKind::SlidingWindowLog | AlgorithmKind::SlidingWindowCounter | AlgorithmKind::FixedWindow => {
+            AlgorithmKind::SlidingWindowLog
+            | AlgorithmKind::SlidingWindowCounter
+            | AlgorithmKind::FixedWindow
+            | AlgorithmKind::CalendarWindow => {
                 l.limit = l.limit.map(scale);
             }
             AlgorithmKind::Semaphore => l.capacity = l.capacity.map(scale),

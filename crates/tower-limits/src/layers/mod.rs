@@ -7,6 +7,7 @@
 //! | [`LeakyBucketLayer`] | a shaper: requests wait and leave at a steady pace | `LeakyBucketLayer::new(Quota::per_second(nz!(10)))` |
 //! | [`SlidingWindowLayer`] | at most `amount` in any window of `period`, exact (a log) or approximate (two counters) | `SlidingWindowLayer::new(Quota::per_minute(nz!(1_000)))` |
 //! | [`FixedWindowLayer`] | at most `amount` per calendar-aligned window | `FixedWindowLayer::new(Quota::per_day(nz!(50_000)))` |
+//! | [`CalendarWindowLayer`] | at most `limit` per calendar day, week, month or year in a time zone: budgets | `CalendarWindowLayer::new(nz!(100_000_000), CalendarPeriod::Month, "Europe/Berlin")?` |
 //! | [`SemaphoreLayer`] | at most `capacity` in flight, weighted by cost | `SemaphoreLayer::new(nz!(64))` |
 //! | [`LimitSetLayer`] | several limits, all or nothing, keyed by tenant tiers | `LimitSetLayer::new(policy)?` |
 //! | [`FairQueueLayer`](crate::FairQueueLayer) | a weighted-fair tenant queue in front of shared capacity | `FairQueueLayer::concurrency(config, 64)?` |
@@ -17,7 +18,8 @@
 //! [`usage`](LimitLayer::usage), [`wait`](LimitLayer::wait),
 //! [`refuse_with`](LimitLayer::refuse_with), ...). Only the constructor differs,
 //! chosen by the type's last parameter, a [`door`]. A constant limit is a [`Quota`]
-//! (or a [`NonZeroU64`](std::num::NonZeroU64)), so building one cannot fail; limits
+//! (or a [`NonZeroU64`](std::num::NonZeroU64)), so building one cannot fail (but for a
+//! calendar window's time zone, looked up by name in the bundled database); limits
 //! read from data go through [`LimitSetPolicy`], whose errors name
 //! the field.
 //!
@@ -40,6 +42,7 @@
 //! # drop(app);
 //! ```
 
+mod calendar_window;
 mod fixed_window;
 mod gcra;
 mod leaky_bucket;
@@ -48,6 +51,7 @@ mod semaphore;
 mod sliding_window;
 mod token_bucket;
 
+pub use calendar_window::CalendarWindowLayer;
 pub use fixed_window::FixedWindowLayer;
 pub use gcra::GcraLayer;
 pub use leaky_bucket::LeakyBucketLayer;
@@ -99,6 +103,8 @@ pub mod door {
         SlidingWindow => "SlidingWindowLayer",
         /// [`FixedWindowLayer`](super::FixedWindowLayer).
         FixedWindow => "FixedWindowLayer",
+        /// [`CalendarWindowLayer`](super::CalendarWindowLayer).
+        CalendarWindow => "CalendarWindowLayer",
         /// [`SemaphoreLayer`](super::SemaphoreLayer).
         Semaphore => "SemaphoreLayer",
     }
