@@ -21,9 +21,11 @@ use std::time::Duration;
 use tower_limits::{LimitPolicy, LimitSetPolicy, Quota, Selection, TenantKey};
 
 mod bands;
+mod budgets;
 mod raw;
 mod validate;
 
+pub use budgets::{Budget, Budgets, ModelPrice};
 use raw::{Raw, S};
 use validate::validate;
 
@@ -74,6 +76,9 @@ pub struct Config {
     pub plans: Vec<Plan>,
     /// The tenants, each one of the fair queue's flows.
     pub tenants: Vec<Tenant>,
+    /// The budgets in money of the plans' tiers, with the models' prices (`None`: no plan
+    /// has a budget).
+    pub budgets: Option<Budgets>,
     /// The upstream provider's accounts the gateway spreads requests over.
     pub accounts: Vec<Account>,
     /// The demo's clients.
@@ -239,7 +244,7 @@ pub struct UpstreamSettings {
 pub struct Plan {
     /// The plan's name.
     pub name: String,
-    /// Its limit set.
+    /// Its limit set (empty for a plan of budgets alone: see [`Config::budgets`]).
     pub policy: LimitSetPolicy,
 }
 

@@ -10,6 +10,10 @@
 //!                      with the model's encoding ->                context_length_exceeded
 //!                      Cost(tokens; for a chat: prompt +
 //!                      max_tokens or default_max_tokens)
+//!   BudgetLayer        the key's budgets in money per calendar     429 insufficient_quota
+//!                      period (plan.NAME.TIER.budget): the price       budget_exceeded
+//!                      estimated from the tokens, settled to the       (Retry-After: the
+//!                      usage (streams: their final usage chunk)        renewal)
 //!   PlanLimits         the tenant's plan: RPM/TPM per tier,        429 (Retry-After,
 //!                      concurrency per tenant (LimitSetLayer,          retry-after-ms, the
 //!                      in memory or on Redis)                          RateLimit and x-ratelimit
@@ -84,9 +88,11 @@ use crate::health::Health;
 use crate::logging::Throttle;
 
 // The pipeline's own stages, in a module of their own.
+mod budget;
 mod learning;
 mod stages;
 pub mod upload;
+pub use budget::{BudgetLayer, BudgetService};
 use stages::AccountRoute;
 pub use stages::{
     ACCOUNT_HEADER, BACKEND_DOWN_WAIT, PlanLimits, Prepare, PrepareLayer, QUEUE_TIME_HEADER, UpstreamCall,
@@ -145,6 +151,11 @@ pub struct Prepared {
     /// Its tokens (also in the request's [`Cost`]): counted for embeddings, the most it
     /// may use for a chat completion (prompt and `max_tokens`).
     pub tokens: u64,
+    /// The tokens of its input (the prompt; for embeddings, all of `tokens`): what a
+    /// price counts at the input rate, the rest at the output rate.
+    pub prompt: u64,
+    /// The model asked for.
+    pub model: Arc<str>,
     /// How many inputs (or messages) it has.
     pub inputs: usize,
     /// The upstream path it goes to ([`EMBEDDINGS_PATH`] or [`CHAT_PATH`]).
@@ -221,6 +232,8 @@ pub struct Gateway {
     redis_plans: Option<Arc<RedisPlans>>,
     /// The accounts' limits learned from the upstream (in memory).
     learning: Option<Arc<learning::Learning>>,
+    /// The plans' budgets in money (`None`: no plan has one).
+    budgets: Option<BudgetLayer>,
 }
 
 /// What it takes to build the plans' services on Redis later.
@@ -408,6 +421,8 @@ impl Gateway {
         let mut plans: Vec<PlanService> = Vec::new();
         for plan in &config.plans {
             let service = match (redis, failure) {
+                // A plan of budgets alone: nothing more to check here.
+                (false, _) if plan.policy.limits.is_empty() => inner.clone(),
                 (false, _) => plan_layer!(
                     LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan").retry_spacing(spacing),
                     inner.clone(),
@@ -437,7 +452,7 @@ impl Gateway {
             plans.push(service);
         }
         let slot: PlanSlot = Arc::new(RwLock::new(plans.into()));
-        let health = Arc::new(Health::new(pool.clone(), now, failure, redis));
+        let health = Arc::new(Health::new(pool.clone(), now.clone(), failure, redis));
         let accounts = if redis {
             let mut whole = Vec::new();
             for account in &config.accounts {
@@ -476,6 +491,15 @@ impl Gateway {
             })
         });
 
+        let budgets = match &config.budgets {
+            Some(_) if redis => {
+                return Err("budgets (plan.NAME.TIER.budget) are counted in memory only for now: \
+                            run this configuration without --redis"
+                    .into());
+            }
+            Some(b) => Some(BudgetLayer::new(b, now.clone())?),
+            None => None,
+        };
         let auth = AuthLayer::new(config);
         let stack = ServiceBuilder::new()
             .layer(auth.clone())
@@ -493,6 +517,7 @@ impl Gateway {
                 encodings: config.gateway.encodings.clone(),
                 default_max_tokens: config.gateway.default_max_tokens,
             })
+            .option_layer(budgets.clone())
             .service(PlanLimits { plans: slot });
         let router = crate::metrics::count_responses(crate::health::routes(
             Router::new().route(EMBEDDINGS_PATH, post_service(stack.clone())).route(CHAT_PATH, post_service(stack)),
@@ -500,7 +525,7 @@ impl Gateway {
             &config.gateway.models(),
             auth.clone(),
         ));
-        Ok(Gateway { router, pool, stats, health, auth, redis_plans, learning })
+        Ok(Gateway { router, pool, stats, health, auth, redis_plans, learning, budgets })
     }
 
     /// Sizes what this replica decides alone while Redis is away for a fleet of `replicas`
@@ -545,6 +570,14 @@ impl Gateway {
     #[must_use]
     pub fn learned_limits(&self) -> Vec<(u64, u64)> {
         self.learning.as_ref().map_or_else(Vec::new, |l| l.learned())
+    }
+
+    /// What the budget `limit` (`TIER.budget`) of `key` on plan `plan` has left, in
+    /// micro-units of the currency, and the time until it renews; `None` for a budget the
+    /// plan does not have.
+    #[must_use]
+    pub fn budget_remaining(&self, plan: usize, key: &TenantKey, limit: &str) -> Option<(u64, Duration)> {
+        self.budgets.as_ref()?.remaining(plan, key, limit)
     }
 
     /// The shared upstream accounts, once this replica reached Redis (`None` in memory).

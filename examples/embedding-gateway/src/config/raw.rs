@@ -23,6 +23,8 @@ pub(super) struct Raw {
     #[serde(default)]
     pub(super) tenant: Vec<RawTenant>,
     #[serde(default)]
+    pub(super) price: BTreeMap<String, S<RawPrice>>,
+    #[serde(default)]
     pub(super) account: Vec<RawAccount>,
     #[serde(default)]
     pub(super) demo: RawDemo,
@@ -65,6 +67,7 @@ pub(super) struct RawGateway {
     pub(super) plan_share_refresh: Option<S<String>>,
     pub(super) bands: Option<S<Vec<RawBand>>>,
     pub(super) band_header: Option<S<String>>,
+    pub(super) timezone: Option<S<String>>,
 }
 
 #[derive(Deserialize)]
@@ -93,11 +96,20 @@ pub(super) struct RawUpstream {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTierLimits {
+    pub(super) budget: Option<S<String>>,
     pub(super) rpm: Option<S<u64>>,
     pub(super) tpm: Option<S<u64>>,
     pub(super) concurrency: Option<S<u64>>,
     pub(super) rpm_burst: Option<S<u64>>,
     pub(super) tpm_burst: Option<S<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPrice {
+    pub(super) currency: S<String>,
+    pub(super) input: S<f64>,
+    pub(super) output: Option<S<f64>>,
 }
 
 #[derive(Deserialize)]

@@ -85,10 +85,12 @@ pub(super) fn validate(src: &Source<'_>, raw: Raw) -> Result<Config, ConfigError
     let mirror = mirror(src, &raw.mirror)?;
     let upstream = upstream(src, &raw.upstream)?;
     let plans = plans(src, &raw.plan, &tiers, gateway.max_request_tokens)?;
+    let models = gateway.models();
+    let budgets = super::budgets::budgets(src, &raw.price, &raw.plan, raw.gateway.timezone.as_ref(), &tiers, &models)?;
     let tenants = tenants(src, &raw.tenant, &tiers, &plans, &gateway.bands)?;
     let accounts = accounts(src, &raw.account, &mirror, gateway.max_request_tokens)?;
     let demo = demo(src, &raw.demo, &tenants)?;
-    Ok(Config { tiers, gateway, mirror, upstream, plans, tenants, accounts, demo })
+    Ok(Config { tiers, gateway, mirror, upstream, plans, tenants, budgets, accounts, demo })
 }
 
 /// The tiers, broadest first: `org`, `team`, `user`, `agent` when left out.
@@ -436,7 +438,9 @@ fn plans(
         for (tier, limits) in by_tier {
             policy = tier_limits(src, policy, &format!("plan.{name}.{tier}"), tier, limits, tiers, max_request_tokens)?;
         }
-        if let Err(e) = policy.validate() {
+        // A plan of budgets alone has no other limit: its requests go on unlimited.
+        let budgets_only = policy.limits.is_empty() && by_tier.values().any(|l| l.get_ref().budget.is_some());
+        if let Err(e) = policy.validate().or_else(|e| if budgets_only { Ok(()) } else { Err(e) }) {
             let span = by_tier.values().next().map(Spanned::span);
             return Err(src.error(span, format!("plan.{name}"), e.to_string()));
         }

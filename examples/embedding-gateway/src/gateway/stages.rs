@@ -90,9 +90,9 @@ where
                 return Ok(not_served(&settings, is_chat, model, parts.uri.path()));
             };
             let limit = settings.max_tokens;
-            let (tokens, inputs, stream) = match &request {
+            let (tokens, prompt, inputs, stream) = match &request {
                 Parsed::Embedding(r) => match r.tokens_within(encoding, limit) {
-                    Some(tokens) => (tokens, r.inputs.len(), false),
+                    Some(tokens) => (tokens, tokens, r.inputs.len(), false),
                     None => {
                         return Ok(too_many_tokens("input", &format!("`input` has more than {limit} tokens"), limit));
                     }
@@ -121,12 +121,13 @@ where
                         response.extensions_mut().insert(AccessInfo { tokens: Some(tokens), ..AccessInfo::default() });
                         return Ok(response);
                     }
-                    (tokens, r.messages.len(), r.stream)
+                    (tokens, prompt, r.messages.len(), r.stream)
                 }
             };
             parts.extensions.insert(Cost(tokens));
             let path = if is_chat { CHAT_PATH } else { EMBEDDINGS_PATH };
-            parts.extensions.insert(Prepared { body, tokens, inputs, path, stream });
+            let model = Arc::from(model);
+            parts.extensions.insert(Prepared { body, tokens, prompt, model, inputs, path, stream });
             let mut response = inner.call(Request::from_parts(parts, Body::empty())).await?;
             // The upstream's count when it gave one, the estimate otherwise.
             response.extensions_mut().get_or_insert_default::<AccessInfo>().tokens.get_or_insert(tokens);
