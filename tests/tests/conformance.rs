@@ -12,6 +12,7 @@ mod redis_common;
 use std::future::Future;
 use std::time::Duration;
 
+use tower_limits_core::algorithm::CalendarPeriod;
 use tower_limits_core::{
     AcquireError, Backend, Instant, LimitPolicy, LimitSet, LimitSetPolicy, Quota, Refusal, TenantKey, nz,
 };
@@ -416,6 +417,88 @@ async fn same_answers<A: Harness, B: Harness>(a: &A, b: &B) {
     }
 }
 
+/// A budget per org and UTC day (law 32) beside a semaphore, on a clock whose origin
+/// puts midnight a minute into the program: grants, settles, releases and cancels across
+/// the day's end.
+fn calendar_policy() -> LimitSetPolicy {
+    // 2026-11-27 23:58:50 UTC: the program starts at 10 s, a minute before midnight.
+    let origin = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_823_930);
+    LimitSetPolicy::new()
+        .tiers(["org", "user"])
+        .limit(
+            LimitPolicy::calendar_window("budget", 30, CalendarPeriod::Day, "UTC")
+                .per("org")
+                .counting_cost()
+                .with_clock_origin(origin),
+        )
+        .limit(LimitPolicy::semaphore("concurrent", 3).per("user"))
+}
+
+fn calendar_program(seed: u64) -> Vec<Step> {
+    let mut rng = Rng(seed);
+    (0..300)
+        .map(|_| match rng.below(10) {
+            0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, 12) },
+            4 => Step::Settle { held: rng.next_u64(), actual: rng.range(0, 16) },
+            5 | 6 => Step::Release { held: rng.next_u64() },
+            7 => Step::Cancel { held: rng.next_u64() },
+            _ => Step::Advance(rng.below(4 * S)),
+        })
+        .collect()
+}
+
+/// Law 19 for calendar windows: the same answers, waits to midnight and snapshots on
+/// both backends, before and after the day's end.
+async fn calendar_answers_alike<A: Harness, B: Harness>(a: &A, b: &B) {
+    for seed in 1..=3u64 {
+        let steps = calendar_program(seed * 389);
+        let (x, _) = run(a, &a.make(calendar_policy()), &steps, &[]).await;
+        let (y, _) = run(b, &b.make(calendar_policy()), &steps, &[]).await;
+        assert!(
+            x.iter().filter(|l| l.contains("\"budget\"")).count() > 5,
+            "seed {seed}: the budget refused too little"
+        );
+        for i in 0..steps.len() {
+            assert_eq!(x[i], y[i], "{} and {} differ at step {i} ({:?}), seed {seed}", a.name(), b.name(), steps[i]);
+        }
+        let advanced: u64 = steps.iter().map(|s| if let Step::Advance(d) = s { *d } else { 0 }).sum();
+        assert!(advanced > 60 * S, "seed {seed}: the program never reached midnight");
+    }
+}
+
+/// Law 32 on a backend: a grant of a day that ended, settled or cancelled in the next
+/// day, changes nothing of the new day's budget.
+async fn calendar_settles_stay_in_their_day<H: Harness>(h: &H) {
+    let backend = h.make(calendar_policy());
+    let alice = TenantKey::new(["acme", "alice"]).unwrap();
+    let bob = TenantKey::new(["acme", "bob"]).unwrap();
+    let mut old = backend.acquire(&alice, 20, at(10 * S)).await.unwrap();
+    let spare = backend.acquire(&alice, 5, at(10 * S)).await.unwrap();
+    let midnight = 70 * S;
+    let r = backend.acquire(&bob, 11, at(midnight - 1)).await;
+    assert_eq!(refusal(&r).map(|r| r.1), Some(Duration::from_nanos(1)), "{}: {}", h.name(), outcome(&r));
+    let new = backend.acquire(&bob, 10, at(midnight)).await.unwrap();
+    backend.settle(&alice, &mut old, 0, at(midnight + S));
+    backend.cancel(&alice, spare, at(midnight + S));
+    h.flush(&backend).await;
+    let r = backend.acquire(&bob, 21, at(midnight + 2 * S)).await;
+    assert_eq!(
+        refusal(&r).map(|r| r.0),
+        Some(0),
+        "{}: the old day's refunds reached the new day: {}",
+        h.name(),
+        outcome(&r)
+    );
+    backend.settle(&alice, &mut old, 30, at(midnight + 2 * S));
+    h.flush(&backend).await;
+    let fits = backend.acquire(&bob, 20, at(midnight + 3 * S)).await;
+    assert!(fits.is_ok(), "{}: the old day's charge reached the new day: {}", h.name(), outcome(&fits));
+    for (key, g) in [(&alice, old), (&bob, new), (&bob, fits.unwrap())] {
+        backend.release(key, g);
+    }
+    h.flush(&backend).await;
+}
+
 /// Law 19 for the errors that are not refusals (Law 22): decided without state, they
 /// are the same too.
 async fn local_refusals<H: Harness>(h: &H) {
@@ -464,6 +547,18 @@ fn redis_answers_as_memory_does() {
     redis_common::runtime().block_on(async {
         let conn = redis_common::connect(&server.url()).await;
         same_answers(&Memory, &Redis { conn, refusal_cache: false }).await;
+    });
+}
+
+#[test]
+fn a_calendar_budget_on_redis_answers_as_in_memory() {
+    let Some(server) = redis_for("a_calendar_budget_on_redis_answers_as_in_memory") else { return };
+    redis_common::runtime().block_on(async {
+        let conn = redis_common::connect(&server.url()).await;
+        calendar_answers_alike(&Memory, &Redis { conn: conn.clone(), refusal_cache: true }).await;
+        calendar_answers_alike(&Memory, &Redis { conn: conn.clone(), refusal_cache: false }).await;
+        calendar_settles_stay_in_their_day(&Memory).await;
+        calendar_settles_stay_in_their_day(&Redis { conn, refusal_cache: true }).await;
     });
 }
 

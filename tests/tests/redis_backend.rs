@@ -9,8 +9,10 @@ use std::time::Duration;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::KeyFn;
 use tower_limits::{BoxError, ErrorKind, LimitError, LimitSetLayer};
+use tower_limits_core::algorithm::CalendarPeriod;
 use tower_limits_core::{
-    AcquireError, Backend, Instant, KeyPart, LimitPolicy, LimitSetPolicy, Quota, Rate, TenantKey, nz,
+    AcquireError, Backend, Clock, Instant, KeyPart, LimitPolicy, LimitSetPolicy, Quota, Rate, SystemClock, TenantKey,
+    nz,
 };
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{GrantSource, RedisBackend, key_slot, redis};
@@ -398,5 +400,45 @@ fn a_release_on_its_way_is_not_a_refusal() {
         assert!(backend.acquire(&acme, 1, at(S)).await.unwrap_err().as_refusal().unwrap().needs_release());
         backend.release(&acme, held);
         backend.flush().await;
+    });
+}
+
+/// Law 32 on the server's clock: a budget per team and UTC day, shared by two replicas,
+/// refused with the wait to midnight, still spent for a replica that starts afresh, and
+/// kept in Redis until an hour after its day.
+#[test]
+fn a_calendar_budget_is_shared_by_replicas_and_outlives_them() {
+    let Some(server) = redis_for("a_calendar_budget_is_shared_by_replicas_and_outlives_them") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new().tiers(["team"]).limit(
+            LimitPolicy::calendar_window("usd-day", 100, CalendarPeriod::Day, "UTC").per("team").counting_cost(),
+        );
+        let ns = namespace("calendar");
+        let replica = || RedisBackend::builder(policy.clone()).namespace(ns.clone()).build(&conn).unwrap();
+        let (a, b) = (replica(), replica());
+        let team = TenantKey::single("ops").unwrap();
+        let clock = SystemClock::new();
+        let spent = a.acquire(&team, 70, clock.now()).await.unwrap();
+        a.release(&team, spent);
+        let refused = b.acquire(&team, 31, clock.now()).await.unwrap_err();
+        let AcquireError::Refused(d) = refused else { panic!("{refused}") };
+        let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        let midnight = Duration::from_secs((since_epoch.as_secs() / 86_400 + 1) * 86_400) - since_epoch;
+        let off = d.retry_after().abs_diff(midnight);
+        assert!(off < Duration::from_secs(5), "waits {:?} for midnight in {midnight:?}", d.retry_after());
+        assert_eq!(
+            (d.limit(), d.snapshot().remaining, d.snapshot().window),
+            ("usd-day", 30, Duration::from_secs(86_400))
+        );
+        let rest = b.acquire(&team, 30, clock.now()).await.unwrap();
+        b.release(&team, rest);
+        drop((a, b));
+        let restarted = replica();
+        assert!(restarted.acquire(&team, 1, clock.now()).await.is_err(), "the day's budget outlives its replicas");
+        let mut admin = admin(&server.url()).await;
+        let ttl: i64 = cmd(&mut admin, &["PTTL", &restarted.keys(&team)[0]]).await;
+        let ttl = Duration::from_millis(u64::try_from(ttl).unwrap());
+        assert!(ttl > midnight && ttl <= midnight + Duration::from_secs(3605), "kept for {ttl:?}");
     });
 }

@@ -59,6 +59,7 @@
 //! | sliding-window counter | string | `window_start_us:previous:current` |
 //! | sliding-window log | sorted set | one member `at_us.at_sub:cost:holder` per grant, scored by `at_us`; member `=` scored `-(sum+1)` |
 //! | semaphore counting requests | sorted set | one member `holder:1` per grant, scored by its lease deadline (us); the count is the set's cardinality: expired leases are pruned by one grant in eight, and always before a refusal (a refusal counts live leases only) |
+//! | calendar window | string | `period_start_us:period_end_us:count`, the period as the acquiring replica's clock placed it (see below) |
 //! | semaphore counting cost | sorted set | one member `holder:weight` per grant, scored by its lease deadline (us); member `=` scored `-(held+1)` |
 //!
 //! Every key carries an expiry at the instant its state becomes indistinguishable from
@@ -80,6 +81,9 @@ pub(crate) enum ScriptLimit {
     /// Semaphore: capacity. Counting requests, each hold weighs one and the count is the
     /// set's cardinality; counting cost, holds carry their weight and member `=` the sum.
     Semaphore { cost: bool, capacity: u64 },
+    /// Calendar window: limit; the bounds of the current period come with each
+    /// acquisition, as the `slot`-th pair of arguments after the holder id.
+    Calendar { cost: bool, limit: u64, slot: usize },
 }
 
 impl ScriptLimit {
@@ -92,6 +96,7 @@ impl ScriptLimit {
             ScriptLimit::Log { .. } => 'l',
             ScriptLimit::Semaphore { cost: false, .. } => 's',
             ScriptLimit::Semaphore { cost: true, .. } => 'w',
+            ScriptLimit::Calendar { .. } => 'k',
         }
     }
 }
@@ -113,7 +118,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     } else {
         s.push_str("local T = call('TIME')\nlocal NOW_US, NOW_SUB = T[1] * 1000000 + T[2], 0\n");
     }
-    let _ = writeln!(s, "local SLACK_MS, LEASE_US = {slack_ms}, {lease_us}");
+    let _ = writeln!(s, "local SLACK_MS, LEASE_US, CALENDAR_KEEP_MS = {slack_ms}, {lease_us}, {CALENDAR_KEEP_MS}");
     let counter = limits.iter().any(|l| matches!(l, ScriptLimit::Counter { .. }));
     let log = limits.iter().any(|l| matches!(l, ScriptLimit::Log { .. }));
     let semaphore = limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. }));
@@ -126,7 +131,8 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
         | ScriptLimit::Fixed { cost, .. }
         | ScriptLimit::Counter { cost, .. }
         | ScriptLimit::Log { cost, .. }
-        | ScriptLimit::Semaphore { cost, .. } => cost,
+        | ScriptLimit::Semaphore { cost, .. }
+        | ScriptLimit::Calendar { cost, .. } => cost,
     });
     if needs_cost {
         let _ = writeln!(s, "  local cost, uid = tonumber(ARGV[{first}]), ARGV[{}]", first + 1);
@@ -149,7 +155,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
     let lease_ttl = lease_us / 1000 + 1002 + slack_ms;
     // Load and check, writing nothing.
     for (n, l) in limits.iter().enumerate() {
-        check_limit(&mut s, n + 1, l);
+        check_limit(&mut s, n + 1, l, first);
     }
     // Commit all, only if all passed.
     s.push_str("  if blocked == 0 then\n");
@@ -181,7 +187,7 @@ pub(crate) fn generate(limits: &[ScriptLimit], lease_us: u64, manual_clock: bool
 
 /// Loads limit `i` (1-based, its key `KEYS[i]`) and checks it, writing nothing: a limit
 /// that does not pass raises `blocked` and `retry`.
-fn check_limit(s: &mut String, i: usize, l: &ScriptLimit) {
+fn check_limit(s: &mut String, i: usize, l: &ScriptLimit, first: usize) {
     let _ = writeln!(s, "  -- limit {i}");
     let _ = match *l {
         ScriptLimit::Gcra { cost, interval, tolerance } => write!(
@@ -214,6 +220,29 @@ fn check_limit(s: &mut String, i: usize, l: &ScriptLimit) {
 ",
             c = cost_of(cost),
             w = window_us * 1000
+        ),
+        ScriptLimit::Calendar { cost, limit, slot } => write!(
+            s,
+            "  local k{i}, w{i}, z{i}, u{i} = KEYS[{i}], tonumber(ARGV[{a}]), tonumber(ARGV[{b}]), 0
+  do
+    -- the stored period when it is this one or a later one (a replica whose clock is
+    -- ahead crossed the boundary first); an earlier one has ended: nothing counted
+    local v = call('GET', k{i})
+    if v then
+      local a, b, c = match(v, '^(%d+):(%d+):(%d+)$')
+      a = tonumber(a)
+      if a >= w{i} then w{i}, z{i}, u{i} = a, tonumber(b), tonumber(c) end
+    end
+  end
+  if u{i} + {c} > {limit} then
+    local r = (z{i} - NOW_US) * 1000 - NOW_SUB
+    if r < 1 then r = 1 end
+    if r >= retry then retry, blocked = r, {i} end
+  end
+",
+            a = first + 2 + 2 * slot,
+            b = first + 3 + 2 * slot,
+            c = cost_of(cost),
         ),
         ScriptLimit::Counter { cost, limit, window_us } => write!(
             s,
@@ -286,6 +315,14 @@ fn commit_limit(s: &mut String, i: usize, l: &ScriptLimit, slack_ms: u64, lease_
             c = cost_of(cost),
             t = ttl(&format!("{} - e{i}", window_us * 1000))
         ),
+        ScriptLimit::Calendar { cost, .. } => write!(
+            s,
+            "    u{i} = u{i} + {c}
+    call('SET', k{i}, fmt('%.0f:%.0f:%.0f', w{i}, z{i}, u{i}), 'PX', floor((z{i} - NOW_US) / 1000) + {keep})
+",
+            c = cost_of(cost),
+            keep = CALENDAR_KEEP_MS + slack_ms
+        ),
         ScriptLimit::Counter { cost, window_us, .. } => write!(
             s,
             "    u{i} = u{i} + {c}
@@ -338,6 +375,10 @@ fn report_limit(s: &mut String, i: usize, l: &ScriptLimit) {
         ScriptLimit::Semaphore { capacity, .. } => {
             writeln!(s, "  local r{i}, s{i} = ({capacity} > h{i} and {capacity} - h{i} or 0), 0")
         }
+        ScriptLimit::Calendar { limit, .. } => writeln!(
+            s,
+            "  local r{i}, s{i} = ({limit} > u{i} and {limit} - u{i} or 0), (z{i} > NOW_US and (z{i} - NOW_US) * 1000 - NOW_SUB or 0)"
+        ),
     };
 }
 
@@ -357,6 +398,7 @@ fn table_row(s: &mut String, l: &ScriptLimit) {
             writeln!(s, "  {{4, {}, {limit}, {}, {window_us}}},", u8::from(cost), window_us * 1000)
         }
         ScriptLimit::Semaphore { cost, capacity } => writeln!(s, "  {{5, {}, {capacity}}},", u8::from(cost)),
+        ScriptLimit::Calendar { cost, limit, .. } => writeln!(s, "  {{6, {}, {limit}}},", u8::from(cost)),
     };
 }
 
@@ -384,6 +426,10 @@ fn release_branch(s: &mut String, limits: &[ScriptLimit]) {
     }
     s.push_str("  return 1\nend\n");
 }
+
+/// How long a calendar window's state outlives its period's end: a replica whose clock is
+/// behind may still send the period that just ended, and must find its count (an hour).
+const CALENDAR_KEEP_MS: u64 = 3_600_000;
 
 fn cost_of(counts_cost: bool) -> &'static str {
     if counts_cost { "cost" } else { "1" }
@@ -658,6 +704,16 @@ local function adjust(i, old, new, gus, gsub, uid)
     else
       call('SET', k, num(st.ws) .. ':' .. num(st.prev) .. ':' .. num(st.curr), 'PX', ttl(2 * p[4] - st.e))
     end
+  elseif kind == 6 then
+    -- only a grant of the period the state counts, while it lasts
+    local v = call('GET', k)
+    if not v then return end
+    local a, b, c = match(v, '^(%d+):(%d+):(%d+)$')
+    a, b, c = tonumber(a), tonumber(b), tonumber(c)
+    if gus < a or gus >= b or NOW_US >= b then return end
+    c = c + new - old
+    if c < 0 then c = 0 end
+    call('SET', k, num(a) .. ':' .. num(b) .. ':' .. num(c), 'PX', floor((b - NOW_US) / 1000) + CALENDAR_KEEP_MS + SLACK_MS)
   elseif kind == 4 then
     local live = rel(gus, gsub) + p[4] > 0
     local sum, changed = sum_of(k), false

@@ -26,7 +26,7 @@
 //! months drifts from the wall clock by what the time service corrects (seconds a month
 //! at most), and its period boundaries move by as much.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jiff::ToSpan;
 use jiff::civil::Date;
@@ -142,9 +142,10 @@ pub struct CalendarWindow {
 /// was counted in it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CalendarWindowState {
-    start: Instant,
     /// The end of the period counted in `count` (exclusive); zero for a fresh state.
     end: Instant,
+    /// The period's length in nanoseconds (it may have begun before the clock's origin).
+    len: u64,
     count: u64,
 }
 
@@ -222,6 +223,33 @@ impl CalendarWindow {
     /// ```
     #[must_use]
     pub fn period_at(&self, now: Instant) -> (Instant, Instant) {
+        let (start, end) = self.unix_period_at(now);
+        let start = Instant::from_nanos(u64::try_from((start - self.origin).max(0)).unwrap_or(u64::MAX));
+        (start.min(now), self.instant_after(end, now))
+    }
+
+    /// The clock's instant at Unix nanoseconds `unix`, at least a nanosecond after `now`.
+    fn instant_after(&self, unix: i128, now: Instant) -> Instant {
+        let at = Instant::from_nanos(u64::try_from((unix - self.origin).max(0)).unwrap_or(u64::MAX));
+        at.max(Instant::from_nanos(now.as_nanos().saturating_add(1)))
+    }
+
+    /// The bounds of the period holding `now` in Unix nanoseconds (the wall-clock time
+    /// this window's clock origin places them at): what a shared store that counts in
+    /// wall-clock time is told.
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use tower_limits_core::Instant;
+    /// use tower_limits_core::algorithm::{CalendarPeriod, CalendarWindow};
+    ///
+    /// let origin = SystemTime::UNIX_EPOCH + Duration::from_secs(90_000); // 1970-01-02 01:00 UTC
+    /// let day = CalendarWindow::new(1, CalendarPeriod::Day, "UTC")?.with_origin(origin);
+    /// assert_eq!(day.unix_period_at(Instant::ZERO), (86_400_000_000_000, 172_800_000_000_000));
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    #[must_use]
+    pub fn unix_period_at(&self, now: Instant) -> (i128, i128) {
         let unix = self.origin + i128::from(now.as_nanos());
         let bounds = jiff::Timestamp::from_nanosecond(unix).ok().and_then(|t| {
             let date = t.to_zoned(self.zone.clone()).date();
@@ -230,25 +258,35 @@ impl CalendarWindow {
             Some((at(start)?, at(next)?))
         });
         // Beyond the calendar's range (year 9999): one period to the end of time.
-        let (start, end) = bounds.unwrap_or((unix, i128::MAX));
-        let to_instant = |u: i128| Instant::from_nanos(u64::try_from((u - self.origin).max(0)).unwrap_or(u64::MAX));
-        let end = to_instant(end).max(Instant::from_nanos(now.as_nanos().saturating_add(1)));
-        (to_instant(start).min(now), end)
+        bounds.unwrap_or((unix, i128::MAX))
     }
 
-    /// (start, end, count) of the period holding `now`, from the state when it is current.
-    fn view(&self, s: &CalendarWindowState, now: Instant) -> (Instant, Instant, u64) {
+    /// The length in nanoseconds of the period holding `now` (23 hours for a day that
+    /// springs forward, 29 days for February 2028): what a snapshot states as its window.
+    #[must_use]
+    pub fn period_len_at(&self, now: Instant) -> u64 {
+        let (start, end) = self.unix_period_at(now);
+        u64::try_from(end - start).unwrap_or(u64::MAX)
+    }
+
+    /// The state of the period holding `now`: the state itself when it is current.
+    fn view(&self, s: &CalendarWindowState, now: Instant) -> CalendarWindowState {
         if now < s.end {
-            (s.start, s.end, s.count)
+            *s
         } else {
-            let (start, end) = self.period_at(now);
-            (start, end, 0)
+            let (start, end) = self.unix_period_at(now);
+            CalendarWindowState {
+                end: self.instant_after(end, now),
+                len: u64::try_from(end - start).unwrap_or(u64::MAX),
+                count: 0,
+            }
         }
     }
 
     fn adjust(&self, state: &mut CalendarWindowState, now: Instant, granted_at: Instant, f: impl Fn(u64) -> u64) {
         // Only a grant of the period the state counts: an ended period's grant has left it.
-        if now < state.end && granted_at >= state.start && granted_at < state.end {
+        let start = Instant::from_nanos(state.end.as_nanos().saturating_sub(state.len));
+        if now < state.end && granted_at >= start && granted_at < state.end {
             state.count = f(state.count);
         }
     }
@@ -286,8 +324,8 @@ impl Algorithm for CalendarWindow {
     }
 
     fn commit(&self, state: &mut CalendarWindowState, now: Instant, cost: u64) {
-        let (start, end, count) = self.view(state, now);
-        *state = CalendarWindowState { start, end, count: count.saturating_add(cost) };
+        let current = self.view(state, now);
+        *state = CalendarWindowState { count: current.count.saturating_add(cost), ..current };
     }
 
     /// Takes the amount off the count while the grant's period is the current one.
@@ -304,12 +342,12 @@ impl Algorithm for CalendarWindow {
     /// `reset` is the time to the end of the period (whether or not anything was
     /// counted: a budget's answer says when it renews), `window` the period's length.
     fn peek(&self, state: &CalendarWindowState, now: Instant) -> Snapshot {
-        let (start, end, count) = self.view(state, now);
+        let current = self.view(state, now);
         Snapshot {
             quota: self.limit,
-            remaining: self.limit.saturating_sub(count),
-            reset: end.saturating_since(now),
-            window: end.saturating_since(start),
+            remaining: self.limit.saturating_sub(current.count),
+            reset: current.end.saturating_since(now),
+            window: Duration::from_nanos(current.len),
         }
     }
 
@@ -320,8 +358,6 @@ impl Algorithm for CalendarWindow {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     const HOUR: u64 = 3_600_000_000_000;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tower_limits_core::algorithm::CalendarPeriod;
 use tower_limits_core::{
     AlgorithmKind, Counts, Limit, LimitPolicy, LimitSet, LimitSetPolicy, Rate, Scope, Snapshot, intern,
 };
@@ -230,7 +231,10 @@ impl RedisBackendBuilder {
                         .into(),
                 });
             }
-            let (info, script) = describe(p, &self.policy.tiers, &tiers, self.shares.as_ref())?;
+            let (info, mut script) = describe(p, &self.policy.tiers, &tiers, self.shares.as_ref())?;
+            if let ScriptLimit::Calendar { slot, .. } = &mut script {
+                *slot = script_limits.iter().filter(|l| matches!(l, ScriptLimit::Calendar { .. })).count();
+            }
             limits.push(info);
             script_limits.push(script);
         }
@@ -264,8 +268,10 @@ impl RedisBackendBuilder {
             _ => None,
         };
         let settles = limits.iter().any(|l| !l.is_semaphore && l.counts == Counts::Cost);
-        let records_holders =
-            script_limits.iter().any(|l| matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. }));
+        // A calendar window's bounds come after the holder id: it is sent then too.
+        let records_holders = script_limits.iter().any(|l| {
+            matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. } | ScriptLimit::Calendar { .. })
+        });
         let depth_needed = limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0);
         Ok(RedisBackend {
             inner: Arc::new(Inner {
@@ -278,6 +284,7 @@ impl RedisBackendBuilder {
                 has_semaphore,
                 lone_request_semaphore,
                 records_holders,
+                has_calendar: script_limits.iter().any(|l| matches!(l, ScriptLimit::Calendar { .. })),
                 settles,
                 namespace: self.namespace.into(),
                 layout: self.layout,
@@ -380,8 +387,18 @@ fn describe(
         Limit::Semaphore(_) => {
             (ScriptLimit::Semaphore { cost, capacity: exact("capacity", limit.capacity())? }, Duration::ZERO)
         }
-        Limit::CalendarWindow(_) => {
-            return Err(unsupported("calendar windows are counted in memory only for now".to_owned()));
+        Limit::CalendarWindow(w) => {
+            let nominal = match w.period() {
+                CalendarPeriod::Day => 1,
+                CalendarPeriod::Week => 7,
+                CalendarPeriod::Month => 30,
+                CalendarPeriod::Year => 365,
+            };
+            // The slot (its place among the set's calendar windows) is set by the caller.
+            (
+                ScriptLimit::Calendar { cost, limit: exact("limit", w.limit())?, slot: 0 },
+                Duration::from_secs(nominal * 86_400),
+            )
         }
     };
     let tier = match &p.scope {
@@ -412,6 +429,10 @@ fn describe(
         window,
         suffix: suffix.into(),
         share,
+        calendar: match &limit {
+            Limit::CalendarWindow(w) => Some(w.clone()),
+            _ => None,
+        },
     };
     Ok((info, script))
 }

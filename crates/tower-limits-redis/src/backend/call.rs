@@ -51,6 +51,26 @@ impl Inner {
         }
     }
 
+    /// The bounds of every calendar window's current period, in the order of the policy,
+    /// as the script's clock counts: microseconds of the caller's clock with a test
+    /// clock, of the Unix epoch (where the server's `TIME` counts) otherwise.
+    pub(super) fn calendar_args(&self, now: Instant) -> Vec<String> {
+        let mut args = Vec::new();
+        for w in self.limits.iter().filter_map(|l| l.calendar.as_ref()) {
+            let (start, end) = if self.settings.manual_clock {
+                let (s, e) = w.period_at(now);
+                (i128::from(s.as_nanos()), i128::from(e.as_nanos()))
+            } else {
+                w.unix_period_at(now)
+            };
+            // Below 2^53 microseconds (the year 2255) the script counts them exactly.
+            let us = |n: i128| n.div_euclid(1000).clamp(0, (1 << 53) - 1).to_string();
+            args.push(us(start));
+            args.push(us(end));
+        }
+        args
+    }
+
     /// The keys of every limit of the set for `key`, in the order of the policy.
     pub(super) fn keys_for(&self, key: &TenantKey) -> Vec<String> {
         let mut heads: [Option<String>; tower_limits_core::MAX_TIERS] = Default::default();
@@ -115,8 +135,10 @@ impl Inner {
         })
     }
 
-    pub(super) fn snapshot_of(&self, i: usize, remaining: i64, reset: i64) -> LimitSnapshot {
+    pub(super) fn snapshot_of(&self, i: usize, remaining: i64, reset: i64, now: Instant) -> LimitSnapshot {
         let l = &self.limits[i];
+        // A calendar period's length varies (a month, a day across a clock change).
+        let window = l.calendar.as_ref().map_or(l.window, |w| Duration::from_nanos(w.period_len_at(now)));
         LimitSnapshot {
             name: l.name,
             tier: l.tier_name,
@@ -126,7 +148,7 @@ impl Inner {
                 quota: l.quota,
                 remaining: u64::try_from(remaining).unwrap_or(0),
                 reset: Duration::from_nanos(u64::try_from(reset).unwrap_or(0)),
-                window: l.window,
+                window,
             },
         }
     }
@@ -269,7 +291,7 @@ impl Inner {
         reply: &[i64],
     ) -> Result<RedisGrant, AcquireError> {
         let n = self.limits.len();
-        let snapshot = |i: usize| self.snapshot_of(i, reply[6 + 2 * i], reply[7 + 2 * i]);
+        let snapshot = |i: usize| self.snapshot_of(i, reply[6 + 2 * i], reply[7 + 2 * i], now);
         let at = |v: i64| u64::try_from(v).unwrap_or(0);
         let result = if reply[0] == 1 {
             bump(&self.stats.granted);
@@ -295,7 +317,10 @@ impl Inner {
             let needs_release = reply[5] == 1;
             let snapshot = snapshot(i).snapshot;
             if let Some(cache) = &self.refusals {
-                if !retry.is_zero() {
+                // A budget may be refunded by another replica long before its period
+                // ends, which a refusal remembered to the end would not see: a calendar
+                // window's refusals are asked again every time.
+                if !retry.is_zero() && l.calendar.is_none() {
                     let refusal = CachedRefusal {
                         until: now + retry,
                         at: now,
@@ -395,7 +420,18 @@ pub(super) async fn acquire_remote(
     let why = loop {
         // Releases on their way when the acquisition is sent may reach Redis after it.
         let releases_behind = inner.releases_pending();
-        let result = if inner.settings.manual_clock {
+        let result = if inner.has_calendar {
+            let mut args = if inner.settings.manual_clock {
+                let (us, sub) = inner.now_args(now);
+                vec![op.to_owned(), us, sub]
+            } else {
+                vec![op.to_owned()]
+            };
+            args.push(cost_arg.clone());
+            args.push(id.to_string());
+            args.extend(inner.calendar_args(now));
+            inner.call(&keys, &args.iter().map(String::as_str).collect::<Vec<_>>()).await
+        } else if inner.settings.manual_clock {
             let (us, sub) = inner.now_args(now);
             inner.call(&keys, &[op, &us, &sub, &cost_arg, &id]).await
         } else if inner.records_holders {
