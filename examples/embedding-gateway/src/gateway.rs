@@ -422,7 +422,7 @@ impl Gateway {
         for plan in &config.plans {
             let service = match (redis, failure) {
                 // A plan of budgets alone: nothing more to check here.
-                (false, _) if plan.policy.limits.is_empty() => inner.clone(),
+                _ if plan.policy.limits.is_empty() => inner.clone(),
                 (false, _) => plan_layer!(
                     LimitSetLayer::new(plan.policy.clone())?.metrics_name("plan").retry_spacing(spacing),
                     inner.clone(),
@@ -491,13 +491,9 @@ impl Gateway {
             })
         });
 
+        // With Redis: each replica's share until it reaches Redis.
         let budgets = match &config.budgets {
-            Some(_) if redis => {
-                return Err("budgets (plan.NAME.TIER.budget) are counted in memory only for now: \
-                            run this configuration without --redis"
-                    .into());
-            }
-            Some(b) => Some(BudgetLayer::new(b, now.clone())?),
+            Some(b) => Some(BudgetLayer::share_of(b, if redis { replicas } else { 1 }, now.clone())?),
             None => None,
         };
         let auth = AuthLayer::new(config);
@@ -618,6 +614,11 @@ impl Gateway {
         let mut services = Vec::new();
         let mut backends = Vec::new();
         for (name, policy) in &r.plans {
+            if policy.limits.is_empty() {
+                // A plan of budgets alone.
+                services.push(r.inner.clone());
+                continue;
+            }
             let mut builder = RedisBackend::builder(policy.clone())
                 .namespace(format!("{namespace}:plan:{name}"))
                 .timeout(r.redis_timeout)
@@ -660,6 +661,24 @@ impl Gateway {
         let store = store.build(connection)?;
         if self.pool.share_through(Arc::new(store.clone())) {
             *r.store.lock().unwrap_or_else(PoisonError::into_inner) = Some(store);
+        }
+        // The budgets: one backend per plan that has any, shared by the fleet; while Redis
+        // is away, the failure policy (a replica's share of each budget, to fall back on).
+        if let Some(budgets) = &self.budgets {
+            let mut stores = Vec::new();
+            for ((name, _), policy) in r.plans.iter().zip(budgets.policies()) {
+                let Some(policy) = policy else {
+                    stores.push(None);
+                    continue;
+                };
+                let backend = RedisBackend::builder(policy)
+                    .namespace(format!("{namespace}:budget:{name}"))
+                    .timeout(r.redis_timeout)
+                    .on_failure(r.failure)
+                    .build(connection)?;
+                stores.push(Some(backend));
+            }
+            budgets.share_through(stores);
         }
         *r.slot.write().unwrap_or_else(PoisonError::into_inner) = services.into();
         *r.backends.lock().unwrap_or_else(PoisonError::into_inner) = backends.clone();

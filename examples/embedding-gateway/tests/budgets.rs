@@ -10,7 +10,7 @@ use axum::body::{Body, Bytes};
 use common::{config_text, scripted};
 use embedding_gateway::api::{SSE_DONE, sse_event};
 use embedding_gateway::config::Config;
-use embedding_gateway::gateway::{Gateway, in_process};
+use embedding_gateway::gateway::{Gateway, Sharing, in_process};
 use embedding_gateway::upstream;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -214,4 +214,35 @@ fn bad_budgets_and_prices_name_their_field() {
         + "\n[price.other]\ncurrency = \"USD\"\ninput = 1\n";
     let got = Config::parse(&no_price, None).unwrap_err().to_string();
     assert!(got.contains("price.m: the model \"m\" has no price, and plan.basic.user.budget counts"), "{got}");
+}
+
+/// With Redis, the replicas share every budget: what one replica spends, the other
+/// refuses, and a replica that starts afresh finds the budget as the others left it.
+#[test]
+fn replicas_share_a_budget_through_redis() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("replicas_share_a_budget_through_redis") else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let config = config("", "user = { budget = \"3 USD / month\" }", "currency = \"USD\"\ninput = 1000000");
+        let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
+        let namespace = format!("egw-budget-{}", std::process::id());
+        let replica = || async {
+            let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+            let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
+            Gateway::with_sharing(&config, in_process(router.clone()), &sharing).unwrap()
+        };
+        let (a, b) = (replica().await, replica().await);
+        for gateway in [&a, &b, &a] {
+            assert_eq!(gateway.router.clone().oneshot(embed("hello")).await.unwrap().status(), StatusCode::OK);
+        }
+        let refused = b.router.clone().oneshot(embed("hello")).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(json(refused).await["error"]["code"], "budget_exceeded");
+        drop((a, b));
+        let restarted = replica().await;
+        let refused = restarted.router.clone().oneshot(embed("hello")).await.unwrap();
+        assert_eq!(json(refused).await["error"]["code"], "budget_exceeded", "the month's budget outlives the replicas");
+    });
 }

@@ -17,13 +17,20 @@
 //! A spent budget is answered `429` with OpenAI's error shape (`type`
 //! `insufficient_quota`, `code` `budget_exceeded`), naming the budget, what was used of
 //! it and when it renews, with `Retry-After` set to the renewal.
+//!
+//! In memory each plan's budgets are a [`LimitSet`]; with Redis, once the replica reached
+//! it ([`Gateway::connect_redis`]), a [`RedisBackend`] shared by the fleet, so that a
+//! team's month is one budget whichever replica serves it, and outlives the replicas.
+//! Before that, and while Redis is away under `backend_failure = "fallback"`, each
+//! replica decides from `1 / replicas` of every budget.
 
 use std::pin::Pin;
 
 use http_body::Frame;
 use jiff::tz::TimeZone;
 use tower_limits::shell::body::BodyUsage;
-use tower_limits::{AcquireError, Grant};
+use tower_limits::{AcquireError, Backend, Grant};
+use tower_limits_redis::RedisGrant;
 
 use super::*;
 use crate::config::{Budgets, ModelPrice};
@@ -35,8 +42,9 @@ pub struct BudgetLayer {
 }
 
 struct BudgetRules {
-    /// Each plan's budgets (by the plan's index; `None`: the plan has none).
-    sets: Vec<Option<LimitSet>>,
+    /// Each plan's budgets (by the plan's index; `None`: the plan has none), replaced when
+    /// the replica reaches Redis.
+    stores: RwLock<Arc<[Option<BudgetStore>]>>,
     prices: std::collections::HashMap<String, ModelPrice>,
     budgets: Budgets,
     zone: TimeZone,
@@ -57,24 +65,63 @@ impl BudgetLayer {
     /// A budget the library refuses (validation catches these first), or an unknown time
     /// zone.
     pub fn new(budgets: &Budgets, now: Arc<dyn Fn() -> Instant + Send + Sync>) -> Result<Self, BoxError> {
-        let sets = budgets
+        Self::share_of(budgets, 1, now)
+    }
+
+    /// Like [`BudgetLayer::new`], each budget `1 / replicas` of its amount: what one of
+    /// `replicas` replicas decides alone until it reaches Redis.
+    ///
+    /// # Errors
+    /// As [`BudgetLayer::new`].
+    pub fn share_of(
+        budgets: &Budgets,
+        replicas: u64,
+        now: Arc<dyn Fn() -> Instant + Send + Sync>,
+    ) -> Result<Self, BoxError> {
+        let stores: Arc<[Option<BudgetStore>]> = budgets
             .plans
             .iter()
-            .map(|(_, policy)| policy.clone().map(LimitSet::new).transpose())
+            .map(|(_, policy)| {
+                policy.as_ref().map(|p| LimitSet::new(share_of(p, replicas)).map(BudgetStore::Memory)).transpose()
+            })
             .collect::<Result<_, _>>()?;
         let zone = TimeZone::get(&budgets.timezone)?;
         Ok(BudgetLayer {
-            rules: Arc::new(BudgetRules { sets, prices: budgets.prices.clone(), budgets: budgets.clone(), zone, now }),
+            rules: Arc::new(BudgetRules {
+                stores: RwLock::new(stores),
+                prices: budgets.prices.clone(),
+                budgets: budgets.clone(),
+                zone,
+                now,
+            }),
         })
+    }
+
+    /// Moves every plan's budgets to Redis: one backend per plan with budgets (by the
+    /// plan's index), the state of the budgets decided so far left behind.
+    pub(super) fn share_through(&self, backends: Vec<Option<RedisBackend>>) {
+        let stores: Arc<[Option<BudgetStore>]> = backends.into_iter().map(|b| b.map(BudgetStore::Redis)).collect();
+        *self.rules.stores.write().unwrap_or_else(PoisonError::into_inner) = stores;
+    }
+
+    /// Each plan's budget policy (by the plan's index), as configured.
+    pub(super) fn policies(&self) -> Vec<Option<LimitSetPolicy>> {
+        self.rules.budgets.plans.iter().map(|(_, p)| p.clone()).collect()
     }
 
     /// What the key's budget named `limit` (`TIER.budget`) has left now, in micro-units,
     /// and the time to its renewal; `None` for a budget the plan does not have.
+    ///
+    /// In memory the budget's state; with Redis, what this replica last read of it.
     #[must_use]
     pub fn remaining(&self, plan: usize, key: &TenantKey, limit: &str) -> Option<(u64, Duration)> {
-        let set = self.rules.sets.get(plan)?.as_ref()?;
+        let store = self.rules.store(plan)?;
         let now = (self.rules.now)();
-        set.peek(key, now).into_iter().find(|s| s.name == limit).map(|s| (s.snapshot.remaining, s.snapshot.reset))
+        let seen = match &store {
+            BudgetStore::Memory(set) => set.peek(key, now),
+            BudgetStore::Redis(backend) => backend.peek(key, now),
+        };
+        seen.into_iter().find(|s| s.name == limit).map(|s| (s.snapshot.remaining, s.snapshot.reset))
     }
 }
 
@@ -120,12 +167,34 @@ where
     }
 }
 
+/// Where a plan's budgets are counted.
+#[derive(Clone)]
+enum BudgetStore {
+    Memory(LimitSet),
+    Redis(RedisBackend),
+}
+
+/// A grant of one of the stores.
+enum BudgetGrant {
+    Memory(Grant),
+    Redis(RedisGrant),
+}
+
+impl BudgetStore {
+    async fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Result<BudgetGrant, AcquireError> {
+        match self {
+            BudgetStore::Memory(set) => set.acquire_grant(key, cost, now).map(BudgetGrant::Memory),
+            BudgetStore::Redis(backend) => backend.acquire(key, cost, now).await.map(BudgetGrant::Redis),
+        }
+    }
+}
+
 /// A grant of a request's price, to settle once its answer is known.
 struct Charge {
     rules: Arc<BudgetRules>,
-    set: LimitSet,
+    store: BudgetStore,
     key: TenantKey,
-    grant: Grant,
+    grant: BudgetGrant,
     price: ModelPrice,
     prompt: u64,
 }
@@ -134,21 +203,43 @@ impl Charge {
     /// Settles to the price of `total` tokens (the prompt counted here, the rest output),
     /// or keeps the estimate; then lets the grant go.
     fn settle(self, total: Option<u64>) {
-        let Charge { rules, set, key, mut grant, price, prompt } = self;
-        if let Some(total) = total {
-            let actual = price.micros(prompt.min(total), total.saturating_sub(prompt));
-            set.settle_grant(&key, &mut grant, actual, (rules.now)());
+        let Charge { rules, store, key, grant, price, prompt } = self;
+        let actual = total.map(|total| price.micros(prompt.min(total), total.saturating_sub(prompt)));
+        let now = (rules.now)();
+        match (store, grant) {
+            (BudgetStore::Memory(set), BudgetGrant::Memory(mut g)) => {
+                if let Some(actual) = actual {
+                    set.settle_grant(&key, &mut g, actual, now);
+                }
+                set.release_grant(&key, g);
+            }
+            (BudgetStore::Redis(backend), BudgetGrant::Redis(mut g)) => {
+                if let Some(actual) = actual {
+                    backend.settle(&key, &mut g, actual, now);
+                }
+                backend.release(&key, g);
+            }
+            // A grant goes back to the store that made it: the pair never differs.
+            _ => {}
         }
-        set.release_grant(&key, grant);
     }
 
     fn cancel(self) {
         let now = (self.rules.now)();
-        self.set.cancel_grant(&self.key, self.grant, now);
+        match (self.store, self.grant) {
+            (BudgetStore::Memory(set), BudgetGrant::Memory(g)) => set.cancel_grant(&self.key, g, now),
+            (BudgetStore::Redis(backend), BudgetGrant::Redis(g)) => backend.cancel(&self.key, g, now),
+            _ => {}
+        }
     }
 }
 
 impl BudgetRules {
+    /// The store of plan `plan`'s budgets, if it has any.
+    fn store(&self, plan: usize) -> Option<BudgetStore> {
+        self.stores.read().unwrap_or_else(PoisonError::into_inner).get(plan)?.clone()
+    }
+
     async fn through<S>(self: Arc<Self>, inner: S, req: Request<Body>) -> Response<Body>
     where
         S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
@@ -157,7 +248,7 @@ impl BudgetRules {
         else {
             return answer_of(inner.oneshot(req).await);
         };
-        let Some(set) = self.sets.get(id.plan).and_then(Option::as_ref) else {
+        let Some(store) = self.store(id.plan) else {
             return answer_of(inner.oneshot(req).await);
         };
         let Some(price) = self.prices.get(&*prepared.model).copied() else {
@@ -172,11 +263,11 @@ impl BudgetRules {
         let (prompt, stream) = (prepared.prompt, prepared.stream);
         let estimate = price.micros(prompt, prepared.tokens.saturating_sub(prompt));
         let key = id.key.clone();
-        let grant = match set.acquire_grant(&key, estimate, (self.now)()) {
+        let grant = match store.acquire(&key, estimate, (self.now)()).await {
             Ok(grant) => grant,
             Err(e) => return self.refusal(&e, estimate),
         };
-        let charge = Charge { rules: self.clone(), set: set.clone(), key, grant, price, prompt };
+        let charge = Charge { rules: self.clone(), store, key, grant, price, prompt };
         let response = answer_of(inner.oneshot(req).await);
         if let Some(Usage(total)) = response.extensions().get::<Usage>().copied() {
             charge.settle(Some(total));
