@@ -22,6 +22,7 @@
 // Printing the progress, the table and the verdict is the demo's job.
 #![allow(clippy::print_stdout)]
 
+pub mod budget;
 mod quota;
 mod redis_work;
 mod report;

@@ -30,7 +30,10 @@
 //! meets, in order (see [`gateway`]): the auth layer (`401`, and `429` for a client
 //! address that sent too many missing or unknown keys); the cost, its
 //! token count with the model's encoding (`400`, `413` for a body over
-//! `max_body_bytes`); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
+//! `max_body_bytes`); its key's budgets in money per calendar period, when its plan has
+//! any (`plan.NAME.TIER.budget`, priced by `[price.MODEL]`, renewed at midnight in
+//! `gateway.timezone`; `429 insufficient_quota` naming the budget and its renewal; see
+//! [`gateway::BudgetLayer`]); its tenant's plan, a [`LimitSetLayer`] of RPM/TPM per
 //! tier and concurrency per tenant that refuses fast (`429` with `Retry-After`,
 //! `retry-after-ms`, the `RateLimit` and `x-ratelimit-*` fields stating the plan, and
 //! OpenAI's error object naming tier, limit and wait); then the shared upstream
@@ -46,7 +49,7 @@
 //! completion keeps its concurrency until its last chunk and settles from its final
 //! `usage` chunk.
 //!
-//! With `--redis URL --replicas N` the plans' limits and one mirror per upstream account
+//! With `--redis URL --replicas N` the plans' limits and budgets and one mirror per upstream account
 //! live in Redis, shared by every replica whatever the routing: a replica that gets more
 //! traffic uses the capacity the others leave. Each replica keeps its own fair queue and
 //! reports its backlog to the shared accounts, which take the replicas in turn by their

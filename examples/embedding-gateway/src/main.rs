@@ -58,6 +58,7 @@ const BUNDLED: &str = include_str!("../gateway.toml");
 const USAGE: &str = "\
 usage:
   embedding-gateway demo     [--config FILE] [--seconds N] [--svg PATH] [--quiet] [--quota-changes] [--redis URL --replicas N [--uneven] [--advisory-shares]]
+  embedding-gateway demo     --budget [--config FILE]
   embedding-gateway serve    [--config FILE] [--listen ADDR] [--redis URL --replicas N] [--log-format text|json]
   embedding-gateway upstream [--config FILE] [--listen ADDR] [--log-format text|json]
   embedding-gateway check    [--config FILE]
@@ -76,6 +77,9 @@ share the accounts by the tenants' weights across the fleet); --advisory-shares 
 the tenants' shares without failing on them. --quota-changes (in memory) halves the mock
 upstream's real quota at a third of the run and doubles it at two thirds: the gateway
 learns both from the upstream's x-ratelimit-limit-* fields (give it 30 seconds or more).
+demo --budget runs a month on a paused clock instead: a team spends its monthly budget
+in money (scaled down for the demo), is refused with the renewal named, and is served
+again at the first instant of the next month in gateway.timezone.
 
 serve and upstream log on stderr (level from RUST_LOG, default info), drain on SIGTERM
 and SIGINT (gateway.shutdown_grace), and print the address they listen on to stdout.
@@ -108,6 +112,8 @@ struct Args {
     advisory_shares: bool,
     /// `--quota-changes`: the demo's upstream halves, then doubles, its real quota.
     quota_changes: bool,
+    /// `--budget`: the demo spends a team's monthly budget on a paused clock.
+    budget: bool,
     log_format: LogFormat,
     /// `--upstream URL`: where `hop` forwards.
     upstream: Option<String>,
@@ -151,6 +157,7 @@ fn parse_args() -> Result<Cli, String> {
         uneven: false,
         advisory_shares: false,
         quota_changes: false,
+        budget: false,
         log_format: LogFormat::Text,
         upstream: None,
         rounds: None,
@@ -178,6 +185,7 @@ fn parse_args() -> Result<Cli, String> {
             "--uneven" => args.uneven = true,
             "--advisory-shares" => args.advisory_shares = true,
             "--quota-changes" => args.quota_changes = true,
+            "--budget" => args.budget = true,
             "--redis" => args.redis = Some(value("--redis")?),
             "--replicas" => {
                 let v = value("--replicas")?;
@@ -261,6 +269,18 @@ fn main() -> ExitCode {
             }
         }
     };
+    if args.command == "demo" && args.budget {
+        // A month on a paused clock of its own.
+        let Some(config) = config else { return ExitCode::from(2) };
+        return match demo::budget::run(&config) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -299,6 +319,20 @@ fn main() -> ExitCode {
                         "an upper bound: one token per byte, settled to the provider's usage"
                     };
                     println!("model {model}: tokens counted with {encoding} ({how})");
+                }
+                if let Some(b) = &config.budgets {
+                    for (plan, (budgets, _)) in config.plans.iter().zip(&b.plans) {
+                        for budget in budgets {
+                            println!(
+                                "budget: plan {} gives each {} {} a {}, renewed at midnight in {}",
+                                plan.name,
+                                budget.tier,
+                                b.money(budget.micros),
+                                budget.period,
+                                b.timezone
+                            );
+                        }
+                    }
                 }
                 let plain = config.tenants.iter().flat_map(|t| &t.keys).filter(|k| k.plain).count();
                 if plain > 0 {

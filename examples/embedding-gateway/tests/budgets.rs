@@ -246,3 +246,11 @@ fn replicas_share_a_budget_through_redis() {
         assert_eq!(json(refused).await["error"]["code"], "budget_exceeded", "the month's budget outlives the replicas");
     });
 }
+
+/// `demo --budget` on the bundled configuration: a month on a paused clock, its checks
+/// all holding.
+#[test]
+fn the_budget_demo_passes_on_the_bundled_configuration() {
+    let config = Config::parse(include_str!("../gateway.toml"), Some("gateway.toml")).unwrap();
+    assert!(embedding_gateway::demo::budget::run(&config).unwrap());
+}
