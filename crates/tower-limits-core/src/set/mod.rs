@@ -408,18 +408,28 @@ impl LimitSet {
     /// (`x-ratelimit-remaining-*`) corrects a local mirror of its limits. Never raises
     /// anything.
     pub fn align_remaining(&self, key: &TenantKey, counts: Counts, remaining: u64, now: Instant) {
-        let probe = Grant {
-            granted_at: now,
-            version: ANY_VERSION,
-            shape: None,
-            acquired: 0,
-            charged: 0,
-            each: None,
-            shadowed: 0,
-            held: HeldAt::NONE,
-        };
+        let probe = Grant::probe(now);
         self.shared.correct(key, &probe, now, |_, def| {
             (def.counts == counts && !def.limit.is_semaphore()).then_some(Op::Align(remaining))
+        });
+    }
+
+    /// Records `amount` of usage of `key` on every rate limit counting `counts`, as a
+    /// charge made at `now` (never refused: the usage happened elsewhere, such as calls an
+    /// upstream still counts against a limit that was just lowered). Later requests wait
+    /// for it.
+    ///
+    /// ```
+    /// use tower_limits_core::{Counts, Instant, LimitSet, Quota, TenantKey, nz};
+    ///
+    /// let set = LimitSet::gcra(Quota::per_second(nz!(10)).burst(nz!(5)));
+    /// set.charge_usage(&TenantKey::global(), Counts::Cost, 7, Instant::ZERO);
+    /// assert_eq!(set.peek(&TenantKey::global(), Instant::ZERO)[0].snapshot.remaining, 0);
+    /// ```
+    pub fn charge_usage(&self, key: &TenantKey, counts: Counts, amount: u64, now: Instant) {
+        let probe = Grant::probe(now);
+        self.shared.correct(key, &probe, now, |_, def| {
+            (def.counts == counts && !def.limit.is_semaphore()).then_some(Op::Charge { granted_at: now, amount })
         });
     }
 

@@ -144,6 +144,21 @@ pub(super) struct Granted {
 }
 
 impl Grant {
+    /// A grant of nothing at `now`, of any policy version: what a correction made outside
+    /// any request (an upstream's report, usage recorded elsewhere) is applied through.
+    pub(super) fn probe(now: Instant) -> Grant {
+        Grant {
+            granted_at: now,
+            version: super::ANY_VERSION,
+            shape: None,
+            acquired: 0,
+            charged: 0,
+            each: None,
+            shadowed: 0,
+            held: HeldAt::NONE,
+        }
+    }
+
     /// The instant the grant was made at.
     #[must_use]
     pub fn granted_at(&self) -> Instant {

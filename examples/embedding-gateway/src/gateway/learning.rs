@@ -11,19 +11,37 @@
 //! account's mirror is rebuilt from it with the same formula as at start
 //! ([`Account::mirror_policy_for`]) and replaces the old one, keeping its state.
 //!
+//! A lowered quota also meets what the upstream still counts: the calls of its last
+//! window, sent at the old pace, may already hold more than the new quota. Each account
+//! keeps the calls answered over its last window and jitter (their requests and
+//! tokens); when a quota is lowered, the new mirror is charged so that it decides as if
+//! those calls had been admitted at its own pace, back to back from the start of that
+//! span: it admits again once the upstream's window has room, rather than meeting the
+//! upstream's `429`s until it drains.
+//!
 //! In memory only: with Redis the mirrors live in the shared store, and each replica's
 //! local one is only the failure policy's share.
 
+use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 use tower_limits::core::learn::{LearnSettings, QuotaLearner};
-use tower_limits::{Instant, LimitPool, UpstreamReport};
+use tower_limits::core::policy::Counts;
+use tower_limits::{Instant, LimitPool, Snapshot, TenantKey, UpstreamReport};
 
 use crate::config::{Account, Config, MirrorSettings};
 
+/// What is learned of one account: its two quotas, and the calls answered over its last
+/// window and jitter (when, and their tokens).
+struct Learned {
+    quotas: [QuotaLearner; 2],
+    recent: VecDeque<(Instant, u64)>,
+}
+
 /// The learners of every account, by its place in the pool.
 pub(crate) struct Learning {
-    accounts: Vec<(Account, Mutex<[QuotaLearner; 2]>)>,
+    accounts: Vec<(Account, Mutex<Learned>)>,
     mirror: MirrorSettings,
     max_request_tokens: u64,
 }
@@ -48,31 +66,42 @@ impl Learning {
             .map(|a| {
                 let requests = QuotaLearner::new(a.requests_per_window(), a.window, settings);
                 let tokens = QuotaLearner::new(a.tokens_per_window(), a.window, settings);
-                (a.clone(), Mutex::new([requests, tokens]))
+                (a.clone(), Mutex::new(Learned { quotas: [requests, tokens], recent: VecDeque::new() }))
             })
             .collect();
         Some(Learning { accounts, mirror: config.mirror, max_request_tokens: config.gateway.max_request_tokens })
     }
 
-    /// One answer of the account at `index`: learns from it, and when a quota moved,
-    /// rebuilds the account's mirror in `pool`.
+    /// One answer of the account at `index`, to a call of `tokens`: learns from it, and
+    /// when a quota moved, rebuilds the account's mirror in `pool`.
     pub(crate) fn observe(
         &self,
         pool: &LimitPool<Account>,
         index: usize,
         report: &UpstreamReport,
         refused: bool,
+        tokens: u64,
         now: Instant,
     ) {
-        let Some((account, learners)) = self.accounts.get(index) else { return };
-        let mut learners = learners.lock().unwrap_or_else(PoisonError::into_inner);
-        let requests = learners[0].observe(report.limit_requests, refused, now);
-        let tokens = learners[1].observe(report.limit_tokens, refused, now);
-        if requests.is_none() && tokens.is_none() {
+        let Some((account, learned)) = self.accounts.get(index) else { return };
+        let mut learned = learned.lock().unwrap_or_else(PoisonError::into_inner);
+        // The calls the upstream may still count: its window and the jitter.
+        let span = account.window + self.mirror.jitter;
+        if !refused {
+            learned.recent.push_back((now, tokens));
+        }
+        while learned.recent.front().is_some_and(|(at, _)| now.saturating_since(*at) > span) {
+            learned.recent.pop_front();
+        }
+        let before = (learned.quotas[0].learned(), learned.quotas[1].learned());
+        let moved_requests = learned.quotas[0].observe(report.limit_requests, refused, now);
+        let moved_tokens = learned.quotas[1].observe(report.limit_tokens, refused, now);
+        if moved_requests.is_none() && moved_tokens.is_none() {
             return;
         }
-        let (requests, tokens) = (learners[0].learned(), learners[1].learned());
-        drop(learners);
+        let (requests, tokens) = (learned.quotas[0].learned(), learned.quotas[1].learned());
+        let used = (learned.recent.len() as u64, learned.recent.iter().map(|(_, t)| t).sum::<u64>());
+        drop(learned);
         let policy = match account.mirror_policy_for(requests, tokens, &self.mirror, self.max_request_tokens, 1) {
             Ok(policy) => policy,
             Err(why) => {
@@ -80,17 +109,27 @@ impl Learning {
                 return;
             }
         };
-        match pool.member_set(index).map(|set| set.replace_policy(policy)) {
-            Some(Ok(())) => tracing::info!(
+        let Some(set) = pool.member_set(index) else { return };
+        match set.replace_policy(policy) {
+            Ok(()) => {
+                // A lowered quota: what the upstream still counts, at the new pace.
+                for (lowered, counts, amount) in
+                    [(requests < before.0, Counts::Requests, used.0), (tokens < before.1, Counts::Cost, used.1)]
+                {
+                    if lowered {
+                        charge_recent(set, counts, amount, span, now);
+                    }
+                }
+                tracing::info!(
                 account = %account.name,
                 requests,
                 tokens,
                 declared_requests = account.requests_per_window(),
                 declared_tokens = account.tokens_per_window(),
-                "account limits learned from the upstream: mirror rebuilt"
-            ),
-            Some(Err(e)) => tracing::warn!(account = %account.name, error = %e, "learned limits refused by the mirror"),
-            None => {}
+                    "account limits learned from the upstream: mirror rebuilt"
+                );
+            }
+            Err(e) => tracing::warn!(account = %account.name, error = %e, "learned limits refused by the mirror"),
         }
     }
 
@@ -100,8 +139,29 @@ impl Learning {
             .iter()
             .map(|(_, l)| {
                 let l = l.lock().unwrap_or_else(PoisonError::into_inner);
-                (l[0].learned(), l[1].learned())
+                (l.quotas[0].learned(), l.quotas[1].learned())
             })
             .collect()
+    }
+}
+
+/// Charges the mirror `set`'s limit counting `counts` so that it decides as if `used`
+/// had been admitted at its own pace from `span` ago: its debt becomes at least
+/// `used × interval - span`, what it would be had those calls gone through it.
+fn charge_recent(set: &tower_limits::LimitSet, counts: Counts, used: u64, span: Duration, now: Instant) {
+    let global = TenantKey::global();
+    let Some(limit) = set.peek(&global, now).into_iter().find(|s| s.counts == counts && !s.is_semaphore) else {
+        return;
+    };
+    let Snapshot { quota, window, reset, .. } = limit.snapshot;
+    if quota == 0 || window.is_zero() {
+        return;
+    }
+    // The mirror's interval, and the debt those calls would leave (beyond what it holds).
+    let interval = window.as_secs_f64() / quota as f64;
+    let target = used as f64 * interval - span.as_secs_f64();
+    let missing = target - reset.as_secs_f64();
+    if missing > 0.0 {
+        set.charge_usage(&global, counts, (missing / interval).ceil() as u64, now);
     }
 }

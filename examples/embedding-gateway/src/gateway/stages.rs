@@ -390,9 +390,9 @@ impl UpstreamCall {
                 write_retry_after(r.headers_mut(), BACKEND_DOWN_WAIT);
                 r
             }
-            Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes),
+            Ok(Ok((parts, Answer::Whole(bytes)))) => self.answer(&chosen, parts, bytes, prepared.tokens),
             Ok(Ok((parts, Answer::Stream(body)))) => {
-                self.observe(&chosen, parts.status, &parts.headers);
+                self.observe(&chosen, parts.status, &parts.headers, prepared.tokens);
                 let mut r = Response::new(body);
                 *r.status_mut() = parts.status;
                 for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
@@ -414,29 +414,36 @@ impl UpstreamCall {
     }
 
     /// What the upstream says about the account corrects its mirror, benches it after a
-    /// `429`, and teaches its limits.
+    /// `429`, and teaches its limits (the call carried `tokens`).
     fn observe(
         &self,
         chosen: &Chosen<Account>,
         status: StatusCode,
         headers: &http::HeaderMap,
+        tokens: u64,
     ) -> tower_limits::UpstreamReport {
         let report = upstream_report(status, headers);
         let now = (self.now)();
         // Learning first: a rebuilt mirror starts with its burst, and the remaining counts
         // of this very answer must then bring it down to what the upstream has left.
         if let Some(learning) = &self.learning {
-            learning.observe(&self.pool, chosen.index, &report, status == StatusCode::TOO_MANY_REQUESTS, now);
+            learning.observe(&self.pool, chosen.index, &report, status == StatusCode::TOO_MANY_REQUESTS, tokens, now);
         }
         self.pool.observe(chosen.index, &report, now);
         report
     }
 
     /// The answer to the client for an upstream answer.
-    fn answer(&self, chosen: &Chosen<Account>, parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+    fn answer(
+        &self,
+        chosen: &Chosen<Account>,
+        parts: http::response::Parts,
+        bytes: Bytes,
+        tokens: u64,
+    ) -> Response<Body> {
         // What the upstream says about the account corrects its mirror (and benches it
         // after a 429).
-        let report = self.observe(chosen, parts.status, &parts.headers);
+        let report = self.observe(chosen, parts.status, &parts.headers, tokens);
         if parts.status == StatusCode::TOO_MANY_REQUESTS {
             // Not the tenant's fault: shared overload, retry when the account is back.
             let n = self.stats.upstream_refusals.fetch_add(1, Ordering::Relaxed) + 1;
