@@ -100,7 +100,9 @@ fn cluster_shares() {
         let shares = tower_limits_redis::Shares::new()
             .refresh_every(Duration::from_millis(20))
             .lifetime(Duration::from_millis(100))
-            .hot_after(1);
+            .hot_after(1)
+            // A burst of 5 split on purpose.
+            .min_burst(1);
         let replicas: Vec<RedisBackend> = (0..2)
             .map(|_| {
                 RedisBackend::builder(policy.clone())

@@ -689,6 +689,65 @@ fn a_tenant_far_below_its_limits_with_bunched_requests_is_never_refused() {
     });
 }
 
+/// A thin rate (a free plan's 240 a minute with a burst of 2, below `min_burst`) is not
+/// split: a tenant spread over three replicas is decided from the pool per request, and
+/// admitted exactly what the per-request path admits, where split shares of 0 or 1 would
+/// pace it at a third of its rate.
+#[test]
+fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
+    let Some(server) = redis_for("a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::gcra("rpm", Quota::per_minute(nz!(240)).burst(nz!(2))).per("org"));
+        let ns = namespace("shares-thin");
+        let settings = Shares::new().refresh_every(Duration::from_millis(100)).lifetime(Duration::from_secs(1));
+        let mut replicas = Vec::new();
+        for _ in 0..3 {
+            let conn = connect(&url).await;
+            replicas.push(manual(policy.clone(), "shares").namespace(&ns).shares(settings).build(&conn).unwrap());
+        }
+        let conn = connect(&url).await;
+        let per_request =
+            manual(policy.clone(), "shares").namespace(namespace("shares-thin-per-request")).build(&conn).unwrap();
+        let key = TenantKey::new(["hooli"]).unwrap();
+        let start = 1_000_000 * MS;
+        let (mut shared, mut alone) = (0u64, 0u64);
+        // Ten seconds of a client asking every 5 ms (fifty times what the limit allows, as
+        // a client retrying its refusals does), routed 60/30/10.
+        for step in 0..10_000u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 100 == 0 {
+                for r in &replicas {
+                    r.refresh_shares(now).await;
+                }
+            }
+            if step % 5 == 0 {
+                let r = &replicas[match (step / 5) % 10 {
+                    0..=5 => 0,
+                    6..=8 => 1,
+                    _ => 2,
+                }];
+                if let Ok(grant) = r.acquire(&key, 1, now).await {
+                    shared += 1;
+                    r.release(&key, grant);
+                }
+                if let Ok(grant) = per_request.acquire(&key, 1, now).await {
+                    alone += 1;
+                    per_request.release(&key, grant);
+                }
+            }
+        }
+        assert_eq!(shared, alone, "the fleet admits what the per-request path admits");
+        assert!((40..=42).contains(&alone), "the limit's 4 a second and its burst: {alone}");
+        let from_shares: u64 = replicas.iter().map(|r| r.stats().shared_grants).sum();
+        assert_eq!(from_shares, 0, "a thin rate is never split");
+    });
+}
+
 #[test]
 fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {

@@ -18,7 +18,9 @@
 //! allots each scope's rate max-min fairly by the live replicas' demands, and grants the
 //! caller `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up
 //! the difference at its own next refresh, and only then can another take it. A share
-//! too small to hold one unit of burst stays in the pool. Demand below `hot_after`
+//! too small to hold one unit of burst stays in the pool, and a rate whose whole burst is
+//! below `min_burst` (8 units) is never split: its scopes take from the pool, one round
+//! trip per request, as a cold scope does. Demand below `hot_after`
 //! requests a refresh (4) asks for no share: the scope stays with the pool; a scope that
 //! holds a share keeps asking while any request comes, and gives its share back after a
 //! period without one. Requests a semaphore of the set refuses are not counted as demand
@@ -133,6 +135,7 @@ pub struct Shares {
     max_scopes: usize,
     hot_after: u32,
     burst_excess: u32,
+    min_burst: u64,
 }
 
 impl Default for Shares {
@@ -143,7 +146,8 @@ impl Default for Shares {
 
 impl Shares {
     /// Refreshed every 100 ms, living 1 s, at most 10,000 scopes tracked, a scope asking
-    /// for a share after 4 requests in a refresh period.
+    /// for a share after 4 requests in a refresh period, rates whose burst is below 8
+    /// units never split.
     pub const fn new() -> Shares {
         Shares {
             refresh: Duration::from_millis(100),
@@ -151,7 +155,31 @@ impl Shares {
             max_scopes: 10_000,
             hot_after: 4,
             burst_excess: 0,
+            min_burst: 8,
         }
+    }
+
+    /// The smallest burst (in the limit's units, its excess included) a rate must have to
+    /// be split into shares (default 8). A thinner one is decided per request from the
+    /// pool, which then holds its whole burst: a burst of 2 split over replicas leaves
+    /// each a share of 0 or 1, which paces the tenant at its share's rate while the
+    /// limit has room (a free plan's 240 a minute with a burst of 2 served a third of
+    /// what it allows). Semaphores are split whatever their size.
+    ///
+    /// ```
+    /// use tower_limits_redis::Shares;
+    ///
+    /// assert_eq!(Shares::new().min_burst(32).least_burst(), 32);
+    /// ```
+    pub const fn min_burst(mut self, units: u64) -> Self {
+        self.min_burst = units;
+        self
+    }
+
+    /// The smallest burst a rate needs to be split (see [`Shares::min_burst`]).
+    #[must_use]
+    pub const fn least_burst(&self) -> u64 {
+        self.min_burst
     }
 
     /// How often a replica reports its demand and renews its shares (default 100 ms):

@@ -362,6 +362,7 @@ impl Table {
         let mut groups: HashMap<u16, (Vec<Arc<str>>, Vec<String>)> = HashMap::new();
         let cluster = inner.conn.is_cluster();
         let hot_after = self.settings.hot_after;
+        let min_burst = self.settings.min_burst;
         let refresh_ns = u64::try_from(self.settings.refresh.as_nanos()).unwrap_or(u64::MAX).max(1);
         scopes.retain(|key, s| {
             let Some(l) = inner.limits[s.limit].share else { return false };
@@ -377,7 +378,8 @@ impl Table {
             // A scope holding a share keeps it while it has requests: a tenant whose pace
             // hovers near `hot_after` would otherwise hand its tokens to the pool and take
             // them back period after period, each time starting from what the pool gives.
-            let hot = s.asks >= hot_after || (using > 0 && s.asks > 0);
+            // A thin rate is not split: its scopes stay with the pool.
+            let hot = l.burst >= min_burst && (s.asks >= hot_after || (using > 0 && s.asks > 0));
             let mut back = 0;
             let demand = if hot {
                 let per_period = u128::from(s.wanted) * u128::from(l.period_us) * 1000 / u128::from(elapsed);
