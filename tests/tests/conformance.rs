@@ -271,14 +271,20 @@ enum Step {
 }
 
 fn program(seed: u64, len: usize) -> Vec<Step> {
+    program_of(seed, len, 20, 30, 300 * MS)
+}
+
+/// `len` random steps: costs below `cost`, settles below `actual`, clock steps below
+/// `advance` nanoseconds.
+fn program_of(seed: u64, len: usize, cost: u64, actual: u64, advance: u64) -> Vec<Step> {
     let mut rng = Rng(seed);
     (0..len)
         .map(|_| match rng.below(10) {
-            0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, 20) },
-            4 => Step::Settle { held: rng.next_u64(), actual: rng.range(0, 30) },
+            0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, cost) },
+            4 => Step::Settle { held: rng.next_u64(), actual: rng.range(0, actual) },
             5 | 6 => Step::Release { held: rng.next_u64() },
             7 => Step::Cancel { held: rng.next_u64() },
-            _ => Step::Advance(rng.below(300 * MS)),
+            _ => Step::Advance(rng.below(advance)),
         })
         .collect()
 }
@@ -434,24 +440,11 @@ fn calendar_policy() -> LimitSetPolicy {
         .limit(LimitPolicy::semaphore("concurrent", 3).per("user"))
 }
 
-fn calendar_program(seed: u64) -> Vec<Step> {
-    let mut rng = Rng(seed);
-    (0..300)
-        .map(|_| match rng.below(10) {
-            0..=3 => Step::Acquire { key: rng.below(4) as usize, cost: rng.range(0, 12) },
-            4 => Step::Settle { held: rng.next_u64(), actual: rng.range(0, 16) },
-            5 | 6 => Step::Release { held: rng.next_u64() },
-            7 => Step::Cancel { held: rng.next_u64() },
-            _ => Step::Advance(rng.below(4 * S)),
-        })
-        .collect()
-}
-
 /// Law 19 for calendar windows: the same answers, waits to midnight and snapshots on
 /// both backends, before and after the day's end.
 async fn calendar_answers_alike<A: Harness, B: Harness>(a: &A, b: &B) {
     for seed in 1..=3u64 {
-        let steps = calendar_program(seed * 389);
+        let steps = program_of(seed * 389, 300, 12, 16, 4 * S);
         let (x, _) = run(a, &a.make(calendar_policy()), &steps, &[]).await;
         let (y, _) = run(b, &b.make(calendar_policy()), &steps, &[]).await;
         assert!(

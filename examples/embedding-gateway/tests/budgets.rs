@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use common::{config_text, scripted};
-use embedding_gateway::api::{SSE_DONE, sse_event};
+use common::{chat, config_text, content, scripted, usage_chunk};
+use embedding_gateway::api::SSE_DONE;
 use embedding_gateway::config::Config;
 use embedding_gateway::gateway::{Gateway, Sharing, in_process};
 use embedding_gateway::upstream;
@@ -35,21 +35,6 @@ fn embed(input: &str) -> Request<Body> {
         .header("authorization", "Bearer sk-acme-alice")
         .header("content-type", "application/json")
         .body(Body::from(serde_json::json!({ "model": "m", "input": input }).to_string()))
-        .unwrap()
-}
-
-fn chat(text: &str, max_tokens: u64) -> Request<Body> {
-    let body = serde_json::json!({
-        "model": "m",
-        "messages": [{ "role": "user", "content": text }],
-        "max_tokens": max_tokens,
-        "stream": true,
-        "stream_options": { "include_usage": true },
-    });
-    Request::post("/v1/chat/completions")
-        .header("authorization", "Bearer sk-acme-alice")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
         .unwrap()
 }
 
@@ -102,21 +87,6 @@ async fn a_spent_budget_is_refused_until_the_day_renews() {
     assert_eq!(gateway.budget_remaining(0, &alice(), "user.budget").unwrap().0, 4 * USD);
 }
 
-fn content(word: &str) -> Bytes {
-    sse_event(&serde_json::json!({
-        "object": "chat.completion.chunk",
-        "choices": [{ "index": 0, "delta": { "content": word } }],
-    }))
-}
-
-fn usage(prompt: u64, completion: u64) -> Bytes {
-    sse_event(&serde_json::json!({
-        "object": "chat.completion.chunk",
-        "choices": [],
-        "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
-    }))
-}
-
 /// A streamed chat completion is charged its estimate (17 prompt tokens at 1 USD, 50 of
 /// `max_tokens` at 2 USD: 117 USD) while it streams, and settled to its final usage (17
 /// in, 10 out: 37 USD) when it ends; a stream the client drops before any usage keeps
@@ -130,19 +100,19 @@ async fn a_stream_is_charged_its_estimate_then_settled_to_its_usage() {
     let left = || gateway.budget_remaining(0, &alice(), "user.budget").unwrap().0;
     let prompt = format!("a{}", " a".repeat(9));
 
-    let answer = gateway.router.clone().oneshot(chat(&prompt, 50)).await.unwrap();
+    let answer = gateway.router.clone().oneshot(chat(&prompt, 50, true)).await.unwrap();
     assert_eq!(answer.status(), StatusCode::OK);
     let upstream = streams.recv().await.unwrap();
     assert_eq!(left(), 1000 * USD - 117 * USD, "the estimate is charged while it streams");
     let mut body = answer.into_body();
     upstream.send(content("Hi")).await.unwrap();
-    upstream.send(usage(17, 10)).await.unwrap();
+    upstream.send(usage_chunk(17, 10)).await.unwrap();
     upstream.send(Bytes::from_static(SSE_DONE)).await.unwrap();
     drop(upstream);
     while body.frame().await.is_some() {}
     assert_eq!(left(), 1000 * USD - 37 * USD, "settled to 17 tokens in and 10 out");
 
-    let answer = gateway.router.clone().oneshot(chat(&prompt, 50)).await.unwrap();
+    let answer = gateway.router.clone().oneshot(chat(&prompt, 50, true)).await.unwrap();
     let upstream = streams.recv().await.unwrap();
     upstream.send(content("Hi")).await.unwrap();
     drop(answer);

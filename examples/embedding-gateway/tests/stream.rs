@@ -8,12 +8,12 @@ mod common;
 use std::sync::atomic::Ordering;
 
 use axum::body::{Body, Bytes};
-use common::{config_text, scripted};
-use embedding_gateway::api::{SSE_DONE, sse_event};
+use common::{chat, config_text, content, scripted, usage_chunk};
+use embedding_gateway::api::SSE_DONE;
 use embedding_gateway::config::Config;
 use embedding_gateway::gateway::{Gateway, in_process};
 use embedding_gateway::upstream;
-use http::{Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
@@ -21,34 +21,8 @@ fn config(plan: &str) -> Config {
     Config::parse(&config_text("", plan, "http://127.0.0.1:9"), Some("test.toml")).unwrap()
 }
 
-fn chat(text: &str, max_tokens: u64, stream: bool) -> Request<Body> {
-    let body = serde_json::json!({
-        "model": "m",
-        "messages": [{ "role": "user", "content": text }],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "stream_options": { "include_usage": true },
-    });
-    Request::post("/v1/chat/completions")
-        .header("authorization", "Bearer sk-acme-alice")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .unwrap()
-}
-
-fn content(word: &str) -> Bytes {
-    sse_event(&serde_json::json!({
-        "object": "chat.completion.chunk",
-        "choices": [{ "index": 0, "delta": { "content": word } }],
-    }))
-}
-
 fn usage(total: u64) -> Bytes {
-    sse_event(&serde_json::json!({
-        "object": "chat.completion.chunk",
-        "choices": [],
-        "usage": { "prompt_tokens": 1, "completion_tokens": total - 1, "total_tokens": total },
-    }))
+    usage_chunk(1, total - 1)
 }
 
 async fn next_chunk(body: &mut Body) -> Bytes {

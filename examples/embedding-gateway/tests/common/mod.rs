@@ -178,3 +178,37 @@ pub fn scripted() -> (
         }));
     (transport, streams_rx)
 }
+
+/// A chat completion of `text` by acme's alice, reserving `max_tokens`, streamed (with
+/// the final usage chunk asked for) or not.
+pub fn chat(text: &str, max_tokens: u64, stream: bool) -> http::Request<axum::body::Body> {
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [{ "role": "user", "content": text }],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "stream_options": { "include_usage": true },
+    });
+    http::Request::post("/v1/chat/completions")
+        .header("authorization", "Bearer sk-acme-alice")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_string()))
+        .unwrap()
+}
+
+/// A stream's chunk carrying `word`.
+pub fn content(word: &str) -> bytes::Bytes {
+    embedding_gateway::api::sse_event(&serde_json::json!({
+        "object": "chat.completion.chunk",
+        "choices": [{ "index": 0, "delta": { "content": word } }],
+    }))
+}
+
+/// A stream's final usage chunk.
+pub fn usage_chunk(prompt: u64, completion: u64) -> bytes::Bytes {
+    embedding_gateway::api::sse_event(&serde_json::json!({
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
+    }))
+}
