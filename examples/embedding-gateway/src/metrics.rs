@@ -8,8 +8,11 @@
 //! layers `plan` (each tenant's plan) and `upstream` (the fair queue in front of the
 //! accounts). The gateway adds its own: `gateway_responses` (every answer, by `status`
 //! and by the gateway's own error `code`, `none` for the others: the `401`s of guessed
-//! keys, the `408 body_too_slow`s, the `502`s and `504`s of the upstream, ...) and `gateway_connections` (by `state`: `open`, `receiving_body`,
-//! `probe_place`; see [`crate::server`]).
+//! keys, the `408 body_too_slow`s, the `502`s and `504`s of the upstream, ...; a spent
+//! budget is `code="budget_exceeded"`), `gateway_spend_micros` (what the budgets counted
+//! as settled, in micro-units, by configured `tenant` and `currency`) and
+//! `gateway_connections` (by `state`: `open`, `receiving_body`, `probe_place`; see
+//! [`crate::server`]).
 //!
 //! The recorder is `metrics-exporter-prometheus` without its HTTP listener: the process
 //! installs it once as the global recorder, and this route renders it from its handle,

@@ -166,3 +166,23 @@ fn metrics_show_the_redis_backend_families() {
         }
     });
 }
+
+/// Budgets: what they counted, by tenant and currency, and their refusals by code.
+#[tokio::test(start_paused = true)]
+async fn budgets_report_the_spend_and_their_refusals() {
+    let text = config_text("", "user = { budget = \"2 USD / day\" }", "http://127.0.0.1:9")
+        + "\n[price.m]\ncurrency = \"USD\"\ninput = 1000000\n";
+    let config = parse_config(&text);
+    let (router, _) = upstream::router(&config.accounts, config.upstream, &config.gateway.encodings);
+    let gateway = Gateway::new(&config, in_process(router)).unwrap();
+    for _ in 0..3 {
+        embed(&gateway, "sk-acme-alice").await;
+    }
+    let page = scrape(&gateway).await;
+    let spend = samples(&page, "gateway_spend_micros", &[r#"tenant="acme""#, r#"currency="USD""#]);
+    assert!(!spend.is_empty(), "{page}");
+    assert!(
+        !samples(&page, "gateway_responses", &[r#"status="429""#, r#"code="budget_exceeded""#]).is_empty(),
+        "{page}"
+    );
+}

@@ -193,19 +193,25 @@ impl BudgetStore {
 struct Charge {
     rules: Arc<BudgetRules>,
     store: BudgetStore,
+    tenant: Arc<str>,
     key: TenantKey,
     grant: BudgetGrant,
     price: ModelPrice,
     prompt: u64,
+    /// The price taken at admission.
+    estimate: u64,
 }
 
 impl Charge {
     /// Settles to the price of `total` tokens (the prompt counted here, the rest output),
     /// or keeps the estimate; then lets the grant go.
     fn settle(self, total: Option<u64>) {
-        let Charge { rules, store, key, grant, price, prompt } = self;
+        let Charge { rules, store, tenant, key, grant, price, prompt, estimate } = self;
         let actual = total.map(|total| price.micros(prompt.min(total), total.saturating_sub(prompt)));
         let now = (rules.now)();
+        let spent = actual.unwrap_or(estimate);
+        metrics::counter!("gateway_spend_micros", "tenant" => tenant.to_string(), "currency" => rules.budgets.currency.clone())
+            .increment(spent);
         match (store, grant) {
             (BudgetStore::Memory(set), BudgetGrant::Memory(mut g)) => {
                 if let Some(actual) = actual {
@@ -267,7 +273,8 @@ impl BudgetRules {
             Ok(grant) => grant,
             Err(e) => return self.refusal(&e, estimate),
         };
-        let charge = Charge { rules: self.clone(), store, key, grant, price, prompt };
+        let tenant = id.tenant.clone();
+        let charge = Charge { rules: self.clone(), store, tenant, key, grant, price, prompt, estimate };
         let response = answer_of(inner.oneshot(req).await);
         if let Some(Usage(total)) = response.extensions().get::<Usage>().copied() {
             charge.settle(Some(total));
