@@ -1,5 +1,6 @@
 //! Law 32, calendar budgets, as property tests on instants built by hand. Law numbers are
-//! those of `crates/tower-limits/docs/laws.md`.
+//! those of `crates/tower-limits/docs/laws.md`. The law lives beside the core, whose
+//! algorithm it checks, so that mutation testing of the algorithm builds the core alone.
 //!
 //! A [`CalendarWindow`] is checked against a model written another way: the model names
 //! each instant's period by its civil date in the zone (the day, the ISO week, the month
@@ -32,7 +33,17 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use tower_limits_core::algorithm::{Algorithm, CalendarPeriod, CalendarWindow, Refusal};
 use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSet, LimitSetPolicy, TenantKey};
-use tower_limits_tests::proptest_config;
+
+/// Failing cases are kept next to this file and replayed first.
+fn proptest_config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
+        ..ProptestConfig::default()
+    }
+}
 
 const SECOND: u64 = 1_000_000_000;
 const HOUR: u64 = 3600 * SECOND;
