@@ -407,6 +407,29 @@ mod tests {
         let origin = UNIX_EPOCH + Duration::from_secs(unix("UTC", 2026, 1, 1, 18));
         let w = CalendarWindow::new(1, CalendarPeriod::Day, "UTC").unwrap().with_origin(origin);
         assert_eq!(w.period_at(Instant::ZERO), (Instant::ZERO, Instant::from_nanos(6 * HOUR)));
+        assert_eq!(w.period_at(Instant::from_nanos(HOUR)), (Instant::ZERO, Instant::from_nanos(6 * HOUR)));
+        // The next day starts on the clock, 6 hours in, and is a whole day long.
+        let next = Instant::from_nanos(7 * HOUR);
+        assert_eq!(w.period_at(next), (Instant::from_nanos(6 * HOUR), Instant::from_nanos(30 * HOUR)));
+        assert_eq!(w.period_len_at(Instant::ZERO), 24 * HOUR, "the whole day, not the part after the origin");
+        // A clock whose origin is before 1970 (six hours before the epoch).
+        let early = UNIX_EPOCH.checked_sub(Duration::from_secs(6 * 3600)).unwrap();
+        let w = CalendarWindow::new(1, CalendarPeriod::Day, "UTC").unwrap().with_origin(early);
+        assert_eq!(w.period_at(Instant::ZERO).1, Instant::from_nanos(6 * HOUR));
+    }
+
+    #[test]
+    fn a_window_states_its_parameters() {
+        let w = CalendarWindow::new(7, CalendarPeriod::Week, "Europe/Berlin").unwrap();
+        assert_eq!((w.limit(), w.capacity(), w.period(), w.timezone()), (7, 7, CalendarPeriod::Week, "Europe/Berlin"));
+        for (p, name) in [
+            (CalendarPeriod::Day, "day"),
+            (CalendarPeriod::Week, "week"),
+            (CalendarPeriod::Month, "month"),
+            (CalendarPeriod::Year, "year"),
+        ] {
+            assert_eq!((p.as_str(), p.to_string(), name.parse()), (name, name.to_owned(), Ok(p)));
+        }
     }
 
     #[test]
