@@ -76,7 +76,8 @@ to the first replica and splits the others' connections 60/30/10 (the replicas s
 share the accounts by the tenants' weights across the fleet); --advisory-shares reports
 the tenants' shares without failing on them. --quota-changes (in memory) halves the mock
 upstream's real quota at a third of the run and doubles it at two thirds: the gateway
-learns both from the upstream's x-ratelimit-limit-* fields (give it 30 seconds or more).
+learns both from the upstream's x-ratelimit-limit-* fields (give it 45 seconds or more:
+following the doubling takes about seven seconds of each phase's third).
 demo --budget runs a month on a paused clock instead: a team spends its monthly budget
 in money (scaled down for the demo), is refused with the renewal named, and is served
 again at the first instant of the next month in gateway.timezone.
