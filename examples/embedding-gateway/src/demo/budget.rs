@@ -117,7 +117,7 @@ async fn scenario(mut config: Config) -> Result<BudgetRun, BoxError> {
     // The demo's amount, in the plan's budget policy and in the description.
     let limit_name = format!("{}.budget", budget.tier);
     if let Some(b) = config.budgets.as_mut() {
-        if let Some(policy) = b.plans[plan].1.as_mut() {
+        if let Some(policy) = b.plans.get_mut(plan).and_then(|p| p.1.as_mut()) {
             for l in policy.limits.iter_mut().filter(|l| l.name == limit_name) {
                 l.limit = Some(DEMO_BUDGET_MICROS);
             }
