@@ -309,6 +309,13 @@ macro_rules! plan_layer {
     };
 }
 
+/// The service polled ready, to go with the request, leaving a clone in its place (which
+/// is polled ready before the next call).
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
 /// A held body as the router's body (it keeps holding).
 fn unheld(response: Response<HeldBody<Body, OpenAiStreamUsage>>) -> Response<Body> {
     response.map(Body::new)

@@ -51,11 +51,10 @@ impl Inner {
         }
     }
 
-    /// The bounds of every calendar window's current period, in the order of the policy,
+    /// Pushes the bounds of every calendar window's current period, in the order of the policy,
     /// as the script's clock counts: microseconds of the caller's clock with a test
     /// clock, of the Unix epoch (where the server's `TIME` counts) otherwise.
-    pub(super) fn calendar_args(&self, now: Instant) -> Vec<String> {
-        let mut args = Vec::new();
+    pub(super) fn push_calendar_args(&self, now: Instant, args: &mut Vec<String>) {
         for w in self.limits.iter().filter_map(|l| l.calendar.as_ref()) {
             let (start, end) = if self.settings.manual_clock {
                 let (s, e) = w.period_at(now);
@@ -68,7 +67,6 @@ impl Inner {
             args.push(us(start));
             args.push(us(end));
         }
-        args
     }
 
     /// The keys of every limit of the set for `key`, in the order of the policy.
@@ -176,7 +174,11 @@ impl Inner {
     }
 
     /// One call of the set's script under the timeout, feeding the breaker.
-    pub(super) async fn call(&self, keys: &[String], args: &[&str]) -> Result<Value, CallError> {
+    pub(super) async fn call<A: redis::ToRedisArgs + Sync>(
+        &self,
+        keys: &[String],
+        args: &[A],
+    ) -> Result<Value, CallError> {
         self.guarded(self.eval((&self.sha, &self.source), keys, args)).await
     }
 
@@ -429,8 +431,8 @@ pub(super) async fn acquire_remote(
             };
             args.push(cost_arg.clone());
             args.push(id.to_string());
-            args.extend(inner.calendar_args(now));
-            inner.call(&keys, &args.iter().map(String::as_str).collect::<Vec<_>>()).await
+            inner.push_calendar_args(now, &mut args);
+            inner.call(&keys, &args).await
         } else if inner.settings.manual_clock {
             let (us, sub) = inner.now_args(now);
             inner.call(&keys, &[op, &us, &sub, &cost_arg, &id]).await

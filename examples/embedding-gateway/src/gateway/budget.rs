@@ -45,8 +45,9 @@ struct BudgetRules {
     /// Each plan's budgets (by the plan's index; `None`: the plan has none), replaced when
     /// the replica reaches Redis.
     stores: RwLock<Arc<[Option<BudgetStore>]>>,
-    prices: std::collections::HashMap<String, ModelPrice>,
     budgets: Budgets,
+    /// The currency, as the spend metric's label (shared, not copied per request).
+    currency: Arc<str>,
     zone: TimeZone,
     now: Arc<dyn Fn() -> Instant + Send + Sync>,
 }
@@ -89,8 +90,8 @@ impl BudgetLayer {
         Ok(BudgetLayer {
             rules: Arc::new(BudgetRules {
                 stores: RwLock::new(stores),
-                prices: budgets.prices.clone(),
                 budgets: budgets.clone(),
+                currency: budgets.currency.as_str().into(),
                 zone,
                 now,
             }),
@@ -160,8 +161,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> BoxFuture {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = super::take_ready(&mut self.inner);
         let rules = self.rules.clone();
         Box::pin(async move { Ok(rules.through(inner, req).await) })
     }
@@ -210,7 +210,7 @@ impl Charge {
         let actual = total.map(|total| price.micros(prompt.min(total), total.saturating_sub(prompt)));
         let now = (rules.now)();
         let spent = actual.unwrap_or(estimate);
-        metrics::counter!("gateway_spend_micros", "tenant" => tenant.to_string(), "currency" => rules.budgets.currency.clone())
+        metrics::counter!("gateway_spend_micros", "tenant" => tenant, "currency" => rules.currency.clone())
             .increment(spent);
         match (store, grant) {
             (BudgetStore::Memory(set), BudgetGrant::Memory(mut g)) => {
@@ -257,7 +257,7 @@ impl BudgetRules {
         let Some(store) = self.store(id.plan) else {
             return answer_of(inner.oneshot(req).await);
         };
-        let Some(price) = self.prices.get(&*prepared.model).copied() else {
+        let Some(price) = self.budgets.prices.get(&*prepared.model).copied() else {
             // Validation gives every served model a price once a budget exists.
             return api::error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,

@@ -50,9 +50,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> BoxFuture {
-        // The service polled ready goes with the request.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = super::take_ready(&mut self.inner);
         let settings = self.settings.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
