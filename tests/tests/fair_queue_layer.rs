@@ -336,6 +336,42 @@ async fn a_tenant_in_two_bands_is_published_to_the_fleet_once() {
     let waiting: Vec<(String, u64)> = fleet.demand().iter().map(|d| (d.key.to_string(), d.waiting)).collect();
     assert_eq!(waiting.iter().filter(|(k, _)| k == "t0").count(), 1, "{waiting:?}");
     assert!(waiting.contains(&("t0".to_owned(), 3)), "{waiting:?}");
+    // With the bands it waits in, the bands' minimum shares and the gate's band.
+    let t0 = fleet.demand().into_iter().find(|d| d.key.to_string() == "t0").unwrap();
+    assert_eq!(t0.bands, 0b11);
+    assert_eq!((fleet.min_shares(), fleet.band()), (vec![0, 20], 0));
+    calls.abort_all();
+}
+
+/// A fleet's store orders the bands: when it names one, the layer dispatches from it
+/// next, though an earlier band has requests queued.
+#[tokio::test(start_paused = true)]
+async fn the_layer_dispatches_from_the_band_the_fleet_names() {
+    let fleet = Arc::new(tower_limits::core::FleetShares::new());
+    let queue = config(&[1, 1]).band("interactive", 0).band("batch", 20);
+    let fair = FairQueueLayer::rate(queue, bucket(Quota::per_second(nz!(1)).burst(nz!(2))))
+        .unwrap()
+        .fleet(fleet.clone())
+        .key(keys())
+        .band(|job: &Job| (job.1 == 2).then_some(1))
+        .cost(costs());
+    let svc = ServiceBuilder::new().layer(fair).service(tower::service_fn(|_: Job| async { Ok::<_, BoxError>(()) }));
+    let mut calls = JoinSet::new();
+    for job in [(1, 2), (0, 1), (0, 1), (0, 1), (0, 2)] {
+        let mut svc = svc.clone();
+        let call = svc.ready().await.unwrap().call(job);
+        calls.spawn(call);
+        settle().await;
+    }
+    // The store asks for the batch band: the gate's next request is the batch one.
+    fleet.set_next_band(Some(1));
+    tokio::time::advance(Duration::from_millis(1_000)).await;
+    settle().await;
+    assert_eq!(fleet.band(), 1, "{fleet:?}");
+    // Nothing left in the batch band: back to the queue's own order.
+    tokio::time::advance(Duration::from_millis(2_000)).await;
+    settle().await;
+    assert_eq!(fleet.band(), 0, "{fleet:?}");
     calls.abort_all();
 }
 

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+use tower_limits_core::fleet::Waiting;
 use tower_limits_core::{
     AcquireError, FleetShares, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, TenantKey, nz,
 };
@@ -34,10 +35,21 @@ use redis_common::{admin, cmd, connect, namespace, runtime};
 const RATE: u64 = 10_000;
 const BURST: u64 = 500;
 
-/// Tenants: name, weight, cost per request, requests kept waiting per replica (uneven:
-/// acme only on replica 0, the others 60/30/10 as nearly as whole clients allow).
-const TENANTS: [(&str, u32, u64, [usize; 3]); 3] =
-    [("acme", 3, 100, [6, 0, 0]), ("globex", 2, 50, [4, 2, 1]), ("initech", 1, 80, [5, 2, 1])];
+/// A tenant: name, weight, cost per request, requests kept waiting per replica, band.
+type Tenant = (&'static str, u32, u64, [usize; 3], usize);
+
+/// Tenants (uneven: acme only on replica 0, the others 60/30/10 as nearly as whole
+/// clients allow), all in one band.
+const TENANTS: [Tenant; 3] =
+    [("acme", 3, 100, [6, 0, 0], 0), ("globex", 2, 50, [4, 2, 1], 0), ("initech", 1, 80, [5, 2, 1], 0)];
+
+/// Tenants in two bands: interactive acme and globex, each on its own replicas, and a
+/// batch job routed mostly to the replica that has the least interactive work.
+const BANDED: [Tenant; 3] =
+    [("acme", 3, 100, [6, 0, 0], 0), ("globex", 2, 50, [0, 4, 1], 0), ("initech", 1, 80, [1, 1, 6], 1)];
+
+/// The batch band's minimum share, percent.
+const BATCH_SHARE: u32 = 10;
 
 fn account() -> LimitSetPolicy {
     LimitSetPolicy::new()
@@ -47,8 +59,9 @@ fn account() -> LimitSetPolicy {
 struct Replica {
     store: RedisAccounts,
     fleet: Arc<FleetShares>,
+    tenants: &'static [Tenant],
     queue: FairQueue<TenantKey, ()>,
-    gate: Option<(TenantKey, u64)>,
+    gate: Option<(TenantKey, u64, usize)>,
     wake: Instant,
 }
 
@@ -57,7 +70,22 @@ fn key(name: &str) -> TenantKey {
 }
 
 fn replica(conn: &RedisConnection, ns: &str, r: usize) -> Replica {
+    replica_of(conn, ns, r, &TENANTS, FairQueueConfig::new())
+}
+
+/// Replica `r` of a fleet serving `tenants`, its fair queue configured by `config` (its
+/// bands told to the fleet's handle).
+fn replica_of(
+    conn: &RedisConnection,
+    ns: &str,
+    r: usize,
+    tenants: &'static [Tenant],
+    config: FairQueueConfig,
+) -> Replica {
     let fleet = Arc::new(FleetShares::new());
+    if config.bands.len() > 1 {
+        fleet.set_bands(config.bands.iter().map(|b| b.min_share_percent));
+    }
     let store = RedisAccounts::builder("accounts")
         .namespace(ns)
         .timeout(Duration::from_secs(5))
@@ -69,11 +97,12 @@ fn replica(conn: &RedisConnection, ns: &str, r: usize) -> Replica {
     let mut replica = Replica {
         store,
         fleet,
-        queue: FairQueue::new(FairQueueConfig::new().tenant_queue_limit(64).global_queue_limit(256)).unwrap(),
+        tenants,
+        queue: FairQueue::new(config.tenant_queue_limit(64).global_queue_limit(256)).unwrap(),
         gate: None,
         wake: Instant::ZERO,
     };
-    for (name, _, _, clients) in TENANTS {
+    for (name, _, _, clients, _) in tenants {
         for _ in 0..clients[r] {
             replica.enqueue(name);
         }
@@ -82,28 +111,31 @@ fn replica(conn: &RedisConnection, ns: &str, r: usize) -> Replica {
 }
 
 impl Replica {
+    fn tenant(&self, name: &str) -> Tenant {
+        self.tenants.iter().find(|t| t.0 == name).copied().unwrap()
+    }
+
     fn enqueue(&mut self, name: &str) {
-        let (_, weight, cost, _) = TENANTS.iter().find(|t| t.0 == name).copied().unwrap();
+        let (_, weight, cost, _, band) = self.tenant(name);
         let k = key(name);
         let local = self.fleet.local_weight(&k, weight);
-        self.queue.enqueue_weighted(k, local, cost, ()).unwrap();
+        self.queue.enqueue_in(band, k, local, cost, ()).unwrap();
     }
 
     /// What the fair queue layer publishes before an acquisition: the queue's backlog
-    /// and the gate's request.
+    /// per band and the gate's request.
     fn publish(&self) {
-        let mut backlog: Vec<(TenantKey, u32, u64)> = self
-            .queue
-            .backlog()
-            .map(|(k, n, _)| (k.clone(), TENANTS.iter().find(|t| k == &key(t.0)).unwrap().1, n))
-            .collect();
-        if let Some((k, _)) = &self.gate {
-            match backlog.iter_mut().find(|(x, _, _)| x == k) {
-                Some(e) => e.2 += 1,
-                None => backlog.push((k.clone(), TENANTS.iter().find(|t| k == &key(t.0)).unwrap().1, 1)),
+        let mut waiting = Vec::new();
+        for band in 0..self.queue.bands() {
+            for (k, n, _) in self.queue.band_backlog(band) {
+                waiting.push(Waiting::new(k.clone(), self.tenant(&k.to_string()).1, n).in_band(band));
             }
         }
-        self.fleet.publish(backlog);
+        let band = self.gate.as_ref().map_or(0, |g| g.2);
+        if let Some((k, _, band)) = &self.gate {
+            waiting.push(Waiting::new(k.clone(), self.tenant(&k.to_string()).1, 1).in_band(*band));
+        }
+        self.fleet.publish(waiting, band);
     }
 }
 
@@ -173,11 +205,15 @@ async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>)
             loop {
                 let rep = &mut replicas[r];
                 if rep.gate.is_none() {
-                    let Some(next) = rep.queue.pop_next() else { break };
-                    rep.gate = Some((next.key, next.cost));
+                    let popped = match rep.fleet.next_band() {
+                        Some(band) => rep.queue.pop_next_in(band),
+                        None => rep.queue.pop_next(),
+                    };
+                    let Some(next) = popped else { break };
+                    rep.gate = Some((next.key, next.cost, next.ticket.band()));
                 }
                 rep.publish();
-                let (k, cost) = rep.gate.clone().unwrap();
+                let (k, cost, _) = rep.gate.clone().unwrap();
                 match rep.store.acquire_for(&k, cost, now).await {
                     Ok(_) => {
                         let name = k.to_string();
@@ -201,7 +237,7 @@ const SECOND: u64 = 1_000_000_000;
 
 fn check_shares(shares: &HashMap<String, f64>, tolerance: f64) {
     let total: u32 = TENANTS.iter().map(|t| t.1).sum();
-    for (name, weight, _, _) in TENANTS {
+    for (name, weight, _, _, _) in TENANTS {
         let target = f64::from(weight) / f64::from(total);
         let got = shares.get(name).copied().unwrap_or(0.0);
         assert!((got - target).abs() <= tolerance, "{name}: share {got:.3}, target {target:.3} (all: {shares:?})");
@@ -241,6 +277,72 @@ fn uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them() {
         // The per-replica split follows demand, not a fixed third.
         let r0: u64 = run.grants.iter().filter(|g| g.1 == 0).map(|g| g.3).sum();
         assert!(r0 as f64 > 0.6 * run.tokens(0, 12 * SECOND) as f64);
+    });
+}
+
+/// A fleet of the [`BANDED`] tenants, its replicas' queues with an interactive band and a
+/// batch band keeping [`BATCH_SHARE`]%; `tell_fleet` says whether the handles learn the
+/// bands (the store then orders them for the fleet).
+async fn banded_run(url: &str, ns: &str, tell_fleet: bool) -> Run {
+    let mut replicas = Vec::new();
+    for r in 0..3 {
+        let conn = connect(url).await;
+        let config = FairQueueConfig::new().band("interactive", 0).band("batch", BATCH_SHARE);
+        let rep = replica_of(&conn, ns, r, &BANDED, config);
+        if !tell_fleet {
+            rep.fleet.set_bands([]);
+        }
+        replicas.push(rep);
+    }
+    drive(&mut replicas, 12 * SECOND, None).await
+}
+
+#[test]
+fn a_batch_band_keeps_its_minimum_share_of_the_fleet_and_no_more() {
+    // Law 33: bands across a fleet. The batch job's requests land mostly on the replica
+    // with the least interactive work; each replica orders its own queue by band, and
+    // the store orders the bands for the fleet: the batch band gets its minimum share of
+    // the account (no less, though it has work; no more, though its replica has room),
+    // and the interactive tenants share the rest by weight.
+    let Some(server) = redis_for("a_batch_band_keeps_its_minimum_share_of_the_fleet_and_no_more") else { return };
+    runtime().block_on(async {
+        let run = banded_run(&server.url(), &namespace("fleet-bands"), true).await;
+        let shares = run.shares(SECOND, 12 * SECOND);
+        println!("bands across the fleet: {shares:?}, {} grants", run.grants.len());
+        let batch = f64::from(BATCH_SHARE) / 100.0;
+        let share = |name: &str| shares.get(name).copied().unwrap_or(0.0);
+        assert!((share("initech") - batch).abs() <= 0.02, "batch got {:.3}", share("initech"));
+        // The interactive band's share is split 3:2.
+        let interactive = 1.0 - share("initech");
+        assert!((share("acme") - interactive * 0.6).abs() <= 0.02, "acme got {:.3}", share("acme"));
+        assert!((share("globex") - interactive * 0.4).abs() <= 0.02, "globex got {:.3}", share("globex"));
+        // Every second alone: the batch band within 3 points of its share.
+        for s in 1..12 {
+            let b = run.shares(s * SECOND, (s + 1) * SECOND).get("initech").copied().unwrap_or(0.0);
+            assert!((b - batch).abs() <= 0.03, "second {s}: batch got {b:.3}");
+        }
+        // Never beyond the account, and the fleet used it.
+        for window in [SECOND / 10, SECOND, 5 * SECOND] {
+            let cap = RATE * window / SECOND + BURST;
+            assert!(run.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", run.busiest(window));
+        }
+        let used = run.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
+        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
+    });
+}
+
+#[test]
+fn bands_told_to_no_fleet_follow_the_routing() {
+    // The reference point: the same fleet whose handles do not know the bands. Each
+    // replica orders only its own queue, and the replica that serves mostly the batch
+    // job gives it most of its part of the account: far more than its minimum share.
+    let Some(server) = redis_for("bands_told_to_no_fleet_follow_the_routing") else { return };
+    runtime().block_on(async {
+        let run = banded_run(&server.url(), &namespace("fleet-bands-local"), false).await;
+        let shares = run.shares(SECOND, 12 * SECOND);
+        println!("bands per replica: {shares:?}");
+        let batch = shares.get("initech").copied().unwrap_or(0.0);
+        assert!(batch > 0.15, "batch got {batch:.3} with per-replica bands");
     });
 }
 

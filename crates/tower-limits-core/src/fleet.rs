@@ -7,9 +7,10 @@
 //! through which a replica's fair queue and a shared store (the Redis upstream accounts,
 //! `tower_limits_redis::RedisAccounts`) make the shares hold for the fleet:
 //!
-//! 1. the fair queue [publishes](FleetShares::publish) its backlog (per tenant: its
-//!    weight and the requests it has waiting) before every acquisition, and counts the
-//!    requests it admitted until they end ([`admitted`](FleetShares::admitted),
+//! 1. the fair queue [publishes](FleetShares::publish) its backlog (per tenant and band:
+//!    the tenant's weight and the requests it has waiting) and the band of the request
+//!    it is about to acquire before every acquisition, and counts the requests it
+//!    admitted until they end ([`admitted`](FleetShares::admitted),
 //!    [`finished`](FleetShares::finished));
 //! 2. the store sends that [demand](FleetShares::demand) with the acquisition; the store,
 //!    which sees every replica's demand, answers with this replica's
@@ -29,18 +30,25 @@
 //! is whole and a fair queue weighs its tenants exactly as configured: per-replica
 //! fairness.
 //!
+//! **Priority bands.** A fair queue with bands tells the handle their minimum shares
+//! ([`set_bands`](FleetShares::set_bands)) and, with each backlog, the band of the
+//! request it acquires. The store then orders the bands for the fleet as the queue does
+//! for itself: the first band with a replica waiting goes first, unless a later band
+//! waiting fleet-wide is owed its minimum share of what the fleet dispatched; inside a
+//! band, replicas are weighed by their tenants waiting in that band only.
+//!
 //! ```
 //! use tower_limits_core::TenantKey;
-//! use tower_limits_core::fleet::{FULL_SHARE, FleetShares};
+//! use tower_limits_core::fleet::{FULL_SHARE, FleetShares, Waiting};
 //!
 //! let fleet = FleetShares::new();
 //! let acme = TenantKey::single("acme").unwrap();
 //! // Before the store answers: the configured weight, in share units.
 //! assert_eq!(fleet.local_weight(&acme, 3), 3 * FULL_SHARE);
-//! fleet.publish(vec![(acme.clone(), 3, 4)]);
+//! fleet.publish([Waiting::new(acme.clone(), 3, 4)], 0);
 //! fleet.admitted(&acme, 3);
 //! let demand = fleet.demand();
-//! assert_eq!((demand[0].waiting, demand[0].outstanding), (4, 5));
+//! assert_eq!((demand[0].waiting, demand[0].outstanding, demand[0].bands), (4, 5, 0b1));
 //! fleet.finished(&acme);
 //! // The store says this replica holds a quarter of acme's demand.
 //! fleet.set_shares([(acme.clone(), FULL_SHARE / 4)]);
@@ -76,12 +84,59 @@ pub struct TenantDemand {
     pub waiting: u64,
     /// Requests waiting or admitted and not yet finished.
     pub outstanding: u64,
+    /// The bands it has requests waiting in: bit `b` for band `b` (none when it only has
+    /// requests in flight).
+    pub bands: u64,
+}
+
+/// Requests of one tenant waiting in one band of a replica's fair queue, as the queue
+/// [publishes](FleetShares::publish) them.
+///
+/// ```
+/// use tower_limits_core::TenantKey;
+/// use tower_limits_core::fleet::Waiting;
+///
+/// let batch = Waiting::new(TenantKey::single("initech").unwrap(), 1, 5).in_band(1);
+/// assert_eq!((batch.weight, batch.requests, batch.band), (1, 5, 1));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    /// The tenant.
+    pub key: TenantKey,
+    /// Its configured weight.
+    pub weight: u32,
+    /// Its requests waiting in the band.
+    pub requests: u64,
+    /// The band (0, the first, unless [`in_band`](Self::in_band) says otherwise).
+    pub band: usize,
+}
+
+impl Waiting {
+    /// `requests` of `key` (configured `weight`) waiting in the first band.
+    #[must_use]
+    pub fn new(key: TenantKey, weight: u32, requests: u64) -> Self {
+        Waiting { key, weight, requests, band: 0 }
+    }
+
+    /// The same requests, waiting in `band`.
+    #[must_use]
+    pub fn in_band(mut self, band: usize) -> Self {
+        self.band = band;
+        self
+    }
 }
 
 #[derive(Default)]
 struct State {
-    /// Per backlogged tenant: its configured weight and its waiting requests.
-    backlog: Vec<(TenantKey, u32, u64)>,
+    /// Per backlogged tenant: its configured weight, its waiting requests and the bands
+    /// they wait in (a bit each).
+    backlog: Vec<(TenantKey, u32, u64, u64)>,
+    /// The band of the request being acquired.
+    band: usize,
+    /// The fair queue's bands' minimum shares, in percent (empty: one band).
+    min_shares: Vec<u32>,
+    /// The band the store asks this replica to dispatch from next.
+    next_band: Option<usize>,
     /// Per tenant: its configured weight and its requests admitted and not finished.
     in_flight: HashMap<TenantKey, (u32, u64)>,
     /// This replica's share of each tenant's fleet demand, in 1/[`FULL_SHARE`]s.
@@ -95,6 +150,9 @@ impl fmt::Debug for FleetShares {
             .field("backlog", &state.backlog)
             .field("in_flight", &state.in_flight)
             .field("shares", &state.shares)
+            .field("band", &state.band)
+            .field("min_shares", &state.min_shares)
+            .field("next_band", &state.next_band)
             .finish()
     }
 }
@@ -110,10 +168,62 @@ impl FleetShares {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The fair queue's side: its backlog now, per tenant (configured weight, waiting
-    /// requests), replacing the last one.
-    pub fn publish(&self, backlog: Vec<(TenantKey, u32, u64)>) {
-        self.lock().backlog = backlog;
+    /// The fair queue's side: its backlog now, per tenant and band, and the band of the
+    /// request it is about to acquire, replacing the last ones. A tenant waiting in
+    /// several bands may be listed once per band.
+    pub fn publish(&self, backlog: impl IntoIterator<Item = Waiting>, band: usize) {
+        let mut merged: Vec<(TenantKey, u32, u64, u64)> = Vec::new();
+        for w in backlog {
+            let bit = band_bit(w.band);
+            match merged.iter_mut().find(|e| e.0 == w.key) {
+                Some(e) => {
+                    e.2 += w.requests;
+                    e.3 |= bit;
+                }
+                None => merged.push((w.key, w.weight, w.requests, bit)),
+            }
+        }
+        let mut state = self.lock();
+        state.backlog = merged;
+        state.band = band;
+    }
+
+    /// The fair queue's side, once: its bands' minimum shares in percent, in band order
+    /// (a queue with one band need not say).
+    pub fn set_bands(&self, min_shares: impl IntoIterator<Item = u32>) {
+        self.lock().min_shares = min_shares.into_iter().collect();
+    }
+
+    /// The store's side: the bands' minimum shares in percent (empty: one band).
+    ///
+    /// ```
+    /// use tower_limits_core::fleet::FleetShares;
+    ///
+    /// let fleet = FleetShares::new();
+    /// assert!(fleet.min_shares().is_empty());
+    /// fleet.set_bands([0, 10]);
+    /// assert_eq!(fleet.min_shares(), [0, 10]);
+    /// ```
+    #[must_use]
+    pub fn min_shares(&self) -> Vec<u32> {
+        self.lock().min_shares.clone()
+    }
+
+    /// The store's side: the band of the request being acquired, as last published.
+    ///
+    /// ```
+    /// use tower_limits_core::TenantKey;
+    /// use tower_limits_core::fleet::{FleetShares, Waiting};
+    ///
+    /// let fleet = FleetShares::new();
+    /// let batch = TenantKey::single("initech").unwrap();
+    /// fleet.publish([Waiting::new(batch, 1, 2).in_band(1)], 1);
+    /// assert_eq!(fleet.band(), 1);
+    /// assert_eq!(fleet.demand()[0].bands, 0b10);
+    /// ```
+    #[must_use]
+    pub fn band(&self) -> usize {
+        self.lock().band
     }
 
     /// The fair queue's side: a request of `key` (configured `weight`) was admitted.
@@ -142,16 +252,17 @@ impl FleetShares {
         let mut out: Vec<TenantDemand> = state
             .backlog
             .iter()
-            .map(|(key, weight, waiting)| TenantDemand {
+            .map(|(key, weight, waiting, bands)| TenantDemand {
                 key: key.clone(),
                 weight: *weight,
                 waiting: *waiting,
                 outstanding: waiting + state.in_flight.get(key).map_or(0, |e| e.1),
+                bands: *bands,
             })
             .collect();
         for (key, (weight, n)) in &state.in_flight {
-            if !state.backlog.iter().any(|(k, _, _)| k == key) {
-                out.push(TenantDemand { key: key.clone(), weight: *weight, waiting: 0, outstanding: *n });
+            if !state.backlog.iter().any(|(k, ..)| k == key) {
+                out.push(TenantDemand { key: key.clone(), weight: *weight, waiting: 0, outstanding: *n, bands: 0 });
             }
         }
         out
@@ -164,9 +275,39 @@ impl FleetShares {
         self.lock().shares = shares.into_iter().map(|(k, s)| (k, s.clamp(1, FULL_SHARE))).collect();
     }
 
-    /// Every share whole again: per-replica fairness (the store cannot answer).
+    /// Every share whole again and no band asked for: per-replica fairness (the store
+    /// cannot answer).
     pub fn clear_shares(&self) {
-        self.lock().shares.clear();
+        let mut state = self.lock();
+        state.shares.clear();
+        state.next_band = None;
+    }
+
+    /// The store's side: the band this replica should dispatch from next (`None`: its
+    /// queue's own order). A fleet orders its bands as one queue would: a band owed its
+    /// minimum share is dispatched by one replica at a time, the one the store chose,
+    /// and every other replica dispatches from the first band with work, never holding a
+    /// request of a band whose turn has not come.
+    pub fn set_next_band(&self, band: Option<usize>) {
+        self.lock().next_band = band;
+    }
+
+    /// The fair queue's side: the band to dispatch from next, if the store named one
+    /// (the queue's own order when that band has nothing queued).
+    ///
+    /// ```
+    /// use tower_limits_core::fleet::FleetShares;
+    ///
+    /// let fleet = FleetShares::new();
+    /// assert_eq!(fleet.next_band(), None);
+    /// fleet.set_next_band(Some(1));
+    /// assert_eq!(fleet.next_band(), Some(1));
+    /// fleet.clear_shares();
+    /// assert_eq!(fleet.next_band(), None);
+    /// ```
+    #[must_use]
+    pub fn next_band(&self) -> Option<usize> {
+        self.lock().next_band
     }
 
     /// This replica's share of `key`'s fleet demand, in 1/[`FULL_SHARE`]s.
@@ -181,4 +322,10 @@ impl FleetShares {
     pub fn local_weight(&self, key: &TenantKey, weight: u32) -> u32 {
         weight.max(1).saturating_mul(self.share(key))
     }
+}
+
+/// Band `band`'s bit in [`TenantDemand::bands`] (bands past the 64th share the last bit;
+/// a fair queue has at most 64).
+fn band_bit(band: usize) -> u64 {
+    1 << band.min(63)
 }

@@ -52,6 +52,28 @@
 //! that fails clears the shares (per-replica fairness until Redis answers). The bounds
 //! are in the guide.
 //!
+//! **Priority bands.** When the fair queue has bands, each acquisition also carries the
+//! request's band and the bands' minimum shares, and each tenant's report the bands it
+//! waits in. Each band is then the scheme above on its own (its virtual time, the
+//! replicas' finish tags in it, their weights over their tenants waiting in it), and the
+//! script orders the bands as a fair queue does, for the fleet:
+//!
+//! - a band with work anywhere in the fleet (a request at a gate or in a replica's
+//!   queue) and a minimum share `m` keeps a deficit in the hash: `m`% of every cost
+//!   granted while it has work, less what it was granted; it is dropped when the band
+//!   has no work left, so nothing is banked;
+//! - among the bands with a request at a gate, the one owed most (a deficit above
+//!   zero) goes, else the first; a caller of another band is refused for 2 ms;
+//! - the reply names the band the replica dispatches from next: the band owed most, to
+//!   the one replica with work in it whose finish tag there is lowest, and to every
+//!   other replica its first band with work. So a replica never holds a request of a
+//!   band whose turn has not come at its gate, where it would block the requests queued
+//!   behind it, and an owed band's request reaches a gate within one acquisition.
+//!
+//! A band with work fleet-wide thus keeps its minimum share within about one request,
+//! whichever replicas its requests land on, and no more while earlier bands have work
+//! (law 33).
+//!
 //! # Leases
 //!
 //! Built with [`RedisAccountsBuilder::leases`], the store asks Redis once per refresh
@@ -357,7 +379,10 @@ impl Inner {
         match (&self.fleet, tenant) {
             (Some(fleet), Some(tenant)) => {
                 reported = fleet.demand();
+                let min_shares = fleet.min_shares();
                 args.extend(["f".to_owned(), cost.to_string(), self.id.clone(), tenant.to_string()]);
+                args.extend([fleet.band().to_string(), min_shares.len().to_string()]);
+                args.extend(min_shares.iter().map(u32::to_string));
                 demand_args(&reported, &mut args);
             }
             _ => args.extend(["a".to_owned(), cost.to_string(), self.id.clone()]),
@@ -376,10 +401,14 @@ impl Inner {
         let ints: Option<Vec<i64>> =
             items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect();
         let members = self.members.len();
-        let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len()) else {
+        let fair = usize::from(args.first().is_some_and(|a| a == "f"));
+        let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len() + fair) else {
             return Err(self.unavailable("unexpected reply"));
         };
-        self.heard(&ints[3..], reported, now);
+        if let (Some(fleet), 1) = (&self.fleet, fair) {
+            fleet.set_next_band(ints.last().and_then(|&b| usize::try_from(b).ok()));
+        }
+        self.heard(&ints[3..3 + members + reported.len()], reported, now);
         match usize::try_from(ints[0]) {
             Ok(best) if best >= 1 => Ok(SharedGrant { index: best - 1, charged: cost }),
             _ => Err(self.refusal(Duration::from_nanos(ints[2].max(0) as u64))),
@@ -440,11 +469,16 @@ impl Inner {
 }
 
 /// The fleet demand a call reports: the count, then per tenant its key, weight, requests
-/// waiting, and requests waiting or in flight.
+/// waiting, requests waiting or in flight, and the bands it waits in (`,0,2,`).
 fn demand_args(reported: &[tower_limits_core::fleet::TenantDemand], args: &mut Vec<String>) {
+    use std::fmt::Write as _;
     args.push(reported.len().to_string());
     for d in reported {
-        args.extend([d.key.to_string(), d.weight.to_string(), d.waiting.to_string(), d.outstanding.to_string()]);
+        let mut bands = String::from(",");
+        for b in (0..64).filter(|b| d.bands & (1 << b) != 0) {
+            let _ = write!(bands, "{b},");
+        }
+        args.extend([d.key.to_string(), d.weight.to_string(), d.waiting.to_string(), d.outstanding.to_string(), bands]);
     }
 }
 

@@ -271,14 +271,6 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     if options.quota_changes && options.redis.is_some() {
         return Err("--quota-changes runs in memory: the accounts' limits are learned there".into());
     }
-    if options.redis.is_some() && config.tenants.iter().any(|t| t.band > 0) {
-        // The fleet shares the accounts by the tenants' weights; bands order each
-        // replica's own queue, so a fleet's shares have no band-aware target.
-        println!("bands are per replica, the fleet's shares by weight: every tenant runs in the first band");
-        for t in &mut config.tenants {
-            t.band = 0;
-        }
-    }
     let (upstream_addr, upstream_stats) = start_upstream(&mut config).await?;
     let fleet = start_gateways(&config, options.redis.as_ref()).await?;
     let (tenants, client_tenant) = demo_tenants(&config)?;

@@ -441,6 +441,33 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// waiting band's minimum share. `None` only when nothing is queued.
     pub fn pop_next(&mut self) -> Option<Dispatched<K, T>> {
         let band = self.next_band()?;
+        self.pop_from(band)
+    }
+
+    /// As [`pop_next`](Self::pop_next), from `band` when it has requests queued (the
+    /// band's head, charged and counted as `pop_next` would), and as `pop_next` when it
+    /// has none: for a fleet whose shared store orders the bands
+    /// ([`FleetShares::next_band`](crate::FleetShares::next_band)).
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let mut queue = FairQueue::new(FairQueueConfig::new().band("interactive", 0).band("batch", 10))?;
+    /// queue.enqueue_in(0, "chat", 1, 1, ()).unwrap();
+    /// queue.enqueue_in(1, "nightly", 1, 1, ()).unwrap();
+    /// assert_eq!(queue.pop_next_in(1).unwrap().key, "nightly");
+    /// assert_eq!(queue.pop_next_in(1).unwrap().key, "chat", "nothing left in band 1");
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    pub fn pop_next_in(&mut self, band: usize) -> Option<Dispatched<K, T>> {
+        match self.lanes.get(band) {
+            Some(lane) if !lane.is_empty() => self.pop_from(band),
+            _ => self.pop_next(),
+        }
+    }
+
+    /// Dispatches the head of `band`, which has requests queued.
+    fn pop_from(&mut self, band: usize) -> Option<Dispatched<K, T>> {
         let mut out = self.lanes[band].pop_next()?;
         out.ticket.band = band as u8;
         self.queued -= 1;
@@ -533,6 +560,21 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     /// ```
     pub fn backlog(&self) -> impl Iterator<Item = (&K, u64, u64)> + '_ {
         self.lanes.iter().flat_map(Lane::backlog)
+    }
+
+    /// As [`backlog`](Self::backlog), for one band (nothing beyond the last).
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let config = FairQueueConfig::new().band("interactive", 0).band("batch", 10);
+    /// let mut queue = FairQueue::new(config).unwrap();
+    /// queue.enqueue_in(1, "a", 5, ()).unwrap();
+    /// assert_eq!(queue.band_backlog(0).count(), 0);
+    /// assert_eq!(queue.band_backlog(1).collect::<Vec<_>>(), [(&"a", 1, 5)]);
+    /// ```
+    pub fn band_backlog(&self, band: usize) -> impl Iterator<Item = (&K, u64, u64)> + '_ {
+        self.lanes.get(band).into_iter().flat_map(Lane::backlog)
     }
 
     /// Counters of the whole queue, every band together.

@@ -127,48 +127,107 @@ if ARGV[1] == 'a' then
   return reply
 end
 -- 'f': an acquisition of the fleet's fair share. ARGV: cost, replica id, the request's
--- tenant, n, then n quadruples (tenant, weight, requests waiting on this replica,
--- requests waiting or in flight on it). The hash FLEET
--- holds V (the fleet's virtual time, cost per weight), and per replica id: 'f:' its
--- finish tag and when it was last served, 'w:' the start tag it waits with and until
--- when the wait holds, 'd:' when it last reported and its demand per tenant (JSON).
+-- tenant, its band, the number of bands and their minimum shares (percent), n, then n
+-- quintuples (tenant, weight, requests waiting on this replica, requests waiting or in
+-- flight on it, the bands it waits in: ",0,2,"). The hash FLEET holds per band b 'V:b'
+-- (the band's virtual time, cost per weight) and 'b:b' (its deficit while it waits, for
+-- a band with a minimum share), and per replica id: 'f:b:id' its finish tag in band b
+-- and when it was last served, 'w:id' the start tag it waits with, until when the wait
+-- holds and its band, 'd:id' when it last reported, the bands it has work in and its
+-- demand per tenant (JSON). The reply ends with the band this replica should dispatch
+-- from next (-1: its own order).
 if ARGV[1] == 'f' then
-  local cost, rid, tenant, n = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
-  local names, weights, waiting, mine = {}, {}, {}, {}
+  local cost, rid, tenant, band, nb = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  local mins = {}
+  for b = 0, nb - 1 do mins[b] = tonumber(ARGV[7 + b]) end
+  local n = tonumber(ARGV[7 + nb])
+  local names, weights, waiting, inband, mine = {}, {}, {}, {}, {}
+  local tag, mybands = ',' .. band .. ',', ','
+  -- the bands with work fleet-wide and here, and those with a request at a gate
+  local waits, here, gates = {}, {}, {}
+  waits[band], here[band], gates[band] = true, true, true
   for k = 1, n do
-    local j = 5 + 4 * (k - 1)
+    local j = 7 + nb + 5 * (k - 1)
     names[k], weights[k], waiting[k] = ARGV[j + 1], tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
     mine[names[k]] = tonumber(ARGV[j + 4])
+    inband[k] = 0
+    if string.find(ARGV[j + 5], tag, 1, true) then inband[k] = waiting[k] end
+    for b in string.gmatch(ARGV[j + 5], '%d+') do
+      b = tonumber(b)
+      waits[b], here[b] = true, true
+    end
   end
-  local V, myF, others, total = 0, nil, {}, {}
+  for b = 0, nb - 1 do
+    if here[b] then mybands = mybands .. b .. ',' end
+  end
+  local V, myF, others, total, D, tags, worked = 0, nil, {}, {}, {}, {}, {}
+  local fband = 'f:' .. band .. ':' .. rid
   local all = call('HGETALL', FLEET)
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
-    if f == 'V' then
-      V = tonumber(v)
+    local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
+    if kind == 'V' then
+      tags['V' .. id] = tonumber(v)
+      if tonumber(id) == band then V = tonumber(v) end
+    elseif kind == 'b' then
+      D[tonumber(id)] = tonumber(v)
+    elseif kind == 'd' then
+      local at, bands, json = string.match(v, '^(%S+) (%S+) (.*)$')
+      if not json or tonumber(at) + LIVE < NOW then call('HDEL', FLEET, f)
+      elseif id ~= rid then
+        for name, d in pairs(cjson.decode(json)) do total[name] = (total[name] or 0) + d end
+        for b in string.gmatch(bands, '%d+') do
+          b = tonumber(b)
+          waits[b] = true
+          worked[b] = worked[b] or {}
+          table.insert(worked[b], id)
+        end
+      end
     else
-      local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
-      local a, b = string.match(v, '^(%S+) (.*)$')
+      local a, b, c = string.match(v, '^(%S+) (%S+) ?(%S*)$')
       if kind == 'f' then
         if tonumber(b) + IDLE < NOW then call('HDEL', FLEET, f)
-        elseif id == rid then myF = tonumber(a) end
+        else
+          tags[id] = tonumber(a)
+          if f == fband then myF = tonumber(a) end
+        end
       elseif kind == 'w' then
         if tonumber(b) <= NOW then call('HDEL', FLEET, f)
-        elseif id ~= rid then others[#others + 1] = {tonumber(a), id} end
-      elseif kind == 'd' and id ~= rid then
-        if tonumber(a) + LIVE < NOW then call('HDEL', FLEET, f)
-        else
-          for name, d in pairs(cjson.decode(b)) do total[name] = (total[name] or 0) + d end
+        elseif id ~= rid then
+          local ob = tonumber(c) or 0
+          waits[ob], gates[ob] = true, true
+          if ob == band then others[#others + 1] = {tonumber(a), id} end
         end
       end
     end
   end
-  -- its weight among replicas over the tenants it has waiting
-  local W, shares = parts(n, names, weights, mine, total, waiting)
+  -- the band that goes, among those with a request at a gate: the one owed most (a
+  -- deficit above zero, the first on a tie), else the first; a band with no work
+  -- anywhere owes and is owed nothing
+  local go, owed = nil, 0
+  for b = 0, nb - 1 do
+    if gates[b] then
+      if go == nil then go = b end
+      if (mins[b] or 0) > 0 and (D[b] or 0) > owed then owed = D[b] end
+    end
+    if not waits[b] and D[b] then
+      call('HDEL', FLEET, 'b:' .. b)
+      D[b] = nil
+    end
+  end
+  if owed > 0 then
+    for b = 0, nb - 1 do
+      if gates[b] and (mins[b] or 0) > 0 and D[b] == owed then go = b break end
+    end
+  end
+  if go == nil then go = band end
+  -- its weight among replicas over its tenants waiting in the band
+  local W, shares = parts(n, names, weights, mine, total, inband)
   local S = V
   if myF and myF > S then S = myF end
-  -- start-time fair queuing among the replicas: the lowest start tag waiting goes first
-  local blocked = false
+  -- start-time fair queuing among the replicas waiting in the band: the lowest start
+  -- tag goes first
+  local blocked = go ~= band
   for _, o in ipairs(others) do
     local t = o[1]
     if t < V then t = V end
@@ -179,38 +238,74 @@ if ARGV[1] == 'f' then
   local granted = best ~= 0 and not blocked
   if granted then
     charge(best, ds, cost)
-    if S > V then call('HSET', FLEET, 'V', fmt('%.17g', S)) end
-    call('HSET', FLEET, 'f:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW))
+    if S > V then call('HSET', FLEET, 'V:' .. band, fmt('%.17g', S)) end
+    call('HSET', FLEET, fband, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW))
+    tags[band .. ':' .. rid] = S + cost / W
+    -- every band waiting with a minimum share is owed it of this cost, less what it got
+    for b = 0, nb - 1 do
+      if waits[b] and (mins[b] or 0) > 0 then
+        local d = (D[b] or 0) + cost * mins[b] / 100
+        if b == band then d = d - cost end
+        D[b] = d
+        call('HSET', FLEET, 'b:' .. b, fmt('%.17g', d))
+      end
+    end
     -- still backlogged: it keeps its place (its next start tag) while its next request
     -- comes, for GRACE at most, so that the replica served most is not skipped between
     -- its calls
     local more = -1
     for k = 1, n do more = more + waiting[k] end
     if more > 0 then
-      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE))
+      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE) .. ' ' .. band)
     else
       call('HDEL', FLEET, 'w:' .. rid)
     end
     reply[1] = best
     reply[3] = floor(bestf * 1000000)
   else
-    -- room, but another replica's turn: look again shortly
+    -- room, but another replica's (or band's) turn: look again shortly
     if best ~= 0 or wait < BLOCKED then wait = BLOCKED end
     reply[3] = wait
-    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE))
+    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE) .. ' ' .. band)
   end
   local report = {}
   for k = 1, n do
     if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
     reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5)
   end
-  call('HSET', FLEET, 'd:' .. rid, fmt('%.0f', NOW) .. ' ' .. cjson.encode(report))
+  call('HSET', FLEET, 'd:' .. rid, fmt('%.0f', NOW) .. ' ' .. mybands .. ' ' .. cjson.encode(report))
   call('PEXPIRE', FLEET, 60000 + SLACK)
+  -- the band to dispatch from next: a band owed its share is dispatched by the replica
+  -- with work in it whose finish tag there is lowest (one at a time, so that no other
+  -- replica holds a request of it waiting); otherwise the first band with work here
+  local next = -1
+  if nb > 1 then
+    local owedb = nil
+    for b = 0, nb - 1 do
+      if waits[b] and (mins[b] or 0) > 0 and (D[b] or 0) > 0 and (owedb == nil or D[b] > D[owedb]) then owedb = b end
+    end
+    if owedb and here[owedb] then
+      local vb = tags['V' .. owedb] or 0
+      local mine_t = math.max(tags[owedb .. ':' .. rid] or vb, vb)
+      local chosen = true
+      for _, id in ipairs(worked[owedb] or {}) do
+        local t = math.max(tags[owedb .. ':' .. id] or vb, vb)
+        if t < mine_t or (t == mine_t and id < rid) then chosen = false break end
+      end
+      if chosen then next = owedb end
+    end
+    if next < 0 then
+      for b = 0, nb - 1 do
+        if here[b] and (b ~= owedb or not owedb) then next = b break end
+      end
+    end
+  end
+  reply[3 + #M + n + 1] = next
   return reply
 end
 -- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the rate fraction and the
 -- burst fraction it may still be using, the most rate it could use (its cap; fractions
--- in millionths), then n and n quadruples as for 'f'. The hash LEASES keeps per replica
+-- in millionths), then n and n quintuples as for 'f'. The hash LEASES keeps per replica
 -- 'r:<id>' = "rate granted, rate reported, burst granted, burst reported, expires, cap,
 -- weight" and 'd:<id>' = its demand per tenant (JSON). The reply: the rate and burst
 -- granted, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
@@ -218,7 +313,7 @@ if ARGV[1] == 'l' then
   local rid, ug, uh, cap, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   local names, weights, mine = {}, {}, {}
   for k = 1, n do
-    local j = 6 + 4 * (k - 1)
+    local j = 6 + 5 * (k - 1)
     names[k], weights[k] = ARGV[j + 1], tonumber(ARGV[j + 2])
     mine[names[k]] = tonumber(ARGV[j + 4])
   end

@@ -267,8 +267,10 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     /// with its weight scaled by this replica's share of the tenant's fleet demand, as
     /// the store last answered. Tenants then get capacity in proportion to their weights
     /// across the fleet, whichever replica their requests land on (see
-    /// [`tower_limits_core::fleet`]). Without it, or while the store does not answer,
-    /// the weights are the configured ones.
+    /// [`tower_limits_core::fleet`]). With priority bands, the layer tells `fleet` their
+    /// minimum shares and each request's band, and the store orders the bands for the
+    /// fleet. Without it, or while the store does not answer, the weights are the
+    /// configured ones and the bands order this replica's queue alone.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -286,7 +288,12 @@ impl<E, R, B: Backend> FairQueueLayer<E, R, B> {
     /// # Ok::<(), tower_limits::PolicyError>(())
     /// ```
     pub fn fleet(self, fleet: Arc<FleetShares>) -> Self {
-        self.with_fixed(|f| f.fleet = Some(fleet))
+        self.with_fixed(|f| {
+            if f.config.bands.len() > 1 {
+                fleet.set_bands(f.config.bands.iter().map(|b| b.min_share_percent));
+            }
+            f.fleet = Some(fleet);
+        })
     }
 
     /// The `layer` label of this layer's metrics (feature `metrics`; `default` when not

@@ -26,6 +26,8 @@ const MIN_RETRY: Duration = Duration::from_millis(1);
 pub(super) struct Gate<B: Backend> {
     pub(super) id: u64,
     pub(super) key: TenantKey,
+    /// The band it waited in.
+    pub(super) band: usize,
     pub(super) cost: u64,
     pub(super) since: Instant,
     pub(super) deadline: Option<Instant>,

@@ -47,6 +47,7 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 use tower_limits_core::fair_queue::{FairQueue, QueueFull, QueueKind, Ticket};
+use tower_limits_core::fleet::Waiting;
 use tower_limits_core::{Backend, Clock, Instant, PolicyError, TenantKey};
 
 use crate::clock::LayerClock;
@@ -252,7 +253,7 @@ impl<B: Backend> State<B> {
             };
         }
         // Nothing queued and capacity free: skip the queue.
-        self.publish_backlog(fx, Some(key));
+        self.publish_backlog(fx, Some((key, band.unwrap_or_else(|| self.queue.default_band()))));
         let mut acquire = fx.backend.acquire(key, cost, t);
         match poll_once(&mut acquire) {
             Poll::Ready(Ok(grant)) => {
@@ -276,6 +277,7 @@ impl<B: Backend> State<B> {
                     self.in_flight += 1;
                     let gate = Gate {
                         id: next.ticket.arrival(),
+                        band: next.ticket.band(),
                         key: next.key,
                         cost: next.cost,
                         since: next.item.since,
@@ -316,34 +318,16 @@ impl<B: Backend> State<B> {
     }
 
     /// Tells the fleet (if the layer serves one) what this replica has waiting, in
-    /// requests: the queue's backlog and `extra`, the request about to be acquired.
-    pub(super) fn publish_backlog(&self, fx: &Fixed<B>, extra: Option<&TenantKey>) {
+    /// requests per tenant and band: the queue's backlog and `extra`, the request about
+    /// to be acquired (its tenant and band), whose band the fleet orders.
+    pub(super) fn publish_backlog(&self, fx: &Fixed<B>, extra: Option<(&TenantKey, usize)>) {
         let Some(fleet) = &fx.fleet else { return };
-        let mut backlog: Vec<(TenantKey, u32, u64)> =
-            self.queue.backlog().map(|(k, n, _)| (k.clone(), self.queue.weight(k), n)).collect();
-        if self.queue.bands() > 1 {
-            // A tenant waiting in two bands is listed once per band: the fleet wants one
-            // entry per tenant (its requests in flight count once).
-            let mut at: HashMap<TenantKey, usize> = HashMap::with_capacity(backlog.len());
-            let mut merged: Vec<(TenantKey, u32, u64)> = Vec::with_capacity(backlog.len());
-            for (key, weight, waiting) in backlog {
-                match at.get(&key) {
-                    Some(&i) => merged[i].2 += waiting,
-                    None => {
-                        at.insert(key.clone(), merged.len());
-                        merged.push((key, weight, waiting));
-                    }
-                }
-            }
-            backlog = merged;
-        }
-        if let Some(key) = extra {
-            match backlog.iter_mut().find(|(k, _, _)| k == key) {
-                Some(entry) => entry.2 += 1,
-                None => backlog.push((key.clone(), self.queue.weight(key), 1)),
-            }
-        }
-        fleet.publish(backlog);
+        let queue = &self.queue;
+        let waiting = (0..queue.bands()).flat_map(|band| {
+            queue.band_backlog(band).map(move |(k, n, _)| Waiting::new(k.clone(), queue.weight(k), n).in_band(band))
+        });
+        let gate = extra.map(|(key, band)| Waiting::new(key.clone(), queue.weight(key), 1).in_band(band));
+        fleet.publish(waiting.chain(gate), extra.map_or(0, |(_, band)| band));
     }
 
     /// A full queue's refusal, with a `Retry-After` estimate for the tenant's own queue.

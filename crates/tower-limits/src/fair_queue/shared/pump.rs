@@ -28,10 +28,17 @@ impl<B: Backend> State<B> {
     /// Dispatches in fair order while capacity is free.
     pub(super) fn pump(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers) {
         while self.gate.is_none() && self.in_flight < fx.slots {
-            let Some(next) = self.queue.pop_next() else { break };
+            let asked = fx.fleet.as_ref().and_then(|f| f.next_band());
+            let Some(next) = (match asked {
+                Some(band) => self.queue.pop_next_in(band),
+                None => self.queue.pop_next(),
+            }) else {
+                break;
+            };
             self.in_flight += 1;
             let gate = Gate {
                 id: next.ticket.arrival(),
+                band: next.ticket.band(),
                 key: next.key,
                 cost: next.cost,
                 since: next.item.since,
@@ -52,7 +59,7 @@ impl<B: Backend> State<B> {
             self.refuse(gate.id, queue_timeout(), gate.waker, wake);
             return;
         }
-        self.publish_backlog(fx, Some(&gate.key));
+        self.publish_backlog(fx, Some((&gate.key, gate.band)));
         let mut acquire = fx.backend.acquire(&gate.key, gate.cost, now_at);
         match poll_once(&mut acquire) {
             Poll::Ready(result) => self.resolve(gate, result, now, wake),
