@@ -143,11 +143,13 @@ mod batches;
 mod builder;
 pub mod lease;
 mod renewal;
+mod replace;
 
 pub use builder::RedisAccountsBuilder;
 
 pub use lease::AccountLeases;
 use lease::{Decision, Leases};
+pub use replace::RecentUse;
 
 /// How long a replica's reported demand counts after its last acquisition, us.
 const DEMAND_LIVES_US: u64 = 250_000;
@@ -194,14 +196,19 @@ struct Inner {
     reached: AtomicBool,
     /// With [`RedisAccountsBuilder::leases`]: this replica's lease of the pool.
     leases: Option<Leases>,
+    /// With [`RedisAccountsBuilder::replaceable_limits`].
+    replaceable: bool,
 }
 
 struct MemberInfo {
     name: String,
     /// The largest cost each cost-counting limit can ever grant (the smallest of them).
-    max_cost: u64,
+    max_cost: AtomicU64,
     /// The name of the member's first limit, for refusals.
     limit: &'static str,
+    /// Per limit, in order: its name, whether it counts cost, and its interval (ns) as
+    /// this replica last set it.
+    shape: Mutex<Vec<(String, bool, u64)>>,
 }
 
 #[derive(Default)]
@@ -246,6 +253,17 @@ enum Op {
         requests: i64,
         tokens: i64,
     },
+    /// New limits for a member's limit at `limit` (its place): interval and tolerance
+    /// (ns), whether they lower it (else they raise it), and the units this replica
+    /// admitted over the last `span_us` when its rate was lowered.
+    Replace {
+        member: usize,
+        limit: usize,
+        interval: u64,
+        tolerance: u64,
+        lowered: bool,
+        recent: Option<(u64, u64)>,
+    },
     /// Answered once everything queued before it was sent and answered (or given up).
     Flush(oneshot::Sender<()>),
 }
@@ -276,6 +294,7 @@ impl RedisAccounts {
             fleet: None,
             manual_clock: false,
             leases: None,
+            replaceable: false,
         }
     }
 
@@ -489,8 +508,8 @@ fn signed(n: u64) -> i64 {
 impl RedisAccounts {
     fn acquire_inner(&self, tenant: Option<&TenantKey>, cost: u64, now: Instant) -> SharedAcquire {
         let inner = &self.inner;
-        if inner.members.iter().all(|m| cost > m.max_cost) {
-            let capacity = inner.members.iter().map(|m| m.max_cost).max().unwrap_or(0);
+        if inner.members.iter().all(|m| cost > m.max_cost.load(Ordering::Relaxed)) {
+            let capacity = inner.members.iter().map(|m| m.max_cost.load(Ordering::Relaxed)).max().unwrap_or(0);
             let limit = inner.members.first().map_or("account", |m| m.limit);
             let e = AcquireError::CostAboveCapacity(CostAboveCapacity::new(limit, None, cost, capacity));
             return Box::pin(std::future::ready(Err(e)));

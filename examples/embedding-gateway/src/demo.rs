@@ -268,9 +268,6 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     if config.demo.clients.is_empty() {
         return Err("the configuration has no [[demo.client]]".into());
     }
-    if options.quota_changes && options.redis.is_some() {
-        return Err("--quota-changes runs in memory: the accounts' limits are learned there".into());
-    }
     let (upstream_addr, upstream_stats) = start_upstream(&mut config).await?;
     let fleet = start_gateways(&config, options.redis.as_ref()).await?;
     let (tenants, client_tenant) = demo_tenants(&config)?;

@@ -409,7 +409,10 @@ impl Gateway {
             .usage_from_body(OpenAiStreamUsage::default());
         let clock = shared.clone();
         let now: Arc<dyn Fn() -> Instant + Send + Sync> = Arc::new(move || clock.now());
-        let learning = if redis { None } else { learning::Learning::new(config).map(Arc::new) };
+        // With Redis, learned quotas replace the shared mirrors; account leases decide
+        // from the declared ones.
+        let leased = redis && !config.gateway.account_lease_refresh.is_zero();
+        let learning = if leased { None } else { learning::Learning::new(config, replicas).map(Arc::new) };
         let call = UpstreamCall {
             transport,
             timeout: config.gateway.upstream_timeout,
@@ -543,9 +546,15 @@ impl Gateway {
     pub fn resize_fleet(&self, replicas: u64) -> Result<(), BoxError> {
         let Some(r) = &self.redis_plans else { return Ok(()) };
         let replicas = replicas.max(1);
+        let learned = self.learned_limits();
+        if let Some(learning) = &self.learning {
+            learning.set_replicas(replicas);
+        }
         for (i, account) in r.account_list.iter().enumerate() {
+            let (requests, tokens) =
+                learned.get(i).copied().unwrap_or((account.requests_per_window(), account.tokens_per_window()));
             let mirror = account
-                .mirror_policy(&r.mirror, r.max_request_tokens, replicas)
+                .mirror_policy_for(requests, tokens, &r.mirror, r.max_request_tokens, replicas)
                 .map_err(|e| format!("account {:?}: {e}", account.name))?;
             if let Some(set) = self.pool.member_set(i) {
                 set.replace_policy(mirror)?;
@@ -567,9 +576,9 @@ impl Gateway {
         self.auth.reload(running, config)
     }
 
-    /// Each account's quotas per window as learned from the upstream's answers (requests,
-    /// tokens), in the pool's order; empty with Redis or with learning off
-    /// (`mirror.learn_ceiling_percent = 0`).
+    /// Each account's quotas per window as this replica learned them from the upstream's
+    /// answers (requests, tokens), in the pool's order; empty with learning off
+    /// (`mirror.learn_ceiling_percent = 0`, or account leases on Redis).
     #[must_use]
     pub fn learned_limits(&self) -> Vec<(u64, u64)> {
         self.learning.as_ref().map_or_else(Vec::new, |l| l.learned())
@@ -657,6 +666,9 @@ impl Gateway {
         for (name, policy) in &r.accounts {
             store = store.member(name.clone(), policy.clone());
         }
+        if self.learning.is_some() {
+            store = store.replaceable_limits();
+        }
         if !r.lease_refresh.is_zero() {
             store = store.leases(
                 AccountLeases::new()
@@ -667,6 +679,9 @@ impl Gateway {
         }
         let store = store.build(connection)?;
         if self.pool.share_through(Arc::new(store.clone())) {
+            if let Some(learning) = &self.learning {
+                learning.share_through(store.clone());
+            }
             *r.store.lock().unwrap_or_else(PoisonError::into_inner) = Some(store);
         }
         // The budgets: one backend per plan that has any, shared by the fleet; while Redis

@@ -74,7 +74,7 @@ and size for the larger fleet). serve starts even while Redis is down, and follo
 gateway.backend_failure until it answers. --uneven routes the demo's first tenant only
 to the first replica and splits the others' connections 60/30/10 (the replicas still
 share the accounts by the tenants' weights across the fleet); --advisory-shares reports
-the tenants' shares without failing on them. --quota-changes (in memory) halves the mock
+the tenants' shares without failing on them. --quota-changes (in memory or on Redis) halves the mock
 upstream's real quota at a third of the run and doubles it at two thirds: the gateway
 learns both from the upstream's x-ratelimit-limit-* fields (give it 45 seconds or more:
 following the doubling takes about seven seconds of each phase's third).

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tower_limits_core::fleet::FleetShares;
-use tower_limits_core::{AlgorithmKind, Counts, Limit, LimitSetPolicy, Scope, intern};
+use tower_limits_core::{AlgorithmKind, Counts, Limit, LimitPolicy, LimitSetPolicy, Scope, intern};
 
 use super::batches::send_batches;
 use super::lease::{self, AccountLeases, LeasedLimit, Leases};
@@ -33,6 +33,7 @@ pub struct RedisAccountsBuilder {
     pub(super) fleet: Option<Arc<FleetShares>>,
     pub(super) manual_clock: bool,
     pub(super) leases: Option<AccountLeases>,
+    pub(super) replaceable: bool,
 }
 
 impl RedisAccountsBuilder {
@@ -108,6 +109,22 @@ impl RedisAccountsBuilder {
         self
     }
 
+    /// Lets the members' limits be replaced while the fleet runs
+    /// ([`RedisAccounts::replace_member_limits`]), for every replica: limits learned from
+    /// the upstream's answers. Each call then reads the pool's replaced limits (one small
+    /// hash); not with [`leases`](Self::leases), which decide from the declared limits.
+    ///
+    /// ```
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let builder = RedisAccounts::builder("accounts").replaceable_limits();
+    /// # drop(builder);
+    /// ```
+    pub fn replaceable_limits(mut self) -> Self {
+        self.replaceable = true;
+        self
+    }
+
     /// Test support: the script decides with the `now` each acquisition is given (a
     /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`;
     /// background calls use the last one. Keys then expire an hour later than their
@@ -154,6 +171,12 @@ impl RedisAccountsBuilder {
                 "an upstream account cannot fail open: choose FailClosed or Fallback".into(),
             ));
         }
+        if self.replaceable && self.leases.is_some() {
+            return Err(invalid(
+                "replaceable_limits",
+                "leases decide from the limits declared at build: choose leases or replaceable limits".into(),
+            ));
+        }
         if let Some(leases) = &self.leases {
             if leases.refresh().is_zero() {
                 return Err(invalid("leases.refresh", "the refresh period must be positive".into()));
@@ -183,33 +206,12 @@ impl RedisAccountsBuilder {
             let _ = write!(table, "  {{b = {}, l = {{", keys.len());
             let mut max_cost = u64::MAX;
             let mut limits = Vec::new();
+            let mut shape = Vec::new();
             for p in &policy.limits {
-                let unsupported =
-                    |reason: &str| BuildError::Unsupported { limit: p.name.clone(), reason: reason.into() };
-                if !matches!(p.algorithm, AlgorithmKind::Gcra | AlgorithmKind::TokenBucket) {
-                    return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits"));
-                }
-                if p.scope != Scope::Global {
-                    return Err(unsupported("an account's limits cover the whole account (no tier)"));
-                }
-                let quota = match Limit::from_policy(p)? {
-                    Limit::Gcra(g) => g.quota(),
-                    Limit::TokenBucket(t) => t.quota(),
-                    _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
-                };
-                let burst = quota.max_burst();
-                limits.push(LeasedLimit {
-                    amount: quota.amount(),
-                    period_ns: u64::try_from(quota.period().as_nanos()).unwrap_or(u64::MAX),
-                    burst,
-                    cost: p.counts == Counts::Cost,
-                });
-                let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
-                let tolerance = interval.saturating_mul(burst);
-                if tolerance >= 1 << 52 {
-                    return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));
-                }
-                let cost = p.counts == Counts::Cost;
+                let (leased_limit, interval, tolerance) = mirror_of(p)?;
+                let (burst, cost) = (leased_limit.burst, leased_limit.cost);
+                limits.push(leased_limit);
+                shape.push((p.name.clone(), cost, interval));
                 if cost {
                     max_cost = max_cost.min(burst);
                 }
@@ -227,7 +229,12 @@ impl RedisAccountsBuilder {
             }
             table.push_str("}},\n");
             let limit = policy.limits.first().map_or("account", |l| intern(&l.name));
-            members.push(MemberInfo { name: name.clone(), max_cost, limit });
+            members.push(MemberInfo {
+                name: name.clone(),
+                max_cost: AtomicU64::new(max_cost),
+                limit,
+                shape: Mutex::new(shape),
+            });
             leased.push(limits);
         }
         table.push_str("}\n");
@@ -241,6 +248,8 @@ impl RedisAccountsBuilder {
         let _ = writeln!(table, "local LEASES = KEYS[{}]", keys.len());
         keys.push(format!("{prefix}lost"));
         let _ = writeln!(table, "local LOST = KEYS[{}]", keys.len());
+        keys.push(format!("{prefix}learned"));
+        let _ = writeln!(table, "local LEARNED, LEARN = KEYS[{}], {}", keys.len(), self.replaceable);
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
         let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
         let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
@@ -278,6 +287,7 @@ impl RedisAccountsBuilder {
             last_now_us: AtomicU64::new(0),
             reached: AtomicBool::new(false),
             leases: self.leases.map(|settings| Leases::new(settings, leased)),
+            replaceable: self.replaceable,
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         // On a manual clock the test chooses when leases are refreshed.
@@ -290,3 +300,33 @@ impl RedisAccountsBuilder {
 
 /// The script after the members' table: `a` acquires, `b` applies a batch.
 const SCRIPT: &str = include_str!("script.lua");
+
+/// A member's limit as Redis evaluates it: its lease shape, its interval and its
+/// tolerance (ns); or why it cannot be.
+pub(super) fn mirror_of(p: &LimitPolicy) -> Result<(LeasedLimit, u64, u64), BuildError> {
+    let unsupported = |reason: &str| BuildError::Unsupported { limit: p.name.clone(), reason: reason.into() };
+    if !matches!(p.algorithm, AlgorithmKind::Gcra | AlgorithmKind::TokenBucket) {
+        return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits"));
+    }
+    if p.scope != Scope::Global {
+        return Err(unsupported("an account's limits cover the whole account (no tier)"));
+    }
+    let quota = match Limit::from_policy(p)? {
+        Limit::Gcra(g) => g.quota(),
+        Limit::TokenBucket(t) => t.quota(),
+        _ => return Err(unsupported("an account's limits in Redis are GCRA or token-bucket limits")),
+    };
+    let burst = quota.max_burst();
+    let interval = u64::try_from(quota.interval().as_nanos()).unwrap_or(u64::MAX);
+    let tolerance = interval.saturating_mul(burst);
+    if tolerance >= 1 << 52 {
+        return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));
+    }
+    let leased = LeasedLimit {
+        amount: quota.amount(),
+        period_ns: u64::try_from(quota.period().as_nanos()).unwrap_or(u64::MAX),
+        burst,
+        cost: p.counts == Counts::Cost,
+    };
+    Ok((leased, interval, tolerance))
+}

@@ -81,6 +81,24 @@ local function charge(best, ds, cost)
     put(KEYS[l.k], ds[i] + need * l.iv)
   end
 end
+-- the members' limits replaced at run time (RedisAccounts::replace_member_limits): the
+-- field 'm:i' of LEARNED is "when iv tol, declared iv and tol"; it counts only while the
+-- limit is declared as it was then (a fleet restarted with another configuration starts
+-- from its own)
+if LEARN then
+  for _, mm in ipairs(M) do
+    for _, l in ipairs(mm.l) do l.div, l.dtol = l.iv, l.tol end
+  end
+  local learned = call('HGETALL', LEARNED)
+  for j = 1, #learned, 2 do
+    local m, i = string.match(learned[j], '^(%d+):(%d+)$')
+    local at, iv, tol, div, dtol = string.match(learned[j + 1], '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+    local l = m and M[tonumber(m)] and M[tonumber(m)].l[tonumber(i)]
+    if l and dtol and tonumber(div) == l.iv and tonumber(dtol) == l.tol then
+      l.at, l.iv, l.tol = tonumber(at), tonumber(iv), tonumber(tol)
+    end
+  end
+end
 -- a store that lost its state (see the module's docs): every member starts with its
 -- bursts spent, when this replica reached Redis before; the first call of a new fleet
 -- starts them full
@@ -405,10 +423,38 @@ end
 -- 'b': a batch of operations, 5 arguments each: kind, member, then
 --   kind 1 (adjust): requests delta, cost delta, unused
 --   kind 2 (report): retry-after us (-1 none), remaining requests (-1), remaining tokens (-1)
+--   kind 3 (lower) and 5 (raise): the limit's place, its new interval and tolerance
+--     (ns), applied only if it moves the limit that way (a replica that learned late
+--     does not undo what another learned since)
+--   kind 4 (recent use): the limit's place, the units the replica had admitted over the
+--     span, the span (us)
+local changed = {}
 local i = 2
 while i + 4 <= #ARGV do
   local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
-  if M[m] then
+  if M[m] and kind >= 3 then
+    local l = M[m].l[x]
+    if l and ((kind == 3 and y > l.iv) or (kind == 5 and y < l.iv)) then
+      -- a lowered rate counts what its mirror holds at the new pace
+      if y > l.iv then
+        local d = debt(KEYS[l.k])
+        if d > 0 then put(KEYS[l.k], d * y / l.iv) end
+      end
+      call('HSET', LEARNED, m .. ':' .. x, fmt('%.0f %.0f %.0f %.0f %.0f', NOW, y, z, l.div, l.dtol))
+      l.iv, l.tol, l.at = y, z, NOW
+      changed[m .. ':' .. x] = true
+    elseif l and kind == 4 and y > 0 then
+      -- what the upstream still counts of the calls admitted at the old pace: the first
+      -- replica to report the change charges its own at least, the others add theirs
+      local d = debt(KEYS[l.k])
+      if changed[m .. ':' .. x] then
+        local want = y * l.iv - z * 1000
+        if want > d then put(KEYS[l.k], want) end
+      elseif l.at and l.at + z >= NOW then
+        put(KEYS[l.k], d + y * l.iv)
+      end
+    end
+  elseif M[m] then
     if kind == 1 then
       for _, l in ipairs(M[m].l) do
         local delta = x

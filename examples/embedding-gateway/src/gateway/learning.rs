@@ -19,16 +19,28 @@
 //! span: it admits again once the upstream's window has room, rather than meeting the
 //! upstream's `429`s until it drains.
 //!
-//! In memory only: with Redis the mirrors live in the shared store, and each replica's
-//! local one is only the failure policy's share.
+//! With Redis the mirrors live in the shared accounts, built with
+//! [`replaceable_limits`](tower_limits_redis::RedisAccountsBuilder::replaceable_limits):
+//! each replica learns from the answers it receives, and a learned quota replaces the
+//! account's mirror for the whole fleet
+//! ([`RedisAccounts::replace_member_limits`]), with the calls this replica had answered
+//! over the window (each replica that meets the same lowered quota adds its own, so the
+//! fleet's mirror waits for what the upstream still counts of all of them). Replicas see
+//! the same stated limits and so learn the same quotas; a `429` lowers the fleet's mirror
+//! through the replica that met it. The replica's local mirror, which decides only while
+//! Redis is away, is rebuilt at its share (`1 / replicas`) of the learned quota. Not with
+//! account leases, which decide from the declared quotas.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tower_limits::core::learn::{LearnSettings, QuotaLearner};
 use tower_limits::core::policy::Counts;
 use tower_limits::{Instant, LimitPool, Snapshot, TenantKey, UpstreamReport};
+use tower_limits_redis::RedisAccounts;
+use tower_limits_redis::accounts::RecentUse;
 
 use crate::config::{Account, Config, MirrorSettings};
 
@@ -44,6 +56,10 @@ pub(crate) struct Learning {
     accounts: Vec<(Account, Mutex<Learned>)>,
     mirror: MirrorSettings,
     max_request_tokens: u64,
+    /// The shared accounts, once this replica reached Redis.
+    shared: Mutex<Option<RedisAccounts>>,
+    /// The replicas the local mirrors are a share of (1 in memory).
+    replicas: AtomicU64,
 }
 
 impl std::fmt::Debug for Learning {
@@ -53,8 +69,9 @@ impl std::fmt::Debug for Learning {
 }
 
 impl Learning {
-    /// Learners for `config`'s accounts; `None` when `mirror.learn_ceiling_percent` is 0.
-    pub(crate) fn new(config: &Config) -> Option<Self> {
+    /// Learners for `config`'s accounts, whose local mirrors are a share of `replicas`;
+    /// `None` when `mirror.learn_ceiling_percent` is 0.
+    pub(crate) fn new(config: &Config, replicas: u64) -> Option<Self> {
         let ceiling = config.mirror.learn_ceiling_percent;
         if ceiling == 0 {
             return None;
@@ -69,7 +86,23 @@ impl Learning {
                 (a.clone(), Mutex::new(Learned { quotas: [requests, tokens], recent: VecDeque::new() }))
             })
             .collect();
-        Some(Learning { accounts, mirror: config.mirror, max_request_tokens: config.gateway.max_request_tokens })
+        Some(Learning {
+            accounts,
+            mirror: config.mirror,
+            max_request_tokens: config.gateway.max_request_tokens,
+            shared: Mutex::new(None),
+            replicas: AtomicU64::new(replicas.max(1)),
+        })
+    }
+
+    /// From now on, learned quotas replace the mirrors of `store` for the fleet.
+    pub(crate) fn share_through(&self, store: RedisAccounts) {
+        *self.shared.lock().unwrap_or_else(PoisonError::into_inner) = Some(store);
+    }
+
+    /// The local mirrors are now a share of `replicas`.
+    pub(crate) fn set_replicas(&self, replicas: u64) {
+        self.replicas.store(replicas.max(1), Ordering::Relaxed);
     }
 
     /// One answer of the account at `index`, to a call of `tokens`: learns from it, and
@@ -102,6 +135,38 @@ impl Learning {
         let (requests, tokens) = (learned.quotas[0].learned(), learned.quotas[1].learned());
         let used = (learned.recent.len() as u64, learned.recent.iter().map(|(_, t)| t).sum::<u64>());
         drop(learned);
+        let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if let Some(store) = shared {
+            // The fleet's mirror is the whole account's; this replica's is its share.
+            let recent = RecentUse { requests: used.0, cost: used.1, span };
+            match account.mirror_policy_for(requests, tokens, &self.mirror, self.max_request_tokens, 1) {
+                Ok(whole) => match store.replace_member_limits(index, &whole, Some(recent), now) {
+                    Ok(()) => tracing::info!(
+                        account = %account.name,
+                        requests,
+                        tokens,
+                        "account limits learned from the upstream: the fleet's mirror replaced"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(account = %account.name, error = %e, "learned limits refused by the shared accounts")
+                    }
+                },
+                Err(why) => {
+                    tracing::warn!(account = %account.name, requests, tokens, %why, "learned limits too small for a mirror: kept the last one");
+                    return;
+                }
+            }
+            let replicas = self.replicas.load(Ordering::Relaxed);
+            if let (Ok(share), Some(set)) = (
+                account.mirror_policy_for(requests, tokens, &self.mirror, self.max_request_tokens, replicas),
+                pool.member_set(index),
+            ) {
+                if let Err(e) = set.replace_policy(share) {
+                    tracing::warn!(account = %account.name, error = %e, "learned limits refused by the local mirror");
+                }
+            }
+            return;
+        }
         let policy = match account.mirror_policy_for(requests, tokens, &self.mirror, self.max_request_tokens, 1) {
             Ok(policy) => policy,
             Err(why) => {

@@ -1,0 +1,148 @@
+//! Replacing a member's limits while the fleet runs: limits learned from the upstream.
+//!
+//! The replaced limits live in the pool's hash `<namespace>:{<pool>}:learned`, one field
+//! per member's limit (`member:limit`, by place: when it was replaced, its interval and
+//! tolerance, and the interval and tolerance it was declared with). Every call of a store
+//! built with [`replaceable_limits`](super::RedisAccountsBuilder::replaceable_limits)
+//! reads the hash and decides with the replaced limits, so one replica's replacement
+//! holds for the fleet at the next call of each. A field counts only while the limit is
+//! declared as it was when it was replaced: a fleet restarted with another configuration
+//! starts from its own. The hash does not expire (a few fields per pool); a Redis
+//! restarted empty forgets it, and the mirrors decide from the declared limits until the
+//! next replacement.
+//!
+//! **A lowered rate meets what the upstream still counts.** Its mirror's debt (what it
+//! holds beyond now) is converted to the new pace: the units it holds, each at the new
+//! interval. And the calls admitted at the old pace that the upstream still counts: each
+//! replica that replaces the limit passes the units it admitted over the upstream's
+//! window ([`RecentUse`]); the first (the one that changes the limit) charges the mirror
+//! to at least `units × interval - span`, as if they had been admitted back to back at the
+//! new pace from the start of the span, and every replica that replaces it with the same
+//! limits within the span adds its own `units × interval`. The fleet's mirror then waits
+//! for the upstream's window to drain instead of sending its burst into it.
+//!
+//! **Replicas that learn at different times.** A replacement says which way it moves
+//! each limit (it lowers a limit whose interval grows, raises the others), as the replica
+//! last set it, and Redis applies it only if it moves the fleet's limit that way: a
+//! replica that saw fewer answers, and raises from further below, does not undo a raise
+//! another replica made since; a lowering always holds.
+
+use std::sync::PoisonError;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tower_limits_core::{Instant, LimitSetPolicy};
+
+use super::builder::mirror_of;
+use super::{Op, RedisAccounts};
+use crate::error::BuildError;
+
+/// What a replica admitted of a member over the upstream's last window (and the jitter of
+/// its answers), for a limit whose rate is lowered: see the [module docs](self).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_limits_redis::accounts::RecentUse;
+///
+/// let recent = RecentUse { requests: 40, cost: 12_000, span: Duration::from_millis(1_100) };
+/// assert_eq!(recent.requests, 40);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecentUse {
+    /// Requests admitted over the span (for the limits counting requests).
+    pub requests: u64,
+    /// Cost admitted over the span (for the limits counting cost).
+    pub cost: u64,
+    /// The span: the upstream's window and the jitter of its answers.
+    pub span: Duration,
+}
+
+impl RedisAccounts {
+    /// Replaces the limits of the member at `index` (by place) for the whole fleet, with
+    /// `policy`: the same limits (names, in order, each counting what it counted) at new
+    /// rates and bursts, such as the account's quota learned from its upstream. `recent`
+    /// tells what this replica admitted over the upstream's window, charged to the limits
+    /// whose rate is lowered (see the [module docs](self::replace)). The change reaches
+    /// Redis in the background, with the settles, and every replica's next call. `now` is
+    /// the caller's clock (a store on a manual clock sends it; Redis's own otherwise).
+    ///
+    /// # Errors
+    /// [`BuildError::Invalid`] when the store was not built with
+    /// [`replaceable_limits`](super::RedisAccountsBuilder::replaceable_limits), `index` is
+    /// not a member, or `policy` does not have the member's limits;
+    /// [`BuildError::Policy`] or [`BuildError::Unsupported`] as
+    /// [`build`](super::RedisAccountsBuilder::build) for the new limits.
+    ///
+    /// ```no_run
+    /// # async fn run(conn: tower_limits_redis::RedisConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSetPolicy, Quota, nz};
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let account = |rpm| LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_minute(rpm)));
+    /// let accounts = RedisAccounts::builder("accounts")
+    ///     .member("primary", account(nz!(600)))
+    ///     .replaceable_limits()
+    ///     .build(&conn)?;
+    /// // The upstream says the account allows half of it.
+    /// accounts.replace_member_limits(0, &account(nz!(300)), None, Instant::ZERO)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn replace_member_limits(
+        &self,
+        index: usize,
+        policy: &LimitSetPolicy,
+        recent: Option<RecentUse>,
+        now: Instant,
+    ) -> Result<(), BuildError> {
+        let invalid = |message: String| BuildError::Invalid { field: "replace_member_limits", message };
+        if !self.inner.replaceable {
+            return Err(invalid("the store was built without replaceable_limits()".into()));
+        }
+        let Some(member) = self.inner.members.get(index) else {
+            return Err(invalid(format!("no member at {index}: the pool has {}", self.inner.members.len())));
+        };
+        policy.validate()?;
+        let mut shape = member.shape.lock().unwrap_or_else(PoisonError::into_inner);
+        let same =
+            policy.limits.len() == shape.len()
+                && policy.limits.iter().zip(shape.iter()).all(|(p, (name, cost, _))| {
+                    p.name == *name && (p.counts == tower_limits_core::Counts::Cost) == *cost
+                });
+        if !same {
+            let names: Vec<&str> = shape.iter().map(|(n, _, _)| n.as_str()).collect();
+            return Err(invalid(format!(
+                "member {:?} has the limits {names:?}, each counting as declared: a replacement keeps them",
+                member.name
+            )));
+        }
+        if self.inner.manual_clock {
+            self.inner.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
+        }
+        let mut ops = Vec::with_capacity(shape.len());
+        let mut max_cost = u64::MAX;
+        for (place, p) in policy.limits.iter().enumerate() {
+            let (leased, interval, tolerance) = mirror_of(p)?;
+            if leased.cost {
+                max_cost = max_cost.min(leased.burst);
+            }
+            if interval == shape[place].2 {
+                continue;
+            }
+            let lowered = interval > shape[place].2;
+            let recent = recent.filter(|_| lowered).and_then(|r| {
+                let used = if leased.cost { r.cost } else { r.requests };
+                let span_us = u64::try_from(r.span.as_micros()).unwrap_or(u64::MAX);
+                (used > 0).then_some((used, span_us))
+            });
+            ops.push(Op::Replace { member: index, limit: place, interval, tolerance, lowered, recent });
+        }
+        for op in ops {
+            if let Op::Replace { limit, interval, .. } = op {
+                shape[limit].2 = interval;
+            }
+            self.inner.send(op);
+        }
+        member.max_cost.store(max_cost, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,168 @@
+//! Law 34: account limits replaced while a fleet runs. A member's limits replaced by one
+//! replica (say, learned from the upstream's answers) decide every replica's next call;
+//! a lowered rate counts what its mirror holds at the new pace and charges the calls the
+//! replicas admitted over the upstream's window; a fleet declared otherwise ignores the
+//! replacement; a replacement that does not keep the member's limits is refused. Time is
+//! a manual clock given to the script: the waits are exact. Law numbers are those of
+//! `crates/tower-limits/docs/laws.md`.
+
+mod redis_common;
+
+use std::time::Duration;
+
+use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, nz};
+use tower_limits_redis::BuildError;
+use tower_limits_redis::accounts::RecentUse;
+use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::{AccountLeases, RedisAccounts, RedisConnection};
+
+use redis_common::{connect, namespace, runtime};
+
+const MS: u64 = 1_000_000;
+
+/// An account of `per_second` requests a second, a burst of one.
+fn account(per_second: u32) -> LimitSetPolicy {
+    let rate = std::num::NonZeroU64::new(u64::from(per_second)).unwrap();
+    LimitSetPolicy::new().limit(LimitPolicy::gcra("rps", Quota::per_second(rate).burst(nz!(1))))
+}
+
+fn store(conn: &RedisConnection, ns: &str, per_second: u32) -> RedisAccounts {
+    RedisAccounts::builder("accounts")
+        .namespace(ns)
+        .timeout(Duration::from_secs(5))
+        .manual_clock()
+        .replaceable_limits()
+        .member("a", account(per_second))
+        .build(conn)
+        .unwrap()
+}
+
+fn at(ns: u64) -> Instant {
+    Instant::from_nanos(ns)
+}
+
+/// Requests `store` grants when asked every 10 ms over `[from, to)` (ns).
+async fn granted(store: &RedisAccounts, from: u64, to: u64) -> u64 {
+    let mut n = 0;
+    let mut t = from;
+    while t < to {
+        if store.acquire(1, at(t)).await.is_ok() {
+            n += 1;
+        }
+        t += 10 * MS;
+    }
+    n
+}
+
+/// The wait of a refusal at `t`.
+async fn wait_at(store: &RedisAccounts, t: u64) -> Duration {
+    match store.acquire(1, at(t)).await {
+        Err(AcquireError::Refused(r)) => r.retry_after(),
+        other => panic!("expected a refusal at {t}, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_limit_replaced_by_one_replica_decides_for_every_replica() {
+    let Some(server) = redis_for("a_limit_replaced_by_one_replica_decides_for_every_replica") else { return };
+    runtime().block_on(async {
+        let ns = namespace("learned");
+        let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
+        // Declared: 10 a second, and a burst of one: 10 s give 100 (the first at once).
+        assert_eq!(granted(&b, 0, 10_000 * MS).await, 100);
+        // Replica a learns half the rate; b's calls follow at once.
+        a.replace_member_limits(0, &account(5), None, at(10_000 * MS)).unwrap();
+        a.flush().await;
+        assert_eq!(granted(&b, 10_000 * MS, 20_000 * MS).await, 50);
+        // And back up.
+        a.replace_member_limits(0, &account(10), None, at(20_000 * MS)).unwrap();
+        a.flush().await;
+        assert_eq!(granted(&b, 20_000 * MS, 30_000 * MS).await, 100);
+    });
+}
+
+#[test]
+fn a_lowered_rate_charges_what_the_replicas_admitted_over_the_window() {
+    let Some(server) = redis_for("a_lowered_rate_charges_what_the_replicas_admitted_over_the_window") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("learned-recent");
+        let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
+        let t0 = 1_000 * MS;
+        b.acquire(1, at(t0)).await.unwrap();
+        // The mirror holds one request, 100 ms at 10 a second: at 5 a second, 200 ms.
+        a.replace_member_limits(0, &account(5), None, at(t0)).unwrap();
+        a.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(200));
+        // At 4 a second, 250 ms. Replica a had admitted 10 requests over the last second:
+        // at the new pace they end 2.5 s after the span's start, 1.5 s from now; the next
+        // request waits for them.
+        let second = Duration::from_secs(1);
+        let recent = |requests| Some(RecentUse { requests, cost: 0, span: second });
+        a.replace_member_limits(0, &account(4), recent(10), at(t0)).unwrap();
+        a.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_500));
+        // Replica b meets the same limit and adds its own 5 requests.
+        b.replace_member_limits(0, &account(4), recent(5), at(t0)).unwrap();
+        b.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_500 + 1_250));
+        // A raise charges nothing, whatever it is told, and keeps what the mirror holds.
+        a.replace_member_limits(0, &account(10), recent(50), at(t0)).unwrap();
+        a.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(2_750));
+    });
+}
+
+#[test]
+fn a_fleet_declared_otherwise_starts_from_its_own_limits() {
+    let Some(server) = redis_for("a_fleet_declared_otherwise_starts_from_its_own_limits") else { return };
+    runtime().block_on(async {
+        let ns = namespace("learned-redeclared");
+        let old = store(&connect(&server.url()).await, &ns, 10);
+        old.replace_member_limits(0, &account(5), None, at(0)).unwrap();
+        old.flush().await;
+        // A replica declared as the old one decides with the replaced limit...
+        let same = store(&connect(&server.url()).await, &ns, 10);
+        same.acquire(1, at(0)).await.unwrap();
+        assert_eq!(wait_at(&same, 0).await, Duration::from_millis(200));
+        // ...one declared at 20 a second does not.
+        let ns = namespace("learned-redeclared-2");
+        let first = store(&connect(&server.url()).await, &ns, 10);
+        first.replace_member_limits(0, &account(5), None, at(0)).unwrap();
+        first.flush().await;
+        let other = store(&connect(&server.url()).await, &ns, 20);
+        other.acquire(1, at(0)).await.unwrap();
+        assert_eq!(wait_at(&other, 0).await, Duration::from_millis(50));
+    });
+}
+
+#[test]
+fn a_replacement_that_does_not_keep_the_members_limits_is_refused() {
+    let Some(server) = redis_for("a_replacement_that_does_not_keep_the_members_limits_is_refused") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let ns = namespace("learned-errors");
+        let s = store(&conn, &ns, 10);
+        let renamed = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_second(nz!(5)).burst(nz!(1))));
+        let e = s.replace_member_limits(0, &renamed, None, at(0)).unwrap_err();
+        assert!(e.to_string().contains("[\"rps\"]"), "{e}");
+        let e = s.replace_member_limits(1, &account(5), None, at(0)).unwrap_err();
+        assert!(e.to_string().contains("no member at 1"), "{e}");
+        let counting_cost = LimitSetPolicy::new()
+            .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(5)).burst(nz!(1))).counting_cost());
+        assert!(s.replace_member_limits(0, &counting_cost, None, at(0)).is_err());
+        // Not replaceable: said so.
+        let fixed = RedisAccounts::builder("accounts").namespace(&ns).member("a", account(10)).build(&conn).unwrap();
+        let e = fixed.replace_member_limits(0, &account(5), None, at(0)).unwrap_err();
+        assert!(e.to_string().contains("replaceable_limits"), "{e}");
+        // Leases decide from the declared limits: not both.
+        let both = RedisAccounts::builder("accounts")
+            .namespace(&ns)
+            .member("a", account(10))
+            .replaceable_limits()
+            .leases(AccountLeases::new())
+            .build(&conn);
+        assert!(matches!(both, Err(BuildError::Invalid { field: "replaceable_limits", .. })), "{both:?}");
+    });
+}
