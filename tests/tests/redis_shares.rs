@@ -454,6 +454,42 @@ fn a_replica_s_first_request_finds_permits_another_replica_does_not_use() {
     });
 }
 
+/// A replica whose semaphore share is too small for a burst asks Redis for more before
+/// refusing: its share follows the last period's demand (one permit here), but the
+/// permits nobody holds are its for the asking. It gets the whole capacity, and the
+/// request beyond it is refused. Caught: refusing locally once the share was full, with
+/// most of the permits free (a gateway's tenant refused for its concurrency of 64 with 8
+/// requests in flight).
+#[test]
+fn a_replica_whose_share_is_short_asks_for_more_before_refusing() {
+    let Some(server) = redis_for("a_replica_whose_share_is_short_asks_for_more_before_refusing") else { return };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-short"), 2).await;
+        let tenant = TenantKey::new(["a"]).unwrap();
+        let start = 1_000_000 * MS;
+        // One permit held through several refreshes: the share settles near it.
+        let first = replicas[0].acquire(&tenant, 1, Instant::from_nanos(start)).await.unwrap();
+        for step in 1..=5u64 {
+            replicas[0].refresh_shares(Instant::from_nanos(start + step * 20 * MS)).await;
+        }
+        let now = Instant::from_nanos(start + 101 * MS);
+        let mut held = vec![first];
+        for i in 1..8 {
+            match replicas[0].acquire(&tenant, 1, now).await {
+                Ok(grant) => held.push(grant),
+                Err(e) => panic!("request {i} of 8, the capacity: {e}"),
+            }
+        }
+        assert!(replicas[0].acquire(&tenant, 1, now).await.is_err(), "a ninth request");
+        for grant in held {
+            replicas[0].release(&tenant, grant);
+        }
+    });
+}
+
 #[test]
 fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };

@@ -90,10 +90,12 @@
 //! once in the period, plus a quarter. A semaphore has no pool: half the permits no
 //! demand claims are split among the replicas that demand any, so that their next
 //! requests find room without a call, and the other half stay free. A scope without a
-//! share fetches one with its first request (one call) and finds those free permits;
-//! when every permit is held elsewhere it is
-//! refused, then refused locally until the next refresh period, its demand on record so
-//! that the others' next allotments make room. Redis counts a semaphore's share for the
+//! share fetches one with its first request (one call) and finds those free permits, and
+//! a scope whose share is too small for a request asks for more the same way (its share
+//! follows the last period's demand, and the request may be the first of a burst); when
+//! every permit it could have is held elsewhere it is refused, then refused locally until
+//! the next refresh period, its demand on record so that the others' next allotments make
+//! room. Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the
 //! share they were admitted under, and a dead replica's permits come back within the
 //! lease.

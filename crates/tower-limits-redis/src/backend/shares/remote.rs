@@ -199,9 +199,10 @@ impl Inner {
     }
 }
 
-/// A semaphore scope without a share: one call fetches its share (reporting the demand
-/// that made it ask), then the acquisition is decided again. Still without a share, every
-/// permit is held elsewhere: refused, and refused locally until the next refresh period.
+/// A semaphore scope without a share, or whose share is too small for the request: one
+/// call fetches its share (reporting the demand that made it ask), then the acquisition
+/// is decided again. Still short, every permit it could have is held elsewhere: refused,
+/// and refused locally until the next refresh period.
 async fn fetch_then_acquire(
     inner: Arc<Inner>,
     table: Arc<Table>,

@@ -221,8 +221,14 @@ impl Table {
                     }
                 } else if s.in_flight.saturating_add(units) <= s.share {
                     local.push(Part { limit: i, scope, units });
-                } else {
+                } else if now < s.denied_until {
                     refused.get_or_insert((i, 0, true));
+                } else {
+                    // The share is short: permits may be free elsewhere (a share is sized
+                    // by the demand of the last period). One call asks for more, reporting
+                    // the demand; still short, the scope refuses locally until the next
+                    // refresh period.
+                    fetch.push(scope);
                 }
                 continue;
             }
@@ -319,13 +325,13 @@ impl Table {
         grant.local.iter().any(|p| inner.limits[p.limit].share.is_some_and(|l| l.permits))
     }
 
-    /// Marks semaphore scopes whose fetch found no permit free: refused locally until
-    /// the next refresh period.
+    /// Marks semaphore scopes whose fetch found no permit free for the request (no share,
+    /// or one still too small): refused locally until the next refresh period.
     pub(super) fn deny(&self, scopes: &[Arc<str>], until: Instant) {
         let mut table = self.lock();
         for key in scopes {
             if let Some(s) = table.get_mut(key) {
-                if s.share == 0 && s.pending.is_none_or(|p| p.share == 0) {
+                if s.pending.is_none_or(|p| p.share <= s.share) {
                     s.denied_until = until;
                 }
             }
