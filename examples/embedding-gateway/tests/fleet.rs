@@ -360,6 +360,56 @@ fn a_replica_resized_for_a_larger_fleet_mirrors_less_of_each_account() {
     });
 }
 
+/// A quota one replica learns from the upstream replaces the account's mirror for the
+/// fleet: an account declared at 20 requests a second whose upstream states 10. After one
+/// answer through the first replica, the pool's hash in Redis holds the mirror of 10 a
+/// second for the account's request limit (which every replica's next call reads: law
+/// 34), and the replica's own mirror, which decides only while Redis is away, is its half
+/// of the learned quota.
+#[test]
+fn a_quota_one_replica_learns_is_the_fleets_mirror() {
+    let Some(server) = tower_limits_redis::test_support::redis_for("a_quota_one_replica_learns") else { return };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let text = config_text("", "org = { rpm = 6000000, concurrency = 64 }", "http://127.0.0.1:9")
+            .replace("rpm = 60000\n", "rpm = 1200\n");
+        let config = parse_config(&text);
+        let mut real = config.accounts.clone();
+        real[0].rpm = 600;
+        let (router, _) = upstream::router(&real, config.upstream, &config.gateway.encodings);
+        let namespace = format!("egw-learn-{}", std::process::id());
+        let mut replicas = Vec::new();
+        for _ in 0..2 {
+            let connection = tower_limits_redis::RedisConnection::connect(&server.url()).await.unwrap();
+            let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
+            replicas.push(Gateway::with_sharing(&config, in_process(router.clone()), &sharing).unwrap());
+        }
+        let (status, _) = embed_as(&replicas[0], "sk-acme-alice", "hello").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(replicas[0].learned_limits()[0].0, 10);
+        replicas[0].accounts().unwrap().flush().await;
+        let client = tower_limits_redis::redis::Client::open(server.url()).unwrap();
+        let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+        let key = format!("{namespace}:pool:{{accounts}}:learned");
+        let fields: std::collections::HashMap<String, String> =
+            tower_limits_redis::redis::cmd("HGETALL").arg(&key).query_async(&mut admin).await.unwrap();
+        // The request limit of the first member: the mirror of 10 a second (a burst of 1,
+        // the rest over the window and the jitter: 1.1 s / 9, rounded up), declared as that
+        // of 20.
+        let field = fields.get("1:1").unwrap_or_else(|| panic!("{fields:?}"));
+        let numbers: Vec<u64> = field.split(' ').map(|n| n.parse().unwrap()).collect();
+        assert_eq!((numbers[1], numbers[3]), (1_100_000_000u64.div_ceil(9), 1_100_000_000u64.div_ceil(18)), "{field}");
+        // The replica's own mirror: half of 10 a second, one of them as its burst.
+        let set = replicas[0].pool.member_set(0).unwrap();
+        let quotas: Vec<u64> = set
+            .peek(&tower_limits::TenantKey::global(), tower_limits::Instant::ZERO)
+            .iter()
+            .map(|s| s.snapshot.quota)
+            .collect();
+        assert_eq!(quotas[0], 5 - 1, "{quotas:?}");
+    });
+}
+
 /// A tenant that keeps exactly its concurrency in flight through a gateway on Redis is
 /// never refused: a request's slot is back by the time its client sends the next one,
 /// though the release travels to Redis after the answer.
