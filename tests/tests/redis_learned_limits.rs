@@ -2,7 +2,7 @@
 //! replica (say, learned from the upstream's answers) decide every replica's next call;
 //! a lowered rate counts what its mirror holds at the new pace and charges the calls the
 //! replicas admitted over the upstream's window; a fleet declared otherwise ignores the
-//! replacement; a replacement that does not keep the member's limits is refused. Time is
+//! replacement; after Redis restarts empty the replicas replace their limits again; a replacement that does not keep the member's limits is refused. Time is
 //! a manual clock given to the script: the waits are exact. Law numbers are those of
 //! `crates/tower-limits/docs/laws.md`.
 
@@ -10,13 +10,13 @@ mod redis_common;
 
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, nz};
+use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, SharedGrant, nz};
 use tower_limits_redis::BuildError;
 use tower_limits_redis::accounts::RecentUse;
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{AccountLeases, RedisAccounts, RedisConnection};
 
-use redis_common::{connect, namespace, runtime};
+use redis_common::{admin, cmd, connect, namespace, runtime};
 
 const MS: u64 = 1_000_000;
 
@@ -134,6 +134,29 @@ fn a_fleet_declared_otherwise_starts_from_its_own_limits() {
         let other = store(&connect(&server.url()).await, &ns, 20);
         other.acquire(1, at(0)).await.unwrap();
         assert_eq!(wait_at(&other, 0).await, Duration::from_millis(50));
+    });
+}
+
+#[test]
+fn after_redis_restarts_empty_the_replicas_replace_their_limits_again() {
+    let Some(server) = redis_for("after_redis_restarts_empty_the_replicas_replace_their_limits_again") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("learned-lost");
+        let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
+        let t = 5_000 * MS;
+        a.replace_member_limits(0, &account(5), None, at(t)).unwrap();
+        a.flush().await;
+        let mut admin = admin(&server.url()).await;
+        let _: () = cmd(&mut admin, &["FLUSHALL"]).await;
+        // The next batch of a's settles learns that no replaced limit is on record, and a
+        // sends its own again.
+        a.cancel(SharedGrant { index: 0, charged: 1 }, at(t));
+        a.flush().await;
+        a.flush().await;
+        b.acquire(1, at(t)).await.unwrap();
+        assert_eq!(wait_at(&b, t).await, Duration::from_millis(200), "5 a second, not the declared 10");
     });
 }
 

@@ -206,9 +206,19 @@ struct MemberInfo {
     max_cost: AtomicU64,
     /// The name of the member's first limit, for refusals.
     limit: &'static str,
-    /// Per limit, in order: its name, whether it counts cost, and its interval (ns) as
-    /// this replica last set it.
-    shape: Mutex<Vec<(String, bool, u64)>>,
+    /// Per limit, in order: what a replacement must keep, and what this replica set.
+    shape: Mutex<Vec<LimitShape>>,
+}
+
+/// A member's limit as declared and as this replica last replaced it.
+struct LimitShape {
+    name: String,
+    /// Whether it counts cost (else requests).
+    cost: bool,
+    /// Interval and tolerance (ns) as declared.
+    declared: (u64, u64),
+    /// Interval and tolerance (ns) as this replica last set them.
+    current: (u64, u64),
 }
 
 #[derive(Default)]

@@ -44,7 +44,12 @@ pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::Unb
         if args.len() > 1 {
             inner.stats.batch_calls.fetch_add(1, Ordering::Relaxed);
             inner.stats.batched_ops.fetch_add(((args.len() - 1) / 5) as u64, Ordering::Relaxed);
-            if let Err(e) = inner.call(&args).await {
+            let answer = inner.call(&args).await;
+            if matches!(answer, Ok(redis::Value::Int(-1))) {
+                // No replaced limit on record: Redis lost them.
+                inner.replace_again();
+            }
+            if let Err(e) = answer {
                 if let Some(suppressed) = warnings.warn_now() {
                     tracing::warn!(
                         target: "tower_limits_redis",

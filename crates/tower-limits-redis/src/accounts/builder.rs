@@ -14,7 +14,7 @@ use tower_limits_core::{AlgorithmKind, Counts, Limit, LimitPolicy, LimitSetPolic
 use super::batches::send_batches;
 use super::lease::{self, AccountLeases, LeasedLimit, Leases};
 use super::renewal::renew_leases;
-use super::{BLOCKED_NS, DEMAND_LIVES_US, Inner, MemberInfo, RedisAccounts, Stats, TAG_LIVES_US};
+use super::{BLOCKED_NS, DEMAND_LIVES_US, Inner, LimitShape, MemberInfo, RedisAccounts, Stats, TAG_LIVES_US};
 use crate::connection::RedisConnection;
 use crate::error::BuildError;
 use crate::failure::{Breaker, FailurePolicy};
@@ -211,7 +211,12 @@ impl RedisAccountsBuilder {
                 let (leased_limit, interval, tolerance) = mirror_of(p)?;
                 let (burst, cost) = (leased_limit.burst, leased_limit.cost);
                 limits.push(leased_limit);
-                shape.push((p.name.clone(), cost, interval));
+                shape.push(LimitShape {
+                    name: p.name.clone(),
+                    cost,
+                    declared: (interval, tolerance),
+                    current: (interval, tolerance),
+                });
                 if cost {
                     max_cost = max_cost.min(burst);
                 }

@@ -7,9 +7,10 @@
 //! reads the hash and decides with the replaced limits, so one replica's replacement
 //! holds for the fleet at the next call of each. A field counts only while the limit is
 //! declared as it was when it was replaced: a fleet restarted with another configuration
-//! starts from its own. The hash does not expire (a few fields per pool); a Redis
-//! restarted empty forgets it, and the mirrors decide from the declared limits until the
-//! next replacement.
+//! starts from its own. The hash does not expire (a few fields per pool). A Redis
+//! restarted empty forgets it: the first batch of settles after the loss is answered
+//! with that news, and each replica sends again the limits it replaced, so the fleet's
+//! mirrors decide from the declared limits for about one batch.
 //!
 //! **A lowered rate meets what the upstream still counts.** Its mirror's debt (what it
 //! holds beyond now) is converted to the new pace: the units it holds, each at the new
@@ -34,7 +35,7 @@ use std::time::Duration;
 use tower_limits_core::{Instant, LimitSetPolicy};
 
 use super::builder::mirror_of;
-use super::{Op, RedisAccounts};
+use super::{Inner, Op, RedisAccounts};
 use crate::error::BuildError;
 
 /// What a replica admitted of a member over the upstream's last window (and the jitter of
@@ -103,13 +104,14 @@ impl RedisAccounts {
         };
         policy.validate()?;
         let mut shape = member.shape.lock().unwrap_or_else(PoisonError::into_inner);
-        let same =
-            policy.limits.len() == shape.len()
-                && policy.limits.iter().zip(shape.iter()).all(|(p, (name, cost, _))| {
-                    p.name == *name && (p.counts == tower_limits_core::Counts::Cost) == *cost
-                });
+        let same = policy.limits.len() == shape.len()
+            && policy
+                .limits
+                .iter()
+                .zip(shape.iter())
+                .all(|(p, l)| p.name == l.name && (p.counts == tower_limits_core::Counts::Cost) == l.cost);
         if !same {
-            let names: Vec<&str> = shape.iter().map(|(n, _, _)| n.as_str()).collect();
+            let names: Vec<&str> = shape.iter().map(|l| l.name.as_str()).collect();
             return Err(invalid(format!(
                 "member {:?} has the limits {names:?}, each counting as declared: a replacement keeps them",
                 member.name
@@ -125,10 +127,11 @@ impl RedisAccounts {
             if leased.cost {
                 max_cost = max_cost.min(leased.burst);
             }
-            if interval == shape[place].2 {
+            let was = shape[place].current.0;
+            if interval == was {
                 continue;
             }
-            let lowered = interval > shape[place].2;
+            let lowered = interval > was;
             let recent = recent.filter(|_| lowered).and_then(|r| {
                 let used = if leased.cost { r.cost } else { r.requests };
                 let span_us = u64::try_from(r.span.as_micros()).unwrap_or(u64::MAX);
@@ -137,12 +140,30 @@ impl RedisAccounts {
             ops.push(Op::Replace { member: index, limit: place, interval, tolerance, lowered, recent });
         }
         for op in ops {
-            if let Op::Replace { limit, interval, .. } = op {
-                shape[limit].2 = interval;
+            if let Op::Replace { limit, interval, tolerance, .. } = op {
+                shape[limit].current = (interval, tolerance);
             }
             self.inner.send(op);
         }
         member.max_cost.store(max_cost, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+impl Inner {
+    /// Redis answered a batch with no replaced limit on record (it restarted empty, or
+    /// was flushed): this replica sends again the limits it replaced, each moved from
+    /// the declared one.
+    pub(super) fn replace_again(&self) {
+        for (index, member) in self.members.iter().enumerate() {
+            let shape = member.shape.lock().unwrap_or_else(PoisonError::into_inner);
+            for (place, l) in shape.iter().enumerate() {
+                if l.current != l.declared {
+                    let (interval, tolerance) = l.current;
+                    let lowered = interval > l.declared.0;
+                    self.send(Op::Replace { member: index, limit: place, interval, tolerance, lowered, recent: None });
+                }
+            }
+        }
     }
 }

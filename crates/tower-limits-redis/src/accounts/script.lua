@@ -482,4 +482,6 @@ while i + 4 <= #ARGV do
   end
   i = i + 5
 end
+-- a store whose limits may be replaced learns when none is on record (Redis lost them)
+if LEARN and call('EXISTS', LEARNED) == 0 then return -1 end
 return 1
