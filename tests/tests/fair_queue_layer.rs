@@ -306,11 +306,11 @@ async fn bands_go_in_order_and_a_lower_band_keeps_its_minimum_share() {
     assert!(order[51..].iter().all(|&t| t == 2), "{order:?}");
 }
 
-/// A tenant waiting in two bands is one tenant to the fleet: the backlog the layer
-/// publishes (when a request reaches the rate's gate) names it once, with all its
-/// waiting requests.
-#[tokio::test(start_paused = true)]
-async fn a_tenant_in_two_bands_is_published_to_the_fleet_once() {
+/// A fleet replica's layer with two bands (the second keeping 20%) over a rate of one a
+/// second with a burst of two, and its calls: tenant 1 takes both tokens; tenant 0's
+/// first request waits at the gate, two more queue in the first band (cost 1) and one in
+/// the second (cost 2).
+async fn banded_fleet_replica() -> (Arc<tower_limits::core::FleetShares>, JoinSet<Result<(), BoxError>>) {
     let fleet = Arc::new(tower_limits::core::FleetShares::new());
     let queue = config(&[1, 1]).band("interactive", 0).band("batch", 20);
     let fair = FairQueueLayer::rate(queue, bucket(Quota::per_second(nz!(1)).burst(nz!(2))))
@@ -321,14 +321,21 @@ async fn a_tenant_in_two_bands_is_published_to_the_fleet_once() {
         .cost(costs());
     let svc = ServiceBuilder::new().layer(fair).service(tower::service_fn(|_: Job| async { Ok::<_, BoxError>(()) }));
     let mut calls = JoinSet::new();
-    // Tenant 1 takes both tokens; tenant 0's first request waits at the gate, two more
-    // queue in the first band (cost 1) and one in the second (cost 2).
     for job in [(1, 2), (0, 1), (0, 1), (0, 1), (0, 2)] {
         let mut svc = svc.clone();
         let call = svc.ready().await.unwrap().call(job);
         calls.spawn(call);
         settle().await;
     }
+    (fleet, calls)
+}
+
+/// A tenant waiting in two bands is one tenant to the fleet: the backlog the layer
+/// publishes (when a request reaches the rate's gate) names it once, with all its
+/// waiting requests.
+#[tokio::test(start_paused = true)]
+async fn a_tenant_in_two_bands_is_published_to_the_fleet_once() {
+    let (fleet, mut calls) = banded_fleet_replica().await;
     // A second later the gate admits it, and the next request of the first band takes
     // its place: the backlog is published.
     tokio::time::advance(Duration::from_millis(1_000)).await;
@@ -347,22 +354,7 @@ async fn a_tenant_in_two_bands_is_published_to_the_fleet_once() {
 /// next, though an earlier band has requests queued.
 #[tokio::test(start_paused = true)]
 async fn the_layer_dispatches_from_the_band_the_fleet_names() {
-    let fleet = Arc::new(tower_limits::core::FleetShares::new());
-    let queue = config(&[1, 1]).band("interactive", 0).band("batch", 20);
-    let fair = FairQueueLayer::rate(queue, bucket(Quota::per_second(nz!(1)).burst(nz!(2))))
-        .unwrap()
-        .fleet(fleet.clone())
-        .key(keys())
-        .band(|job: &Job| (job.1 == 2).then_some(1))
-        .cost(costs());
-    let svc = ServiceBuilder::new().layer(fair).service(tower::service_fn(|_: Job| async { Ok::<_, BoxError>(()) }));
-    let mut calls = JoinSet::new();
-    for job in [(1, 2), (0, 1), (0, 1), (0, 1), (0, 2)] {
-        let mut svc = svc.clone();
-        let call = svc.ready().await.unwrap().call(job);
-        calls.spawn(call);
-        settle().await;
-    }
+    let (fleet, mut calls) = banded_fleet_replica().await;
     // The store asks for the batch band: the gate's next request is the batch one.
     fleet.set_next_band(Some(1));
     tokio::time::advance(Duration::from_millis(1_000)).await;
