@@ -33,9 +33,11 @@
 //! **Priority bands.** A fair queue with bands tells the handle their minimum shares
 //! ([`set_bands`](FleetShares::set_bands)) and, with each backlog, the band of the
 //! request it acquires. The store then orders the bands for the fleet as the queue does
-//! for itself: the first band with a replica waiting goes first, unless a later band
-//! waiting fleet-wide is owed its minimum share of what the fleet dispatched; inside a
-//! band, replicas are weighed by their tenants waiting in that band only.
+//! for itself: the first band with work goes first, unless a later band with work
+//! fleet-wide is owed its minimum share of what the fleet dispatched; inside a band,
+//! replicas are weighed by their tenants waiting in that band only. The store also names
+//! the band each replica dispatches from next ([`next_band`](FleetShares::next_band)), so
+//! that no replica holds a request of a band whose turn has not come.
 //!
 //! ```
 //! use tower_limits_core::TenantKey;
@@ -172,15 +174,20 @@ impl FleetShares {
     /// request it is about to acquire, replacing the last ones. A tenant waiting in
     /// several bands may be listed once per band.
     pub fn publish(&self, backlog: impl IntoIterator<Item = Waiting>, band: usize) {
-        let mut merged: Vec<(TenantKey, u32, u64, u64)> = Vec::new();
+        let backlog = backlog.into_iter();
+        let mut merged: Vec<(TenantKey, u32, u64, u64)> = Vec::with_capacity(backlog.size_hint().0);
+        let mut at: HashMap<TenantKey, usize> = HashMap::with_capacity(backlog.size_hint().0);
         for w in backlog {
             let bit = band_bit(w.band);
-            match merged.iter_mut().find(|e| e.0 == w.key) {
-                Some(e) => {
-                    e.2 += w.requests;
-                    e.3 |= bit;
+            match at.get(&w.key) {
+                Some(&i) => {
+                    merged[i].2 += w.requests;
+                    merged[i].3 |= bit;
                 }
-                None => merged.push((w.key, w.weight, w.requests, bit)),
+                None => {
+                    at.insert(w.key.clone(), merged.len());
+                    merged.push((w.key, w.weight, w.requests, bit));
+                }
             }
         }
         let mut state = self.lock();

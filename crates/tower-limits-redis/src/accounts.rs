@@ -81,6 +81,12 @@
 //! granted by Redis by the replicas' weighted demand, and decides from it locally. The
 //! scheme and its bounds are in [`lease`].
 //!
+//! # Limits replaced while the fleet runs
+//!
+//! Built with [`RedisAccountsBuilder::replaceable_limits`], a member's limits can be
+//! replaced for every replica ([`RedisAccounts::replace_member_limits`]): an account's
+//! quota learned from its upstream. The scheme and its bounds are in [`replace`].
+//!
 //! # One round trip, batched, after the call
 //!
 //! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
@@ -143,7 +149,7 @@ mod batches;
 mod builder;
 pub mod lease;
 mod renewal;
-mod replace;
+pub mod replace;
 
 pub use builder::RedisAccountsBuilder;
 

@@ -63,7 +63,7 @@ impl RedisAccounts {
     /// `policy`: the same limits (names, in order, each counting what it counted) at new
     /// rates and bursts, such as the account's quota learned from its upstream. `recent`
     /// tells what this replica admitted over the upstream's window, charged to the limits
-    /// whose rate is lowered (see the [module docs](self::replace)). The change reaches
+    /// whose rate is lowered (see the [module docs](self)). The change reaches
     /// Redis in the background, with the settles, and every replica's next call. `now` is
     /// the caller's clock (a store on a manual clock sends it; Redis's own otherwise).
     ///
