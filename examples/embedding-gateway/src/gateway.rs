@@ -47,8 +47,10 @@
 //! With Redis, the replicas share the upstream accounts (`RedisAccounts`) and their fair
 //! queues share them by the tenants' weights across the fleet: each fair queue reports
 //! its backlog through a `FleetShares` handle and weighs its tenants by this replica's
-//! share of their demand (the Redis guide's "Fleet-wide weighted fairness"); in memory
-//! the fair queue is exactly the single-process one.
+//! share of their demand (the Redis guide's "Fleet-wide weighted fairness"), and the
+//! shared accounts order its priority bands for the fleet; in memory the fair queue is
+//! exactly the single-process one. The accounts' limits learned from the upstream
+//! replace the fleet's mirrors (`learning`).
 //!
 //! With Redis, the plans' services sit in a [`PlanSlot`]: a gateway can start before
 //! Redis answers ([`Gateway::awaiting_redis`], following `gateway.backend_failure`) and

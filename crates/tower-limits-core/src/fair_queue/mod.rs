@@ -569,7 +569,7 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
     ///
     /// let config = FairQueueConfig::new().band("interactive", 0).band("batch", 10);
     /// let mut queue = FairQueue::new(config).unwrap();
-    /// queue.enqueue_in(1, "a", 5, ()).unwrap();
+    /// queue.enqueue_in(1, "a", 1, 5, ()).unwrap();
     /// assert_eq!(queue.band_backlog(0).count(), 0);
     /// assert_eq!(queue.band_backlog(1).collect::<Vec<_>>(), [(&"a", 1, 5)]);
     /// ```
