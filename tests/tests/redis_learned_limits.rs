@@ -1,7 +1,7 @@
 //! Law 34: account limits replaced while a fleet runs. A member's limits replaced by one
 //! replica (say, learned from the upstream's answers) decide every replica's next call;
 //! a lowered rate counts what its mirror holds at the new pace and charges the calls the
-//! replicas admitted over the upstream's window; a fleet declared otherwise ignores the
+//! fleet admitted over the upstream's window, whichever replica lowers it; a fleet declared otherwise ignores the
 //! replacement; after Redis restarts empty the replicas replace their limits again; a replacement that does not keep the member's limits is refused. Time is
 //! a manual clock given to the script: the waits are exact. Law numbers are those of
 //! `crates/tower-limits/docs/laws.md`.
@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, SharedGrant, nz};
 use tower_limits_redis::BuildError;
-use tower_limits_redis::accounts::RecentUse;
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{AccountLeases, RedisAccounts, RedisConnection};
 
@@ -31,7 +30,7 @@ fn store(conn: &RedisConnection, ns: &str, per_second: u32) -> RedisAccounts {
         .namespace(ns)
         .timeout(Duration::from_secs(5))
         .manual_clock()
-        .replaceable_limits()
+        .replaceable_limits(Duration::from_secs(1))
         .member("a", account(per_second))
         .build(conn)
         .unwrap()
@@ -70,47 +69,58 @@ fn a_limit_replaced_by_one_replica_decides_for_every_replica() {
         let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
         // Declared: 10 a second, and a burst of one: 10 s give 100 (the first at once).
         assert_eq!(granted(&b, 0, 10_000 * MS).await, 100);
-        // Replica a learns half the rate; b's calls follow at once.
-        a.replace_member_limits(0, &account(5), None, at(10_000 * MS)).unwrap();
+        // Replica a learns half the rate; b's calls follow at once: the last second's 10
+        // requests at the new pace end at 11 s, then 5 a second.
+        a.replace_member_limits(0, &account(5), at(10_000 * MS)).unwrap();
         a.flush().await;
-        assert_eq!(granted(&b, 10_000 * MS, 20_000 * MS).await, 50);
+        assert_eq!(granted(&b, 10_000 * MS, 20_000 * MS).await, 45);
         // And back up.
-        a.replace_member_limits(0, &account(10), None, at(20_000 * MS)).unwrap();
+        a.replace_member_limits(0, &account(10), at(20_000 * MS)).unwrap();
         a.flush().await;
         assert_eq!(granted(&b, 20_000 * MS, 30_000 * MS).await, 100);
     });
 }
 
 #[test]
-fn a_lowered_rate_charges_what_the_replicas_admitted_over_the_window() {
-    let Some(server) = redis_for("a_lowered_rate_charges_what_the_replicas_admitted_over_the_window") else {
+fn a_lowered_rate_charges_what_the_fleet_admitted_over_the_window() {
+    let Some(server) = redis_for("a_lowered_rate_charges_what_the_fleet_admitted_over_the_window") else {
         return;
     };
     runtime().block_on(async {
         let ns = namespace("learned-recent");
         let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
+        // Replica b alone admits at the declared pace, one request every 100 ms, the last at
+        // 1 s. The mirror holds it (100 ms); at 5 a second, 200 ms.
+        for step in 1..=10 {
+            b.acquire(1, at(step * 100 * MS)).await.unwrap();
+        }
         let t0 = 1_000 * MS;
+        // Replica a learns half the rate, though it admitted nothing: the fleet's 10
+        // requests of the last second end, at the new pace, 2 s after the span's start,
+        // 1 s from now, and the next request waits for them.
+        a.replace_member_limits(0, &account(5), at(t0)).unwrap();
+        a.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_000));
+        // A raise charges nothing, and keeps what the mirror holds.
+        a.replace_member_limits(0, &account(10), at(t0)).unwrap();
+        a.flush().await;
+        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_000));
+    });
+}
+
+#[test]
+fn a_lowered_rate_converts_what_its_mirror_holds_to_the_new_pace() {
+    let Some(server) = redis_for("a_lowered_rate_converts_what_its_mirror_holds_to_the_new_pace") else { return };
+    runtime().block_on(async {
+        let ns = namespace("learned-convert");
+        let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
+        // One request at 10 s, none before within the span: the mirror holds 100 ms, at 5
+        // a second 200 ms, more than the recent use asks (200 ms - 1 s).
+        let t0 = 10_000 * MS;
         b.acquire(1, at(t0)).await.unwrap();
-        // The mirror holds one request, 100 ms at 10 a second: at 5 a second, 200 ms.
-        a.replace_member_limits(0, &account(5), None, at(t0)).unwrap();
+        a.replace_member_limits(0, &account(5), at(t0)).unwrap();
         a.flush().await;
         assert_eq!(wait_at(&b, t0).await, Duration::from_millis(200));
-        // At 4 a second, 250 ms. Replica a had admitted 10 requests over the last second:
-        // at the new pace they end 2.5 s after the span's start, 1.5 s from now; the next
-        // request waits for them.
-        let second = Duration::from_secs(1);
-        let recent = |requests| Some(RecentUse { requests, cost: 0, span: second });
-        a.replace_member_limits(0, &account(4), recent(10), at(t0)).unwrap();
-        a.flush().await;
-        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_500));
-        // Replica b meets the same limit and adds its own 5 requests.
-        b.replace_member_limits(0, &account(4), recent(5), at(t0)).unwrap();
-        b.flush().await;
-        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(1_500 + 1_250));
-        // A raise charges nothing, whatever it is told, and keeps what the mirror holds.
-        a.replace_member_limits(0, &account(10), recent(50), at(t0)).unwrap();
-        a.flush().await;
-        assert_eq!(wait_at(&b, t0).await, Duration::from_millis(2_750));
     });
 }
 
@@ -120,7 +130,7 @@ fn a_fleet_declared_otherwise_starts_from_its_own_limits() {
     runtime().block_on(async {
         let ns = namespace("learned-redeclared");
         let old = store(&connect(&server.url()).await, &ns, 10);
-        old.replace_member_limits(0, &account(5), None, at(0)).unwrap();
+        old.replace_member_limits(0, &account(5), at(0)).unwrap();
         old.flush().await;
         // A replica declared as the old one decides with the replaced limit...
         let same = store(&connect(&server.url()).await, &ns, 10);
@@ -129,7 +139,7 @@ fn a_fleet_declared_otherwise_starts_from_its_own_limits() {
         // ...one declared at 20 a second does not.
         let ns = namespace("learned-redeclared-2");
         let first = store(&connect(&server.url()).await, &ns, 10);
-        first.replace_member_limits(0, &account(5), None, at(0)).unwrap();
+        first.replace_member_limits(0, &account(5), at(0)).unwrap();
         first.flush().await;
         let other = store(&connect(&server.url()).await, &ns, 20);
         other.acquire(1, at(0)).await.unwrap();
@@ -146,7 +156,7 @@ fn after_redis_restarts_empty_the_replicas_replace_their_limits_again() {
         let ns = namespace("learned-lost");
         let (a, b) = (store(&connect(&server.url()).await, &ns, 10), store(&connect(&server.url()).await, &ns, 10));
         let t = 5_000 * MS;
-        a.replace_member_limits(0, &account(5), None, at(t)).unwrap();
+        a.replace_member_limits(0, &account(5), at(t)).unwrap();
         a.flush().await;
         let mut admin = admin(&server.url()).await;
         let _: () = cmd(&mut admin, &["FLUSHALL"]).await;
@@ -168,22 +178,22 @@ fn a_replacement_that_does_not_keep_the_members_limits_is_refused() {
         let ns = namespace("learned-errors");
         let s = store(&conn, &ns, 10);
         let renamed = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_second(nz!(5)).burst(nz!(1))));
-        let e = s.replace_member_limits(0, &renamed, None, at(0)).unwrap_err();
+        let e = s.replace_member_limits(0, &renamed, at(0)).unwrap_err();
         assert!(e.to_string().contains("[\"rps\"]"), "{e}");
-        let e = s.replace_member_limits(1, &account(5), None, at(0)).unwrap_err();
+        let e = s.replace_member_limits(1, &account(5), at(0)).unwrap_err();
         assert!(e.to_string().contains("no member at 1"), "{e}");
         let counting_cost = LimitSetPolicy::new()
             .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(5)).burst(nz!(1))).counting_cost());
-        assert!(s.replace_member_limits(0, &counting_cost, None, at(0)).is_err());
+        assert!(s.replace_member_limits(0, &counting_cost, at(0)).is_err());
         // Not replaceable: said so.
         let fixed = RedisAccounts::builder("accounts").namespace(&ns).member("a", account(10)).build(&conn).unwrap();
-        let e = fixed.replace_member_limits(0, &account(5), None, at(0)).unwrap_err();
+        let e = fixed.replace_member_limits(0, &account(5), at(0)).unwrap_err();
         assert!(e.to_string().contains("replaceable_limits"), "{e}");
         // Leases decide from the declared limits: not both.
         let both = RedisAccounts::builder("accounts")
             .namespace(&ns)
             .member("a", account(10))
-            .replaceable_limits()
+            .replaceable_limits(Duration::from_secs(1))
             .leases(AccountLeases::new())
             .build(&conn);
         assert!(matches!(both, Err(BuildError::Invalid { field: "replaceable_limits", .. })), "{both:?}");

@@ -155,7 +155,6 @@ pub use builder::RedisAccountsBuilder;
 
 pub use lease::AccountLeases;
 use lease::{Decision, Leases};
-pub use replace::RecentUse;
 
 /// How long a replica's reported demand counts after its last acquisition, us.
 const DEMAND_LIVES_US: u64 = 250_000;
@@ -270,15 +269,13 @@ enum Op {
         tokens: i64,
     },
     /// New limits for a member's limit at `limit` (its place): interval and tolerance
-    /// (ns), whether they lower it (else they raise it), and the units this replica
-    /// admitted over the last `span_us` when its rate was lowered.
+    /// (ns), and whether they lower it (else they raise it).
     Replace {
         member: usize,
         limit: usize,
         interval: u64,
         tolerance: u64,
         lowered: bool,
-        recent: Option<(u64, u64)>,
     },
     /// Answered once everything queued before it was sent and answered (or given up).
     Flush(oneshot::Sender<()>),
@@ -310,7 +307,7 @@ impl RedisAccounts {
             fleet: None,
             manual_clock: false,
             leases: None,
-            replaceable: false,
+            replaceable: None,
         }
     }
 

@@ -675,7 +675,9 @@ impl Gateway {
             store = store.member(name.clone(), policy.clone());
         }
         if self.learning.is_some() {
-            store = store.replaceable_limits();
+            // What the upstreams count when they decide: the longest window, and jitter.
+            let window = r.account_list.iter().map(|a| a.window).max().unwrap_or_default();
+            store = store.replaceable_limits(window + r.mirror.jitter);
         }
         if !r.lease_refresh.is_zero() {
             store = store.leases(

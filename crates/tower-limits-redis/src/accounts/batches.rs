@@ -24,16 +24,13 @@ pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::Unb
             let fields = match op {
                 Op::Adjust { member, requests, cost } => [1, member as i64 + 1, requests, cost, 0],
                 Op::Report { member, retry_us, requests, tokens } => [2, member as i64 + 1, retry_us, requests, tokens],
-                Op::Replace { member, limit, interval, tolerance, lowered, recent } => {
-                    // The recent use follows its replacement in the same call.
-                    let (m, l) = (member as i64 + 1, limit as i64 + 1);
-                    let kind = if lowered { 3 } else { 5 };
-                    args.extend([kind, m, l, signed(interval), signed(tolerance)].iter().map(i64::to_string));
-                    match recent {
-                        Some((used, span_us)) => [4, m, l, signed(used), signed(span_us)],
-                        None => continue,
-                    }
-                }
+                Op::Replace { member, limit, interval, tolerance, lowered } => [
+                    if lowered { 3 } else { 5 },
+                    member as i64 + 1,
+                    limit as i64 + 1,
+                    signed(interval),
+                    signed(tolerance),
+                ],
                 Op::Flush(done) => {
                     flushes.push(done);
                     continue;

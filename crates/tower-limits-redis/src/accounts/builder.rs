@@ -33,7 +33,7 @@ pub struct RedisAccountsBuilder {
     pub(super) fleet: Option<Arc<FleetShares>>,
     pub(super) manual_clock: bool,
     pub(super) leases: Option<AccountLeases>,
-    pub(super) replaceable: bool,
+    pub(super) replaceable: Option<Duration>,
 }
 
 impl RedisAccountsBuilder {
@@ -111,17 +111,22 @@ impl RedisAccountsBuilder {
 
     /// Lets the members' limits be replaced while the fleet runs
     /// ([`RedisAccounts::replace_member_limits`]), for every replica: limits learned from
-    /// the upstream's answers. Each call then reads the pool's replaced limits (one small
-    /// hash); not with [`leases`](Self::leases), which decide from the declared limits.
+    /// the upstream's answers. `span` is what the upstream counts when it decides (its
+    /// window, and the jitter of its answers): Redis keeps what the fleet was charged over
+    /// it, in tenths, and a lowered limit is charged with it. Each call then reads the
+    /// pool's replaced limits (one small hash) and records its charge; not with
+    /// [`leases`](Self::leases), which decide from the declared limits.
     ///
     /// ```
+    /// use std::time::Duration;
     /// use tower_limits_redis::RedisAccounts;
     ///
-    /// let builder = RedisAccounts::builder("accounts").replaceable_limits();
+    /// // Accounts limited per minute, their answers a second apart at most.
+    /// let builder = RedisAccounts::builder("accounts").replaceable_limits(Duration::from_secs(61));
     /// # drop(builder);
     /// ```
-    pub fn replaceable_limits(mut self) -> Self {
-        self.replaceable = true;
+    pub fn replaceable_limits(mut self, span: Duration) -> Self {
+        self.replaceable = Some(span);
         self
     }
 
@@ -171,7 +176,13 @@ impl RedisAccountsBuilder {
                 "an upstream account cannot fail open: choose FailClosed or Fallback".into(),
             ));
         }
-        if self.replaceable && self.leases.is_some() {
+        if self.replaceable.is_some_and(|span| span < Duration::from_millis(1)) {
+            return Err(invalid(
+                "replaceable_limits",
+                "the span the upstream counts must be at least a millisecond".into(),
+            ));
+        }
+        if self.replaceable.is_some() && self.leases.is_some() {
             return Err(invalid(
                 "replaceable_limits",
                 "leases decide from the limits declared at build: choose leases or replaceable limits".into(),
@@ -254,7 +265,10 @@ impl RedisAccountsBuilder {
         keys.push(format!("{prefix}lost"));
         let _ = writeln!(table, "local LOST = KEYS[{}]", keys.len());
         keys.push(format!("{prefix}learned"));
-        let _ = writeln!(table, "local LEARNED, LEARN = KEYS[{}], {}", keys.len(), self.replaceable);
+        let _ = writeln!(table, "local LEARNED, LEARN = KEYS[{}], {}", keys.len(), self.replaceable.is_some());
+        keys.push(format!("{prefix}recent"));
+        let slot_us = self.replaceable.map_or(1, |span| (span.as_micros() / 10).max(1));
+        let _ = writeln!(table, "local RECENT, SLOT = KEYS[{}], {slot_us}", keys.len());
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
         let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
         let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
@@ -292,7 +306,7 @@ impl RedisAccountsBuilder {
             last_now_us: AtomicU64::new(0),
             reached: AtomicBool::new(false),
             leases: self.leases.map(|settings| Leases::new(settings, leased)),
-            replaceable: self.replaceable,
+            replaceable: self.replaceable.is_some(),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         // On a manual clock the test chooses when leases are refreshed.

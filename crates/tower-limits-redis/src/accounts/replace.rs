@@ -12,15 +12,17 @@
 //! with that news, and each replica sends again the limits it replaced, so the fleet's
 //! mirrors decide from the declared limits for about one batch.
 //!
-//! **A lowered rate meets what the upstream still counts.** Its mirror's debt (what it
-//! holds beyond now) is converted to the new pace: the units it holds, each at the new
-//! interval. And the calls admitted at the old pace that the upstream still counts: each
-//! replica that replaces the limit passes the units it admitted over the upstream's
-//! window ([`RecentUse`]); the first (the one that changes the limit) charges the mirror
-//! to at least `units × interval - span`, as if they had been admitted back to back at the
-//! new pace from the start of the span, and every replica that replaces it with the same
-//! limits within the span adds its own `units × interval`. The fleet's mirror then waits
-//! for the upstream's window to drain instead of sending its burst into it.
+//! **A lowered rate meets what the upstream still counts.** The calls admitted at the old
+//! pace are still in the upstream's window. Redis keeps what the fleet was charged on each
+//! member over the span the upstream counts (its window and the jitter of its answers,
+//! given to [`replaceable_limits`](super::RedisAccountsBuilder::replaceable_limits)), in
+//! tenths of it: hash `<namespace>:{<pool>}:recent`, written by every charge and settle.
+//! A lowered limit's mirror is charged to at least `units × interval − span`, as if those
+//! units had been admitted back to back at the new pace from the start of the span
+//! (counting the tenth under way as well: at most a tenth more than the span), and what
+//! it held is converted to the new pace. The fleet's mirror then waits for the upstream's
+//! window to drain instead of sending its burst into it, whichever replica learned the
+//! change first: it counts every replica's calls.
 //!
 //! **Replicas that learn at different times.** A replacement says which way it moves
 //! each limit (it lowers a limit whose interval grows, raises the others), as the replica
@@ -30,7 +32,6 @@
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use tower_limits_core::{Instant, LimitSetPolicy};
 
@@ -38,34 +39,14 @@ use super::builder::mirror_of;
 use super::{Inner, Op, RedisAccounts};
 use crate::error::BuildError;
 
-/// What a replica admitted of a member over the upstream's last window (and the jitter of
-/// its answers), for a limit whose rate is lowered: see the [module docs](self).
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_limits_redis::accounts::RecentUse;
-///
-/// let recent = RecentUse { requests: 40, cost: 12_000, span: Duration::from_millis(1_100) };
-/// assert_eq!(recent.requests, 40);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RecentUse {
-    /// Requests admitted over the span (for the limits counting requests).
-    pub requests: u64,
-    /// Cost admitted over the span (for the limits counting cost).
-    pub cost: u64,
-    /// The span: the upstream's window and the jitter of its answers.
-    pub span: Duration,
-}
-
 impl RedisAccounts {
     /// Replaces the limits of the member at `index` (by place) for the whole fleet, with
     /// `policy`: the same limits (names, in order, each counting what it counted) at new
-    /// rates and bursts, such as the account's quota learned from its upstream. `recent`
-    /// tells what this replica admitted over the upstream's window, charged to the limits
-    /// whose rate is lowered (see the [module docs](self)). The change reaches
-    /// Redis in the background, with the settles, and every replica's next call. `now` is
-    /// the caller's clock (a store on a manual clock sends it; Redis's own otherwise).
+    /// rates and bursts, such as the account's quota learned from its upstream. A lowered
+    /// limit is charged with what the fleet admitted over the span the upstream counts
+    /// (see the [module docs](self)). The change reaches Redis in the background, with the
+    /// settles, and every replica's next call. `now` is the caller's clock (a store on a
+    /// manual clock sends it; Redis's own otherwise).
     ///
     /// # Errors
     /// [`BuildError::Invalid`] when the store was not built with
@@ -76,25 +57,20 @@ impl RedisAccounts {
     ///
     /// ```no_run
     /// # async fn run(conn: tower_limits_redis::RedisConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
     /// use tower_limits_core::{Instant, LimitPolicy, LimitSetPolicy, Quota, nz};
     /// use tower_limits_redis::RedisAccounts;
     ///
     /// let account = |rpm| LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_minute(rpm)));
     /// let accounts = RedisAccounts::builder("accounts")
     ///     .member("primary", account(nz!(600)))
-    ///     .replaceable_limits()
+    ///     .replaceable_limits(Duration::from_secs(61))
     ///     .build(&conn)?;
     /// // The upstream says the account allows half of it.
-    /// accounts.replace_member_limits(0, &account(nz!(300)), None, Instant::ZERO)?;
+    /// accounts.replace_member_limits(0, &account(nz!(300)), Instant::ZERO)?;
     /// # Ok(()) }
     /// ```
-    pub fn replace_member_limits(
-        &self,
-        index: usize,
-        policy: &LimitSetPolicy,
-        recent: Option<RecentUse>,
-        now: Instant,
-    ) -> Result<(), BuildError> {
+    pub fn replace_member_limits(&self, index: usize, policy: &LimitSetPolicy, now: Instant) -> Result<(), BuildError> {
         let invalid = |message: String| BuildError::Invalid { field: "replace_member_limits", message };
         if !self.inner.replaceable {
             return Err(invalid("the store was built without replaceable_limits()".into()));
@@ -131,13 +107,7 @@ impl RedisAccounts {
             if interval == was {
                 continue;
             }
-            let lowered = interval > was;
-            let recent = recent.filter(|_| lowered).and_then(|r| {
-                let used = if leased.cost { r.cost } else { r.requests };
-                let span_us = u64::try_from(r.span.as_micros()).unwrap_or(u64::MAX);
-                (used > 0).then_some((used, span_us))
-            });
-            ops.push(Op::Replace { member: index, limit: place, interval, tolerance, lowered, recent });
+            ops.push(Op::Replace { member: index, limit: place, interval, tolerance, lowered: interval > was });
         }
         for op in ops {
             if let Op::Replace { limit, interval, tolerance, .. } = op {
@@ -161,7 +131,7 @@ impl Inner {
                 if l.current != l.declared {
                     let (interval, tolerance) = l.current;
                     let lowered = interval > l.declared.0;
-                    self.send(Op::Replace { member: index, limit: place, interval, tolerance, lowered, recent: None });
+                    self.send(Op::Replace { member: index, limit: place, interval, tolerance, lowered });
                 }
             }
         }

@@ -74,12 +74,36 @@ local function parts(n, names, weights, mine, total, counts)
   if W <= 0 then W = 1 end
   return W, shares
 end
+-- what the fleet was charged recently, per member, in slots of a tenth of the span the
+-- upstream counts (a store with replaceable limits): fields 'm:slot:r' (requests) and
+-- 'm:slot:c' (cost) of RECENT; a slot leaves once eleven are newer
+local function record(m, requests, cost)
+  if not LEARN then return end
+  local slot = floor(NOW / SLOT)
+  if requests ~= 0 then call('HINCRBY', RECENT, m .. ':' .. slot .. ':r', requests) end
+  if cost ~= 0 then call('HINCRBY', RECENT, m .. ':' .. slot .. ':c', cost) end
+  call('HDEL', RECENT, m .. ':' .. (slot - 11) .. ':r', m .. ':' .. (slot - 11) .. ':c')
+  call('PEXPIRE', RECENT, fmt('%.0f', ceil(SLOT * 12 / 1000) + 1000 + SLACK))
+end
+-- what the fleet was charged on member m over the span (and the slot under way), in the
+-- units limit l counts
+local function recent(m, l)
+  local slot, kind, sum = floor(NOW / SLOT), 'r', 0
+  if l.c == 1 then kind = 'c' end
+  for s = slot - 10, slot do
+    local v = call('HGET', RECENT, m .. ':' .. s .. ':' .. kind)
+    if v then sum = sum + tonumber(v) end
+  end
+  if sum < 0 then return 0 end
+  return sum
+end
 local function charge(best, ds, cost)
   for i, l in ipairs(M[best].l) do
     local need = 1
     if l.c == 1 then need = cost end
     put(KEYS[l.k], ds[i] + need * l.iv)
   end
+  record(best, 1, cost)
 end
 -- the members' limits replaced at run time (RedisAccounts::replace_member_limits): the
 -- field 'm:i' of LEARNED is "when iv tol, declared iv and tol"; it counts only while the
@@ -95,7 +119,7 @@ if LEARN then
     local at, iv, tol, div, dtol = string.match(learned[j + 1], '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
     local l = m and M[tonumber(m)] and M[tonumber(m)].l[tonumber(i)]
     if l and dtol and tonumber(div) == l.iv and tonumber(dtol) == l.tol then
-      l.at, l.iv, l.tol = tonumber(at), tonumber(iv), tonumber(tol)
+      l.iv, l.tol = tonumber(iv), tonumber(tol)
     end
   end
 end
@@ -426,33 +450,23 @@ end
 --   kind 3 (lower) and 5 (raise): the limit's place, its new interval and tolerance
 --     (ns), applied only if it moves the limit that way (a replica that learned late
 --     does not undo what another learned since)
---   kind 4 (recent use): the limit's place, the units the replica had admitted over the
---     span, the span (us)
-local changed = {}
 local i = 2
 while i + 4 <= #ARGV do
   local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
   if M[m] and kind >= 3 then
     local l = M[m].l[x]
     if l and ((kind == 3 and y > l.iv) or (kind == 5 and y < l.iv)) then
-      -- a lowered rate counts what its mirror holds at the new pace
-      if y > l.iv then
-        local d = debt(KEYS[l.k])
-        if d > 0 then put(KEYS[l.k], d * y / l.iv) end
+      -- a lowered rate counts what its mirror holds at the new pace, and at least what
+      -- the fleet was charged over the span the upstream counts, as if admitted back to
+      -- back at the new pace from the span's start
+      if kind == 3 then
+        local d = debt(KEYS[l.k]) * y / l.iv
+        local want = recent(m, l) * y - SLOT * 10000
+        if want > d then d = want end
+        if d > 0 then put(KEYS[l.k], d) end
       end
       call('HSET', LEARNED, m .. ':' .. x, fmt('%.0f %.0f %.0f %.0f %.0f', NOW, y, z, l.div, l.dtol))
-      l.iv, l.tol, l.at = y, z, NOW
-      changed[m .. ':' .. x] = true
-    elseif l and kind == 4 and y > 0 then
-      -- what the upstream still counts of the calls admitted at the old pace: the first
-      -- replica to report the change charges its own at least, the others add theirs
-      local d = debt(KEYS[l.k])
-      if changed[m .. ':' .. x] then
-        local want = y * l.iv - z * 1000
-        if want > d then put(KEYS[l.k], want) end
-      elseif l.at and l.at + z >= NOW then
-        put(KEYS[l.k], d + y * l.iv)
-      end
+      l.iv, l.tol = y, z
     end
   elseif M[m] then
     if kind == 1 then
@@ -461,6 +475,7 @@ while i + 4 <= #ARGV do
         if l.c == 1 then delta = y end
         if delta ~= 0 then put(KEYS[l.k], debt(KEYS[l.k]) + delta * l.iv) end
       end
+      record(m, x, y)
     else
       if x >= 0 then
         local until_us = NOW + x

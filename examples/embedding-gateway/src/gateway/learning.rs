@@ -23,9 +23,9 @@
 //! [`replaceable_limits`](tower_limits_redis::RedisAccountsBuilder::replaceable_limits):
 //! each replica learns from the answers it receives, and a learned quota replaces the
 //! account's mirror for the whole fleet
-//! ([`RedisAccounts::replace_member_limits`]), with the calls this replica had answered
-//! over the window (each replica that meets the same lowered quota adds its own, so the
-//! fleet's mirror waits for what the upstream still counts of all of them). Replicas see
+//! ([`RedisAccounts::replace_member_limits`]); Redis charges a lowered mirror with what
+//! the whole fleet admitted over the window and jitter, so that it waits for what the
+//! upstream still counts of every replica's calls. Replicas see
 //! the same stated limits and so learn the same quotas; a `429` lowers the fleet's mirror
 //! through the replica that met it. The replica's local mirror, which decides only while
 //! Redis is away, is rebuilt at its share (`1 / replicas`) of the learned quota. Not with
@@ -40,7 +40,6 @@ use tower_limits::core::learn::{LearnSettings, QuotaLearner};
 use tower_limits::core::policy::Counts;
 use tower_limits::{Instant, LimitPool, Snapshot, TenantKey, UpstreamReport};
 use tower_limits_redis::RedisAccounts;
-use tower_limits_redis::accounts::RecentUse;
 
 use crate::config::{Account, Config, MirrorSettings};
 
@@ -137,10 +136,10 @@ impl Learning {
         drop(learned);
         let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(store) = shared {
-            // The fleet's mirror is the whole account's; this replica's is its share.
-            let recent = RecentUse { requests: used.0, cost: used.1, span };
+            // The fleet's mirror is the whole account's (Redis charges a lowered one with
+            // what the fleet admitted over the span); this replica's is its share.
             match account.mirror_policy_for(requests, tokens, &self.mirror, self.max_request_tokens, 1) {
-                Ok(whole) => match store.replace_member_limits(index, &whole, Some(recent), now) {
+                Ok(whole) => match store.replace_member_limits(index, &whole, now) {
                     Ok(()) => tracing::info!(
                         account = %account.name,
                         requests,
