@@ -43,8 +43,8 @@ use tower_limits_redis::RedisAccounts;
 
 use crate::config::{Account, Config, MirrorSettings};
 
-/// What is learned of one account: its two quotas, and the calls answered over its last
-/// window and jitter (when, and their tokens).
+/// What is learned of one account: its two quotas, and (in memory) the calls answered
+/// over its last window and jitter (when, and their tokens).
 struct Learned {
     quotas: [QuotaLearner; 2],
     recent: VecDeque<(Instant, u64)>,
@@ -116,14 +116,18 @@ impl Learning {
         now: Instant,
     ) {
         let Some((account, learned)) = self.accounts.get(index) else { return };
+        // With Redis, the fleet's recent calls are counted there.
+        let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let mut learned = learned.lock().unwrap_or_else(PoisonError::into_inner);
         // The calls the upstream may still count: its window and the jitter.
         let span = account.window + self.mirror.jitter;
-        if !refused {
-            learned.recent.push_back((now, tokens));
-        }
-        while learned.recent.front().is_some_and(|(at, _)| now.saturating_since(*at) > span) {
-            learned.recent.pop_front();
+        if shared.is_none() {
+            if !refused {
+                learned.recent.push_back((now, tokens));
+            }
+            while learned.recent.front().is_some_and(|(at, _)| now.saturating_since(*at) > span) {
+                learned.recent.pop_front();
+            }
         }
         let before = (learned.quotas[0].learned(), learned.quotas[1].learned());
         let moved_requests = learned.quotas[0].observe(report.limit_requests, refused, now);
@@ -134,7 +138,6 @@ impl Learning {
         let (requests, tokens) = (learned.quotas[0].learned(), learned.quotas[1].learned());
         let used = (learned.recent.len() as u64, learned.recent.iter().map(|(_, t)| t).sum::<u64>());
         drop(learned);
-        let shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(store) = shared {
             // The fleet's mirror is the whole account's (Redis charges a lowered one with
             // what the fleet admitted over the span); this replica's is its share.
