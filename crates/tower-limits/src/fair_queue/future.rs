@@ -26,7 +26,10 @@ pub(crate) struct Held<B: Backend> {
     shared: Arc<Shared<B>>,
     key: TenantKey,
     grant: Option<B::Grant>,
-    settled: bool,
+    /// What the grant charged, until a settle corrects it.
+    cost: u64,
+    /// A settle gave cost back: the request at the gate may fit now.
+    gave_back: bool,
     /// When it was admitted (nothing without the `metrics` feature).
     lease: Lease,
 }
@@ -34,12 +37,12 @@ pub(crate) struct Held<B: Backend> {
 impl<B: Backend> Held<B> {
     /// What an admitted request holds; where admissions are counted. `weight` is the
     /// tenant's, read with the admission, when the fleet publishes admissions.
-    pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant, weight: Option<u32>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared<B>>, key: TenantKey, grant: B::Grant, cost: u64, weight: Option<u32>) -> Self {
         if let (Some(fleet), Some(weight)) = (&shared.fixed.fleet, weight) {
             fleet.admitted(&key, weight);
         }
         let lease = shared.fixed.meter.admitted(&shared.fixed.clock);
-        Held { shared, key, grant: Some(grant), settled: false, lease }
+        Held { shared, key, grant: Some(grant), cost, gave_back: false, lease }
     }
 
     /// Tells the backend what the upstream answered of its own limits.
@@ -54,7 +57,8 @@ impl<B: Backend> Held<B> {
         if let Some(grant) = self.grant.as_mut() {
             let now = self.shared.now();
             self.shared.fixed.backend.settle(&self.key, grant, actual, now);
-            self.settled = true;
+            self.gave_back |= actual < self.cost;
+            self.cost = actual;
         }
     }
 }
@@ -77,8 +81,10 @@ impl<B: Backend> Drop for Held<B> {
         if let Some(fleet) = &self.shared.fixed.fleet {
             fleet.finished(&self.key);
         }
-        // A settle may have given cost back: the request at the gate may fit now.
-        self.shared.release(self.settled);
+        // A settle that gave cost back may have made room for the request at the gate;
+        // one that kept or charged more did not, and retrying it would be a wasted call
+        // to a shared backend.
+        self.shared.release(self.gave_back);
         self.shared.fixed.meter.lease_ended(self.lease, &self.shared.fixed.clock);
     }
 }
@@ -293,9 +299,14 @@ where
                 StateProj::Waiting { waiting } => {
                     let admitted = ready!(waiting.waiter.poll_admit(cx));
                     let next = match admitted {
-                        Ok(Admitted { grant, weight, .. }) => {
-                            let held =
-                                Held::new(waiting.waiter.shared.clone(), waiting.waiter.key.clone(), grant, weight);
+                        Ok(Admitted { grant, cost, weight, .. }) => {
+                            let held = Held::new(
+                                waiting.waiter.shared.clone(),
+                                waiting.waiter.key.clone(),
+                                grant,
+                                cost,
+                                weight,
+                            );
                             match (waiting.inner.take(), waiting.req.take()) {
                                 (Some(mut inner), Some(mut req)) => {
                                     if let Some(grant) = held.grant.as_ref() {

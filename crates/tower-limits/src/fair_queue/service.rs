@@ -110,7 +110,7 @@ where
         match shared.arrive(&key, band, cost) {
             Arrival::Admitted(grant, weight) => {
                 self.extract.annotate.annotate(&mut req, &grant);
-                let held = Held::new(shared.clone(), key, grant, weight);
+                let held = Held::new(shared.clone(), key, grant, cost, weight);
                 ResponseFuture::called(self.inner.call(req), held, self.refusal.clone(), self.extract.usage.clone())
             }
             Arrival::Queued(ticket) => {

@@ -132,11 +132,11 @@ impl<B: Backend> Shared<B> {
     }
 
     /// An admitted request finished (or was dropped): its slot comes back. After a
-    /// settle (`settled`), which may have given cost back, the gate's request is tried
-    /// again at once.
-    pub(crate) fn release(&self, settled: bool) {
+    /// settle that gave cost back (`gave_back`), the gate's request is tried again at
+    /// once.
+    pub(crate) fn release(&self, gave_back: bool) {
         let mut wake = Wakers::default();
-        self.lock().release(&self.fixed, &mut self.clock(Instant::ZERO), &mut wake, settled);
+        self.lock().release(&self.fixed, &mut self.clock(Instant::ZERO), &mut wake, gave_back);
         wake.wake();
     }
 
@@ -178,6 +178,8 @@ pub(crate) enum WaiterStep<G> {
 /// admissions, the tenant's weight, read under the same lock).
 pub(crate) struct Admitted<G> {
     pub(crate) grant: G,
+    /// The cost the grant charged.
+    pub(crate) cost: u64,
     pub(crate) waited: Duration,
     pub(crate) weight: Option<u32>,
 }
@@ -400,7 +402,7 @@ impl<B: Backend> State<B> {
             Some(Outcome::Granted { grant, cost, since, at }) => {
                 let waited = at.saturating_since(since);
                 self.count_admission(key, cost, Some(waited), at);
-                WaiterStep::Done(Ok(Admitted { grant, waited, weight: self.fleet_weight(fx, key) }))
+                WaiterStep::Done(Ok(Admitted { grant, cost, waited, weight: self.fleet_weight(fx, key) }))
             }
             Some(Outcome::Refused(error)) => WaiterStep::Done(Err(error)),
             None => WaiterStep::Done(Err(Box::new(
@@ -434,9 +436,9 @@ impl<B: Backend> State<B> {
     }
 
     /// An admitted request let go of its slot.
-    fn release(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers, settled: bool) {
+    fn release(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers, gave_back: bool) {
         self.free_slot();
-        if settled || self.gate.as_ref().is_some_and(|g| g.on_release) {
+        if gave_back || self.gate.as_ref().is_some_and(|g| g.on_release) {
             self.retry_gate(fx, now, wake);
         } else {
             self.pump(fx, now, wake);
