@@ -139,9 +139,11 @@ impl Replica {
     }
 }
 
-/// What a run admitted: per grant, when, which replica, which tenant, what cost.
+/// What a run admitted: per grant, when, which replica, which tenant, what cost; and the
+/// acquisitions it took (one round trip each).
 struct Run {
     grants: Vec<(u64, usize, String, u64)>,
+    calls: usize,
 }
 
 impl Run {
@@ -184,6 +186,7 @@ impl Run {
 async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>) -> Run {
     let mut grants = Vec::new();
     let mut turn = 0;
+    let mut calls = 0;
     loop {
         let alive = |r: usize, at: u64| dead.is_none_or(|(d, when)| d != r || at < when);
         let Some(now) =
@@ -214,6 +217,7 @@ async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>)
                 }
                 rep.publish();
                 let (k, cost, _) = rep.gate.clone().unwrap();
+                calls += 1;
                 match rep.store.acquire_for(&k, cost, now).await {
                     Ok(_) => {
                         let name = k.to_string();
@@ -230,7 +234,7 @@ async fn drive(replicas: &mut [Replica], until: u64, dead: Option<(usize, u64)>)
             }
         }
     }
-    Run { grants }
+    Run { grants, calls }
 }
 
 const SECOND: u64 = 1_000_000_000;
@@ -261,8 +265,16 @@ fn uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them() {
         let shares = run.shares(SECOND, 12 * SECOND);
         let per_replica: Vec<u64> =
             (0..3).map(|r| run.grants.iter().filter(|g| g.1 == r && g.0 >= SECOND).map(|g| g.3).sum()).collect();
-        println!("shares {shares:?}, tokens per replica {per_replica:?}, {} grants", run.grants.len());
+        let per_grant = run.calls as f64 / run.grants.len() as f64;
+        println!(
+            "shares {shares:?}, tokens per replica {per_replica:?}, {} grants, {per_grant:.2} calls per grant",
+            run.grants.len()
+        );
         check_shares(&shares, 0.02);
+        // A replica behind another's turn comes back when its own could come, not every
+        // few milliseconds while the others are served (6.8 calls per grant that way):
+        // one call learns the wait, about one more is granted.
+        assert!(per_grant <= 3.5, "{per_grant:.2} acquisitions per grant");
         // Every second taken alone is within 5 points too.
         for s in 1..12 {
             check_shares(&run.shares(s * SECOND, (s + 1) * SECOND), 0.05);

@@ -44,8 +44,11 @@
 //! weight `W_r = Σ_t w_t · s_t` over the tenants it has waiting. The caller starts at
 //! `S = max(V, F_r)`; it is served only if no other replica waits with a lower start
 //! tag, and then `V = max(V, S)`, `F_r = S + cost / W_r`; a replica with more waiting
-//! keeps its place with its next start tag for 50 ms, while its next request comes. The
-//! reply carries the shares, which the fair queue uses as its tenants' weights
+//! keeps its place with its next start tag for 50 ms, while its next request comes. A
+//! replica refused waits with its start tag and its request's cost, and is told to come
+//! back when the requests ahead of it could have been served, each no sooner than its
+//! own replica comes back, rather than polling while they are. The reply carries the
+//! shares, which the fair queue uses as its tenants' weights
 //! (`w_t · s_t`): tenant `t` gets, over the replicas, capacity in proportion to
 //! `Σ_r w_t · s_r,t = w_t`. A report counts for 250 ms after the replica's last
 //! acquisition, a wait for the replica's retry plus 50 ms, a finish tag for 10 s; a call
@@ -63,7 +66,8 @@
 //!   granted while it has work, less what it was granted; it is dropped when the band
 //!   has no work left, so nothing is banked;
 //! - among the bands with a request at a gate, the one owed most (a deficit above
-//!   zero) goes, else the first; a caller of another band is refused for 2 ms;
+//!   zero) goes, else the first; a caller of another band is refused until the
+//!   requests of the band that goes could have been served;
 //! - the reply names the band the replica dispatches from next: the band owed most, to
 //!   the one replica with work in it whose finish tag there is lowest, and to every
 //!   other replica its first band with work. So a replica never holds a request of a

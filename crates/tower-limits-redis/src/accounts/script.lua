@@ -58,6 +58,47 @@ local function choose(cost, reply)
   end
   return best, bestf, ds, wait
 end
+-- when a request of `cost` could be granted, ns from now, behind the requests `ahead`
+-- (each {cost, ns until it comes back}) served first in their order, each on the member
+-- where it fits first; nil when no member can hold it
+local function behind(ahead, cost)
+  local ds = {}
+  for m = 1, #M do
+    if bench_ns(m) == 0 then
+      ds[m] = {}
+      for i, l in ipairs(M[m].l) do ds[m][i] = debt(KEYS[l.k]) end
+    end
+  end
+  local function serve(c, from, charge_it)
+    local bm, bt = nil, nil
+    for m, d in pairs(ds) do
+      local tm = from
+      for i, l in ipairs(M[m].l) do
+        local need = 1
+        if l.c == 1 then need = c end
+        if need * l.iv > l.tol then tm = nil break end
+        local x = d[i] + need * l.iv - l.tol
+        if x > tm then tm = x end
+      end
+      if tm and (bt == nil or tm < bt) then bm, bt = m, tm end
+    end
+    if bm and charge_it then
+      for i, l in ipairs(M[bm].l) do
+        local need = 1
+        if l.c == 1 then need = c end
+        ds[bm][i] = math.max(ds[bm][i], bt) + need * l.iv
+      end
+    end
+    return bt
+  end
+  local t = 0
+  for _, a in ipairs(ahead) do
+    t = serve(a[1], math.max(t, a[2]), true) or t
+  end
+  -- a millisecond after the last ahead, so that its call reaches the script first
+  if #ahead > 0 then t = t + 1000000 end
+  return serve(cost, t, false)
+end
 -- this replica's part of each of its n tenants' fleet demand (`mine` of `total` plus
 -- `mine`), and its weight among replicas: the sum of weight times part over the tenants
 -- whose `counts` is positive (1 when none is)
@@ -226,7 +267,7 @@ if ARGV[1] == 'f' then
         end
       end
     else
-      local a, b, c = string.match(v, '^(%S+) (%S+) ?(%S*)$')
+      local a, b, c, e = string.match(v, '^(%S+) (%S+) ?(%S*) ?(%S*)$')
       if kind == 'f' then
         if tonumber(b) + IDLE < NOW then call('HDEL', FLEET, f)
         else
@@ -238,7 +279,10 @@ if ARGV[1] == 'f' then
         elseif id ~= rid then
           local ob = tonumber(c) or 0
           waits[ob], gates[ob] = true, true
-          if ob == band then others[#others + 1] = {tonumber(a), id} end
+          -- start tag, id, band, the cost it waits with, ns until it asks again
+          local back = (tonumber(b) - GRACE - NOW) * 1000
+          if back < 0 then back = 0 end
+          others[#others + 1] = {tonumber(a), id, ob, tonumber(e) or cost, back}
         end
       end
     end
@@ -269,12 +313,19 @@ if ARGV[1] == 'f' then
   if myF and myF > S then S = myF end
   -- start-time fair queuing among the replicas waiting in the band: the lowest start
   -- tag goes first
-  local blocked = go ~= band
+  -- the requests at other replicas' gates that go before this one: all those of the
+  -- band that goes when it is not this one's, else those of this band with a lower
+  -- start tag (the id breaks a tie)
+  local ahead = {}
   for _, o in ipairs(others) do
     local t = o[1]
-    if t < V then t = V end
-    if t < S or (t == S and o[2] < rid) then blocked = true break end
+    if o[3] == band and t < V then t = V end
+    if (go ~= band and o[3] == go) or (go == band and o[3] == band and (t < S or (t == S and o[2] < rid))) then
+      ahead[#ahead + 1] = {t, o[2], o[4], o[5]}
+    end
   end
+  table.sort(ahead, function(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] < y[2]) end)
+  local blocked = go ~= band or #ahead > 0
   local reply = {0, NOW, 0}
   local best, bestf, ds, wait = choose(cost, reply)
   local granted = best ~= 0 and not blocked
@@ -298,17 +349,25 @@ if ARGV[1] == 'f' then
     local more = -1
     for k = 1, n do more = more + waiting[k] end
     if more > 0 then
-      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE) .. ' ' .. band)
+      call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW + GRACE) .. ' ' .. band .. ' ' .. cost)
     else
       call('HDEL', FLEET, 'w:' .. rid)
     end
     reply[1] = best
     reply[3] = floor(bestf * 1000000)
   else
-    -- room, but another replica's (or band's) turn: look again shortly
-    if best ~= 0 or wait < BLOCKED then wait = BLOCKED end
+    -- another replica's (or band's) turn: look again once those ahead could have been
+    -- served, each when it asks again, and this one after them; without room and
+    -- nobody ahead, when this one fits
+    if blocked then
+      local queue = {}
+      for k, a in ipairs(ahead) do queue[k] = {a[3], a[4]} end
+      local at = behind(queue, cost)
+      if at and at > wait then wait = at end
+    end
+    if wait < BLOCKED then wait = BLOCKED end
     reply[3] = wait
-    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE) .. ' ' .. band)
+    call('HSET', FLEET, 'w:' .. rid, fmt('%.17g', S) .. ' ' .. fmt('%.0f', NOW + ceil(wait / 1000) + GRACE) .. ' ' .. band .. ' ' .. cost)
   end
   local report = {}
   for k = 1, n do
