@@ -491,6 +491,43 @@ fn a_replica_whose_share_is_short_asks_for_more_before_refusing() {
 }
 
 #[test]
+fn requests_arriving_together_before_the_first_share_are_all_counted() {
+    let Some(server) = redis_for("requests_arriving_together_before_the_first_share_are_all_counted") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-together"), 2).await;
+        let tenant = TenantKey::new(["a"]).unwrap();
+        let now = Instant::from_nanos(1_000_000 * MS);
+        // Six requests decided, and their fetches sent, before any fetch is answered:
+        // every fetch reports all six, so whichever answer comes last holds them (a
+        // tenant at six of its eight permits is never refused).
+        let r = &replicas[0];
+        let (a, b, c, d, e, f) = tokio::join!(
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+        );
+        let mut held = Vec::new();
+        for (i, answer) in [a, b, c, d, e, f].into_iter().enumerate() {
+            match answer {
+                Ok(grant) => held.push(grant),
+                Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
+            }
+        }
+        for grant in held {
+            replicas[0].release(&tenant, grant);
+        }
+    });
+}
+
+#[test]
 fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };
     runtime().block_on(async {

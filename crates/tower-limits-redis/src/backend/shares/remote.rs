@@ -162,7 +162,8 @@ impl RedisBackend {
                         "circuit open after repeated failures",
                     ));
                 }
-                let fut = fetch_then_acquire(inner.clone(), table.clone(), key.clone(), cost, now, scopes);
+                let fetching = Fetching { table: table.clone(), scopes };
+                let fut = fetch_then_acquire(inner.clone(), key.clone(), cost, now, fetching);
                 RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
             }
             Local::Pool { local, cold } => {
@@ -199,19 +200,36 @@ impl Inner {
     }
 }
 
+/// Semaphore scopes whose share a request is fetching: their permits count in the demand
+/// the fetches report until it is answered, fails or is dropped.
+struct Fetching {
+    table: Arc<Table>,
+    scopes: Vec<(Arc<str>, u64)>,
+}
+
+impl Drop for Fetching {
+    fn drop(&mut self) {
+        self.table.fetched(&self.scopes);
+    }
+}
+
 /// A semaphore scope without a share, or whose share is too small for the request: one
-/// call fetches its share (reporting the demand that made it ask), then the acquisition
-/// is decided again. Still short, every permit it could have is held elsewhere: refused,
-/// and refused locally until the next refresh period.
+/// call fetches its share (reporting the demand that made it ask: this request's permits
+/// and those of the others fetching it), then the acquisition is decided again. Still
+/// short, every permit it could have is held elsewhere: refused, and refused locally
+/// until the next refresh period.
 async fn fetch_then_acquire(
     inner: Arc<Inner>,
-    table: Arc<Table>,
     key: TenantKey,
     cost: u64,
     now: Instant,
-    scopes: Vec<Arc<str>>,
+    fetching: Fetching,
 ) -> Result<RedisGrant, AcquireError> {
-    if !inner.refresh_shares(&table, now, true, Some(&scopes)).await {
+    let only: Vec<Arc<str>> = fetching.scopes.iter().map(|(k, _)| k.clone()).collect();
+    let table = fetching.table.clone();
+    let answered = inner.refresh_shares(&table, now, true, Some(&only)).await;
+    drop(fetching);
+    if !answered {
         return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
     }
     match table.decide(&inner, inner.keys_for(&key), cost, now) {
@@ -225,9 +243,11 @@ async fn fetch_then_acquire(
         }
         Local::Pool { local, cold } => take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await,
         Local::Fetch(still) => {
+            table.fetched(&still);
             table.deny(&still, now + table.settings.refresh);
             bump(&inner.stats.shared_refusals);
-            let limit = still.first().and_then(|k| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
+            let limit =
+                still.first().and_then(|(k, _)| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
             Err(inner.share_refusal(limit, Duration::ZERO, true))
         }
     }

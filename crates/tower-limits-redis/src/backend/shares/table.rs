@@ -44,6 +44,10 @@ struct Scope {
     quiet: u8,
     /// Permits held by this replica's grants.
     in_flight: u64,
+    /// Permits asked for by requests waiting for this scope's share to be fetched: part
+    /// of the demand each of those fetches reports, so that requests arriving together
+    /// before the first share are all counted.
+    fetching: u64,
     /// Permits: no share to be had until then (the last fetch found every permit held).
     denied_until: Instant,
     /// Rates: the pool refused this scope; its share alone decides until then.
@@ -75,6 +79,7 @@ impl Scope {
             reported: now,
             quiet: 0,
             in_flight: 0,
+            fetching: 0,
             denied_until: now,
             pool_dry_until: now,
         }
@@ -159,8 +164,10 @@ pub(super) enum Local {
         local: Vec<Part>,
         cold: Vec<Part>,
     },
-    /// Semaphores without a share: one must be fetched first (nothing is taken).
-    Fetch(Vec<Arc<str>>),
+    /// Semaphores without a share, or with one too small: it must be fetched first
+    /// (nothing is taken). Each scope with the permits asked, counted as being fetched
+    /// until [`Table::fetched`].
+    Fetch(Vec<(Arc<str>, u64)>),
 }
 
 impl Table {
@@ -188,7 +195,7 @@ impl Table {
     pub(super) fn decide(&self, inner: &Inner, keys: Vec<String>, cost: u64, now: Instant) -> Local {
         self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let mut scopes = self.lock();
-        let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::<(Arc<str>, u64)>::new());
         // The rates' scopes and units: their demand, unless a semaphore refuses.
         let mut rates: Vec<(Arc<str>, u64)> = Vec::new();
         // The limit that refuses, its wait in ns, and whether it waits for a release.
@@ -212,12 +219,12 @@ impl Table {
             s.take_pending(&l, now);
             s.asks = s.asks.saturating_add(1);
             if l.permits {
-                s.wanted = s.wanted.max(s.in_flight.saturating_add(units));
+                s.wanted = s.wanted.max(s.in_flight.saturating_add(s.fetching).saturating_add(units));
                 if s.share == 0 {
                     if now < s.denied_until {
                         refused.get_or_insert((i, 0, true));
                     } else {
-                        fetch.push(scope);
+                        fetch.push((scope, units));
                     }
                 } else if s.in_flight.saturating_add(units) <= s.share {
                     local.push(Part { limit: i, scope, units });
@@ -228,7 +235,7 @@ impl Table {
                     // by the demand of the last period). One call asks for more, reporting
                     // the demand; still short, the scope refuses locally until the next
                     // refresh period.
-                    fetch.push(scope);
+                    fetch.push((scope, units));
                 }
                 continue;
             }
@@ -266,6 +273,11 @@ impl Table {
             return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
         }
         if !fetch.is_empty() {
+            for (scope, units) in &fetch {
+                if let Some(s) = scopes.get_mut(scope) {
+                    s.fetching = s.fetching.saturating_add(*units);
+                }
+            }
             return Local::Fetch(fetch);
         }
         for part in &local {
@@ -325,11 +337,22 @@ impl Table {
         grant.local.iter().any(|p| inner.limits[p.limit].share.is_some_and(|l| l.permits))
     }
 
+    /// The fetch of these scopes' shares ended (answered, failed or dropped): their
+    /// permits are no longer counted as being fetched.
+    pub(super) fn fetched(&self, parts: &[(Arc<str>, u64)]) {
+        let mut table = self.lock();
+        for (key, units) in parts {
+            if let Some(s) = table.get_mut(key) {
+                s.fetching = s.fetching.saturating_sub(*units);
+            }
+        }
+    }
+
     /// Marks semaphore scopes whose fetch found no permit free for the request (no share,
     /// or one still too small): refused locally until the next refresh period.
-    pub(super) fn deny(&self, scopes: &[Arc<str>], until: Instant) {
+    pub(super) fn deny(&self, scopes: &[(Arc<str>, u64)], until: Instant) {
         let mut table = self.lock();
-        for key in scopes {
+        for (key, _) in scopes {
             if let Some(s) = table.get_mut(key) {
                 if s.pending.is_none_or(|p| p.share <= s.share) {
                     s.denied_until = until;
@@ -461,8 +484,11 @@ fn report_permits(
     cluster: bool,
     groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
 ) -> bool {
-    let busy = s.asks > 0 || s.in_flight > 0;
-    let demand = if busy { (s.wanted.max(s.in_flight).saturating_mul(5) / 4 + 1).min(l.amount) } else { 0 };
+    // Requests waiting for a fetch count until it is answered: fetches sent together
+    // each report them all, whichever is answered last.
+    let asked = s.in_flight.saturating_add(s.fetching);
+    let busy = s.asks > 0 || asked > 0;
+    let demand = if busy { (s.wanted.max(asked).saturating_mul(5) / 4 + 1).min(l.amount) } else { 0 };
     if !busy {
         s.share = 0;
         s.pending = None;
