@@ -1,9 +1,11 @@
 //! Shared support for the integration tests in `tests/tests/`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use proptest::test_runner::{Config, FileFailurePersistence};
-use tower_limits_core::{AcquireError, Instant, LimitSet, LimitSnapshot, Quota, TenantKey};
+use tower_limits_core::{AcquireError, Backend, Grant, Instant, LimitSet, LimitSnapshot, Observed, Quota, TenantKey};
 
 /// A proptest configuration running `cases` cases, that keeps failing cases next to the
 /// test file as `tests/tests/<file>.proptest-regressions` (proptest's default would put
@@ -494,3 +496,68 @@ pub mod policies {
 /// as doctests of this crate: a snippet that would not compile for a user fails CI.
 #[doc = include_str!("../README.md")]
 mod readme {}
+
+/// An in-memory backend that counts what is asked of it: acquisitions (`acquired`, the
+/// observed ones included) and peeks (`peeked`).
+#[derive(Clone, Debug)]
+pub struct Counting {
+    /// The limits deciding.
+    pub set: LimitSet,
+    /// Acquisitions asked.
+    pub acquired: Arc<AtomicUsize>,
+    /// Peeks asked.
+    pub peeked: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    /// Counts what is asked of `set`, from zero.
+    #[must_use]
+    pub fn new(set: LimitSet) -> Counting {
+        Counting { set, acquired: Arc::default(), peeked: Arc::default() }
+    }
+
+    /// Acquisitions asked so far.
+    #[must_use]
+    pub fn acquisitions(&self) -> usize {
+        self.acquired.load(Ordering::SeqCst)
+    }
+
+    /// Peeks asked so far.
+    #[must_use]
+    pub fn peeks(&self) -> usize {
+        self.peeked.load(Ordering::SeqCst)
+    }
+}
+
+impl Backend for Counting {
+    type Grant = Grant;
+    type Acquire = std::future::Ready<Result<Grant, AcquireError>>;
+
+    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
+        self.acquired.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(self.set.acquire_grant(key, cost, now))
+    }
+
+    fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
+        self.set.settle_grant(key, grant, actual, now);
+    }
+
+    fn release(&self, key: &TenantKey, grant: Grant) {
+        self.set.release_grant(key, grant);
+    }
+
+    fn cancel(&self, key: &TenantKey, grant: Grant, now: Instant) {
+        self.set.cancel_grant(key, grant, now);
+    }
+
+    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
+        self.peeked.fetch_add(1, Ordering::SeqCst);
+        self.set.peek(key, now)
+    }
+
+    fn acquire_observed(&self, key: &TenantKey, cost: u64, now: Instant) -> Observed<Self> {
+        self.acquired.fetch_add(1, Ordering::SeqCst);
+        let (granted, seen) = self.set.acquire_observed(key, cost, now);
+        Observed::ready(granted, seen)
+    }
+}

@@ -5,8 +5,6 @@
 //! time; no sleeps. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -17,8 +15,7 @@ use tower_limits::extract::{
     Cost, CostFromExtension, FromExtension, InsertChosen, UpstreamReports, Usage, UsageFromExtension,
 };
 use tower_limits::{Chosen, FairQueueLayer, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey};
-use tower_limits_core::{AcquireError, Backend, Grant, Instant};
-use tower_limits_tests::quota;
+use tower_limits_tests::{Counting, quota};
 
 /// An account allowing `burst` tokens at once, refilled at 60 a second.
 fn account(burst: u64) -> LimitSet {
@@ -129,40 +126,10 @@ async fn a_settle_that_gives_back_lets_the_gate_through_at_once() {
     assert_eq!(start.elapsed(), Duration::ZERO, "no wait for the rate once the settle refunded");
 }
 
-/// An in-memory account that counts the acquisitions asked of it.
-#[derive(Clone)]
-struct Counting {
-    set: LimitSet,
-    asked: Arc<AtomicUsize>,
-}
-
-impl Backend for Counting {
-    type Grant = Grant;
-    type Acquire = std::future::Ready<Result<Grant, AcquireError>>;
-
-    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
-        self.asked.fetch_add(1, Ordering::SeqCst);
-        std::future::ready(self.set.acquire_grant(key, cost, now))
-    }
-
-    fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
-        self.set.settle_grant(key, grant, actual, now);
-    }
-
-    fn release(&self, key: &TenantKey, grant: Grant) {
-        self.set.release_grant(key, grant);
-    }
-
-    fn cancel(&self, key: &TenantKey, grant: Grant, now: Instant) {
-        self.set.cancel_grant(key, grant, now);
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_settle_that_keeps_its_cost_does_not_ask_again_for_the_gate() {
-    let asked = Arc::new(AtomicUsize::new(0));
-    let backend = Counting { set: account(100), asked: asked.clone() };
-    let fair = FairQueueLayer::rate(FairQueueConfig::new(), backend)
+    let backend = Counting::new(account(100));
+    let fair = FairQueueLayer::rate(FairQueueConfig::new(), backend.clone())
         .unwrap()
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
@@ -188,18 +155,18 @@ async fn a_settle_that_keeps_its_cost_does_not_ask_again_for_the_gate() {
     tokio::task::yield_now().await;
     let second = tokio::spawn(svc.oneshot(request("globex", 60)));
     tokio::task::yield_now().await;
-    assert_eq!(asked.load(Ordering::SeqCst), 2, "the second request was refused once, at the gate");
+    assert_eq!(backend.acquisitions(), 2, "the second request was refused once, at the gate");
     // The first answer used all it charged: nothing came back, so the gate is not tried
     // again before its timer (a call per finished request to a shared backend).
     release.send(()).unwrap();
     first.await.unwrap().unwrap();
     tokio::task::yield_now().await;
-    assert_eq!(asked.load(Ordering::SeqCst), 2, "no acquisition for a settle that gave nothing back");
+    assert_eq!(backend.acquisitions(), 2, "no acquisition for a settle that gave nothing back");
     second.await.unwrap().unwrap();
     // Tokio's timer rounds up to the millisecond.
     let waited = start.elapsed();
     assert!(waited >= Duration::from_secs(1) && waited <= Duration::from_millis(1001), "{waited:?}");
-    assert_eq!(asked.load(Ordering::SeqCst), 3);
+    assert_eq!(backend.acquisitions(), 3);
 }
 
 /// Answers `429` with `Retry-After: 30` from the primary account, `200` from the others.

@@ -3,8 +3,6 @@
 //! again. Law numbers are those of `crates/tower-limits/docs/laws.md`.
 
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
@@ -13,45 +11,8 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_limits::extract::{Cost, CostFromExtension, FromExtension};
 use tower_limits::http::HttpAnswer;
 use tower_limits::{LimitPolicy, LimitSetLayer, LimitSetPolicy, Quota, TenantKey, nz};
-use tower_limits_core::{AcquireError, Backend, Grant, Instant, LimitSet, LimitSnapshot, Observed};
-
-/// An in-memory backend that counts the peeks made of it.
-#[derive(Clone)]
-struct Counting {
-    set: LimitSet,
-    peeks: Arc<AtomicUsize>,
-}
-
-impl Backend for Counting {
-    type Grant = Grant;
-    type Acquire = std::future::Ready<Result<Grant, AcquireError>>;
-
-    fn acquire(&self, key: &TenantKey, cost: u64, now: Instant) -> Self::Acquire {
-        std::future::ready(self.set.acquire_grant(key, cost, now))
-    }
-
-    fn settle(&self, key: &TenantKey, grant: &mut Grant, actual: u64, now: Instant) {
-        self.set.settle_grant(key, grant, actual, now);
-    }
-
-    fn release(&self, key: &TenantKey, grant: Grant) {
-        self.set.release_grant(key, grant);
-    }
-
-    fn cancel(&self, key: &TenantKey, grant: Grant, now: Instant) {
-        self.set.cancel_grant(key, grant, now);
-    }
-
-    fn peek(&self, key: &TenantKey, now: Instant) -> Vec<LimitSnapshot> {
-        self.peeks.fetch_add(1, Ordering::SeqCst);
-        self.set.peek(key, now)
-    }
-
-    fn acquire_observed(&self, key: &TenantKey, cost: u64, now: Instant) -> Observed<Self> {
-        let (granted, seen) = self.set.acquire_observed(key, cost, now);
-        Observed::ready(granted, seen)
-    }
-}
+use tower_limits_core::{Instant, LimitSet};
+use tower_limits_tests::Counting;
 
 fn policy() -> LimitSetPolicy {
     LimitSetPolicy::new()
@@ -74,7 +35,7 @@ fn request(cost: u64) -> Request<String> {
 
 #[tokio::test(start_paused = true)]
 async fn the_headers_come_from_the_acquisition_itself() {
-    let backend = Counting { set: LimitSet::new(policy()).expect("a valid policy"), peeks: Arc::default() };
+    let backend = Counting::new(LimitSet::new(policy()).expect("a valid policy"));
     let layer = LimitSetLayer::with_backend(backend.clone())
         .key(FromExtension::<TenantKey>::new())
         .cost(CostFromExtension)
@@ -93,16 +54,15 @@ async fn the_headers_come_from_the_acquisition_itself() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.headers()["x-ratelimit-remaining-tokens"], "8000", "nothing charged by the refusal");
     assert!(refused.headers().contains_key("ratelimit"));
-    assert_eq!(backend.peeks.load(Ordering::SeqCst), 0, "no second lookup of the same states");
+    assert_eq!(backend.peeks(), 0, "no second lookup of the same states");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_waiter_admitted_later_gets_the_states_of_its_own_grant() {
-    let backend = Counting {
-        set: LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1)))))
+    let backend = Counting::new(
+        LimitSet::new(LimitSetPolicy::new().limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1)))))
             .expect("a valid policy"),
-        peeks: Arc::default(),
-    };
+    );
     let layer = LimitSetLayer::with_backend(backend.clone())
         .wait(Duration::from_secs(5))
         .refuse_with(HttpAnswer::new().on_success());
@@ -116,7 +76,7 @@ async fn a_waiter_admitted_later_gets_the_states_of_its_own_grant() {
     assert_eq!(waited.status(), StatusCode::OK);
     assert_eq!(start.elapsed(), Duration::from_secs(1), "it waited for its slot");
     assert!(waited.headers().contains_key("ratelimit"));
-    assert_eq!(backend.peeks.load(Ordering::SeqCst), 0);
+    assert_eq!(backend.peeks(), 0);
 }
 
 /// A random step against two twin sets.
