@@ -528,6 +528,37 @@ fn requests_arriving_together_before_the_first_share_are_all_counted() {
 }
 
 #[test]
+fn a_tenant_at_its_limit_over_three_replicas_gets_every_permit() {
+    let Some(server) = redis_for("a_tenant_at_its_limit_over_three_replicas_gets_every_permit") else { return };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-at-limit"), 3).await;
+        let tenant = TenantKey::new(["a"]).unwrap();
+        let now = Instant::from_nanos(1_000_000 * MS);
+        // Its eight requests land 4, 2 and 2 on the replicas, the first replica's first:
+        // each replica's share is what it asked, so the last two find their permits
+        // free (a share with a margin, or with part of the free permits, took them).
+        let mut held = Vec::new();
+        for (r, n) in [(0, 4), (1, 2), (2, 2)] {
+            for i in 0..n {
+                match replicas[r].acquire(&tenant, 1, now).await {
+                    Ok(grant) => held.push((r, grant)),
+                    Err(e) => panic!("request {i} of {n} on replica {r}, the tenant within its 8: {e}"),
+                }
+            }
+        }
+        for r in 0..3 {
+            assert!(replicas[r].acquire(&tenant, 1, now).await.is_err(), "a ninth request on replica {r}");
+        }
+        for (r, grant) in held {
+            replicas[r].release(&tenant, grant);
+        }
+    });
+}
+
+#[test]
 fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };
     runtime().block_on(async {

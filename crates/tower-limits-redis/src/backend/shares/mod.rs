@@ -86,16 +86,18 @@
 //! them): a replica admits while its requests in flight fit its share and releases
 //! locally. It reports as the share it may be using the larger of its share and its
 //! permits held, so a share shrinks in Redis only as its permits come back: the fleet
-//! never holds more than the capacity. Its demand is the most it held or was asked at
-//! once in the period, plus a quarter. A semaphore has no pool: half the permits no
-//! demand claims are split among the replicas that demand any, so that their next
-//! requests find room without a call, and the other half stay free. A scope without a
-//! share fetches one with its first request (one call) and finds those free permits, and
-//! a scope whose share is too small for a request asks for more the same way (its share
-//! follows the last period's demand, and the request may be the first of a burst); when
-//! every permit it could have is held elsewhere it is refused, then refused locally until
-//! the next refresh period, its demand on record so that the others' next allotments make
-//! room. Redis counts a semaphore's share for the
+//! never holds more than the capacity. Its demand, and its share when the permits allow,
+//! is the most it held or was asked at once in the period, with no margin: a tenant at
+//! its fleet-wide limit has exactly its permits, wherever its requests land, and the
+//! permits no demand claims stay free. (A margin, or a part of the free permits handed
+//! to the replicas already holding some, refused a tenant below its limit whose next
+//! request landed on another replica.) A scope without a share fetches one with its
+//! first request (one call) and finds those free permits, and a scope whose share is too
+//! small for a request asks for more the same way, counting every request fetching with
+//! it (its share follows the last period's peak, and the request may be the first of a
+//! burst); when every permit it could have is held elsewhere it is refused, then refused
+//! locally until the next refresh period, its demand on record so that the others' next
+//! allotments make room. Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the
 //! share they were admitted under, and a dead replica's permits come back within the
 //! lease.

@@ -215,9 +215,9 @@ impl Drop for Fetching {
 
 /// A semaphore scope without a share, or whose share is too small for the request: one
 /// call fetches its share (reporting the demand that made it ask: this request's permits
-/// and those of the others fetching it), then the acquisition is decided again. Still
-/// short, every permit it could have is held elsewhere: refused, and refused locally
-/// until the next refresh period.
+/// and those of the others fetching it), then the acquisition is decided again; still
+/// short, one more. Short after both, every permit it could have is held elsewhere:
+/// refused, and refused locally until the next refresh period.
 async fn fetch_then_acquire(
     inner: Arc<Inner>,
     key: TenantKey,
@@ -225,32 +225,42 @@ async fn fetch_then_acquire(
     now: Instant,
     fetching: Fetching,
 ) -> Result<RedisGrant, AcquireError> {
-    let only: Vec<Arc<str>> = fetching.scopes.iter().map(|(k, _)| k.clone()).collect();
     let table = fetching.table.clone();
-    let answered = inner.refresh_shares(&table, now, true, Some(&only)).await;
-    drop(fetching);
-    if !answered {
-        return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
+    let mut fetching = Some(fetching);
+    // Two fetches at most: a request admitted meanwhile from the share as it was before
+    // this fetch's answer took a permit the fetch did not count; the second counts it.
+    for fetch in 1..=2 {
+        let Some(this) = fetching.take() else { break };
+        let only: Vec<Arc<str>> = this.scopes.iter().map(|(k, _)| k.clone()).collect();
+        let answered = inner.refresh_shares(&table, now, true, Some(&only)).await;
+        drop(this);
+        if !answered {
+            return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
+        }
+        match table.decide(&inner, inner.keys_for(&key), cost, now) {
+            Local::Granted(grant) => {
+                bump(&inner.stats.shared_grants);
+                return Ok(RedisGrant { kind: GrantKind::Shared(grant) });
+            }
+            Local::Refused { limit, wait, release } => {
+                bump(&inner.stats.shared_refusals);
+                return Err(inner.share_refusal(limit, wait, release));
+            }
+            Local::Pool { local, cold } => {
+                return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
+            }
+            Local::Fetch(still) if fetch == 1 => fetching = Some(Fetching { table: table.clone(), scopes: still }),
+            Local::Fetch(still) => {
+                table.fetched(&still);
+                table.deny(&still, now + table.settings.refresh);
+                bump(&inner.stats.shared_refusals);
+                let limit =
+                    still.first().and_then(|(k, _)| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
+                return Err(inner.share_refusal(limit, Duration::ZERO, true));
+            }
+        }
     }
-    match table.decide(&inner, inner.keys_for(&key), cost, now) {
-        Local::Granted(grant) => {
-            bump(&inner.stats.shared_grants);
-            Ok(RedisGrant { kind: GrantKind::Shared(grant) })
-        }
-        Local::Refused { limit, wait, release } => {
-            bump(&inner.stats.shared_refusals);
-            Err(inner.share_refusal(limit, wait, release))
-        }
-        Local::Pool { local, cold } => take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await,
-        Local::Fetch(still) => {
-            table.fetched(&still);
-            table.deny(&still, now + table.settings.refresh);
-            bump(&inner.stats.shared_refusals);
-            let limit =
-                still.first().and_then(|(k, _)| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
-            Err(inner.share_refusal(limit, Duration::ZERO, true))
-        }
-    }
+    inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched")
 }
 
 /// The pools' part of an acquisition: one call, all or nothing; the local parts are given

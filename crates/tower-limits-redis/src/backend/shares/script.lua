@@ -90,19 +90,6 @@ local function level(A, ds)
   return A
 end
 
--- What the demands leave of A once each has its allotment at `lvl`, split evenly among the
--- replicas that demand anything.
-local function leftover(A, ds, lvl)
-  local used, n = 0, 0
-  for i = 1, #ds do
-    if ds[i] > 0 then
-      used, n = used + min(ds[i], lvl), n + 1
-    end
-  end
-  if n == 0 then return 0 end
-  return floor((A - used) / n)
-end
-
 local out = {now}
 if op == 'R' then
   -- Refresh: per key A, P, B, what this replica may be using now, its demand (units per
@@ -123,12 +110,10 @@ if op == 'R' then
     local ds = {demand}
     for _, e in pairs(s.e) do ds[#ds + 1] = e.d end
     local lvl = level(A, ds)
+    -- A semaphore's share is its demand (the most held or asked at once): the permits
+    -- no demand claims stay free, for a replica fetching more to find at once rather
+    -- than a refusal until the others' next refresh.
     local target = min(demand, lvl)
-    -- A semaphore has no pool: half the permits no demand claims are split among the
-    -- replicas that demand any, so that a replica's next requests find room without a
-    -- call; the other half stays free, so that a replica fetching its first share finds
-    -- room at once rather than a refusal until the others' next refresh.
-    if B == 0 and demand > 0 then target = target + floor(leftover(A, ds, lvl) / 2) end
     local new = min(target, A - s.rate)
     -- A share of a rate too small to hold one unit of burst stays in the pool. (A burst of
     -- 0 marks a semaphore: its shares are permits, and it has no pool.)

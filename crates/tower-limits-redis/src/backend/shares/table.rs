@@ -474,7 +474,8 @@ impl Table {
 
 /// A semaphore scope's part of a report: the permits it may be using (held ones
 /// included: a share shrinks only as its permits come back), and the most it held or was
-/// asked at once in the period, plus a quarter; idle for a period, its share goes back.
+/// asked at once in the period, exactly (a margin would take permits another replica's
+/// tenant needs); idle for a period, its share goes back.
 /// Answers whether to keep tracking the scope.
 fn report_permits(
     key: &Arc<str>,
@@ -488,7 +489,7 @@ fn report_permits(
     // each report them all, whichever is answered last.
     let asked = s.in_flight.saturating_add(s.fetching);
     let busy = s.asks > 0 || asked > 0;
-    let demand = if busy { (s.wanted.max(asked).saturating_mul(5) / 4 + 1).min(l.amount) } else { 0 };
+    let demand = if busy { s.wanted.max(asked).min(l.amount) } else { 0 };
     if !busy {
         s.share = 0;
         s.pending = None;
