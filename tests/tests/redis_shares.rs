@@ -549,8 +549,8 @@ fn a_tenant_at_its_limit_over_three_replicas_gets_every_permit() {
                 }
             }
         }
-        for r in 0..3 {
-            assert!(replicas[r].acquire(&tenant, 1, now).await.is_err(), "a ninth request on replica {r}");
+        for (r, replica) in replicas.iter().enumerate() {
+            assert!(replica.acquire(&tenant, 1, now).await.is_err(), "a ninth request on replica {r}");
         }
         for (r, grant) in held {
             replicas[r].release(&tenant, grant);
