@@ -92,6 +92,30 @@ async fn a_request_admitted_after_waiting_gets_the_account_too() {
     assert!(waited >= Duration::from_secs(1) && waited <= Duration::from_millis(1001), "{waited:?}");
 }
 
+/// The first answer's hold: whoever takes it first waits until the test lets it go.
+#[derive(Clone)]
+struct HoldFirst(std::sync::Arc<std::sync::Mutex<Option<oneshot::Receiver<()>>>>);
+
+impl HoldFirst {
+    /// The sender that lets the first answer go, and the hold.
+    fn new() -> (oneshot::Sender<()>, HoldFirst) {
+        let (release, held) = oneshot::channel();
+        (release, HoldFirst(std::sync::Arc::new(std::sync::Mutex::new(Some(held)))))
+    }
+
+    /// The hold, for the first caller only.
+    fn take(&self) -> Option<oneshot::Receiver<()>> {
+        self.0.lock().unwrap().take()
+    }
+
+    /// Waits until the test lets the first answer go (at once for the others).
+    async fn wait(hold: Option<oneshot::Receiver<()>>) {
+        if let Some(hold) = hold {
+            let _ = hold.await;
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_settle_that_gives_back_lets_the_gate_through_at_once() {
     let pool = LimitPool::builder(Selection::RoundRobin).member("only", account(100), "sk-only").build().unwrap();
@@ -102,14 +126,11 @@ async fn a_settle_that_gives_back_lets_the_gate_through_at_once() {
         .annotate(InsertChosen)
         .usage(UsageFromExtension);
     // The first request's answer is held until the test lets it go.
-    let (release, held) = oneshot::channel::<()>();
-    let held = std::sync::Arc::new(std::sync::Mutex::new(Some(held)));
+    let (release, held) = HoldFirst::new();
     let svc = ServiceBuilder::new().layer(fair).service_fn(move |req: Request<()>| {
-        let wait = held.lock().unwrap().take();
+        let wait = held.take();
         async move {
-            if let Some(wait) = wait {
-                let _ = wait.await;
-            }
+            HoldFirst::wait(wait).await;
             upstream(req).await
         }
     });
@@ -136,14 +157,11 @@ async fn a_settle_that_keeps_its_cost_does_not_ask_again_for_the_gate() {
         .usage(UsageFromExtension);
     // The first request's answer is held until the test lets it go; every answer reports
     // its whole cost as used.
-    let (release, held) = oneshot::channel::<()>();
-    let held = std::sync::Arc::new(std::sync::Mutex::new(Some(held)));
+    let (release, held) = HoldFirst::new();
     let svc = ServiceBuilder::new().layer(fair).service_fn(move |req: Request<()>| {
-        let wait = held.lock().unwrap().take();
+        let wait = held.take();
         async move {
-            if let Some(wait) = wait {
-                let _ = wait.await;
-            }
+            HoldFirst::wait(wait).await;
             let used = req.extensions().get::<Cost>().map_or(0, |c| c.0);
             let mut response = Response::new(String::new());
             response.extensions_mut().insert(Usage(used));
