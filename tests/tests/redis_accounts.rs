@@ -152,6 +152,33 @@ fn upstream_feedback_seen_by_one_replica_holds_for_all() {
 }
 
 #[test]
+fn a_settle_rides_on_the_next_acquisition() {
+    let Some(server) = redis_for("a_settle_rides_on_the_next_acquisition") else { return };
+    // One thread: the background task runs only when the test awaits, so the settle is
+    // still waiting when the acquisition is sent, however slow the machine.
+    let one_thread = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    one_thread.block_on(async {
+        let url = server.url();
+        let ns = namespace("accounts-ride");
+        let (pool, store) = replica(&connect(&url).await, &ns, FailurePolicy::FailClosed, Duration::from_secs(5));
+        let key = TenantKey::global();
+        // Both accounts' tokens taken (400 and 150), then 300 of a's given back by a settle.
+        let mut a = Backend::acquire(&pool, &key, 400, Instant::ZERO).await.unwrap();
+        assert_eq!(&*a.chosen().name, "a");
+        let b = Backend::acquire(&pool, &key, 150, Instant::ZERO).await.unwrap();
+        Backend::settle(&pool, &key, &mut a, 100, Instant::ZERO);
+        // The next acquisition carries the settle and is decided after it, with no call of
+        // the settle's own: the 300 tokens are there for it.
+        let c = Backend::acquire(&pool, &key, 300, Instant::ZERO).await.expect("the settle's tokens");
+        let stats = store.stats();
+        assert_eq!((stats.ridden_ops, stats.batch_calls), (1, 0), "{stats:?}");
+        for g in [a, b, c] {
+            Backend::release(&pool, &key, g);
+        }
+    });
+}
+
+#[test]
 fn while_redis_is_paused_the_fallback_decides_and_no_account_is_overrun() {
     let Some(server) = own_redis_for("while_redis_is_paused_the_fallback_decides_and_no_account_is_overrun") else {
         return;

@@ -91,13 +91,17 @@
 //! replaced for every replica ([`RedisAccounts::replace_member_limits`]): an account's
 //! quota learned from its upstream. The scheme and its bounds are in [`replace`].
 //!
-//! # One round trip, batched, after the call
+//! # Settles ride on the next acquisition
 //!
-//! Settles (the real token count), cancels (a refund) and upstream reports (`Retry-After`
-//! benches the member; `x-ratelimit-remaining-*` lower than the mirror's charge it down)
-//! go to one background task per store, which sends whatever has accumulated as one
-//! `EVALSHA` (up to 64 operations per call). Under load that is far less than one round
-//! trip per request. A settle is not resent after a timeout (it may have been applied).
+//! Settles (the real token count), cancels (a refund) and the upstream's
+//! `x-ratelimit-remaining-*` (lower than the mirror's, it charges the mirror down) wait
+//! up to 10 ms for this replica's next acquisition, which carries them and applies them
+//! before it decides, so a busy replica's settles cost no call of their own and a refund
+//! is seen by the very next decision. What no acquisition took in time, and every
+//! `Retry-After` (which benches the member for the fleet and cannot wait), goes to one
+//! background task per store, which sends whatever has accumulated as one `EVALSHA` (up
+//! to 64 operations per call). Neither is resent after a timeout (it may have been
+//! applied).
 //!
 //! # Keys and Cluster slots
 //!
@@ -190,6 +194,9 @@ struct Inner {
     /// translated to the caller's clock at the time it was heard.
     benched: Mutex<Vec<u64>>,
     ops: mpsc::UnboundedSender<Op>,
+    /// Settles, cancels and reports (their script fields) waiting to ride on the next
+    /// acquisition.
+    riders: Mutex<Vec<[i64; 5]>>,
     stats: Stats,
     /// This store's id in the turn key and the fleet's hash.
     id: String,
@@ -237,6 +244,7 @@ struct Stats {
     leased_grants: AtomicU64,
     batch_calls: AtomicU64,
     batched_ops: AtomicU64,
+    ridden_ops: AtomicU64,
     failures: AtomicU64,
 }
 
@@ -250,6 +258,9 @@ pub struct AccountStats {
     pub batch_calls: u64,
     /// Settles, cancels and reports those calls carried.
     pub batched_ops: u64,
+    /// Settles, cancels and reports that rode on acquisitions instead (no call of their
+    /// own).
+    pub ridden_ops: u64,
     /// Calls that failed or timed out.
     pub failures: u64,
     /// Lease refreshes sent ([`RedisAccountsBuilder::leases`]), one round trip each.
@@ -283,6 +294,9 @@ enum Op {
     },
     /// Answered once everything queued before it was sent and answered (or given up).
     Flush(oneshot::Sender<()>),
+    /// A settle, cancel or report waits in `riders` for an acquisition to carry it; the
+    /// background task sends what is left after a linger.
+    Ride,
 }
 
 impl fmt::Debug for RedisAccounts {
@@ -323,6 +337,7 @@ impl RedisAccounts {
             acquire_calls: s.acquire_calls.load(Ordering::Relaxed),
             batch_calls: s.batch_calls.load(Ordering::Relaxed),
             batched_ops: s.batched_ops.load(Ordering::Relaxed),
+            ridden_ops: s.ridden_ops.load(Ordering::Relaxed),
             failures: s.failures.load(Ordering::Relaxed),
             lease_refreshes: s.lease_refreshes.load(Ordering::Relaxed),
             leased_grants: s.leased_grants.load(Ordering::Relaxed),
@@ -423,6 +438,11 @@ impl Inner {
             }
             _ => args.extend(["a".to_owned(), cost.to_string(), self.id.clone()]),
         }
+        // The settles and reports waiting ride on this call, applied before it decides.
+        let riders = self.take_riders();
+        self.stats.ridden_ops.fetch_add(riders.len() as u64, Ordering::Relaxed);
+        args.push(riders.len().to_string());
+        args.extend(riders.iter().flatten().map(i64::to_string));
         let reply = match self.call(&args).await {
             Ok(reply) => reply,
             Err(e) => {
@@ -498,9 +518,29 @@ impl Inner {
     }
 
     fn send(&self, op: Op) {
+        // A bench goes at once (the other replicas must stop sending to the member); a
+        // settle, cancel or correction waits briefly for an acquisition to ride on.
+        let op = match op {
+            Op::Adjust { member, requests, cost } => self.ride([1, signed_index(member), requests, cost, 0]),
+            Op::Report { member, retry_us, requests, tokens } if retry_us < 0 => {
+                self.ride([2, signed_index(member), retry_us, requests, tokens])
+            }
+            op => op,
+        };
         if self.ops.send(op).is_err() {
             self.stats.failures.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Queues an operation's fields for the next acquisition (or the linger's end).
+    fn ride(&self, fields: [i64; 5]) -> Op {
+        self.riders.lock().unwrap_or_else(PoisonError::into_inner).push(fields);
+        Op::Ride
+    }
+
+    /// The operations waiting to ride, taken.
+    fn take_riders(&self) -> Vec<[i64; 5]> {
+        std::mem::take(&mut *self.riders.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 
@@ -520,6 +560,11 @@ fn demand_args(reported: &[tower_limits_core::fleet::TenantDemand], args: &mut V
 
 fn signed(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A member's place as the script counts it (from 1).
+fn signed_index(member: usize) -> i64 {
+    i64::try_from(member).unwrap_or(i64::MAX).saturating_add(1)
 }
 
 impl RedisAccounts {

@@ -2,12 +2,18 @@
 
 use std::sync::atomic::Ordering;
 
+use std::time::Duration;
+
 use tokio::sync::mpsc;
 
 use super::{Inner, Op, signed};
 
 /// The most operations one background call carries.
 const BATCH: usize = 64;
+
+/// How long a settle, cancel or correction waits for an acquisition to ride on before a
+/// background call sends it.
+const LINGER: Duration = Duration::from_millis(10);
 
 /// Sends the queued operations in batches while the store lives.
 pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::UnboundedReceiver<Op>) {
@@ -16,10 +22,17 @@ pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::Unb
     // how many it stands for.
     let warnings = crate::throttle::Throttle::new();
     while rx.recv_many(&mut batch, BATCH).await > 0 {
+        if batch.iter().any(|op| matches!(op, Op::Ride)) {
+            tokio::time::sleep(LINGER).await;
+        }
         let Some(inner) = weak.upgrade() else { return };
         let mut args = Vec::with_capacity(1 + 5 * batch.len());
         args.push("b".to_owned());
         let mut flushes = Vec::new();
+        // What no acquisition carried meanwhile.
+        for fields in inner.take_riders() {
+            args.extend(fields.iter().map(i64::to_string));
+        }
         for op in batch.drain(..) {
             let fields = match op {
                 Op::Adjust { member, requests, cost } => [1, member as i64 + 1, requests, cost, 0],
@@ -35,6 +48,7 @@ pub(super) async fn send_batches(weak: std::sync::Weak<Inner>, mut rx: mpsc::Unb
                     flushes.push(done);
                     continue;
                 }
+                Op::Ride => continue,
             };
             args.extend(fields.iter().map(i64::to_string));
         }

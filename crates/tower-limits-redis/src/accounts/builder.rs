@@ -299,6 +299,7 @@ impl RedisAccountsBuilder {
             breaker: Breaker::new(self.breaker.0, self.breaker.1),
             benched: Mutex::new(vec![0; n]),
             ops: tx,
+            riders: Mutex::new(Vec::new()),
             stats: Stats::default(),
             id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
             fleet: self.fleet,

@@ -180,8 +180,67 @@ if call('EXISTS', EPOCH) == 0 then
   -- may still be using
   if KNOWN and LIFE > 0 then call('SET', LOST, '1', 'PX', fmt('%.0f', ceil(LIFE / 1000) + 1 + SLACK)) end
 end
+-- one operation of a batch, 5 arguments from ARGV[i]: kind, member, then
+--   kind 1 (adjust): requests delta, cost delta, unused
+--   kind 2 (report): retry-after us (-1 none), remaining requests (-1), remaining tokens (-1)
+--   kind 3 (lower) and 5 (raise): the limit's place, its new interval and tolerance
+--     (ns), applied only if it moves the limit that way (a replica that learned late
+--     does not undo what another learned since)
+local function apply(i)
+  local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  if M[m] and kind >= 3 then
+    local l = M[m].l[x]
+    if l and ((kind == 3 and y > l.iv) or (kind == 5 and y < l.iv)) then
+      -- a lowered rate counts what its mirror holds at the new pace, and at least what
+      -- the fleet was charged over the span the upstream counts, as if admitted back to
+      -- back at the new pace from the span's start
+      if kind == 3 then
+        local d = debt(KEYS[l.k]) * y / l.iv
+        local want = recent(m, l) * y - SLOT * 10000
+        if want > d then d = want end
+        if d > 0 then put(KEYS[l.k], d) end
+      end
+      call('HSET', LEARNED, m .. ':' .. x, fmt('%.0f %.0f %.0f %.0f %.0f', NOW, y, z, l.div, l.dtol))
+      l.iv, l.tol = y, z
+    end
+  elseif M[m] then
+    if kind == 1 then
+      for _, l in ipairs(M[m].l) do
+        local delta = x
+        if l.c == 1 then delta = y end
+        if delta ~= 0 then put(KEYS[l.k], debt(KEYS[l.k]) + delta * l.iv) end
+      end
+      record(m, x, y)
+    else
+      if x >= 0 then
+        local until_us = NOW + x
+        local cur = call('GET', KEYS[M[m].b])
+        if not cur or tonumber(cur) < until_us then
+          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1 + SLACK))
+        end
+      end
+      for _, l in ipairs(M[m].l) do
+        local rem = y
+        if l.c == 1 then rem = z end
+        if rem >= 0 then
+          local d = debt(KEYS[l.k])
+          local left = floor((l.tol - d) / l.iv)
+          if rem < left then put(KEYS[l.k], l.tol - rem * l.iv) end
+        end
+      end
+    end
+  end
+end
+-- the settles and reports riding on an acquisition, applied before it: their number at
+-- ARGV[i], then 5 arguments each (see apply)
+local function ride(i)
+  local k = tonumber(ARGV[i]) or 0
+  for j = 0, k - 1 do apply(i + 1 + 5 * j) end
+end
+-- 'a': an acquisition. ARGV: cost, replica id, then the riders (see ride)
 if ARGV[1] == 'a' then
   local cost, rid = tonumber(ARGV[2]), ARGV[3]
+  ride(4)
   -- the turn: the first replica refused holds it until it is served (or it expires)
   local hold = call('GET', HOLD)
   if hold then
@@ -212,7 +271,7 @@ end
 -- 'f': an acquisition of the fleet's fair share. ARGV: cost, replica id, the request's
 -- tenant, its band, the number of bands and their minimum shares (percent), n, then n
 -- quintuples (tenant, weight, requests waiting on this replica, requests waiting or in
--- flight on it, the bands it waits in: ",0,2,"). The hash FLEET holds per band b 'V:b'
+-- flight on it, the bands it waits in: ",0,2,"), then the riders (see ride). The hash FLEET holds per band b 'V:b'
 -- (the band's virtual time, cost per weight) and 'b:b' (its deficit while it waits, for
 -- a band with a minimum share), and per replica id: 'f:b:id' its finish tag in band b
 -- and when it was last served, 'w:id' the start tag it waits with, until when the wait
@@ -224,6 +283,7 @@ if ARGV[1] == 'f' then
   local mins = {}
   for b = 0, nb - 1 do mins[b] = tonumber(ARGV[7 + b]) end
   local n = tonumber(ARGV[7 + nb])
+  ride(8 + nb + 5 * n)
   local names, weights, waiting, inband, mine = {}, {}, {}, {}, {}
   local tag, mybands = ',' .. band .. ',', ','
   -- the bands with work fleet-wide and here, and those with a request at a gate
@@ -503,57 +563,10 @@ if ARGV[1] == 'l' then
   for k = 1, n do reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5) end
   return reply
 end
--- 'b': a batch of operations, 5 arguments each: kind, member, then
---   kind 1 (adjust): requests delta, cost delta, unused
---   kind 2 (report): retry-after us (-1 none), remaining requests (-1), remaining tokens (-1)
---   kind 3 (lower) and 5 (raise): the limit's place, its new interval and tolerance
---     (ns), applied only if it moves the limit that way (a replica that learned late
---     does not undo what another learned since)
+-- 'b': a batch of operations (see apply)
 local i = 2
 while i + 4 <= #ARGV do
-  local kind, m, x, y, z = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
-  if M[m] and kind >= 3 then
-    local l = M[m].l[x]
-    if l and ((kind == 3 and y > l.iv) or (kind == 5 and y < l.iv)) then
-      -- a lowered rate counts what its mirror holds at the new pace, and at least what
-      -- the fleet was charged over the span the upstream counts, as if admitted back to
-      -- back at the new pace from the span's start
-      if kind == 3 then
-        local d = debt(KEYS[l.k]) * y / l.iv
-        local want = recent(m, l) * y - SLOT * 10000
-        if want > d then d = want end
-        if d > 0 then put(KEYS[l.k], d) end
-      end
-      call('HSET', LEARNED, m .. ':' .. x, fmt('%.0f %.0f %.0f %.0f %.0f', NOW, y, z, l.div, l.dtol))
-      l.iv, l.tol = y, z
-    end
-  elseif M[m] then
-    if kind == 1 then
-      for _, l in ipairs(M[m].l) do
-        local delta = x
-        if l.c == 1 then delta = y end
-        if delta ~= 0 then put(KEYS[l.k], debt(KEYS[l.k]) + delta * l.iv) end
-      end
-      record(m, x, y)
-    else
-      if x >= 0 then
-        local until_us = NOW + x
-        local cur = call('GET', KEYS[M[m].b])
-        if not cur or tonumber(cur) < until_us then
-          call('SET', KEYS[M[m].b], fmt('%.0f', until_us), 'PX', fmt('%.0f', ceil(x / 1000) + 1 + SLACK))
-        end
-      end
-      for _, l in ipairs(M[m].l) do
-        local rem = y
-        if l.c == 1 then rem = z end
-        if rem >= 0 then
-          local d = debt(KEYS[l.k])
-          local left = floor((l.tol - d) / l.iv)
-          if rem < left then put(KEYS[l.k], l.tol - rem * l.iv) end
-        end
-      end
-    end
-  end
+  apply(i)
   i = i + 5
 end
 -- a store whose limits may be replaced learns when none is on record (Redis lost them)

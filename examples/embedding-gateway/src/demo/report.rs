@@ -173,14 +173,14 @@ pub(super) fn print_account_store(gateways: &[Gateway], served: u64) {
     if stores.is_empty() {
         return;
     }
-    let (mut acquire, mut batches, mut ops, mut leases, mut leased) = (0, 0, 0, 0, 0);
+    let (mut acquire, mut batches, mut ops, mut leases, mut leased, mut ridden) = (0, 0, 0, 0, 0, 0);
     for s in &stores {
         let st = s.stats();
         (acquire, batches, ops) = (acquire + st.acquire_calls, batches + st.batch_calls, ops + st.batched_ops);
-        (leases, leased) = (leases + st.lease_refreshes, leased + st.leased_grants);
+        (leases, leased, ridden) = (leases + st.lease_refreshes, leased + st.leased_grants, ridden + st.ridden_ops);
     }
     println!(
-        "accounts in Redis: {acquire} acquisition calls, {leases} lease refreshes ({leased} grants from leases) and {batches} background calls carrying {ops} settles and reports, for {served} upstream calls ({:.2}, {:.2} and {:.2} per call)",
+        "accounts in Redis: {acquire} acquisition calls ({ridden} settles and reports rode on them), {leases} lease refreshes ({leased} grants from leases) and {batches} background calls carrying {ops} settles and reports, for {served} upstream calls ({:.2}, {:.2} and {:.2} per call)",
         acquire as f64 / served.max(1) as f64,
         leases as f64 / served.max(1) as f64,
         batches as f64 / served.max(1) as f64
