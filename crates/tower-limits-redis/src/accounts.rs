@@ -197,6 +197,9 @@ struct Inner {
     /// Settles, cancels and reports (their script fields) waiting to ride on the next
     /// acquisition.
     riders: Mutex<Vec<[i64; 5]>>,
+    /// On a manual clock: the instant (ns) the last reservation may go, for the test
+    /// driving it (the store does not hold it).
+    reserved: AtomicU64,
     stats: Stats,
     /// This store's id in the turn key and the fleet's hash.
     id: String,
@@ -245,6 +248,7 @@ struct Stats {
     batch_calls: AtomicU64,
     batched_ops: AtomicU64,
     ridden_ops: AtomicU64,
+    reservations: AtomicU64,
     failures: AtomicU64,
 }
 
@@ -261,6 +265,9 @@ pub struct AccountStats {
     /// Settles, cancels and reports that rode on acquisitions instead (no call of their
     /// own).
     pub ridden_ops: u64,
+    /// Grants reserved ahead ([`RedisAccountsBuilder::reserve_ahead`]): granted by the
+    /// call that found no room yet, and held until their instant.
+    pub reservations: u64,
     /// Calls that failed or timed out.
     pub failures: u64,
     /// Lease refreshes sent ([`RedisAccountsBuilder::leases`]), one round trip each.
@@ -326,6 +333,7 @@ impl RedisAccounts {
             manual_clock: false,
             leases: None,
             replaceable: None,
+            reserve_ahead: Duration::ZERO,
         }
     }
 
@@ -338,10 +346,43 @@ impl RedisAccounts {
             batch_calls: s.batch_calls.load(Ordering::Relaxed),
             batched_ops: s.batched_ops.load(Ordering::Relaxed),
             ridden_ops: s.ridden_ops.load(Ordering::Relaxed),
+            reservations: s.reservations.load(Ordering::Relaxed),
             failures: s.failures.load(Ordering::Relaxed),
             lease_refreshes: s.lease_refreshes.load(Ordering::Relaxed),
             leased_grants: s.leased_grants.load(Ordering::Relaxed),
         }
+    }
+
+    /// Test support, on a [`manual_clock`](RedisAccountsBuilder::manual_clock): the
+    /// instant the last reserved grant may go ([`RedisAccountsBuilder::reserve_ahead`]),
+    /// taken (`None` once read, or when there was none). On a manual clock the store
+    /// does not hold a reserved grant: the test lets it go at that instant.
+    ///
+    /// ```no_run
+    /// # async fn run(conn: tower_limits_redis::RedisConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use tower_limits_core::{Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, nz};
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let account = LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", Quota::per_second(nz!(10))));
+    /// let store = RedisAccounts::builder("accounts")
+    ///     .manual_clock()
+    ///     .reserve_ahead(Duration::from_millis(200))
+    ///     .member("a", account)
+    ///     .build(&conn)?;
+    /// let now = Instant::ZERO;
+    /// for _ in 0..11 {
+    ///     store.acquire(1, now).await?;
+    /// }
+    /// // The eleventh found room 100 ms ahead: granted, to go then.
+    /// assert_eq!(store.last_reservation(), Some(now + Duration::from_millis(100)));
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "test-support")]
+    #[must_use]
+    pub fn last_reservation(&self) -> Option<Instant> {
+        let at = self.inner.reserved.swap(0, Ordering::Relaxed);
+        (at > 0).then(|| Instant::from_nanos(at))
     }
 
     /// Waits until every settle, cancel and report queued so far has been sent and
@@ -457,18 +498,55 @@ impl Inner {
         let ints: Option<Vec<i64>> =
             items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect();
         let members = self.members.len();
+        // A fair acquisition's reply ends with the band to dispatch from next; every
+        // reply ends with the wait of a reservation (0: none).
         let fair = usize::from(args.first().is_some_and(|a| a == "f"));
-        let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len() + fair) else {
+        let Some(ints) = ints.filter(|v| v.len() == 3 + members + reported.len() + fair + 1) else {
             return Err(self.unavailable("unexpected reply"));
         };
         if let (Some(fleet), 1) = (&self.fleet, fair) {
-            fleet.set_next_band(ints.last().and_then(|&b| usize::try_from(b).ok()));
+            fleet.set_next_band(usize::try_from(ints[ints.len() - 2]).ok());
         }
         self.heard(&ints[3..3 + members + reported.len()], reported, now);
+        let reserved = ints.last().map_or(0, |&w| u64::try_from(w).unwrap_or(0));
         match usize::try_from(ints[0]) {
-            Ok(best) if best >= 1 => Ok(SharedGrant { index: best - 1, charged: cost }),
+            Ok(best) if best >= 1 => {
+                let grant = SharedGrant { index: best - 1, charged: cost };
+                if reserved > 0 {
+                    self.hold_reserved(&grant, Duration::from_nanos(reserved), now).await;
+                }
+                Ok(grant)
+            }
             _ => Err(self.refusal(Duration::from_nanos(ints[2].max(0) as u64))),
         }
+    }
+
+    /// Holds a reserved grant until its instant, `wait` after `now`; dropped before
+    /// (the request cancelled), the charge goes back. On a manual clock the test drives
+    /// time: the instant is recorded for it ([`RedisAccounts::last_reservation`]).
+    async fn hold_reserved(&self, grant: &SharedGrant, wait: Duration, now: Instant) {
+        self.stats.reservations.fetch_add(1, Ordering::Relaxed);
+        if self.manual_clock {
+            self.reserved.store((now + wait).as_nanos(), Ordering::Relaxed);
+            return;
+        }
+        /// Gives the reserved charge back unless disarmed.
+        struct Held<'a> {
+            inner: &'a Inner,
+            member: usize,
+            cost: u64,
+            armed: bool,
+        }
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                if self.armed {
+                    self.inner.send(Op::Adjust { member: self.member, requests: -1, cost: -signed(self.cost) });
+                }
+            }
+        }
+        let mut held = Held { inner: self, member: grant.index, cost: grant.charged, armed: true };
+        tokio::time::sleep(wait).await;
+        held.armed = false;
     }
 
     /// Takes what a reply says after its first three fields: the members' benches (ns

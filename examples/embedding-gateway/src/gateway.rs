@@ -171,6 +171,11 @@ pub const EMBEDDINGS_PATH: &str = "/v1/embeddings";
 /// `POST /v1/chat/completions`.
 pub const CHAT_PATH: &str = "/v1/chat/completions";
 
+/// How far ahead the shared accounts reserve the next request of the replica first in
+/// the fleet's order (`RedisAccountsBuilder::reserve_ahead`): a wait at the gate is
+/// tens of milliseconds when the accounts are saturated.
+const RESERVE_AHEAD: Duration = Duration::from_millis(100);
+
 /// Where the gateway keeps its tenants' limits.
 #[derive(Clone, Default)]
 pub enum Sharing {
@@ -679,7 +684,11 @@ impl Gateway {
             let window = r.account_list.iter().map(|a| a.window).max().unwrap_or_default();
             store = store.replaceable_limits(window + r.mirror.jitter);
         }
-        if !r.lease_refresh.is_zero() {
+        if r.lease_refresh.is_zero() {
+            // The request first in the fleet's order is granted as soon as the accounts
+            // will have room within this, and held until then: one call per grant.
+            store = store.reserve_ahead(RESERVE_AHEAD);
+        } else {
             store = store.leases(
                 AccountLeases::new()
                     .refresh_every(r.lease_refresh)

@@ -34,6 +34,7 @@ pub struct RedisAccountsBuilder {
     pub(super) manual_clock: bool,
     pub(super) leases: Option<AccountLeases>,
     pub(super) replaceable: Option<Duration>,
+    pub(super) reserve_ahead: Duration,
 }
 
 impl RedisAccountsBuilder {
@@ -130,6 +131,27 @@ impl RedisAccountsBuilder {
         self
     }
 
+    /// Reservations: a request first in the fleet's order that finds no room yet, but
+    /// room within `ahead`, is granted now and charged as if admitted at the instant the
+    /// room comes; the acquisition then holds it until that instant (a cancelled or
+    /// dropped acquisition gives the charge back). Under contention a grant then costs
+    /// one call instead of two (one to learn the wait, one to be granted), and the bound
+    /// is unchanged: the mirror's state is that of an admission at the instant the
+    /// request is let go. Default zero: no reservations. At most 10 s; not with
+    /// [`leases`](Self::leases), which decide locally.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits_redis::RedisAccounts;
+    ///
+    /// let builder = RedisAccounts::builder("accounts").reserve_ahead(Duration::from_millis(200));
+    /// # drop(builder);
+    /// ```
+    pub fn reserve_ahead(mut self, ahead: Duration) -> Self {
+        self.reserve_ahead = ahead;
+        self
+    }
+
     /// Test support: the script decides with the `now` each acquisition is given (a
     /// [`ManualClock`](tower_limits_core::ManualClock)) instead of the server's `TIME`;
     /// background calls use the last one. Keys then expire an hour later than their
@@ -187,6 +209,12 @@ impl RedisAccountsBuilder {
                 "replaceable_limits",
                 "leases decide from the limits declared at build: choose leases or replaceable limits".into(),
             ));
+        }
+        if self.reserve_ahead > Duration::from_secs(10) {
+            return Err(invalid("reserve_ahead", "reservations reach at most 10 s ahead".into()));
+        }
+        if !self.reserve_ahead.is_zero() && self.leases.is_some() {
+            return Err(invalid("reserve_ahead", "leases decide locally: choose leases or reservations".into()));
         }
         if let Some(leases) = &self.leases {
             if leases.refresh().is_zero() {
@@ -273,6 +301,7 @@ impl RedisAccountsBuilder {
         let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
         let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
+        let _ = writeln!(table, "local AHEAD = {}", self.reserve_ahead.as_nanos());
         // The last arguments: whether this store reached Redis before, then (on a manual
         // clock) the time.
         if self.manual_clock {
@@ -300,6 +329,7 @@ impl RedisAccountsBuilder {
             benched: Mutex::new(vec![0; n]),
             ops: tx,
             riders: Mutex::new(Vec::new()),
+            reserved: AtomicU64::new(0),
             stats: Stats::default(),
             id: format!("{:016x}", RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now(), n))),
             fleet: self.fleet,

@@ -26,9 +26,10 @@ local function bench_ns(m)
   return w
 end
 -- every member evaluated for `cost`: the member to charge (0: none), its headroom, its
--- limits' debts, and the wait until one would grant; the benches go to reply[3 + m]
+-- limits' debts, the wait until one would grant, and the member not benched that would
+-- grant first with its wait (nil: none); the benches go to reply[3 + m]
 local function choose(cost, reply)
-  local best, bestf, wait, ds = 0, -1, -1, nil
+  local best, bestf, wait, ds, wm, ww = 0, -1, -1, nil, nil, -1
   for m = 1, #M do
     local bw = bench_ns(m)
     reply[3 + m] = bw
@@ -52,11 +53,12 @@ local function choose(cost, reply)
       if fits then
         if mw > 0 then
           if wait < 0 or mw < wait then wait = mw end
+          if ww < 0 or mw < ww then wm, ww = m, mw end
         elseif f > bestf then best, bestf, ds = m, f, d end
       end
     end
   end
-  return best, bestf, ds, wait
+  return best, bestf, ds, wait, wm, ww
 end
 -- when a request of `cost` could be granted, ns from now, behind the requests `ahead`
 -- (each {cost, ns until it comes back}) served first in their order, each on the member
@@ -145,6 +147,17 @@ local function charge(best, ds, cost)
     put(KEYS[l.k], ds[i] + need * l.iv)
   end
   record(best, 1, cost)
+end
+-- a reservation: the request is sent `w` ns from now on member m, and is charged now
+-- exactly as an admission at that instant would be (each limit's arrival time moved to
+-- it first), so the mirror's state, and its bound, are those of an admission then
+local function reserve(m, cost, w)
+  local d = {}
+  for i, l in ipairs(M[m].l) do
+    d[i] = debt(KEYS[l.k])
+    if d[i] < w then d[i] = w end
+  end
+  charge(m, d, cost)
 end
 -- the members' limits replaced at run time (RedisAccounts::replace_member_limits): the
 -- field 'm:i' of LEARNED is "when iv tol, declared iv and tol"; it counts only while the
@@ -249,21 +262,28 @@ if ARGV[1] == 'a' then
       local reply = {0, NOW, (tonumber(until_us) - NOW) * 1000 - GRACE * 1000}
       if reply[3] < 1000000 then reply[3] = 1000000 end
       for m = 1, #M do reply[3 + m] = bench_ns(m) end
+      reply[4 + #M] = 0
       return reply
     end
   end
   local reply = {0, NOW, 0}
-  local best, bestf, ds, wait = choose(cost, reply)
-  if best == 0 then
+  local best, bestf, ds, wait, wm, ww = choose(cost, reply)
+  -- the reply ends with the ns until a reserved request may go (0: at once)
+  reply[4 + #M] = 0
+  if best == 0 and wm and ww <= AHEAD then
+    reserve(wm, cost, ww)
+    best, bestf, reply[4 + #M] = wm, 0, ww
+  elseif best == 0 then
     reply[3] = wait
     if wait > 0 then
       local w = ceil(wait / 1000) + GRACE
       call('SET', HOLD, rid .. ':' .. fmt('%.0f', NOW + w), 'PX', fmt('%.0f', ceil(w / 1000) + 1 + SLACK))
     end
     return reply
+  else
+    charge(best, ds, cost)
   end
   if hold then call('DEL', HOLD) end
-  charge(best, ds, cost)
   reply[1] = best
   reply[3] = floor(bestf * 1000000)
   return reply
@@ -271,13 +291,13 @@ end
 -- 'f': an acquisition of the fleet's fair share. ARGV: cost, replica id, the request's
 -- tenant, its band, the number of bands and their minimum shares (percent), n, then n
 -- quintuples (tenant, weight, requests waiting on this replica, requests waiting or in
--- flight on it, the bands it waits in: ",0,2,"), then the riders (see ride). The hash FLEET holds per band b 'V:b'
--- (the band's virtual time, cost per weight) and 'b:b' (its deficit while it waits, for
--- a band with a minimum share), and per replica id: 'f:b:id' its finish tag in band b
+-- flight on it, the bands it waits in: ",0,2,"), then the riders (see ride). The hash
+-- FLEET holds per band b 'V:b' (the band's virtual time, cost per weight) and 'b:b' (its
+-- deficit while it waits, for a band with a minimum share), and per replica id: 'f:b:id' its finish tag in band b
 -- and when it was last served, 'w:id' the start tag it waits with, until when the wait
 -- holds and its band, 'd:id' when it last reported, the bands it has work in and its
 -- demand per tenant (JSON). The reply ends with the band this replica should dispatch
--- from next (-1: its own order).
+-- from next (-1: its own order) and the ns until a reserved request may go (0: at once).
 if ARGV[1] == 'f' then
   local cost, rid, tenant, band, nb = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
   local mins = {}
@@ -387,10 +407,15 @@ if ARGV[1] == 'f' then
   table.sort(ahead, function(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] < y[2]) end)
   local blocked = go ~= band or #ahead > 0
   local reply = {0, NOW, 0}
-  local best, bestf, ds, wait = choose(cost, reply)
+  local best, bestf, ds, wait, wm, ww = choose(cost, reply)
   local granted = best ~= 0 and not blocked
+  -- first in line, no room yet, but room within AHEAD: reserved (sent at its instant)
+  local delay = 0
+  if not blocked and best == 0 and wm and ww <= AHEAD then
+    granted, delay, best, bestf = true, ww, wm, 0
+  end
   if granted then
-    charge(best, ds, cost)
+    if delay > 0 then reserve(best, cost, delay) else charge(best, ds, cost) end
     if S > V then call('HSET', FLEET, 'V:' .. band, fmt('%.17g', S)) end
     call('HSET', FLEET, fband, fmt('%.17g', S + cost / W) .. ' ' .. fmt('%.0f', NOW))
     tags[band .. ':' .. rid] = S + cost / W
@@ -462,6 +487,7 @@ if ARGV[1] == 'f' then
     end
   end
   reply[3 + #M + n + 1] = next
+  reply[3 + #M + n + 2] = delay
   return reply
 end
 -- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the rate fraction and the
