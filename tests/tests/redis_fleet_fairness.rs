@@ -73,6 +73,16 @@ fn replica(conn: &RedisConnection, ns: &str, r: usize) -> Replica {
     replica_of(conn, ns, r, &TENANTS, FairQueueConfig::new(), Duration::ZERO)
 }
 
+/// The three replicas of the [`TENANTS`], their stores reserving `reserve_ahead`.
+async fn uneven_fleet(url: &str, ns: &str, reserve_ahead: Duration) -> Vec<Replica> {
+    let mut replicas = Vec::new();
+    for r in 0..3 {
+        let conn = connect(url).await;
+        replicas.push(replica_of(&conn, ns, r, &TENANTS, FairQueueConfig::new(), reserve_ahead));
+    }
+    replicas
+}
+
 /// Replica `r` of a fleet serving `tenants`, its fair queue configured by `config` (its
 /// bands told to the fleet's handle).
 fn replica_of(
@@ -160,6 +170,17 @@ impl Run {
             }
         }
         by.into_iter().map(|(t, c)| (t, c as f64 / all.max(1) as f64)).collect()
+    }
+
+    /// Never beyond the account in any window of 0.1, 1 or 5 s, and at least 97% of it
+    /// used after the first second.
+    fn check_bound_and_use(&self) {
+        for window in [SECOND / 10, SECOND, 5 * SECOND] {
+            let cap = RATE * window / SECOND + BURST;
+            assert!(self.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", self.busiest(window));
+        }
+        let used = self.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
+        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
     }
 
     fn tokens(&self, from: u64, to: u64) -> u64 {
@@ -264,12 +285,7 @@ fn uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them() {
         return;
     };
     runtime().block_on(async {
-        let ns = namespace("fleet-fair");
-        let mut replicas = Vec::new();
-        for r in 0..3 {
-            let conn = connect(&server.url()).await;
-            replicas.push(replica(&conn, &ns, r));
-        }
+        let mut replicas = uneven_fleet(&server.url(), &namespace("fleet-fair"), Duration::ZERO).await;
         let run = drive(&mut replicas, 12 * SECOND, None).await;
         // After a second (the burst spent, the reports in), over whole seconds.
         let shares = run.shares(SECOND, 12 * SECOND);
@@ -290,12 +306,7 @@ fn uneven_routing_shares_the_accounts_by_weight_and_never_overruns_them() {
             check_shares(&run.shares(s * SECOND, (s + 1) * SECOND), 0.05);
         }
         // Never beyond the account in any window; and the fleet used it.
-        for window in [SECOND / 10, SECOND, 5 * SECOND] {
-            let cap = RATE * window / SECOND + BURST;
-            assert!(run.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", run.busiest(window));
-        }
-        let used = run.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
-        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
+        run.check_bound_and_use();
         // The per-replica split follows demand, not a fixed third.
         let r0: u64 = run.grants.iter().filter(|g| g.1 == 0).map(|g| g.3).sum();
         assert!(r0 as f64 > 0.6 * run.tokens(0, 12 * SECOND) as f64);
@@ -311,24 +322,14 @@ fn reserved_grants_take_one_call_each_and_keep_the_bound_and_the_shares() {
         return;
     };
     runtime().block_on(async {
-        let ns = namespace("fleet-reserve");
-        let mut replicas = Vec::new();
-        for r in 0..3 {
-            let conn = connect(&server.url()).await;
-            replicas.push(replica_of(&conn, &ns, r, &TENANTS, FairQueueConfig::new(), Duration::from_millis(250)));
-        }
+        let mut replicas = uneven_fleet(&server.url(), &namespace("fleet-reserve"), Duration::from_millis(250)).await;
         let run = drive(&mut replicas, 12 * SECOND, None).await;
         let shares = run.shares(SECOND, 12 * SECOND);
         let per_grant = run.calls as f64 / run.grants.len() as f64;
         println!("reserving: shares {shares:?}, {} grants, {per_grant:.2} calls per grant", run.grants.len());
         check_shares(&shares, 0.02);
         // Sent at their instants, the grants never exceed the account in any window.
-        for window in [SECOND / 10, SECOND, 5 * SECOND] {
-            let cap = RATE * window / SECOND + BURST;
-            assert!(run.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", run.busiest(window));
-        }
-        let used = run.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
-        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
+        run.check_bound_and_use();
         // The replica first in line is granted in one call; one behind it is still told
         // when to come back, then reserves (2.8 calls per grant without reservations).
         assert!(per_grant <= 2.2, "{per_grant:.2} acquisitions per grant");
@@ -377,12 +378,7 @@ fn a_batch_band_keeps_its_minimum_share_of_the_fleet_and_no_more() {
             assert!((b - batch).abs() <= 0.03, "second {s}: batch got {b:.3}");
         }
         // Never beyond the account, and the fleet used it.
-        for window in [SECOND / 10, SECOND, 5 * SECOND] {
-            let cap = RATE * window / SECOND + BURST;
-            assert!(run.busiest(window) <= cap, "{} tokens in {window} ns, cap {cap}", run.busiest(window));
-        }
-        let used = run.tokens(SECOND, 12 * SECOND) as f64 / (RATE * 11) as f64;
-        assert!(used >= 0.97, "the fleet used {:.1}% of the account", used * 100.0);
+        run.check_bound_and_use();
     });
 }
 
