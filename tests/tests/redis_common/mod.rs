@@ -3,10 +3,13 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
+use tower_limits_core::Instant;
 use tower_limits_core::LimitSetPolicy;
 use tower_limits_redis::redis;
-use tower_limits_redis::{RedisBackend, RedisBackendBuilder, RedisConnection};
+use tower_limits_redis::{RedisBackend, RedisBackendBuilder, RedisConnection, Shares};
+use tower_limits_tests::Rng;
 
 /// A runtime for one test (Redis tests start their server before it, blocking).
 pub fn runtime() -> tokio::runtime::Runtime {
@@ -43,4 +46,40 @@ pub async fn cmd<T: redis::FromRedisValue>(conn: &mut redis::aio::MultiplexedCon
 /// production default of 50ms to answer (the fault tests set their own).
 pub fn manual(policy: LimitSetPolicy, test: &str) -> RedisBackendBuilder {
     RedisBackend::builder(policy).namespace(namespace(test)).manual_clock().timeout(std::time::Duration::from_secs(5))
+}
+
+/// A millisecond, in the nanoseconds of a manual clock.
+pub const MS: u64 = 1_000_000;
+
+/// Every 20 ms each replica refreshes, but one in six refreshes is lost (never sent),
+/// and the `deaf` replica's answers are lost on the way back (Redis applies them).
+pub async fn refresh_fleet(replicas: &[RedisBackend], now: Instant, deaf: usize, rng: &mut Rng) {
+    for (i, r) in replicas.iter().enumerate() {
+        match (i == deaf, rng.below(6)) {
+            (_, 0) => {}
+            (true, _) => {
+                r.refresh_shares_unheard(now).await;
+            }
+            (false, _) => {
+                r.refresh_shares(now).await;
+            }
+        }
+    }
+}
+
+/// Capacity shares for the share tests: refreshed every 20 ms, living 100 ms, hot after
+/// two requests a period.
+pub fn shares() -> Shares {
+    Shares::new().refresh_every(Duration::from_millis(20)).lifetime(Duration::from_millis(100)).hot_after(2)
+}
+
+/// `n` replicas sharing `policy` in namespace `ns` on [`shares`], each with its own
+/// connection.
+pub async fn fleet(url: &str, policy: &LimitSetPolicy, ns: &str, n: usize) -> Vec<RedisBackend> {
+    let mut replicas = Vec::new();
+    for _ in 0..n {
+        let conn = connect(url).await;
+        replicas.push(manual(policy.clone(), "shares").namespace(ns).shares(shares()).build(&conn).unwrap());
+    }
+    replicas
 }
