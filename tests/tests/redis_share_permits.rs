@@ -12,7 +12,7 @@ use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPol
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_tests::Rng;
 
-use redis_common::{MS, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
+use redis_common::{MS, Phases, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
 
 #[test]
 fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
@@ -37,14 +37,10 @@ fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
             let start = 1_000_000 * MS;
             // Phases of 100 ms: quiet, busy, busy on one replica only (which then holds
             // most permits when the others come back), or with one replica deaf.
-            let (mut phase, mut busy, mut deaf) = (0, 0usize, usize::MAX);
+            let mut phases = Phases::new();
             for step in 0..3_000u64 {
                 let now = Instant::from_nanos(start + step * MS);
-                if step % 100 == 0 {
-                    phase = rng.below(4);
-                    busy = rng.below(3) as usize;
-                    deaf = if phase == 3 { rng.below(3) as usize } else { usize::MAX };
-                }
+                phases.at(step, &mut rng);
                 // Grants whose work is done give their permits back.
                 let (done, kept): (Vec<_>, Vec<_>) = held.into_iter().partition(|h| h.0 <= step);
                 held = kept;
@@ -52,11 +48,11 @@ fn a_fleet_on_shares_never_holds_more_than_a_semaphore_s_capacity() {
                     replicas[r].release(&tenants[t], grant);
                 }
                 if step % 20 == 0 {
-                    refresh_fleet(&replicas, now, deaf, &mut rng).await;
+                    refresh_fleet(&replicas, now, phases.deaf, &mut rng).await;
                 }
-                let requests = if phase == 0 { rng.below(2) } else { rng.below(5) };
+                let requests = if phases.phase == 0 { rng.below(2) } else { rng.below(5) };
                 for _ in 0..requests {
-                    let r = if phase == 2 { busy } else { rng.below(3) as usize };
+                    let r = phases.replica(&mut rng);
                     let t = rng.below(2) as usize;
                     match replicas[r].acquire(&tenants[t], 1, now).await {
                         Ok(grant) => {

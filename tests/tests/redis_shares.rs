@@ -14,7 +14,7 @@ use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{GrantSource, RedisBackend, Shares};
 use tower_limits_tests::Rng;
 
-use redis_common::{MS, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
+use redis_common::{MS, Phases, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
 
 /// Over every window between two admissions, the units used are at most
 /// `burst + window * amount / period`.
@@ -62,25 +62,20 @@ fn a_fleet_on_shares_never_admits_more_than_the_limit_over_any_window() {
             // Phases of 100 ms: idle, a flood from every replica, traffic on one replica,
             // or one replica whose refreshes go unheard (Redis applies them, the replica
             // never learns) or unsent.
-            let (mut phase, mut busy, mut deaf) = (0, 0usize, usize::MAX);
+            let mut phases = Phases::new();
             for step in 0..3_000u64 {
                 let now = Instant::from_nanos(start + step * MS);
-                if step % 100 == 0 {
-                    phase = rng.below(4);
-                    busy = rng.below(3) as usize;
-                    deaf = if phase == 3 { rng.below(3) as usize } else { usize::MAX };
-                }
+                phases.at(step, &mut rng);
                 if step % 20 == 0 {
-                    refresh_fleet(&replicas, now, deaf, &mut rng).await;
+                    refresh_fleet(&replicas, now, phases.deaf, &mut rng).await;
                 }
-                let requests = match phase {
+                let requests = match phases.phase {
                     0 => rng.below(2),
                     1 => 2 + rng.below(12),
                     _ => rng.below(8),
                 };
                 for _ in 0..requests {
-                    let replica = if phase == 2 { busy } else { rng.below(3) as usize };
-                    let r = &replicas[replica];
+                    let r = &replicas[phases.replica(&mut rng)];
                     let t = rng.below(4) as usize;
                     let cost = 1 + rng.below(3);
                     match r.acquire(&tenants[t], cost, now).await {

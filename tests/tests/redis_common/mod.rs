@@ -83,3 +83,32 @@ pub async fn fleet(url: &str, policy: &LimitSetPolicy, ns: &str, n: usize) -> Ve
     }
     replicas
 }
+
+/// The random traffic phases of the share laws, 100 steps (ms) each: 0 quiet, 1 busy on
+/// every replica, 2 busy on one replica only (`busy`), 3 with one replica deaf (`deaf`:
+/// its refreshes' answers lost, see [`refresh_fleet`]).
+pub struct Phases {
+    pub phase: u64,
+    pub busy: usize,
+    pub deaf: usize,
+}
+
+impl Phases {
+    pub fn new() -> Phases {
+        Phases { phase: 0, busy: 0, deaf: usize::MAX }
+    }
+
+    /// At `step`: every 100 steps, a new phase drawn from `rng`.
+    pub fn at(&mut self, step: u64, rng: &mut Rng) {
+        if step % 100 == 0 {
+            self.phase = rng.below(4);
+            self.busy = rng.below(3) as usize;
+            self.deaf = if self.phase == 3 { rng.below(3) as usize } else { usize::MAX };
+        }
+    }
+
+    /// The replica of three the next request lands on.
+    pub fn replica(&self, rng: &mut Rng) -> usize {
+        if self.phase == 2 { self.busy } else { rng.below(3) as usize }
+    }
+}
