@@ -10,8 +10,9 @@ mod redis_common;
 
 use std::time::Duration;
 
+use tower_limits_core::fleet::Waiting;
 use tower_limits_core::{
-    AcquireError, Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey,
+    AcquireError, Backend, FleetShares, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Selection, TenantKey,
 };
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisConnection};
@@ -314,6 +315,140 @@ fn no_lease_is_too_small_to_hold_a_request() {
         }
         // One holds the account at a time and uses it: 20 a second, less the hand-overs.
         assert!(served[0] + served[1] >= 12, "{served:?}");
+    });
+}
+
+/// A lease's burst is sized by the requests its replica is asked, not by the largest a
+/// request may be: with a burst of one largest request, three replicas asking small ones
+/// all hold leases at once; a replica then asked a large one reports it, the others'
+/// parts shrink at their refreshes, and the large request passes within a few periods.
+/// The bursts held never sum to more than the whole.
+#[test]
+fn bursts_follow_the_requests_each_replica_is_asked() {
+    let Some(server) = redis_for("bursts_follow_the_requests_each_replica_is_asked") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-least");
+        let one = || {
+            LimitSetPolicy::new()
+                .limit(LimitPolicy::gcra("rpm", quota(100, Duration::from_secs(1), 10)))
+                .limit(LimitPolicy::token_bucket("tpm", quota(1_000, Duration::from_secs(1), 100)).counting_cost())
+        };
+        let mut sides = Vec::new();
+        for _ in 0..3 {
+            let conn = connect(&server.url()).await;
+            let store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .member("only", one())
+                .leases(
+                    AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME).largest_cost(100),
+                )
+                .build(&conn)
+                .unwrap();
+            let pool = LimitPool::builder(Selection::MostHeadroom)
+                .member("only", LimitSet::new(one()).unwrap(), ())
+                .shared(std::sync::Arc::new(store.clone()))
+                .build()
+                .unwrap();
+            sides.push((pool, store));
+        }
+        let key = TenantKey::global();
+        let bursts = |t: u64| sides.iter().map(|(_, s)| s.leased_burst(ms(t)).unwrap()).sum::<f64>();
+        let (mut all_held, mut large_at) = (false, None);
+        for t in (0..3000).step_by(10) {
+            for (i, (pool, store)) in sides.iter().enumerate() {
+                // From 1 s on, replica 0 asks for 60 tokens until it gets them.
+                let cost = if i == 0 && t >= 1000 && large_at.is_none() { 60 } else { 10 };
+                if let Ok(g) = Backend::acquire(pool, &key, cost, ms(t)).await {
+                    if cost == 60 {
+                        large_at = Some(t);
+                    }
+                    Backend::release(pool, &key, g);
+                }
+                if t % 50 == 10 * i as u64 {
+                    store.refresh_leases(ms(t)).await;
+                }
+                assert!(bursts(t) <= 1.0 + 1e-9, "{} of the burst held at {t} ms", bursts(t));
+            }
+            if (500..1000).contains(&t) {
+                all_held |= sides.iter().all(|(_, s)| s.leased_fraction(ms(t)).unwrap() > 0.0);
+            }
+        }
+        assert!(all_held, "three replicas asking 10 tokens of a burst of 100 never held leases together");
+        let large_at = large_at.expect("the request of 60 tokens never passed");
+        assert!(large_at < 1400, "the request of 60 tokens waited until {large_at} ms");
+    });
+}
+
+/// Bands across leases: a replica whose only tenant waits in a later band with a
+/// minimum share of 10% gets about that part of the accounts, not an equal one, while
+/// the other's tenant waits in the first band; once the first band's work ends, the
+/// later band takes everything.
+#[test]
+fn a_later_band_leases_its_minimum_share_while_the_first_has_work() {
+    let Some(server) = redis_for("a_later_band_leases_its_minimum_share_while_the_first_has_work") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-bands");
+        let mut sides = Vec::new();
+        for _ in 0..2 {
+            let conn = connect(&server.url()).await;
+            let fleet = std::sync::Arc::new(FleetShares::new());
+            fleet.set_bands([0, 10]);
+            let mut store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .fleet(fleet.clone())
+                .leases(
+                    AccountLeases::new()
+                        .refresh_every(Duration::from_millis(50))
+                        .lifetime(LIFETIME)
+                        .largest_cost(LARGEST),
+                );
+            let mut pool = LimitPool::builder(Selection::MostHeadroom);
+            for (name, rps, burst, tps, tburst) in ACCOUNTS {
+                store = store.member(name, account(rps, burst, tps, tburst));
+                pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
+            }
+            let store = store.build(&conn).unwrap();
+            let pool = pool.shared(std::sync::Arc::new(store.clone())).build().unwrap();
+            sides.push((pool, store, fleet));
+        }
+        let key = TenantKey::global();
+        let (chat, nightly) = (TenantKey::new(["chat"]).unwrap(), TenantKey::new(["nightly"]).unwrap());
+        let mut first_band_ends = None;
+        for t in (0..4000).step_by(10) {
+            for (i, (pool, store, fleet)) in sides.iter().enumerate() {
+                let waiting = if i == 0 {
+                    first_band_ends.is_none().then(|| Waiting::new(chat.clone(), 1, 5).in_band(0))
+                } else {
+                    Some(Waiting::new(nightly.clone(), 1, 5).in_band(1))
+                };
+                let band = waiting.as_ref().map_or(0, |_| i);
+                let busy = waiting.is_some();
+                fleet.publish(waiting, band);
+                if busy {
+                    for _ in 0..5 {
+                        if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+                            Backend::release(pool, &key, g);
+                        }
+                    }
+                }
+                if t % 50 == 20 * i as u64 {
+                    store.refresh_leases(ms(t)).await;
+                }
+            }
+            let later = sides[1].1.leased_fraction(ms(t)).unwrap();
+            if t == 2000 {
+                let first = sides[0].1.leased_fraction(ms(t)).unwrap();
+                assert!((later - 0.1).abs() < 0.03, "the later band holds {later} of the rates, not 0.1");
+                assert!(first > 0.85, "the first band holds {first} of the rates");
+                first_band_ends = Some(t);
+            }
+        }
+        let later = sides[1].1.leased_fraction(ms(4000)).unwrap();
+        assert!(later > 0.95, "alone, the later band holds {later} of the rates");
     });
 }
 

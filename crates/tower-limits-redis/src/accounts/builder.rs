@@ -298,8 +298,9 @@ impl RedisAccountsBuilder {
         let slot_us = self.replaceable.map_or(1, |span| (span.as_micros() / 10).max(1));
         let _ = writeln!(table, "local RECENT, SLOT = KEYS[{}], {slot_us}", keys.len());
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
-        let smallest = self.leases.map_or(1, |l| l.smallest_fraction(&leased));
+        let smallest = lease::least_part(&leased, 1);
         let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
+        let _ = writeln!(table, "local SMOOTH, DEAD = {}, {}", lease::SMOOTH, lease::DEAD);
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
         let _ = writeln!(table, "local AHEAD = {}", self.reserve_ahead.as_nanos());
         // The last arguments: whether this store reached Redis before, then (on a manual

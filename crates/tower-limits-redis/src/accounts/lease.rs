@@ -15,17 +15,28 @@
 //! it may still be using, the most rate it could use (its *cap*: everything while it
 //! refuses or has requests waiting, else twice what it admitted in the last period), and,
 //! with [`fleet`](super::RedisAccountsBuilder::fleet), its fair queue's demand per
-//! tenant. The script divides the rates by weighted max-min fairness over the live
-//! replicas: each replica's weight is `Σ_t w_t·s_t` over its tenants with demand, `s_t`
-//! its part of tenant `t`'s demand across the fleet, so that tenant `t` gets capacity in
-//! proportion to its weight whichever replicas its requests land on.
+//! tenant and band. The script divides the rates by weighted max-min fairness over the
+//! live replicas. A replica's weight in a band is `Σ_t w_t·s_t` over its tenants waiting
+//! there, `s_t` its part of tenant `t`'s demand across the fleet, so that tenant `t` gets
+//! capacity in proportion to its weight whichever replicas its requests land on. The
+//! bands divide the rate as one fair queue would: each later band with work anywhere its
+//! minimum share, the first band with work the rest, and a replica's weight is the sum
+//! over bands of the band's part times the replica's part of the band's weight. A
+//! replica's weights move three tenths of the way toward what each refresh reports: the
+//! requests waiting swing from one refresh to the next, and every part of a rate that
+//! moves between replicas is idle until both have refreshed. For the same reason a rate
+//! part within 1% of the one held is left as it is.
 //!
-//! The bursts are divided differently, because a bucket must hold one request of the
-//! largest cost ([`AccountLeases::largest_cost`]) to admit it at all: each replica with a
-//! rate gets that least usable part `q` of the bursts, and the rest in proportion to its
-//! rate. At most `⌊1/q⌋` replicas hold leases at once, the heaviest first; a burst split
-//! in proportion to rates alone would give a small replica a bucket that never fills to
-//! one request.
+//! The bursts are divided differently, because a bucket must hold a request to admit it
+//! at all: each replica reports the least part `q_r` of the bursts that holds the largest
+//! request it was asked in its last two periods, gets it, and the rest of the bursts in
+//! proportion to its rate. The replicas whose parts fit together hold leases, the
+//! heaviest first; a replica asked a request its part does not hold waits for its next
+//! refreshes, which grow its part as the others' shrink. A burst split in proportion to
+//! rates alone would give a small replica a bucket that never fills to one request, and
+//! one sized for the largest request a replica may ever be asked
+//! ([`AccountLeases::largest_cost`]) lets a burst of one such request go to one replica
+//! at a time.
 //!
 //! The caller is granted its allotment, but never more than the others leave: an other
 //! counts the larger of what it was granted and what it said it may still be using. The
@@ -59,10 +70,13 @@
 //!
 //! What the scheme does not handle:
 //!
-//! - **Holders past `⌊1/q⌋`.** Beyond that many replicas, the lightest hold no lease at
-//!   all, and with equal weights the order is fixed, so the same replicas wait for as
-//!   long as the others stay busy. Leases want bursts that hold the largest request once
-//!   for every replica.
+//! - **Holders whose parts do not fit.** When the replicas' least parts sum to more than
+//!   the bursts, the lightest hold no lease at all, and with equal weights the order is
+//!   fixed, so the same replicas wait for as long as the others stay busy. Leases want
+//!   bursts that hold each replica's largest request at once.
+//! - **Bands inside a replica.** A replica's local fair queue keeps its bands' minimum
+//!   shares of what it dispatches, not of the part the fleet gave its bands, so a later
+//!   band whose requests land beside the first band's gets a little more than its share.
 //! - **Loss seen first by a new replica.** A Redis that lost its state is recognised by a
 //!   replica that reached it before. If a replica that just started is the first to
 //!   call, the others' leases are not counted for up to a lifetime. The same goes for a
@@ -96,6 +110,14 @@ use tower_limits_core::Instant;
 
 /// The whole pool, in the millionths leases are counted in.
 pub(crate) const WHOLE: u64 = 1_000_000;
+
+/// How far a replica's weight moves toward the one its refresh reports: its tenants'
+/// requests waiting swing from one refresh to the next, and every part of a rate that
+/// moves between replicas is idle until both have refreshed.
+pub(super) const SMOOTH: f64 = 0.3;
+
+/// A rate part within this of the one a replica holds (millionths) is left as it is.
+pub(super) const DEAD: u64 = WHOLE / 100;
 
 /// How account leases are refreshed: see
 /// [`RedisAccountsBuilder::leases`](super::RedisAccountsBuilder::leases).
@@ -144,12 +166,10 @@ impl AccountLeases {
         self
     }
 
-    /// The largest cost a request will have (default 1): every lease's part of every
-    /// burst holds one such request (and one request of every limit that counts
-    /// requests), so that no lease refuses a request for good; a request costing more is
-    /// refused at once as above capacity. So the bursts must hold this cost once for
-    /// every replica that holds a lease at the same time; with smaller bursts, fewer
-    /// replicas hold leases, the heaviest first.
+    /// The largest cost a request will have (default 1): a request costing more is
+    /// refused at once as above capacity. A lease's part of the bursts is sized by the
+    /// requests its replica was asked lately, never above this one: a request larger than
+    /// the part waits for the next refreshes to grow it.
     pub const fn largest_cost(mut self, cost: u64) -> Self {
         self.largest_cost = cost;
         self
@@ -172,21 +192,21 @@ impl AccountLeases {
     pub const fn lasts(&self) -> Duration {
         self.lifetime
     }
+}
 
-    /// The smallest fraction (in millionths) whose part of every limit's burst holds one
-    /// request of the largest cost.
-    pub(super) fn smallest_fraction(&self, limits: &[Vec<LeasedLimit>]) -> u64 {
-        limits
-            .iter()
-            .flatten()
-            .map(|l| {
-                let need = if l.cost { self.largest_cost.clamp(1, l.burst.max(1)) } else { 1 };
-                (u128::from(need) * u128::from(WHOLE)).div_ceil(u128::from(l.burst.max(1))) as u64
-            })
-            .max()
-            .unwrap_or(1)
-            .clamp(1, WHOLE)
-    }
+/// The smallest fraction (in millionths) whose part of every limit's burst holds one
+/// request of `cost`.
+pub(super) fn least_part(limits: &[Vec<LeasedLimit>], cost: u64) -> u64 {
+    limits
+        .iter()
+        .flatten()
+        .map(|l| {
+            let need = if l.cost { cost.clamp(1, l.burst.max(1)) } else { 1 };
+            (u128::from(need) * u128::from(WHOLE)).div_ceil(u128::from(l.burst.max(1))) as u64
+        })
+        .max()
+        .unwrap_or(1)
+        .clamp(1, WHOLE)
 }
 
 /// One limit of a member, as its bucket is sized.
@@ -218,6 +238,18 @@ impl LeasedLimit {
     fn need(&self, cost: u64) -> i128 {
         i128::from(if self.cost { cost } else { 1 }) * self.unit()
     }
+}
+
+/// What a lease refresh tells Redis: see [`Leases::report`].
+pub(super) struct Report {
+    /// The rate and burst fractions the replica may still be using.
+    pub(super) using: (u64, u64),
+    /// The most rate it could use.
+    pub(super) cap: u64,
+    /// The least burst part that holds the largest request it was asked lately.
+    pub(super) least: u64,
+    /// What the report stands for: admitted, refused, the largest cost.
+    pub(super) counts: (u64, u64, u64),
 }
 
 /// What the local lease decided.
@@ -261,6 +293,10 @@ struct State {
     /// Requests admitted and refused since the last report.
     admitted: u64,
     refused: u64,
+    /// The largest cost asked since the last report, and the one that report carried: the
+    /// burst part a lease must hold is sized by the larger.
+    wanted: u64,
+    wanted_before: u64,
     /// Granted nothing: refused without asking until then.
     denied_until: Instant,
     /// Until when the replica counts as busy (a lifetime after its last acquisition).
@@ -294,6 +330,8 @@ impl Leases {
                 at: Instant::ZERO,
                 admitted: 0,
                 refused: 0,
+                wanted: 0,
+                wanted_before: 0,
                 denied_until: Instant::ZERO,
                 busy_until: Instant::ZERO,
                 down_until: Instant::ZERO,
@@ -360,6 +398,7 @@ impl Leases {
         }
         self.take_pending(&mut st, now);
         st.busy_until = now + self.settings.lifetime;
+        st.wanted = st.wanted.max(cost);
         if st.rate == 0 {
             if now < st.denied_until {
                 st.refused += 1;
@@ -453,9 +492,9 @@ impl Leases {
 
     /// What a refresh reports at `now`: the rate and burst fractions this replica may still
     /// be using, the most rate it could use (`backlog`: requests are waiting for the
-    /// accounts), and the counts it stands for, to [`reported`](Self::reported) once Redis
-    /// has them.
-    pub(super) fn report(&self, now: Instant, backlog: bool) -> ((u64, u64), u64, (u64, u64)) {
+    /// accounts) and the least burst part that holds its requests, and the counts it
+    /// stands for, to [`reported`](Self::reported) once Redis has them.
+    pub(super) fn report(&self, now: Instant, backlog: bool) -> Report {
         let mut st = self.lock();
         // The last answer came before this refresh began: it is in force now, even for a
         // replica that made no acquisition since.
@@ -471,14 +510,20 @@ impl Leases {
             let part = 2.0 * st.admitted as f64 / self.per_refresh.max(1.0);
             ((part * WHOLE as f64) as u64).clamp(WHOLE / 64, WHOLE)
         };
-        (using, cap, (st.admitted, st.refused))
+        let wanted = st.wanted.max(st.wanted_before).max(1);
+        let least = least_part(&self.limits, wanted);
+        Report { using, cap, least, counts: (st.admitted, st.refused, st.wanted) }
     }
 
     /// Redis heard the counts of a report: the next one starts after them.
-    pub(super) fn reported(&self, (admitted, refused): (u64, u64)) {
+    pub(super) fn reported(&self, (admitted, refused, wanted): (u64, u64, u64)) {
         let mut st = self.lock();
         st.admitted = st.admitted.saturating_sub(admitted);
         st.refused = st.refused.saturating_sub(refused);
+        st.wanted_before = wanted;
+        if st.wanted <= wanted {
+            st.wanted = 0;
+        }
     }
 
     /// Takes a refresh's answer, asked at `now` and come at `from`: parts of every `rate`
@@ -599,11 +644,18 @@ mod tests {
         // 50 tokens of burst: 40 left; a settle to 45 leaves 5.
         l.adjust(0, 0, 35);
         assert!(matches!(l.decide(10, &[], at(1000)), Decision::Refused(w) if w == Duration::from_millis(50)));
-        let (using, cap, counts) = l.report(at(1000), false);
-        assert_eq!((using, cap), ((WHOLE, WHOLE), WHOLE), "refused: it could use everything");
-        assert_eq!(l.report(at(1000), false).1, WHOLE, "not heard: reported again");
-        l.reported(counts);
-        assert_eq!(l.report(at(1000), false).1, 0, "nothing asked since: idle");
+        // Asked for 40 tokens: refused, and the least part that holds it is reported.
+        assert!(matches!(l.decide(40, &[], at(1000)), Decision::Refused(_)));
+        let report = l.report(at(1000), false);
+        assert_eq!((report.using, report.cap), ((WHOLE, WHOLE), WHOLE), "refused: it could use everything");
+        assert_eq!(report.least, WHOLE * 4 / 5, "40 tokens of a burst of 50");
+        assert_eq!(l.report(at(1000), false).cap, WHOLE, "not heard: reported again");
+        l.reported(report.counts);
+        let idle = l.report(at(1000), false);
+        assert_eq!(idle.cap, 0, "nothing asked since: idle");
+        assert_eq!(idle.least, WHOLE * 4 / 5, "the last report's largest request still counts");
+        l.reported(idle.counts);
+        assert_eq!(l.report(at(1000), false).least, WHOLE / 2, "then one request of the 2 a burst holds");
         // A benched member is skipped, with the bench as the wait.
         let bench = [at(1500).as_nanos()];
         assert!(matches!(l.decide(1, &bench, at(1100)), Decision::Refused(w) if w == Duration::from_millis(400)));

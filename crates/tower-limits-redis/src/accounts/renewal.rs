@@ -30,8 +30,13 @@ impl Inner {
             self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
         let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
-        let ((rate, burst), cap, counts) = leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let lease::Report { using: (rate, burst), cap, least, counts } =
+            leases.report(now, reported.iter().any(|d| d.waiting > 0));
         let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
+        args.push(least.to_string());
+        let min_shares = self.fleet.as_ref().map(|f| f.min_shares()).unwrap_or_default();
+        args.push(min_shares.len().to_string());
+        args.extend(min_shares.iter().map(u32::to_string));
         demand_args(&reported, &mut args);
         self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
         let sent = tokio::time::Instant::now();

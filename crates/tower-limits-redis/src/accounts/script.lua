@@ -491,29 +491,44 @@ if ARGV[1] == 'f' then
   return reply
 end
 -- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the rate fraction and the
--- burst fraction it may still be using, the most rate it could use (its cap; fractions
--- in millionths), then n and n quintuples as for 'f'. The hash LEASES keeps per replica
--- 'r:<id>' = "rate granted, rate reported, burst granted, burst reported, expires, cap,
--- weight" and 'd:<id>' = its demand per tenant (JSON). The reply: the rate and burst
+-- burst fraction it may still be using, the most rate it could use (its cap), the least
+-- burst part that holds its largest request (fractions in millionths), the number of
+-- bands and their minimum shares, then n and n quintuples as for 'f'. The hash LEASES
+-- keeps per replica 'r:<id>' = "rate granted, rate reported, burst granted, burst
+-- reported, expires, cap, weights per band (comma-separated), least part" and 'd:<id>' =
+-- its demand per tenant (JSON). The reply: the rate and burst
 -- granted, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
 if ARGV[1] == 'l' then
-  local rid, ug, uh, cap, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-  local names, weights, mine = {}, {}, {}
+  local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
+  local mins = {}
+  for b = 0, given - 1 do mins[b] = tonumber(ARGV[8 + b]) end
+  local nb, n = math.max(given, 1), tonumber(ARGV[8 + given])
+  local names, weights, mine, bandsof = {}, {}, {}, {}
   for k = 1, n do
-    local j = 6 + 5 * (k - 1)
+    local j = 8 + given + 5 * (k - 1)
     names[k], weights[k] = ARGV[j + 1], tonumber(ARGV[j + 2])
     mine[names[k]] = tonumber(ARGV[j + 4])
+    bandsof[k] = ARGV[j + 5]
   end
-  local reps, demand = {}, {}
+  local reps, demand, before = {}, {}, nil
   local all = call('HGETALL', LEASES)
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
     local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
     if kind == 'r' then
-      local g, r, hg, hr, e, c, w = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+      local g, r, hg, hr, e, c, w, oq = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
       if not e or tonumber(e) <= NOW then call('HDEL', LEASES, f, 'd:' .. id)
-      elseif id ~= rid then
-        reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c), w = tonumber(w)}
+      else
+        local ws = {}
+        local b = 0
+        for x in string.gmatch(w, '[^,]+') do ws[b], b = tonumber(x), b + 1 end
+        if id ~= rid then
+          reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c),
+            ws = ws, q = tonumber(oq)}
+        else
+          before = ws
+        end
       end
     elseif kind == 'd' and id ~= rid then demand[id] = v end
   end
@@ -523,21 +538,68 @@ if ARGV[1] == 'l' then
       for name, d in pairs(cjson.decode(v)) do total[name] = (total[name] or 0) + d end
     end
   end
-  -- its weight among replicas over the tenants it has demand for
+  -- its weight among replicas in each band, over the tenants with demand there
   local demanded = {}
   for k = 1, n do demanded[k] = mine[names[k]] end
-  local W, shares = parts(n, names, weights, mine, total, demanded)
-  -- the rate: weighted max-min fairness over the live replicas' caps, among at most as
-  -- many replicas as the bursts can give each the least usable part (the heaviest first)
-  local act = {}
-  for id, o in pairs(reps) do
-    if o.c > 0 then act[#act + 1] = {id = id, c = o.c, w = o.w} end
+  local _, shares = parts(n, names, weights, mine, total, demanded)
+  local ws = {}
+  for b = 0, nb - 1 do
+    local w, tag = 0, ',' .. b .. ','
+    for k = 1, n do
+      local first = nb == 1 or bandsof[k] == ','
+      if demanded[k] > 0 and (string.find(bandsof[k], tag, 1, true) or (b == 0 and first)) then
+        w = w + weights[k] * shares[k]
+      end
+    end
+    -- smoothed: a count of requests waiting swings from one refresh to the next, and
+    -- every part that moves between replicas is idle until both have refreshed
+    if before then w = (before[b] or 0) + SMOOTH * (w - (before[b] or 0)) end
+    ws[b] = w
   end
-  if cap > 0 then act[#act + 1] = {id = rid, c = cap, w = W} end
-  table.sort(act, function(a, b) if a.w ~= b.w then return a.w > b.w end return a.id < b.id end)
-  local most = floor(WHOLE / QMIN)
-  while #act > most do act[#act] = nil end
-  local holders = #act
+  -- the bands' parts of the rate: each later band with work its minimum share, the first
+  -- band with work the rest; a replica's weight is its part of each band's weight
+  local sums = {}
+  for b = 0, nb - 1 do sums[b] = ws[b] end
+  for _, o in pairs(reps) do
+    if o.c > 0 then
+      for b = 0, nb - 1 do sums[b] = sums[b] + (o.ws[b] or 0) end
+    end
+  end
+  local part, first = {}, nil
+  for b = 0, nb - 1 do
+    if sums[b] > 0 then
+      if first == nil then first = b else part[b] = (mins[b] or 0) / 100 end
+    end
+  end
+  if first then
+    part[first] = 1
+    for b, p in pairs(part) do if b ~= first then part[first] = part[first] - p end end
+    if part[first] < 0 then part[first] = 0 end
+  end
+  -- (without demand anywhere, the replicas weigh the same; one without demand, a little)
+  local function weight(wsr)
+    if first == nil then return 1 end
+    local w = 0
+    for b, p in pairs(part) do w = w + p * (wsr[b] or 0) / sums[b] end
+    if w > 0 then return w end
+    return 0.001
+  end
+  local W = weight(ws)
+  -- the rate: weighted max-min fairness over the live replicas' caps, among the replicas
+  -- whose least usable parts of the bursts fit together (the heaviest first)
+  local cand = {}
+  for id, o in pairs(reps) do
+    if o.c > 0 then cand[#cand + 1] = {id = id, c = o.c, w = weight(o.ws), q = o.q} end
+  end
+  if cap > 0 then cand[#cand + 1] = {id = rid, c = cap, w = W, q = q} end
+  table.sort(cand, function(a, b) if a.w ~= b.w then return a.w > b.w end return a.id < b.id end)
+  local act, qsum = {}, 0
+  for _, a in ipairs(cand) do
+    if qsum + a.q <= WHOLE then
+      act[#act + 1] = a
+      qsum = qsum + a.q
+    end
+  end
   local left, allot = WHOLE, 0
   while #act > 0 do
     local sw = 0
@@ -560,24 +622,29 @@ if ARGV[1] == 'l' then
     left = left - used
     act = rest
   end
-  -- the burst: the least usable part for each holder, the rest by rate
+  -- the burst: its least usable part for each holder, the rest by rate
   local hallot = 0
-  if allot > 0 then hallot = QMIN + (WHOLE - holders * QMIN) * allot / WHOLE end
+  if allot > 0 then hallot = q + (WHOLE - qsum) * allot / WHOLE end
   local og, oh = 0, 0
   for _, o in pairs(reps) do
     og = og + math.max(o.g, o.r)
     oh = oh + math.max(o.hg, o.hr)
   end
+  -- a part within DEAD of the one held stays as it is: moving it costs more than it mends
+  if math.abs(allot - ug) < DEAD and ug <= WHOLE - og then allot = ug end
   local g = floor(math.min(allot, WHOLE - og))
   local h = floor(math.min(hallot, WHOLE - oh))
-  -- a burst too small to hold the largest request would refuse it for good
-  if g <= 0 or h < QMIN then g, h = 0, 0 end
+  -- a burst too small to hold the replica's requests would refuse them
+  if g <= 0 or h < q then g, h = 0, 0 end
   if call('EXISTS', LOST) == 1 then
     if g > ug then g = ug end
     if h > uh then h = uh end
-    if h < QMIN then g, h = 0, 0 end
+    if h < q then g, h = 0, 0 end
   end
-  call('HSET', LEASES, 'r:' .. rid, fmt('%.0f %.0f %.0f %.0f %.0f %.0f %.17g', g, ug, h, uh, NOW + LIFE, cap, W))
+  local wtext = {}
+  for b = 0, nb - 1 do wtext[b + 1] = fmt('%.17g', ws[b]) end
+  call('HSET', LEASES, 'r:' .. rid,
+    fmt('%.0f %.0f %.0f %.0f %.0f %.0f %s %.0f', g, ug, h, uh, NOW + LIFE, cap, table.concat(wtext, ','), q))
   local report = {}
   for k = 1, n do
     if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
