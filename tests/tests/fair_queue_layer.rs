@@ -367,6 +367,21 @@ async fn the_layer_dispatches_from_the_band_the_fleet_names() {
     calls.abort_all();
 }
 
+/// A fleet's store that leases capacity per band names each band's share of this
+/// replica's dispatches; the layer keeps those, not the configured ones (with its 20%,
+/// the batch request would go second).
+#[tokio::test(start_paused = true)]
+async fn the_layer_keeps_the_band_shares_the_fleet_names() {
+    let (fleet, mut calls) = banded_fleet_replica().await;
+    fleet.set_band_shares(Some(vec![0, 0]));
+    for _ in 0..2 {
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        settle().await;
+        assert_eq!(fleet.band(), 0, "{fleet:?}");
+    }
+    calls.abort_all();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_rate_is_shared_by_weight_and_never_exceeded() {
     let (rate, burst) = (1_000, 100);

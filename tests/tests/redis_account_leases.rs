@@ -452,6 +452,34 @@ fn a_later_band_leases_its_minimum_share_while_the_first_has_work() {
     });
 }
 
+/// A new fleet's first lease holds the full bursts, as a new per-request store's first
+/// acquisition finds them; they are handed out once: a lease taken after the first has
+/// ended starts empty.
+#[test]
+fn a_new_fleet_hands_its_bursts_out_once() {
+    let Some(server) = redis_for("a_new_fleet_hands_its_bursts_out_once") else { return };
+    runtime().block_on(async {
+        let (pool, _store) = replica(&server.url(), &namespace("leases-unspent")).await;
+        let key = TenantKey::global();
+        let drain = |t: u64| {
+            let (pool, key) = (pool.clone(), key.clone());
+            async move {
+                let mut granted = 0;
+                while let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
+                    granted += 1;
+                    Backend::release(&pool, &key, g);
+                }
+                granted
+            }
+        };
+        let bursts: u64 = ACCOUNTS.iter().map(|a| a.2).sum();
+        assert_eq!(drain(0).await, bursts, "the first lease holds both accounts' request bursts");
+        // The lease ends unrenewed; the next one is taken by the next request.
+        let later = LIFETIME.as_millis() as u64 + 10;
+        assert_eq!(drain(later).await, 0, "the bursts were handed out already");
+    });
+}
+
 /// While Redis is away a replica decides from its lease until it expires, then the
 /// failure policy (here fail closed) answers; no request makes a call meanwhile.
 #[test]
@@ -461,8 +489,10 @@ fn while_redis_is_away_a_lease_serves_until_it_expires() {
         let ns = namespace("leases-away");
         let (pool, store) = replica(&server.url(), &ns).await;
         let key = TenantKey::global();
-        // The lease is taken (the first request waits for it), and refills.
-        assert!(matches!(Backend::acquire(&pool, &key, 1, ms(0)).await, Err(AcquireError::Refused(_))));
+        // The lease is taken (the first request waits for it); a new fleet's first lease
+        // holds the full bursts.
+        let first = Backend::acquire(&pool, &key, 1, ms(0)).await.expect("granted from the full bursts");
+        Backend::release(&pool, &key, first);
         server.stop();
         let mut granted = 0;
         for t in (10..LIFETIME.as_millis() as u64).step_by(10) {

@@ -139,6 +139,9 @@ struct State {
     min_shares: Vec<u32>,
     /// The band the store asks this replica to dispatch from next.
     next_band: Option<usize>,
+    /// The bands' minimum shares of this replica's dispatches the store asks for, in
+    /// millionths (`None`: the queue's own).
+    band_shares: Option<Vec<u32>>,
     /// Per tenant: its configured weight and its requests admitted and not finished.
     in_flight: HashMap<TenantKey, (u32, u64)>,
     /// This replica's share of each tenant's fleet demand, in 1/[`FULL_SHARE`]s.
@@ -155,6 +158,7 @@ impl fmt::Debug for FleetShares {
             .field("band", &state.band)
             .field("min_shares", &state.min_shares)
             .field("next_band", &state.next_band)
+            .field("band_shares", &state.band_shares)
             .finish()
     }
 }
@@ -288,6 +292,35 @@ impl FleetShares {
         let mut state = self.lock();
         state.shares.clear();
         state.next_band = None;
+        state.band_shares = None;
+    }
+
+    /// The store's side: the minimum share of this replica's dispatches each band keeps
+    /// while it waits, in millionths (`None`: the fair queue's own). A store that gives
+    /// each replica a part of the capacity for each band (account leases) names here what
+    /// the replica's part for each band is of all it holds, so that a later band whose
+    /// requests land beside the first band's gets the share the fleet gave it there, not
+    /// its configured share of everything the replica holds.
+    pub fn set_band_shares(&self, shares: Option<Vec<u32>>) {
+        self.lock().band_shares = shares;
+    }
+
+    /// The fair queue's side: the bands' minimum shares the store named, in millionths
+    /// ([`FairQueue::set_min_shares`](crate::fair_queue::FairQueue::set_min_shares)).
+    ///
+    /// ```
+    /// use tower_limits_core::fleet::FleetShares;
+    ///
+    /// let fleet = FleetShares::new();
+    /// assert_eq!(fleet.band_shares(), None);
+    /// fleet.set_band_shares(Some(vec![0, 250_000]));
+    /// assert_eq!(fleet.band_shares(), Some(vec![0, 250_000]));
+    /// fleet.clear_shares();
+    /// assert_eq!(fleet.band_shares(), None);
+    /// ```
+    #[must_use]
+    pub fn band_shares(&self) -> Option<Vec<u32>> {
+        self.lock().band_shares.clone()
     }
 
     /// The store's side: the band this replica should dispatch from next (`None`: its

@@ -426,6 +426,35 @@ impl<K: Hash + Eq + Clone, T> FairQueue<K, T> {
         owed.map(|(_, b)| b).or_else(|| self.lanes.iter().position(|l| !l.is_empty()))
     }
 
+    /// Replaces the bands' minimum shares while `shares` is `Some`: each band's share of
+    /// what the queue dispatches while it waits, in millionths (a band not named keeps
+    /// none); `None` restores the configured ones. For a fleet whose shared store gives
+    /// this replica a part of the capacity per band
+    /// ([`FleetShares::band_shares`](crate::FleetShares::band_shares)).
+    ///
+    /// ```
+    /// use tower_limits_core::fair_queue::{FairQueue, FairQueueConfig};
+    ///
+    /// let mut queue = FairQueue::new(FairQueueConfig::new().band("interactive", 0).band("batch", 10))?;
+    /// for _ in 0..4 {
+    ///     queue.enqueue_in(0, "chat", 1, 1, ()).unwrap();
+    ///     queue.enqueue_in(1, "nightly", 1, 1, ()).unwrap();
+    /// }
+    /// // Half of this replica's dispatches belong to the batch band here.
+    /// queue.set_min_shares(Some(&[0, 500_000]));
+    /// let order: Vec<_> = (0..4).map(|_| queue.pop_next().unwrap().key).collect();
+    /// assert_eq!(order, ["chat", "nightly", "chat", "nightly"]);
+    /// # Ok::<(), tower_limits_core::PolicyError>(())
+    /// ```
+    pub fn set_min_shares(&mut self, shares: Option<&[u32]>) {
+        for (b, share) in self.shares.iter_mut().enumerate() {
+            *share = match shares {
+                Some(given) => i128::from(given.get(b).copied().unwrap_or(0).min(1_000_000)),
+                None => self.config.bands.get(b).map_or(0, |c| i128::from(c.min_share_percent) * 10_000),
+            };
+        }
+    }
+
     /// The request [`pop_next`](Self::pop_next) would dispatch now, without taking it.
     #[must_use]
     pub fn peek_next(&self) -> Option<Next<'_, K>> {

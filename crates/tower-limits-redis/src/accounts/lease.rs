@@ -40,8 +40,16 @@
 //!
 //! The caller is granted its allotment, but never more than the others leave: an other
 //! counts the larger of what it was granted and what it said it may still be using. The
-//! reply also carries the members' benches and the caller's part of each tenant's demand,
-//! which the fair queue uses as its tenants' weights.
+//! reply also carries the members' benches, the caller's part of each tenant's demand,
+//! which the fair queue uses as its tenants' weights, and each band's part of what the
+//! caller holds, which its fair queue keeps as the band's minimum share
+//! ([`FleetShares::band_shares`](tower_limits_core::FleetShares::band_shares)): a later
+//! band whose requests land beside the first band's gets the part the fleet gave it
+//! there, not its configured share of everything the replica holds.
+//!
+//! A new fleet's bursts are full, as a new per-request store's are: the part of the
+//! bursts no lease has held yet is kept in Redis and handed out once, as tokens with the
+//! growth of the parts that take it.
 //!
 //! # Bounds
 //!
@@ -55,8 +63,12 @@
 //!   `B`.
 //! - A replica stops using a lease at its local expiry, counted from a `now` taken before
 //!   its call was sent, so never after Redis stops counting it.
-//! - Tokens come only from refills. A bucket whose burst grows keeps its tokens (a new
-//!   lease starts empty); one that shrinks drops what is above its new capacity.
+//! - Tokens come only from refills and from a new fleet's unspent bursts. A bucket whose
+//!   burst grows keeps its tokens (a new lease starts empty, but for the unspent bursts);
+//!   one that shrinks drops what is above its new capacity. The unspent part stays at
+//!   most the part of the bursts nobody is counted for (each grant takes from it no more
+//!   than its counted part grew), so the tokens held and the unspent bursts never sum to
+//!   more than the bursts: the fleet is one bucket that started full.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
 //! that granted it, repaid by its refill; the fleet may exceed the bound by the overrun
@@ -74,12 +86,10 @@
 //!   the bursts, the lightest hold no lease at all, and with equal weights the order is
 //!   fixed, so the same replicas wait for as long as the others stay busy. Leases want
 //!   bursts that hold each replica's largest request at once.
-//! - **Bands inside a replica.** A replica's local fair queue keeps its bands' minimum
-//!   shares of what it dispatches, not of the part the fleet gave its bands, so a later
-//!   band whose requests land beside the first band's gets a little more than its share.
 //! - **Loss seen first by a new replica.** A Redis that lost its state is recognised by a
 //!   replica that reached it before. If a replica that just started is the first to
-//!   call, the others' leases are not counted for up to a lifetime. The same goes for a
+//!   call, the others' leases are not counted for up to a lifetime, and the bursts are
+//!   handed out full once more. The same goes for a
 //!   Redis rolled back to an older snapshot, or failed over to a replica that lags: its
 //!   epoch is there, and the leases it lost are not counted until their holders refresh.
 //! - **Fallback while others still hold leases.** When Redis is away, a replica whose
@@ -284,9 +294,9 @@ struct State {
     burst: u64,
     expires: Instant,
     /// A refresh's answer, applied by the next acquisition (whose `now` is after it): the
-    /// rate and burst parts, their expiry, and the instant the answer came, before which
-    /// the new parts refill nothing.
-    pending: Option<(u64, u64, Instant, Instant)>,
+    /// rate and burst parts, their expiry, the instant the answer came, before which
+    /// the new parts refill nothing, and the part of the bursts given as tokens.
+    pending: Option<(u64, u64, Instant, Instant, u64)>,
     /// Per member, per limit: tokens in units times the period times [`WHOLE`].
     tokens: Vec<Vec<i128>>,
     at: Instant,
@@ -373,12 +383,12 @@ impl Leases {
     /// drops those above its capacity.
     fn take_pending(&self, st: &mut State, now: Instant) {
         self.advance(st, now);
-        if let Some((rate, burst, expires, from)) = st.pending.take() {
+        if let Some((rate, burst, expires, from, gift)) = st.pending.take() {
             if now < expires {
                 (st.rate, st.burst, st.expires) = (rate, burst, expires);
                 for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
                     for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                        *t = (*t).min(l.capacity(burst));
+                        *t = (*t + l.capacity(gift)).min(l.capacity(burst));
                     }
                 }
                 // The new parts refill from when the answer came, not from when it was
@@ -500,7 +510,7 @@ impl Leases {
         // replica that made no acquisition since.
         self.take_pending(&mut st, now);
         let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
-        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e, _)| (live(r, e), live(b, e)));
+        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e, _, _)| (live(r, e), live(b, e)));
         let using = (live(st.rate, st.expires).max(pending_rate), live(st.burst, st.expires).max(pending_burst));
         let cap = if st.refused > 0 || backlog {
             WHOLE
@@ -527,11 +537,11 @@ impl Leases {
     }
 
     /// Takes a refresh's answer, asked at `now` and come at `from`: parts of every `rate`
-    /// and `burst` until `expires`; granted nothing, the replica refuses without asking
-    /// until its next refresh.
-    pub(super) fn granted(&self, rate: u64, burst: u64, expires: Instant, from: Instant, now: Instant) {
+    /// and `burst` until `expires`, and the part `gift` of the bursts as tokens; granted
+    /// nothing, the replica refuses without asking until its next refresh.
+    pub(super) fn granted(&self, (rate, burst, gift): (u64, u64, u64), expires: Instant, from: Instant, now: Instant) {
         let mut st = self.lock();
-        st.pending = Some((rate, burst, expires, from));
+        st.pending = Some((rate, burst, expires, from, gift));
         if rate == 0 {
             st.denied_until = now + self.settings.refresh;
         }
@@ -547,7 +557,7 @@ impl Leases {
     /// without one need not ask again.
     pub(super) fn in_force(&self, now: Instant) -> bool {
         let st = self.lock();
-        (st.rate > 0 && now < st.expires) || st.pending.is_some_and(|(r, _, e, _)| r > 0 && now < e)
+        (st.rate > 0 && now < st.expires) || st.pending.is_some_and(|(r, _, e, _, _)| r > 0 && now < e)
     }
 
     /// The caller's clock, estimated from the latest `now` it gave and the time since, on
@@ -562,7 +572,7 @@ impl Leases {
     /// refreshes can stop.
     pub(super) fn idle(&self, now: Instant) -> bool {
         let st = self.lock();
-        now >= st.busy_until && (st.rate == 0 || now >= st.expires) && st.pending.is_none_or(|(r, _, _, _)| r == 0)
+        now >= st.busy_until && (st.rate == 0 || now >= st.expires) && st.pending.is_none_or(|(r, _, _, _, _)| r == 0)
     }
 
     /// The fractions of every rate and every burst in force at `now` (tests and stats).
@@ -593,7 +603,7 @@ mod tests {
     fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
         let l = leases();
         assert_eq!(l.decide(1, &[], at(0)), Decision::NoLease);
-        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(0), at(0));
+        l.granted((WHOLE / 2, WHOLE / 2, 0), at(1000), at(0), at(0));
         // Half of 10 a second: one request every 200 ms, nothing at first.
         assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(200)));
         assert_eq!(l.decide(1, &[], at(200)), Decision::Granted(0));
@@ -608,14 +618,14 @@ mod tests {
     #[test]
     fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
         let l = leases();
-        l.granted(WHOLE / 2, WHOLE / 2, at(10_000), at(0), at(0));
+        l.granted((WHOLE / 2, WHOLE / 2, 0), at(10_000), at(0), at(0));
         assert_eq!(l.fractions(at(0)).0, WHOLE / 2);
         // Full at half: one request. Grown to the whole: still one, not two.
-        l.granted(WHOLE, WHOLE, at(10_000), at(5000), at(5000));
+        l.granted((WHOLE, WHOLE, 0), at(10_000), at(5000), at(5000));
         assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
         // Full at the whole (two), shrunk to half: one.
-        l.granted(WHOLE / 2, WHOLE / 2, at(20_000), at(9000), at(9000));
+        l.granted((WHOLE / 2, WHOLE / 2, 0), at(20_000), at(9000), at(9000));
         assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
         assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
     }
@@ -624,7 +634,7 @@ mod tests {
     fn a_lease_refills_from_when_its_answer_came() {
         let l = leases();
         // Asked at 0, answered at 100 ms: the first request comes 200 ms after the answer.
-        l.granted(WHOLE / 2, WHOLE / 2, at(1000), at(100), at(0));
+        l.granted((WHOLE / 2, WHOLE / 2, 0), at(1000), at(100), at(0));
         assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(_)));
         assert!(matches!(l.decide(1, &[], at(200)), Decision::Refused(_)));
         assert_eq!(l.decide(1, &[], at(300)), Decision::Granted(0));
@@ -638,7 +648,7 @@ mod tests {
     #[test]
     fn settles_charge_the_bucket_and_reports_say_what_is_used() {
         let l = leases();
-        l.granted(WHOLE, WHOLE, at(10_000), at(0), at(0));
+        l.granted((WHOLE, WHOLE, 0), at(10_000), at(0), at(0));
         assert_eq!(l.fractions(at(0)).0, WHOLE);
         assert_eq!(l.decide(10, &[], at(1000)), Decision::Granted(0));
         // 50 tokens of burst: 40 left; a settle to 45 leaves 5.

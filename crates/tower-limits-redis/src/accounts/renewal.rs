@@ -55,15 +55,21 @@ impl Inner {
             Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
             _ => None,
         };
-        let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == 3 + self.members.len() + reported.len()) else {
+        let expected = 3 + self.members.len() + reported.len() + min_shares.len();
+        let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == expected) else {
             tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
             return false;
         };
         leases.reported(counts);
-        self.heard(&ints[3..], reported, now);
+        let bands = &ints[3 + self.members.len() + reported.len()..];
+        self.heard(&ints[3..3 + self.members.len() + reported.len()], reported, now);
+        if let Some(fleet) = self.fleet.as_ref().filter(|_| !bands.is_empty()) {
+            fleet.set_band_shares(Some(bands.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect()));
+        }
         if heard {
             let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
-            leases.granted(fraction(ints[0]), fraction(ints[1]), now + leases.settings.lasts(), now + took, now);
+            let parts = (fraction(ints[0]), fraction(ints[1]), fraction(ints[2]));
+            leases.granted(parts, now + leases.settings.lasts(), now + took, now);
         }
         true
     }

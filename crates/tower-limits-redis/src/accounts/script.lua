@@ -189,6 +189,8 @@ if call('EXISTS', EPOCH) == 0 then
     end
   end
   call('SET', EPOCH, fmt('%.0f', NOW))
+  -- a new fleet's leases hand out the full bursts once, as the first grants' tokens
+  if not KNOWN and LIFE > 0 then call('HSET', LEASES, 'u', WHOLE) end
   -- the leases were lost too: for one lifetime nobody is granted more than it says it
   -- may still be using
   if KNOWN and LIFE > 0 then call('SET', LOST, '1', 'PX', fmt('%.0f', ceil(LIFE / 1000) + 1 + SLACK)) end
@@ -495,9 +497,11 @@ end
 -- burst part that holds its largest request (fractions in millionths), the number of
 -- bands and their minimum shares, then n and n quintuples as for 'f'. The hash LEASES
 -- keeps per replica 'r:<id>' = "rate granted, rate reported, burst granted, burst
--- reported, expires, cap, weights per band (comma-separated), least part" and 'd:<id>' =
--- its demand per tenant (JSON). The reply: the rate and burst
--- granted, 0, the members' benches, the caller's part of each tenant's demand (of 1024).
+-- reported, expires, cap, weights per band (comma-separated), least part", 'd:<id>' =
+-- its demand per tenant (JSON), and 'u' = the part of the bursts no lease has held yet
+-- (a new fleet's, handed out once as tokens). The reply: the rate and burst granted, the
+-- part of the bursts given as tokens, the members' benches, the caller's part of each
+-- tenant's demand (of 1024), and each band's part of what the caller holds (millionths).
 if ARGV[1] == 'l' then
   local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
@@ -511,7 +515,7 @@ if ARGV[1] == 'l' then
     mine[names[k]] = tonumber(ARGV[j + 4])
     bandsof[k] = ARGV[j + 5]
   end
-  local reps, demand, before = {}, {}, nil
+  local reps, demand, before, held, unspent = {}, {}, nil, 0, 0
   local all = call('HGETALL', LEASES)
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
@@ -527,10 +531,11 @@ if ARGV[1] == 'l' then
           reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c),
             ws = ws, q = tonumber(oq)}
         else
-          before = ws
+          before, held = ws, math.max(tonumber(hg), tonumber(hr))
         end
       end
-    elseif kind == 'd' and id ~= rid then demand[id] = v end
+    elseif kind == 'd' and id ~= rid then demand[id] = v
+    elseif f == 'u' then unspent = tonumber(v) end
   end
   local total = {}
   for id, v in pairs(demand) do
@@ -651,9 +656,26 @@ if ARGV[1] == 'l' then
   end
   call('HSET', LEASES, 'd:' .. rid, cjson.encode(report))
   call('PEXPIRE', LEASES, fmt('%.0f', ceil(LIFE / 1000) + 60000 + SLACK))
-  local reply = {g, h, 0}
+  -- the part of the bursts no lease ever held comes with the part's growth as tokens:
+  -- it stays at most the part nobody is counted for, so the tokens held and the bursts
+  -- not handed out never sum to more than the bursts
+  local gift = 0
+  if unspent > 0 then
+    gift = math.max(0, math.min(unspent, math.max(h, uh) - held, h))
+    if gift > 0 then call('HSET', LEASES, 'u', fmt('%.0f', unspent - gift)) end
+  end
+  local reply = {g, h, gift}
   for m = 1, #M do reply[3 + m] = bench_ns(m) end
   for k = 1, n do reply[3 + #M + k] = floor(shares[k] * 1024 + 0.5) end
+  -- each band's part of what the caller holds (millionths): its local queue keeps that
+  -- minimum share for the band, not the configured share of everything it holds
+  for b = 0, given - 1 do
+    local owed = 0
+    if part[b] and b ~= first and sums[b] > 0 and W > 0 then
+      owed = math.min(WHOLE, floor(WHOLE * part[b] * ws[b] / sums[b] / W + 0.5))
+    end
+    reply[3 + #M + n + b + 1] = owed
+  end
   return reply
 end
 -- 'b': a batch of operations (see apply)

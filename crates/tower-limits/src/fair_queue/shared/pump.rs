@@ -28,6 +28,9 @@ impl<B: Backend> State<B> {
     /// Dispatches in fair order while capacity is free.
     pub(super) fn pump(&mut self, fx: &Fixed<B>, now: &mut Now<'_>, wake: &mut Wakers) {
         while self.gate.is_none() && self.in_flight < fx.slots {
+            if let Some(fleet) = &fx.fleet {
+                self.queue.set_min_shares(fleet.band_shares().as_deref());
+            }
             let asked = fx.fleet.as_ref().and_then(|f| f.next_band());
             let Some(next) = (match asked {
                 Some(band) => self.queue.pop_next_in(band),
