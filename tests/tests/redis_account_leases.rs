@@ -480,6 +480,73 @@ fn a_new_fleet_hands_its_bursts_out_once() {
     });
 }
 
+/// Limits replaced while a leased fleet runs (learned from the upstream): one replica
+/// halves the account's rate, and from each replica's next refresh on the fleet keeps to
+/// the new limit over every window; doubled again, the fleet uses the new rate.
+#[test]
+fn leases_take_the_limits_the_fleet_replaced() {
+    let Some(server) = redis_for("leases_take_the_limits_the_fleet_replaced") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-replaced");
+        let one = |rps: u64, burst: u64| {
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(rps, Duration::from_secs(1), burst)))
+        };
+        let mut sides = Vec::new();
+        for _ in 0..2 {
+            let conn = connect(&server.url()).await;
+            let store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .member("only", one(100, 10))
+                .replaceable_limits(Duration::from_secs(1))
+                .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME))
+                .build(&conn)
+                .unwrap();
+            let pool = LimitPool::builder(Selection::MostHeadroom)
+                .member("only", LimitSet::new(one(100, 10)).unwrap(), ())
+                .shared(std::sync::Arc::new(store.clone()))
+                .build()
+                .unwrap();
+            sides.push((pool, store));
+        }
+        let key = TenantKey::global();
+        let mut grants = Vec::new();
+        for t in (0..3000).step_by(5) {
+            if t == 1000 || t == 2000 {
+                let (rps, burst) = if t == 1000 { (50, 5) } else { (100, 10) };
+                sides[0].1.replace_member_limits(0, &one(rps, burst), ms(t)).unwrap();
+                sides[0].1.flush().await;
+            }
+            for (i, (pool, store)) in sides.iter().enumerate() {
+                for _ in 0..3 {
+                    if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+                        grants.push(t);
+                        Backend::release(pool, &key, g);
+                    }
+                }
+                if t % 50 == 10 * i as u64 {
+                    store.refresh_leases(ms(t)).await;
+                }
+            }
+        }
+        let count = |from: u64, to: u64| grants.iter().filter(|&&t| t >= from && t < to).count() as u64;
+        // Halved at 1 s: once both replicas refreshed (60 ms), every window keeps to
+        // 5 + 50 a second.
+        for from in (1060..2000).step_by(5) {
+            for w in [50, 200, 940] {
+                let to = (from + w).min(2000);
+                let most = 5 + 50 * (to - from) / 1000 + 1;
+                assert!(count(from, to) <= most, "{} grants in [{from}, {to}) ms > {most}", count(from, to));
+            }
+        }
+        // Doubled again at 2 s: the fleet uses the new rate (100 a second, less the
+        // parts' settling).
+        assert!(count(2200, 3000) >= 70, "{} grants in the last 800 ms at 100 a second", count(2200, 3000));
+        assert!(count(1200, 2000) >= 35, "{} grants in 800 ms at 50 a second", count(1200, 2000));
+    });
+}
+
 /// While Redis is away a replica decides from its lease until it expires, then the
 /// failure policy (here fail closed) answers; no request makes a call meanwhile.
 #[test]

@@ -11,7 +11,6 @@ mod redis_common;
 use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Instant, LimitPolicy, LimitSetPolicy, Quota, SharedAccounts, SharedGrant, nz};
-use tower_limits_redis::BuildError;
 use tower_limits_redis::test_support::redis_for;
 use tower_limits_redis::{AccountLeases, RedisAccounts, RedisConnection};
 
@@ -189,13 +188,15 @@ fn a_replacement_that_does_not_keep_the_members_limits_is_refused() {
         let fixed = RedisAccounts::builder("accounts").namespace(&ns).member("a", account(10)).build(&conn).unwrap();
         let e = fixed.replace_member_limits(0, &account(5), at(0)).unwrap_err();
         assert!(e.to_string().contains("replaceable_limits"), "{e}");
-        // Leases decide from the declared limits: not both.
-        let both = RedisAccounts::builder("accounts")
+        // Leases take replaced limits too (redis_account_leases.rs), and a replacement
+        // is checked the same way.
+        let leased = RedisAccounts::builder("accounts")
             .namespace(&ns)
             .member("a", account(10))
             .replaceable_limits(Duration::from_secs(1))
             .leases(AccountLeases::new())
-            .build(&conn);
-        assert!(matches!(both, Err(BuildError::Invalid { field: "replaceable_limits", .. })), "{both:?}");
+            .build(&conn)
+            .unwrap();
+        assert!(leased.replace_member_limits(0, &counting_cost, at(0)).is_err());
     });
 }

@@ -416,16 +416,8 @@ impl Gateway {
             .usage_from_body(OpenAiStreamUsage::default());
         let clock = shared.clone();
         let now: Arc<dyn Fn() -> Instant + Send + Sync> = Arc::new(move || clock.now());
-        // With Redis, learned quotas replace the shared mirrors; account leases decide
-        // from the declared ones.
-        let leased = redis && !config.gateway.account_lease_refresh.is_zero();
-        if leased && config.mirror.learn_ceiling_percent != 0 {
-            tracing::warn!(
-                "the accounts' limits are not learned with gateway.account_lease_refresh: \
-                 the leases decide from the declared quotas"
-            );
-        }
-        let learning = if leased { None } else { learning::Learning::new(config, replicas).map(Arc::new) };
+        // With Redis, learned quotas replace the shared mirrors (leased or not).
+        let learning = learning::Learning::new(config, replicas).map(Arc::new);
         let call = UpstreamCall {
             transport,
             timeout: config.gateway.upstream_timeout,

@@ -115,8 +115,11 @@ impl RedisAccountsBuilder {
     /// the upstream's answers. `span` is what the upstream counts when it decides (its
     /// window, and the jitter of its answers): Redis keeps what the fleet was charged over
     /// it, in tenths, and a lowered limit is charged with it. Each call then reads the
-    /// pool's replaced limits (one small hash) and records its charge; not with
-    /// [`leases`](Self::leases), which decide from the declared limits.
+    /// pool's replaced limits (one small hash) and records its charge. With
+    /// [`leases`](Self::leases), each refresh brings the replaced limits to its replica,
+    /// whose buckets keep the units they hold (up to the new bursts) and refill at the
+    /// new rates: a replaced limit reaches every replica within one refresh period, and
+    /// nothing is charged at a lowering (leases make no call per request to record).
     ///
     /// ```
     /// use std::time::Duration;
@@ -202,12 +205,6 @@ impl RedisAccountsBuilder {
             return Err(invalid(
                 "replaceable_limits",
                 "the span the upstream counts must be at least a millisecond".into(),
-            ));
-        }
-        if self.replaceable.is_some() && self.leases.is_some() {
-            return Err(invalid(
-                "replaceable_limits",
-                "leases decide from the limits declared at build: choose leases or replaceable limits".into(),
             ));
         }
         if self.reserve_ahead > Duration::from_secs(10) {
@@ -373,11 +370,6 @@ pub(super) fn mirror_of(p: &LimitPolicy) -> Result<(LeasedLimit, u64, u64), Buil
     if tolerance >= 1 << 52 {
         return Err(unsupported("its burst spans more than the 52 days a script counts exactly"));
     }
-    let leased = LeasedLimit {
-        amount: quota.amount(),
-        period_ns: u64::try_from(quota.period().as_nanos()).unwrap_or(u64::MAX),
-        burst,
-        cost: p.counts == Counts::Cost,
-    };
+    let leased = LeasedLimit { interval, burst, cost: p.counts == Counts::Cost };
     Ok((leased, interval, tolerance))
 }

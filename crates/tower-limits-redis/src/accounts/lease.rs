@@ -47,6 +47,10 @@
 //! band whose requests land beside the first band's gets the part the fleet gave it
 //! there, not its configured share of everything the replica holds.
 //!
+//! With [`replaceable_limits`](super::RedisAccountsBuilder::replaceable_limits), each
+//! reply also carries every member's limits as the fleet holds them; a bucket whose limit
+//! changed keeps the units it holds, up to its new burst, and refills at its new rate.
+//!
 //! A new fleet's bursts are full, as a new per-request store's are: the part of the
 //! bursts no lease has held yet is kept in Redis and handed out once, as tokens with the
 //! growth of the parts that take it.
@@ -69,6 +73,10 @@
 //!   most the part of the bursts nobody is counted for (each grant takes from it no more
 //!   than its counted part grew), so the tokens held and the unspent bursts never sum to
 //!   more than the bursts: the fleet is one bucket that started full.
+//!
+//! A replaced limit holds for a replica from its next refresh: until then it refills at
+//! the limit it knew, so for up to one refresh period (and the call) after a lowering the
+//! fleet may charge the old rate.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
 //! that granted it, repaid by its refill; the fleet may exceed the bound by the overrun
@@ -204,6 +212,16 @@ impl AccountLeases {
     }
 }
 
+/// The requests the members allow in one refresh period, together.
+fn per_refresh(settings: &AccountLeases, limits: &[Vec<LeasedLimit>]) -> f64 {
+    let refresh_ns = settings.refresh.as_nanos() as f64;
+    limits
+        .iter()
+        .filter_map(|member| member.iter().find(|l| !l.cost))
+        .map(|l| refresh_ns / l.interval.max(1) as f64)
+        .sum()
+}
+
 /// The smallest fraction (in millionths) whose part of every limit's burst holds one
 /// request of `cost`.
 pub(super) fn least_part(limits: &[Vec<LeasedLimit>], cost: u64) -> u64 {
@@ -220,29 +238,29 @@ pub(super) fn least_part(limits: &[Vec<LeasedLimit>], cost: u64) -> u64 {
 }
 
 /// One limit of a member, as its bucket is sized.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct LeasedLimit {
-    /// Units per period.
-    pub(super) amount: u64,
-    pub(super) period_ns: u64,
+    /// Nanoseconds per unit at the limit's rate.
+    pub(super) interval: u64,
     pub(super) burst: u64,
     /// Counts the request's cost (else one per request).
     pub(super) cost: bool,
 }
 
 impl LeasedLimit {
-    /// One unit, in the bucket's scale (units times the period times [`WHOLE`]).
+    /// One unit, in the bucket's scale (a unit's interval times [`WHOLE`]): a bucket
+    /// holding `fraction` of the rate refills `fraction` a nanosecond.
     fn unit(&self) -> i128 {
-        i128::from(self.period_ns) * i128::from(WHOLE)
+        i128::from(self.interval.max(1)) * i128::from(WHOLE)
     }
 
     fn capacity(&self, fraction: u64) -> i128 {
-        i128::from(self.burst) * i128::from(fraction) * i128::from(self.period_ns)
+        i128::from(self.burst) * i128::from(self.interval.max(1)) * i128::from(fraction)
     }
 
     /// The refill a nanosecond.
-    fn refill(&self, fraction: u64) -> i128 {
-        i128::from(self.amount) * i128::from(fraction)
+    fn refill(fraction: u64) -> i128 {
+        i128::from(fraction)
     }
 
     fn need(&self, cost: u64) -> i128 {
@@ -278,9 +296,6 @@ pub(super) enum Decision {
 /// This replica's lease and its buckets.
 pub(super) struct Leases {
     pub(super) settings: AccountLeases,
-    limits: Vec<Vec<LeasedLimit>>,
-    /// The requests the members allow in one refresh period, together.
-    per_refresh: f64,
     state: Mutex<State>,
     /// One refresh at a time, so that answers apply in the order they were asked.
     pub(super) refreshing: tokio::sync::Mutex<()>,
@@ -289,6 +304,10 @@ pub(super) struct Leases {
 }
 
 struct State {
+    /// Per member, its limits (replaced when the fleet's limits are), and the requests
+    /// the members allow in one refresh period, together.
+    limits: Vec<Vec<LeasedLimit>>,
+    per_refresh: f64,
     /// The fraction of every rate the lease holds, and of every burst.
     rate: u64,
     burst: u64,
@@ -297,7 +316,7 @@ struct State {
     /// rate and burst parts, their expiry, the instant the answer came, before which
     /// the new parts refill nothing, and the part of the bursts given as tokens.
     pending: Option<(u64, u64, Instant, Instant, u64)>,
-    /// Per member, per limit: tokens in units times the period times [`WHOLE`].
+    /// Per member, per limit: tokens in units times the unit's interval times [`WHOLE`].
     tokens: Vec<Vec<i128>>,
     at: Instant,
     /// Requests admitted and refused since the last report.
@@ -320,18 +339,13 @@ struct State {
 
 impl Leases {
     pub(super) fn new(settings: AccountLeases, limits: Vec<Vec<LeasedLimit>>) -> Leases {
-        let refresh_ns = settings.refresh.as_nanos() as f64;
-        let per_refresh = limits
-            .iter()
-            .filter_map(|member| member.iter().find(|l| !l.cost))
-            .map(|l| l.amount as f64 * refresh_ns / l.period_ns.max(1) as f64)
-            .sum::<f64>();
+        let per_refresh = per_refresh(&settings, &limits);
         let tokens = limits.iter().map(|m| vec![0; m.len()]).collect();
         Leases {
             settings,
-            limits,
-            per_refresh,
             state: Mutex::new(State {
+                limits,
+                per_refresh,
                 rate: 0,
                 burst: 0,
                 expires: Instant::ZERO,
@@ -363,9 +377,9 @@ impl Leases {
             let until = if now < st.expires { now } else { st.expires.max(st.at) };
             let elapsed = i128::from(until.nanos_since(st.at));
             let (rate, burst) = (st.rate, st.burst);
-            for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
+            for (member, tokens) in st.limits.iter().zip(&mut st.tokens) {
                 for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                    *t = (*t + elapsed * l.refill(rate)).min(l.capacity(burst));
+                    *t = (*t + elapsed * LeasedLimit::refill(rate)).min(l.capacity(burst));
                 }
             }
             st.at = now;
@@ -386,7 +400,7 @@ impl Leases {
         if let Some((rate, burst, expires, from, gift)) = st.pending.take() {
             if now < expires {
                 (st.rate, st.burst, st.expires) = (rate, burst, expires);
-                for (member, tokens) in self.limits.iter().zip(&mut st.tokens) {
+                for (member, tokens) in st.limits.iter().zip(&mut st.tokens) {
                     for (l, t) in member.iter().zip(tokens.iter_mut()) {
                         *t = (*t + l.capacity(gift)).min(l.capacity(burst));
                     }
@@ -402,11 +416,12 @@ impl Leases {
     /// Decides a request of `cost` at `now` from the lease, skipping the members benched
     /// past `now` (`benched`, ns of the caller's clock).
     pub(super) fn decide(&self, cost: u64, benched: &[u64], now: Instant) -> Decision {
-        let mut st = self.lock();
+        let mut guard = self.lock();
+        let st = &mut *guard;
         if self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed) < now.as_nanos() {
             st.latest_at = tokio::time::Instant::now();
         }
-        self.take_pending(&mut st, now);
+        self.take_pending(st, now);
         st.busy_until = now + self.settings.lifetime;
         st.wanted = st.wanted.max(cost);
         if st.rate == 0 {
@@ -424,7 +439,7 @@ impl Leases {
         let mut best: Option<(usize, f64)> = None;
         let mut wait = u64::MAX;
         let refresh_ns = u64::try_from(self.settings.refresh.as_nanos()).unwrap_or(u64::MAX);
-        for (m, member) in self.limits.iter().enumerate() {
+        for (m, member) in st.limits.iter().enumerate() {
             let bench = benched.get(m).copied().unwrap_or(0);
             if bench > now.as_nanos() {
                 wait = wait.min(bench - now.as_nanos());
@@ -440,7 +455,7 @@ impl Leases {
                 if need > capacity {
                     fits = false;
                 } else if t < need {
-                    let refill = l.refill(st.rate).max(1);
+                    let refill = LeasedLimit::refill(st.rate).max(1);
                     let ns = u64::try_from((need - t + refill - 1) / refill).unwrap_or(u64::MAX);
                     short = short.max(ns);
                 } else {
@@ -458,7 +473,7 @@ impl Leases {
         }
         match best {
             Some((m, _)) => {
-                for (l, t) in self.limits[m].iter().zip(st.tokens[m].iter_mut()) {
+                for (l, t) in st.limits[m].iter().zip(st.tokens[m].iter_mut()) {
                     *t -= l.need(cost);
                 }
                 st.admitted += 1;
@@ -474,9 +489,10 @@ impl Leases {
     /// Charges `requests` and `cost` more (or refunds them, negative) to `member`'s
     /// bucket: a settle or a cancel.
     pub(super) fn adjust(&self, member: usize, requests: i64, cost: i64) {
-        let mut st = self.lock();
+        let mut guard = self.lock();
+        let st = &mut *guard;
         let burst = st.burst;
-        let (Some(limits), Some(tokens)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
+        let (Some(limits), Some(tokens)) = (st.limits.get(member), st.tokens.get_mut(member)) else { return };
         // (Bounded so that no product overflows: a charge beyond a day's worth of a burst
         // is a debt as final as the bound.)
         let most = 1_i128 << 40;
@@ -489,9 +505,10 @@ impl Leases {
     /// What the upstream said is left of `member`'s limits: this replica's fraction of it
     /// bounds its bucket.
     pub(super) fn correct(&self, member: usize, requests: Option<u64>, tokens: Option<u64>) {
-        let mut st = self.lock();
+        let mut guard = self.lock();
+        let st = &mut *guard;
         let fraction = i128::from(st.rate);
-        let (Some(limits), Some(buckets)) = (self.limits.get(member), st.tokens.get_mut(member)) else { return };
+        let (Some(limits), Some(buckets)) = (st.limits.get(member), st.tokens.get_mut(member)) else { return };
         for (l, t) in limits.iter().zip(buckets.iter_mut()) {
             if let Some(left) = if l.cost { tokens } else { requests } {
                 let left = i128::from(left.min(l.burst));
@@ -517,12 +534,39 @@ impl Leases {
         } else if st.admitted == 0 {
             0
         } else {
-            let part = 2.0 * st.admitted as f64 / self.per_refresh.max(1.0);
+            let part = 2.0 * st.admitted as f64 / st.per_refresh.max(1.0);
             ((part * WHOLE as f64) as u64).clamp(WHOLE / 64, WHOLE)
         };
         let wanted = st.wanted.max(st.wanted_before).max(1);
-        let least = least_part(&self.limits, wanted);
+        let least = least_part(&st.limits, wanted);
         Report { using, cap, least, counts: (st.admitted, st.refused, st.wanted) }
+    }
+
+    /// The fleet's limits as Redis holds them (replaced ones included), per member and
+    /// limit its interval and tolerance (ns), taken at `now`: a limit that changed keeps
+    /// the units its bucket holds, up to its new capacity, and refills at its new rate.
+    pub(super) fn take_limits(&self, current: &[(u64, u64)], now: Instant) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let mut given = current.iter();
+        let mut changed = false;
+        self.advance(st, now);
+        let burst = st.burst;
+        for (member, tokens) in st.limits.iter_mut().zip(&mut st.tokens) {
+            for (l, t) in member.iter_mut().zip(tokens.iter_mut()) {
+                let Some(&(interval, tolerance)) = given.next() else { return };
+                if interval == 0 || interval == l.interval && tolerance / interval == l.burst {
+                    continue;
+                }
+                let old = *l;
+                (l.interval, l.burst) = (interval, tolerance / interval);
+                *t = (*t * i128::from(interval) / i128::from(old.interval.max(1))).min(l.capacity(burst));
+                changed = true;
+            }
+        }
+        if changed {
+            st.per_refresh = per_refresh(&self.settings, &st.limits);
+        }
     }
 
     /// Redis heard the counts of a report: the next one starts after them.
@@ -590,8 +634,8 @@ mod tests {
     fn leases() -> Leases {
         // One member: 10 requests a second with a burst of 2, 100 tokens a second with a
         // burst of 50.
-        let rpm = LeasedLimit { amount: 10, period_ns: 1_000_000_000, burst: 2, cost: false };
-        let tpm = LeasedLimit { amount: 100, period_ns: 1_000_000_000, burst: 50, cost: true };
+        let rpm = LeasedLimit { interval: 100_000_000, burst: 2, cost: false };
+        let tpm = LeasedLimit { interval: 10_000_000, burst: 50, cost: true };
         Leases::new(AccountLeases::new(), vec![vec![rpm, tpm]])
     }
 

@@ -1,6 +1,7 @@
 //! What leases ask of Redis: the refresh, one call for every member, and the task that
 //! renews a busy replica's lease every period. The scheme is in [`super::lease`].
 
+use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -55,17 +56,25 @@ impl Inner {
             Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
             _ => None,
         };
-        let expected = 3 + self.members.len() + reported.len() + min_shares.len();
+        let limits: usize =
+            self.members.iter().map(|m| m.shape.lock().unwrap_or_else(PoisonError::into_inner).len()).sum();
+        let expected = 3 + self.members.len() + reported.len() + min_shares.len() + 2 * limits;
         let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == expected) else {
             tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
             return false;
         };
         leases.reported(counts);
-        let bands = &ints[3 + self.members.len() + reported.len()..];
+        let at = 3 + self.members.len() + reported.len();
+        let (bands, current) = ints[at..].split_at(min_shares.len());
         self.heard(&ints[3..3 + self.members.len() + reported.len()], reported, now);
         if let Some(fleet) = self.fleet.as_ref().filter(|_| !bands.is_empty()) {
             fleet.set_band_shares(Some(bands.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect()));
         }
+        let current: Vec<(u64, u64)> = current
+            .chunks_exact(2)
+            .map(|pair| (u64::try_from(pair[0]).unwrap_or(0), u64::try_from(pair[1]).unwrap_or(0)))
+            .collect();
+        leases.take_limits(&current, now);
         if heard {
             let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
             let parts = (fraction(ints[0]), fraction(ints[1]), fraction(ints[2]));

@@ -501,7 +501,8 @@ end
 -- its demand per tenant (JSON), and 'u' = the part of the bursts no lease has held yet
 -- (a new fleet's, handed out once as tokens). The reply: the rate and burst granted, the
 -- part of the bursts given as tokens, the members' benches, the caller's part of each
--- tenant's demand (of 1024), and each band's part of what the caller holds (millionths).
+-- tenant's demand (of 1024), each band's part of what the caller holds (millionths), and
+-- every member's limits, interval and tolerance (ns).
 if ARGV[1] == 'l' then
   local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
@@ -675,6 +676,14 @@ if ARGV[1] == 'l' then
       owed = math.min(WHOLE, floor(WHOLE * part[b] * ws[b] / sums[b] / W + 0.5))
     end
     reply[3 + #M + n + b + 1] = owed
+  end
+  -- the members' limits as the fleet holds them (replaced ones included)
+  local at = 3 + #M + n + given
+  for m = 1, #M do
+    for _, l in ipairs(M[m].l) do
+      reply[at + 1], reply[at + 2] = l.iv, l.tol
+      at = at + 2
+    end
   end
   return reply
 end
