@@ -547,6 +547,53 @@ fn leases_take_the_limits_the_fleet_replaced() {
     });
 }
 
+/// A replica short of its part while another was told to give part of its own back is
+/// asked to refresh again just after that one's next refresh (which confirms it),
+/// rather than at its own next period; a replica that got its part is not.
+#[test]
+fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
+    let Some(server) = redis_for("a_replica_short_of_its_part_asks_again_after_the_holder_refreshes") else {
+        return;
+    };
+    runtime().block_on(async {
+        let ns = namespace("leases-soon");
+        let (x, x_store) = replica(&server.url(), &ns).await;
+        let (y, y_store) = replica(&server.url(), &ns).await;
+        let key = TenantKey::global();
+        let want = |pool: &LimitPool, t: u64| {
+            let (pool, key) = (pool.clone(), key.clone());
+            async move {
+                for _ in 0..20 {
+                    if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
+                        Backend::release(&pool, &key, g);
+                    }
+                }
+            }
+        };
+        // x takes the whole at 0 (refresh periods are 50 ms); y, at 10, gets nothing,
+        // and nobody is giving anything back yet: no early call.
+        want(&x, 0).await;
+        want(&y, 10).await;
+        assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
+        assert_eq!(y_store.lease_asked_again_in(), None);
+        // x is told at 40 to keep half; y, at 45, is asked again 2 ms after x's next
+        // refresh (at 90), which confirms the half.
+        want(&x, 40).await;
+        x_store.refresh_leases(ms(40)).await;
+        assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
+        want(&y, 45).await;
+        y_store.refresh_leases(ms(45)).await;
+        assert_eq!(y_store.leased_fraction(ms(45)), Some(0.0));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(47)));
+        want(&x, 90).await;
+        x_store.refresh_leases(ms(90)).await;
+        want(&y, 92).await;
+        y_store.refresh_leases(ms(92)).await;
+        assert_eq!(y_store.leased_fraction(ms(92)), Some(0.5));
+        assert_eq!(y_store.lease_asked_again_in(), None);
+    });
+}
+
 /// While Redis is away a replica decides from its lease until it expires, then the
 /// failure policy (here fail closed) answers; no request makes a call meanwhile.
 #[test]

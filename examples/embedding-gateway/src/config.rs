@@ -157,9 +157,9 @@ pub struct GatewaySettings {
     /// With Redis: how often a replica renews its lease of the upstream accounts, deciding
     /// every request from it with no round trip; zero (the default) asks Redis for every
     /// request instead. A lease lives ten periods, at least two periods and
-    /// `redis_timeout`. Each replica's lease holds its part of every mirror's burst, which
-    /// must hold `max_request_tokens` (`mirror.burst_percent`): with smaller bursts,
-    /// fewer replicas hold leases at once.
+    /// `redis_timeout`. Each replica's lease holds the part of every mirror's burst that
+    /// holds its largest recent request; a larger one waits for the next refreshes to
+    /// grow it. Learned quotas reach every replica at its next refresh.
     pub account_lease_refresh: Duration,
     /// With Redis: how often a replica renews its shares of the tenants' plans (their rates
     /// and concurrency), deciding the requests of busy tenants from them with no round trip;

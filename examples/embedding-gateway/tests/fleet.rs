@@ -141,15 +141,16 @@ fn replicas_leasing_the_accounts_serve_without_a_call_per_request() {
             let sharing = Sharing::Redis { connection, replicas: 2, namespace: namespace.clone() };
             replicas.push(Gateway::with_sharing(&config, in_process(router.clone()), &sharing).unwrap());
         }
-        // Eight clients, each sending 25 calls one after another: the plans' scopes turn
-        // hot as the calls keep coming.
+        // Eight clients, each sending 60 calls one after another: the plans' scopes turn
+        // hot as the calls keep coming (a new fleet's leases start with the accounts'
+        // bursts, so the first calls pass before any scope is hot).
         let mut clients = Vec::new();
         for i in 0..8 {
             let gateway = replicas[i % 2].clone();
             let key = if i % 3 == 0 { "sk-globex-bob" } else { "sk-acme-alice" };
             clients.push(tokio::spawn(async move {
                 let mut answers = Vec::new();
-                for _ in 0..25 {
+                for _ in 0..60 {
                     answers.push(embed_as(&gateway, key, "hello").await);
                 }
                 answers

@@ -296,7 +296,9 @@ impl RedisAccountsBuilder {
         let _ = writeln!(table, "local RECENT, SLOT = KEYS[{}], {slot_us}", keys.len());
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
         let smallest = lease::least_part(&leased, 1);
-        let _ = writeln!(table, "local LIFE, WHOLE, QMIN = {life_us}, {}, {smallest}", lease::WHOLE);
+        let refresh_us = self.leases.map_or(0, |l| l.refresh().as_micros());
+        let _ =
+            writeln!(table, "local LIFE, REFRESH, WHOLE, QMIN = {life_us}, {refresh_us}, {}, {smallest}", lease::WHOLE);
         let _ = writeln!(table, "local SMOOTH, DEAD = {}, {}", lease::SMOOTH, lease::DEAD);
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
         let _ = writeln!(table, "local AHEAD = {}", self.reserve_ahead.as_nanos());

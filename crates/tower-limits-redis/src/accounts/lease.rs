@@ -301,6 +301,9 @@ pub(super) struct Leases {
     pub(super) refreshing: tokio::sync::Mutex<()>,
     /// The latest `now` an acquisition or a refresh was given, ns.
     pub(super) latest: AtomicU64,
+    /// When Redis asked for an early refresh, on tokio's clock, and how long after the
+    /// answer it asked.
+    early: Mutex<Option<(tokio::time::Instant, Duration)>>,
 }
 
 struct State {
@@ -363,6 +366,7 @@ impl Leases {
             }),
             refreshing: tokio::sync::Mutex::new(()),
             latest: AtomicU64::new(0),
+            early: Mutex::new(None),
         }
     }
 
@@ -589,6 +593,18 @@ impl Leases {
         if rate == 0 {
             st.denied_until = now + self.settings.refresh;
         }
+    }
+
+    /// Redis asks for the next refresh `after` this long (`None`: at the next period).
+    pub(super) fn ask_again(&self, after: Option<Duration>) {
+        *self.early.lock().unwrap_or_else(PoisonError::into_inner) =
+            after.map(|d| (tokio::time::Instant::now() + d, d));
+    }
+
+    /// When the background task should refresh before the next period, if Redis asked,
+    /// and how long after the answer it asked.
+    pub(super) fn asked_again(&self) -> Option<(tokio::time::Instant, Duration)> {
+        *self.early.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A refresh at `now` failed: acquisitions without a lease go to the failure policy

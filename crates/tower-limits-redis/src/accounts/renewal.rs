@@ -58,14 +58,15 @@ impl Inner {
         };
         let limits: usize =
             self.members.iter().map(|m| m.shape.lock().unwrap_or_else(PoisonError::into_inner).len()).sum();
-        let expected = 3 + self.members.len() + reported.len() + min_shares.len() + 2 * limits;
+        let expected = 3 + self.members.len() + reported.len() + min_shares.len() + 2 * limits + 1;
         let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == expected) else {
             tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
             return false;
         };
         leases.reported(counts);
         let at = 3 + self.members.len() + reported.len();
-        let (bands, current) = ints[at..].split_at(min_shares.len());
+        let (bands, rest) = ints[at..].split_at(min_shares.len());
+        let (current, soon) = rest.split_at(2 * limits);
         self.heard(&ints[3..3 + self.members.len() + reported.len()], reported, now);
         if let Some(fleet) = self.fleet.as_ref().filter(|_| !bands.is_empty()) {
             fleet.set_band_shares(Some(bands.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect()));
@@ -75,6 +76,14 @@ impl Inner {
             .map(|pair| (u64::try_from(pair[0]).unwrap_or(0), u64::try_from(pair[1]).unwrap_or(0)))
             .collect();
         leases.take_limits(&current, now);
+        // Short of its allotment while another gives its excess back: ask again just
+        // after that one's refresh (2 ms after, so that it comes first).
+        let soon = soon.first().map_or(0, |&ns| u64::try_from(ns).unwrap_or(0));
+        leases.ask_again(if soon > 0 && heard {
+            Some(Duration::from_nanos(soon) + Duration::from_millis(2))
+        } else {
+            None
+        });
         if heard {
             let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
             let parts = (fraction(ints[0]), fraction(ints[1]), fraction(ints[2]));
@@ -117,6 +126,15 @@ impl RedisAccounts {
         Some(leases.fractions(now).0 as f64 / lease::WHOLE as f64)
     }
 
+    /// How long after its last refresh's answer Redis asked this replica to refresh again,
+    /// ahead of its period (it was short of its part while another gave its excess back);
+    /// `None` when it did not (tests).
+    #[cfg(feature = "test-support")]
+    #[must_use]
+    pub fn lease_asked_again_in(&self) -> Option<Duration> {
+        self.inner.leases.as_ref()?.asked_again().map(|(_, after)| after)
+    }
+
     /// The part of every account's burst this replica's lease holds at `now`, from 0 to 1
     /// (`None` without leases): at least what holds one request of the largest cost.
     #[must_use]
@@ -131,9 +149,23 @@ impl RedisAccounts {
 pub(super) async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
     let mut tick = crate::periodic::ticks(every, every);
     loop {
-        tick.tick().await;
+        let early =
+            weak.upgrade().and_then(|inner| inner.leases.as_ref().and_then(|l| l.asked_again())).map(|(at, _)| at);
+        match early {
+            Some(at) => {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = tokio::time::sleep_until(at) => {}
+                }
+            }
+            None => {
+                tick.tick().await;
+            }
+        }
         let Some(inner) = weak.upgrade() else { return };
         let Some(leases) = &inner.leases else { return };
+        // Asked early or not, this refresh is the one asked for.
+        leases.ask_again(None);
         // The caller's clock, estimated: a lease counted from it ends no later than one
         // counted from the real instant.
         let now = leases.estimated_now();

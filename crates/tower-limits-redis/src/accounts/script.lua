@@ -501,8 +501,9 @@ end
 -- its demand per tenant (JSON), and 'u' = the part of the bursts no lease has held yet
 -- (a new fleet's, handed out once as tokens). The reply: the rate and burst granted, the
 -- part of the bursts given as tokens, the members' benches, the caller's part of each
--- tenant's demand (of 1024), each band's part of what the caller holds (millionths), and
--- every member's limits, interval and tolerance (ns).
+-- tenant's demand (of 1024), each band's part of what the caller holds (millionths),
+-- every member's limits, interval and tolerance (ns), and when to ask again (ns, 0: at
+-- the next period).
 if ARGV[1] == 'l' then
   local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
@@ -530,7 +531,7 @@ if ARGV[1] == 'l' then
         for x in string.gmatch(w, '[^,]+') do ws[b], b = tonumber(x), b + 1 end
         if id ~= rid then
           reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c),
-            ws = ws, q = tonumber(oq)}
+            ws = ws, q = tonumber(oq), e = tonumber(e)}
         else
           before, held = ws, math.max(tonumber(hg), tonumber(hr))
         end
@@ -606,7 +607,7 @@ if ARGV[1] == 'l' then
       qsum = qsum + a.q
     end
   end
-  local left, allot = WHOLE, 0
+  local left, allots = WHOLE, {}
   while #act > 0 do
     local sw = 0
     for _, a in ipairs(act) do sw = sw + a.w end
@@ -614,20 +615,19 @@ if ARGV[1] == 'l' then
     for _, a in ipairs(act) do
       if a.c <= left * a.w / sw then
         used = used + a.c
-        if a.id == rid then allot = a.c end
+        allots[a.id] = a.c
       else
         rest[#rest + 1] = a
       end
     end
     if #rest == #act then
-      for _, a in ipairs(act) do
-        if a.id == rid then allot = left * a.w / sw end
-      end
+      for _, a in ipairs(act) do allots[a.id] = left * a.w / sw end
       break
     end
     left = left - used
     act = rest
   end
+  local allot = allots[rid] or 0
   -- the burst: its least usable part for each holder, the rest by rate
   local hallot = 0
   if allot > 0 then hallot = q + (WHOLE - qsum) * allot / WHOLE end
@@ -639,6 +639,16 @@ if ARGV[1] == 'l' then
   -- a part within DEAD of the one held stays as it is: moving it costs more than it mends
   if math.abs(allot - ug) < DEAD and ug <= WHOLE - og then allot = ug end
   local g = floor(math.min(allot, WHOLE - og))
+  -- short of its allotment while another was told to give part of its own back and has
+  -- not confirmed yet: ask again just after that one's next refresh (which confirms),
+  -- not at this one's next period
+  local soon = 0
+  if allot - g > DEAD then
+    for _, o in pairs(reps) do
+      local next = o.e - LIFE + REFRESH - NOW
+      if o.r - o.g > DEAD and next > 0 and next < REFRESH and (soon == 0 or next < soon) then soon = next end
+    end
+  end
   local h = floor(math.min(hallot, WHOLE - oh))
   -- a burst too small to hold the replica's requests would refuse them
   if g <= 0 or h < q then g, h = 0, 0 end
@@ -677,7 +687,8 @@ if ARGV[1] == 'l' then
     end
     reply[3 + #M + n + b + 1] = owed
   end
-  -- the members' limits as the fleet holds them (replaced ones included)
+  -- the members' limits as the fleet holds them (replaced ones included), then when to
+  -- ask again (ns from now; 0: at the next period)
   local at = 3 + #M + n + given
   for m = 1, #M do
     for _, l in ipairs(M[m].l) do
@@ -685,6 +696,7 @@ if ARGV[1] == 'l' then
       at = at + 2
     end
   end
+  reply[at + 1] = soon * 1000
   return reply
 end
 -- 'b': a batch of operations (see apply)
