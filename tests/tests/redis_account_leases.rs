@@ -52,8 +52,56 @@ async fn replica(url: &str, ns: &str) -> (LimitPool, RedisAccounts) {
     (pool.shared(std::sync::Arc::new(store.clone())).build().unwrap(), store)
 }
 
+/// A replica of a pool of one member, `only`, with `policy`, leasing it (and taking its
+/// replaced limits, with `replaceable`).
+async fn single(
+    url: &str,
+    ns: &str,
+    policy: &LimitSetPolicy,
+    leases: AccountLeases,
+    replaceable: bool,
+) -> (LimitPool, RedisAccounts) {
+    let conn = connect(url).await;
+    let mut store = RedisAccounts::builder("accounts")
+        .namespace(ns)
+        .timeout(Duration::from_secs(5))
+        .manual_clock()
+        .member("only", policy.clone())
+        .leases(leases);
+    if replaceable {
+        store = store.replaceable_limits(Duration::from_secs(1));
+    }
+    let store = store.build(&conn).unwrap();
+    let pool = LimitPool::builder(Selection::MostHeadroom)
+        .member("only", LimitSet::new(policy.clone()).unwrap(), ())
+        .shared(std::sync::Arc::new(store.clone()))
+        .build()
+        .unwrap();
+    (pool, store)
+}
+
+/// Two replicas sharing a namespace of their own.
+async fn replicas(url: &str, prefix: &str) -> [(LimitPool, RedisAccounts); 2] {
+    let ns = namespace(prefix);
+    [replica(url, &ns).await, replica(url, &ns).await]
+}
+
 fn ms(n: u64) -> Instant {
     Instant::from_nanos(n * 1_000_000)
+}
+
+/// Asks `pool` for `times` requests of cost 1 at `t` ms, each released at once: how many
+/// were granted.
+async fn ask(pool: &LimitPool, times: usize, t: u64) -> usize {
+    let key = TenantKey::global();
+    let mut granted = 0;
+    for _ in 0..times {
+        if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+            granted += 1;
+            Backend::release(pool, &key, g);
+        }
+    }
+    granted
 }
 
 /// The rate bound over every window: for each account and limit, no window of length
@@ -171,33 +219,19 @@ fn capacity_follows_demand_and_a_silent_replica_gives_its_lease_back() {
         return;
     };
     runtime().block_on(async {
-        let ns = namespace("leases-demand");
-        let (first, first_store) = replica(&server.url(), &ns).await;
-        let (second, second_store) = replica(&server.url(), &ns).await;
-        let key = TenantKey::global();
-        let flood = |pool: &LimitPool, now: Instant| {
-            let pool = pool.clone();
-            let key = key.clone();
-            async move {
-                for _ in 0..50 {
-                    if let Ok(g) = Backend::acquire(&pool, &key, 1, now).await {
-                        Backend::release(&pool, &key, g);
-                    }
-                }
-            }
-        };
+        let [(first, first_store), (second, second_store)] = replicas(&server.url(), "leases-demand").await;
         // The first alone takes everything.
-        flood(&first, ms(0)).await;
+        ask(&first, 50, 0).await;
         first_store.refresh_leases(ms(10)).await;
         assert_eq!(first_store.leased_fraction(ms(10)), Some(1.0));
         // Both flood: within a few refreshes each holds half.
         let mut t = 20;
         for _ in 0..6 {
-            flood(&first, ms(t)).await;
-            flood(&second, ms(t)).await;
+            ask(&first, 50, t).await;
+            ask(&second, 50, t).await;
             first_store.refresh_leases(ms(t + 1)).await;
             second_store.refresh_leases(ms(t + 2)).await;
-            flood(&first, ms(t + 3)).await;
+            ask(&first, 50, t + 3).await;
             t += 50;
         }
         let (a, b) = (first_store.leased_fraction(ms(t)).unwrap(), second_store.leased_fraction(ms(t)).unwrap());
@@ -205,11 +239,11 @@ fn capacity_follows_demand_and_a_silent_replica_gives_its_lease_back() {
         // The first falls silent: the second gets everything once the first's lease has
         // lived its lifetime, not before.
         let silent_from = t;
-        flood(&second, ms(t)).await;
+        ask(&second, 50, t).await;
         second_store.refresh_leases(ms(t + 1)).await;
         assert!(second_store.leased_fraction(ms(t + 1)).unwrap() <= 0.5 + 0.01);
         let back = silent_from + LIFETIME.as_millis() as u64 + 1;
-        flood(&second, ms(back)).await;
+        ask(&second, 50, back).await;
         second_store.refresh_leases(ms(back)).await;
         assert_eq!(second_store.leased_fraction(ms(back)), Some(1.0));
     });
@@ -222,49 +256,36 @@ fn capacity_follows_demand_and_a_silent_replica_gives_its_lease_back() {
 fn a_hand_over_never_counts_a_fraction_twice() {
     let Some(server) = redis_for("a_hand_over_never_counts_a_fraction_twice") else { return };
     runtime().block_on(async {
-        let ns = namespace("leases-hand-over");
-        let (x, x_store) = replica(&server.url(), &ns).await;
-        let (y, y_store) = replica(&server.url(), &ns).await;
-        let key = TenantKey::global();
-        let want = |pool: &LimitPool, t: u64| {
-            let (pool, key) = (pool.clone(), key.clone());
-            async move {
-                for _ in 0..20 {
-                    if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
-                        Backend::release(&pool, &key, g);
-                    }
-                }
-            }
-        };
+        let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-hand-over").await;
         let held = |t: u64| {
             let rates = x_store.leased_fraction(ms(t)).unwrap() + y_store.leased_fraction(ms(t)).unwrap();
             let bursts = x_store.leased_burst(ms(t)).unwrap() + y_store.leased_burst(ms(t)).unwrap();
             rates.max(bursts)
         };
-        want(&x, 0).await;
+        ask(&x, 20, 0).await;
         assert_eq!(x_store.leased_fraction(ms(0)), Some(1.0));
         // y wants some: nothing is free.
-        want(&y, 10).await;
+        ask(&y, 20, 10).await;
         assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
         // x is granted half, but never hears it: it keeps using the whole.
-        want(&x, 20).await;
+        ask(&x, 20, 20).await;
         x_store.refresh_leases_unheard(ms(20)).await;
         assert_eq!(x_store.leased_fraction(ms(21)), Some(1.0));
-        want(&y, 70).await;
+        ask(&y, 20, 70).await;
         y_store.refresh_leases(ms(70)).await;
         assert_eq!(y_store.leased_fraction(ms(70)), Some(0.0), "x may still be using the whole");
         assert!(held(70) <= 1.0);
         // x hears half now, and uses it; until it says so, Redis counts the whole.
-        want(&x, 80).await;
+        ask(&x, 20, 80).await;
         x_store.refresh_leases(ms(80)).await;
         assert_eq!(x_store.leased_fraction(ms(81)), Some(0.5));
-        want(&y, 90).await;
+        ask(&y, 20, 90).await;
         y_store.refresh_leases(ms(90)).await;
         assert_eq!(y_store.leased_fraction(ms(90)), Some(0.0), "x has not confirmed the half yet");
         // x confirms; then y gets the other half.
-        want(&x, 130).await;
+        ask(&x, 20, 130).await;
         x_store.refresh_leases(ms(130)).await;
-        want(&y, 140).await;
+        ask(&y, 20, 140).await;
         y_store.refresh_leases(ms(140)).await;
         assert_eq!(y_store.leased_fraction(ms(140)), Some(0.5));
         assert!(held(140) <= 1.0);
@@ -282,21 +303,16 @@ fn no_lease_is_too_small_to_hold_a_request() {
         let tight = || LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(20, Duration::from_secs(1), 1)));
         let mut sides = Vec::new();
         for _ in 0..2 {
-            let conn = connect(&server.url()).await;
-            let store = RedisAccounts::builder("accounts")
-                .namespace(&ns)
-                .timeout(Duration::from_secs(5))
-                .manual_clock()
-                .member("only", tight())
-                .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME))
-                .build(&conn)
-                .unwrap();
-            let pool = LimitPool::builder(Selection::MostHeadroom)
-                .member("only", LimitSet::new(tight()).unwrap(), ())
-                .shared(std::sync::Arc::new(store.clone()))
-                .build()
-                .unwrap();
-            sides.push((pool, store));
+            sides.push(
+                single(
+                    &server.url(),
+                    &ns,
+                    &tight(),
+                    AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME),
+                    false,
+                )
+                .await,
+            );
         }
         let key = TenantKey::global();
         let mut served = [0u64; 2];
@@ -335,23 +351,16 @@ fn bursts_follow_the_requests_each_replica_is_asked() {
         };
         let mut sides = Vec::new();
         for _ in 0..3 {
-            let conn = connect(&server.url()).await;
-            let store = RedisAccounts::builder("accounts")
-                .namespace(&ns)
-                .timeout(Duration::from_secs(5))
-                .manual_clock()
-                .member("only", one())
-                .leases(
+            sides.push(
+                single(
+                    &server.url(),
+                    &ns,
+                    &one(),
                     AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME).largest_cost(100),
+                    false,
                 )
-                .build(&conn)
-                .unwrap();
-            let pool = LimitPool::builder(Selection::MostHeadroom)
-                .member("only", LimitSet::new(one()).unwrap(), ())
-                .shared(std::sync::Arc::new(store.clone()))
-                .build()
-                .unwrap();
-            sides.push((pool, store));
+                .await,
+            );
         }
         let key = TenantKey::global();
         let bursts = |t: u64| sides.iter().map(|(_, s)| s.leased_burst(ms(t)).unwrap()).sum::<f64>();
@@ -460,23 +469,11 @@ fn a_new_fleet_hands_its_bursts_out_once() {
     let Some(server) = redis_for("a_new_fleet_hands_its_bursts_out_once") else { return };
     runtime().block_on(async {
         let (pool, _store) = replica(&server.url(), &namespace("leases-unspent")).await;
-        let key = TenantKey::global();
-        let drain = |t: u64| {
-            let (pool, key) = (pool.clone(), key.clone());
-            async move {
-                let mut granted = 0;
-                while let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
-                    granted += 1;
-                    Backend::release(&pool, &key, g);
-                }
-                granted
-            }
-        };
-        let bursts: u64 = ACCOUNTS.iter().map(|a| a.2).sum();
-        assert_eq!(drain(0).await, bursts, "the first lease holds both accounts' request bursts");
+        let bursts: usize = ACCOUNTS.iter().map(|a| a.2 as usize).sum();
+        assert_eq!(ask(&pool, 100, 0).await, bursts, "the first lease holds both accounts' request bursts");
         // The lease ends unrenewed; the next one is taken by the next request.
         let later = LIFETIME.as_millis() as u64 + 10;
-        assert_eq!(drain(later).await, 0, "the bursts were handed out already");
+        assert_eq!(ask(&pool, 100, later).await, 0, "the bursts were handed out already");
     });
 }
 
@@ -493,22 +490,16 @@ fn leases_take_the_limits_the_fleet_replaced() {
         };
         let mut sides = Vec::new();
         for _ in 0..2 {
-            let conn = connect(&server.url()).await;
-            let store = RedisAccounts::builder("accounts")
-                .namespace(&ns)
-                .timeout(Duration::from_secs(5))
-                .manual_clock()
-                .member("only", one(100, 10))
-                .replaceable_limits(Duration::from_secs(1))
-                .leases(AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME))
-                .build(&conn)
-                .unwrap();
-            let pool = LimitPool::builder(Selection::MostHeadroom)
-                .member("only", LimitSet::new(one(100, 10)).unwrap(), ())
-                .shared(std::sync::Arc::new(store.clone()))
-                .build()
-                .unwrap();
-            sides.push((pool, store));
+            sides.push(
+                single(
+                    &server.url(),
+                    &ns,
+                    &one(100, 10),
+                    AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME),
+                    true,
+                )
+                .await,
+            );
         }
         let key = TenantKey::global();
         let mut grants = Vec::new();
@@ -556,38 +547,25 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
         return;
     };
     runtime().block_on(async {
-        let ns = namespace("leases-soon");
-        let (x, x_store) = replica(&server.url(), &ns).await;
-        let (y, y_store) = replica(&server.url(), &ns).await;
-        let key = TenantKey::global();
-        let want = |pool: &LimitPool, t: u64| {
-            let (pool, key) = (pool.clone(), key.clone());
-            async move {
-                for _ in 0..20 {
-                    if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
-                        Backend::release(&pool, &key, g);
-                    }
-                }
-            }
-        };
+        let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-soon").await;
         // x takes the whole at 0 (refresh periods are 50 ms); y, at 10, gets nothing,
         // and nobody is giving anything back yet: no early call.
-        want(&x, 0).await;
-        want(&y, 10).await;
+        ask(&x, 20, 0).await;
+        ask(&y, 20, 10).await;
         assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
         assert_eq!(y_store.lease_asked_again_in(), None);
         // x is told at 40 to keep half; y, at 45, is asked again 2 ms after x's next
         // refresh (at 90), which confirms the half.
-        want(&x, 40).await;
+        ask(&x, 20, 40).await;
         x_store.refresh_leases(ms(40)).await;
         assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
-        want(&y, 45).await;
+        ask(&y, 20, 45).await;
         y_store.refresh_leases(ms(45)).await;
         assert_eq!(y_store.leased_fraction(ms(45)), Some(0.0));
         assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(47)));
-        want(&x, 90).await;
+        ask(&x, 20, 90).await;
         x_store.refresh_leases(ms(90)).await;
-        want(&y, 92).await;
+        ask(&y, 20, 92).await;
         y_store.refresh_leases(ms(92)).await;
         assert_eq!(y_store.leased_fraction(ms(92)), Some(0.5));
         assert_eq!(y_store.lease_asked_again_in(), None);
@@ -610,10 +588,7 @@ fn while_redis_is_away_a_lease_serves_until_it_expires() {
         server.stop();
         let mut granted = 0;
         for t in (10..LIFETIME.as_millis() as u64).step_by(10) {
-            if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
-                granted += 1;
-                Backend::release(&pool, &key, g);
-            }
+            granted += ask(&pool, 1, t).await;
         }
         assert!(granted >= 20, "only {granted} granted from the lease while Redis was away");
         let after = Backend::acquire(&pool, &key, 1, ms(LIFETIME.as_millis() as u64 + 1)).await;
@@ -631,9 +606,7 @@ fn a_redis_restarted_empty_does_not_hand_the_leases_out_twice() {
         return;
     };
     runtime().block_on(async {
-        let ns = namespace("leases-lost");
-        let (holder, holder_store) = replica(&server.url(), &ns).await;
-        let (other, other_store) = replica(&server.url(), &ns).await;
+        let [(holder, holder_store), (other, other_store)] = replicas(&server.url(), "leases-lost").await;
         let key = TenantKey::global();
         let _ = Backend::acquire(&holder, &key, 1, ms(0)).await;
         assert_eq!(holder_store.leased_fraction(ms(0)), Some(1.0));

@@ -152,11 +152,9 @@ pub(super) async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) 
         let early =
             weak.upgrade().and_then(|inner| inner.leases.as_ref().and_then(|l| l.asked_again())).map(|(at, _)| at);
         match early {
+            // The period's tick or the instant Redis asked for, whichever comes first.
             Some(at) => {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = tokio::time::sleep_until(at) => {}
-                }
+                let _ = tokio::time::timeout_at(at, tick.tick()).await;
             }
             None => {
                 tick.tick().await;
