@@ -1,12 +1,16 @@
-//! How the Redis work of capacity shares grows: the server's CPU a second against the
-//! number of replicas at a fixed total request rate, and against the request rate at a
-//! fixed number of replicas, beside the per-request path at the same rates. Replicas are
-//! tasks, each with its own backend and connection, sharing one `redis-server` started for
-//! the run; each paces its share of the rate every millisecond, for a set of a global
-//! rate, a rate per user over 100 users and a semaphore per organisation, every grant
-//! released. A scope a replica sees fewer than `hot_after` times a refresh period (4 in
-//! 100 ms) takes from the pool, one call a request: the curves show where that begins. Server CPU is `used_cpu_user + used_cpu_sys` of `INFO cpu` over one timed
-//! second, after a warm-up, less the idle server's.
+//! How the Redis work of capacity shares and account leases grows: the server's CPU a
+//! second against the number of replicas at a fixed total request rate, and against the
+//! request rate at a fixed number of replicas, beside the per-request paths at the same
+//! rates. Replicas are tasks, each with its own backend and connection, sharing one
+//! `redis-server` started for the run; each paces its share of the rate every
+//! millisecond, every grant released. Two workloads: a set of a global rate, a rate per
+//! user over 100 users and a semaphore per organisation (capacity shares; a scope a
+//! replica sees fewer than `hot_after` times a refresh period, 4 in 100 ms, takes from the
+//! pool, one call a request: the curves show where that begins), and a pool of two
+//! upstream accounts shared by the fleet, each a request rate and a token rate, ten
+//! tokens a request (account leases, refreshed every 100 ms). Server CPU is
+//! `used_cpu_user + used_cpu_sys` of `INFO cpu` over one timed second, after a warm-up,
+//! less the idle server's.
 //!
 //! Run: `cargo bench -p tower-limits-benches --bench shares_scaling`.
 
@@ -17,10 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant as StdInstant};
 
 use tokio::runtime::Runtime;
-use tower_limits_core::{Backend, Instant, TenantKey};
+use tower_limits_core::{
+    Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Quota, Selection, TenantKey, nz,
+};
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
 use tower_limits_redis::test_support::RedisServer;
-use tower_limits_redis::{RedisBackend, RedisConnection, Shares};
+use tower_limits_redis::{AccountLeases, RedisAccounts, RedisBackend, RedisConnection, Shares};
 
 const WARM: Duration = Duration::from_millis(500);
 /// Users (ten to an organisation): at 20,000 requests a second, 200 a second each.
@@ -33,6 +39,80 @@ struct Run {
     admin: MultiplexedConnection,
     keys: Arc<[TenantKey]>,
     origin: StdInstant,
+}
+
+/// What the replicas are, and whether they decide from what they hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The set, per request or from capacity shares.
+    Set { shares: bool },
+    /// The pool of two shared accounts, per request or from leases.
+    Accounts { leased: bool },
+}
+
+/// One replica: a backend of the set, or a pool over the shared accounts.
+#[derive(Clone)]
+enum Replica {
+    Set(RedisBackend),
+    Accounts(LimitPool),
+}
+
+/// An upstream account: 100,000 requests and 10,000,000 tokens a second.
+fn account() -> LimitSetPolicy {
+    LimitSetPolicy::new()
+        .limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(100_000)).burst(nz!(1_000))))
+        .limit(LimitPolicy::token_bucket("tps", Quota::per_second(nz!(10_000_000)).burst(nz!(100_000))).counting_cost())
+}
+
+impl Replica {
+    async fn build(kind: Kind, url: &str, ns: &str) -> Replica {
+        let conn = RedisConnection::connect(url).await.expect("a connection");
+        match kind {
+            Kind::Set { shares } => {
+                let builder = RedisBackend::builder(tower_limits_benches::open_global_user_org())
+                    .namespace(ns)
+                    .timeout(Duration::from_millis(200));
+                let builder = if shares { builder.shares(Shares::new()) } else { builder };
+                Replica::Set(builder.build(&conn).expect("a backend"))
+            }
+            Kind::Accounts { leased } => {
+                let mut store = RedisAccounts::builder("accounts").namespace(ns).timeout(Duration::from_millis(200));
+                let mut pool = LimitPool::builder(Selection::MostHeadroom);
+                for name in ["primary", "secondary"] {
+                    store = store.member(name, account());
+                    pool = pool.member(name, LimitSet::new(account()).expect("a set"), ());
+                }
+                if leased {
+                    store = store.leases(AccountLeases::new());
+                }
+                let store = store.build(&conn).expect("the accounts");
+                Replica::Accounts(pool.shared(Arc::new(store)).build().expect("a pool"))
+            }
+        }
+    }
+
+    /// One request (of ten tokens, to the accounts), released when granted.
+    async fn ask(&self, key: &TenantKey, now: Instant) {
+        match self {
+            Replica::Set(b) => {
+                if let Ok(grant) = b.acquire(key, 1, now).await {
+                    b.release(key, grant);
+                }
+            }
+            Replica::Accounts(pool) => {
+                let key = TenantKey::global();
+                if let Ok(grant) = Backend::acquire(pool, &key, 10, now).await {
+                    Backend::release(pool, &key, grant);
+                }
+            }
+        }
+    }
+
+    async fn flush(&self) {
+        if let Replica::Set(b) = self {
+            b.flush().await;
+        }
+    }
 }
 
 /// What one configuration cost: Redis CPU in ms a second, script calls a second, and the
@@ -66,18 +146,13 @@ impl Run {
     }
 
     /// `replicas` backends pacing `rate` requests a second between them.
-    fn measure(&self, replicas: usize, rate: u64, shares: bool, idle_cpu_ms: f64) -> Cost {
+    fn measure(&self, kind: Kind, replicas: usize, rate: u64, idle_cpu_ms: f64) -> Cost {
         static RUNS: AtomicU64 = AtomicU64::new(0);
         let ns = format!("scaling-{}", RUNS.fetch_add(1, Ordering::Relaxed));
-        let backends: Vec<RedisBackend> = self.rt.block_on(async {
+        let backends: Vec<Replica> = self.rt.block_on(async {
             let mut backends = Vec::new();
             for _ in 0..replicas {
-                let conn = RedisConnection::connect(&self.url).await.expect("a connection");
-                let builder = RedisBackend::builder(tower_limits_benches::open_global_user_org())
-                    .namespace(&ns)
-                    .timeout(Duration::from_millis(200));
-                let builder = if shares { builder.shares(Shares::new()) } else { builder };
-                backends.push(builder.build(&conn).expect("a backend"));
+                backends.push(Replica::build(kind, &self.url, &ns).await);
             }
             backends
         });
@@ -102,9 +177,7 @@ impl Run {
                                     i += 1;
                                     let key = &keys[i % keys.len()];
                                     let now = Instant::from_nanos(origin.elapsed().as_nanos() as u64);
-                                    if let Ok(grant) = b.acquire(key, 1, now).await {
-                                        b.release(key, grant);
-                                    }
+                                    b.ask(key, now).await;
                                     requests.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
@@ -134,11 +207,11 @@ impl Run {
     }
 }
 
-fn row(what: &str, shared: &Cost, per_request: Option<&Cost>) {
+fn row(what: &str, held: &str, shared: &Cost, per_request: Option<&Cost>) {
     let per = per_request
         .map_or_else(String::new, |p| format!("  | per request: {:7.1} ms/s, {:8.0} calls/s", p.cpu_ms, p.calls));
     println!(
-        "{what:<24} {:9.0} req/s | shares: {:6.1} ms/s, {:6.0} calls/s, {:5.3} us per request{per}",
+        "{what:<24} {:9.0} req/s | {held}: {:6.1} ms/s, {:6.0} calls/s, {:5.3} us per request{per}",
         shared.requests,
         shared.cpu_ms,
         shared.calls,
@@ -168,17 +241,23 @@ fn main() {
         (run.cpu_seconds() - before) * 1e3
     };
     println!("shares_scaling: Redis CPU a second (idle server's {idle:.1} ms/s subtracted), 1 s timed after {WARM:?}");
-    println!("at 20,000 requests a second in all, by replicas:");
-    for replicas in [1, 3, 10, 30] {
-        let shared = run.measure(replicas, 20_000, true, idle);
-        let per_request = (replicas == 3).then(|| run.measure(replicas, 20_000, false, idle));
-        row(&format!("  {replicas} replicas"), &shared, per_request.as_ref());
-    }
-    println!("at 3 replicas, by the request rate:");
-    for rate in [2_000, 10_000, 40_000] {
-        let shared = run.measure(3, rate, true, idle);
-        let per_request = run.measure(3, rate, false, idle);
-        row(&format!("  {rate} req/s"), &shared, Some(&per_request));
+    let workloads = [
+        ("the set (capacity shares)", "shares", Kind::Set { shares: true }, Kind::Set { shares: false }),
+        ("two shared accounts (leases)", "leases", Kind::Accounts { leased: true }, Kind::Accounts { leased: false }),
+    ];
+    for (what, held, holding, per) in workloads {
+        println!("{what}, at 20,000 requests a second in all, by replicas:");
+        for replicas in [1, 3, 10, 30] {
+            let shared = run.measure(holding, replicas, 20_000, idle);
+            let per_request = (replicas == 3).then(|| run.measure(per, replicas, 20_000, idle));
+            row(&format!("  {replicas} replicas"), held, &shared, per_request.as_ref());
+        }
+        println!("{what}, at 3 replicas, by the request rate:");
+        for rate in [2_000, 10_000, 40_000] {
+            let shared = run.measure(holding, 3, rate, idle);
+            let per_request = run.measure(per, 3, rate, idle);
+            row(&format!("  {rate} req/s"), held, &shared, Some(&per_request));
+        }
     }
     drop(server);
 }

@@ -165,7 +165,7 @@ impl Default for AccountLeases {
 impl AccountLeases {
     /// Refreshed every 100 ms, living 1 s.
     pub const fn new() -> AccountLeases {
-        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1), largest_cost: 1 }
+        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1), largest_cost: u64::MAX }
     }
 
     /// How often a replica with traffic renews its lease and reports its demand (default
@@ -184,10 +184,17 @@ impl AccountLeases {
         self
     }
 
-    /// The largest cost a request will have (default 1): a request costing more is
-    /// refused at once as above capacity. A lease's part of the bursts is sized by the
-    /// requests its replica was asked lately, never above this one: a request larger than
-    /// the part waits for the next refreshes to grow it.
+    /// The largest cost a request will have (default: no bound but the members' own
+    /// bursts): a request costing more is refused at once as above capacity. A lease's
+    /// part of the bursts is sized by the requests its replica was asked lately: a
+    /// request larger than the part waits for the next refreshes to grow it.
+    ///
+    /// ```
+    /// use tower_limits_redis::AccountLeases;
+    ///
+    /// assert_eq!(AccountLeases::new().largest(), u64::MAX);
+    /// assert_eq!(AccountLeases::new().largest_cost(512).largest(), 512);
+    /// ```
     pub const fn largest_cost(mut self, cost: u64) -> Self {
         self.largest_cost = cost;
         self
