@@ -109,10 +109,12 @@
 //!
 //! # What it costs
 //!
-//! One call per busy replica per refresh period, whatever the requests; none while it is
-//! idle. A first request on a replica without a lease waits for one call; a replica
-//! whose lease is spent refuses locally with the exact wait of its bucket, or, granted
-//! nothing, until its next refresh.
+//! One call per busy replica per refresh period, whatever the requests, and one more when
+//! the replica is short of its part while another gives some back; none while it is
+//! idle. A call reads every live replica's entry, so its cost grows with the fleet. A
+//! first request on a replica without a lease waits for one call; a replica whose lease
+//! is spent refuses locally with the exact wait of its bucket, or, granted nothing, until
+//! its next refresh.
 //!
 //! # Failure
 //!
