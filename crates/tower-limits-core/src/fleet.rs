@@ -61,7 +61,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::key::TenantKey;
 
@@ -141,7 +141,7 @@ struct State {
     next_band: Option<usize>,
     /// The bands' minimum shares of this replica's dispatches the store asks for, in
     /// millionths (`None`: the queue's own).
-    band_shares: Option<Vec<u32>>,
+    band_shares: Option<Arc<[u32]>>,
     /// Per tenant: its configured weight and its requests admitted and not finished.
     in_flight: HashMap<TenantKey, (u32, u64)>,
     /// This replica's share of each tenant's fleet demand, in 1/[`FULL_SHARE`]s.
@@ -302,11 +302,12 @@ impl FleetShares {
     /// requests land beside the first band's gets the share the fleet gave it there, not
     /// its configured share of everything the replica holds.
     pub fn set_band_shares(&self, shares: Option<Vec<u32>>) {
-        self.lock().band_shares = shares;
+        self.lock().band_shares = shares.map(Arc::from);
     }
 
     /// The fair queue's side: the bands' minimum shares the store named, in millionths
-    /// ([`FairQueue::set_min_shares`](crate::fair_queue::FairQueue::set_min_shares)).
+    /// ([`FairQueue::set_min_shares`](crate::fair_queue::FairQueue::set_min_shares));
+    /// shared, so that reading them before every dispatch copies nothing.
     ///
     /// ```
     /// use tower_limits_core::fleet::FleetShares;
@@ -314,12 +315,12 @@ impl FleetShares {
     /// let fleet = FleetShares::new();
     /// assert_eq!(fleet.band_shares(), None);
     /// fleet.set_band_shares(Some(vec![0, 250_000]));
-    /// assert_eq!(fleet.band_shares(), Some(vec![0, 250_000]));
+    /// assert_eq!(fleet.band_shares().as_deref(), Some(&[0, 250_000][..]));
     /// fleet.clear_shares();
     /// assert_eq!(fleet.band_shares(), None);
     /// ```
     #[must_use]
-    pub fn band_shares(&self) -> Option<Vec<u32>> {
+    pub fn band_shares(&self) -> Option<Arc<[u32]>> {
         self.lock().band_shares.clone()
     }
 
