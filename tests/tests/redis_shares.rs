@@ -582,9 +582,9 @@ fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     };
     runtime().block_on(async {
         let conn = connect(&server.url()).await;
-        let window = LimitSetPolicy::new().limit(LimitPolicy::fixed_window("w", 4, Duration::from_secs(1)));
+        let window = LimitSetPolicy::new().limit(LimitPolicy::sliding_window_log("w", 4, Duration::from_secs(1)));
         let err = RedisBackend::builder(window).shares(Shares::new()).build(&conn).unwrap_err();
-        assert!(err.to_string().contains("windows cannot be shared"), "{err}");
+        assert!(err.to_string().contains("a sliding window cannot be shared"), "{err}");
         let rate = LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10))));
         let err = RedisBackend::builder(rate.clone())
             .shares(Shares::new().lifetime(Duration::from_millis(100)))

@@ -704,11 +704,19 @@ impl Gateway {
                     stores.push(None);
                     continue;
                 };
-                let backend = RedisBackend::builder(policy)
+                let mut builder = RedisBackend::builder(policy)
                     .namespace(format!("{namespace}:budget:{name}"))
                     .timeout(r.redis_timeout)
-                    .on_failure(r.failure)
-                    .build(connection)?;
+                    .on_failure(r.failure);
+                if !r.share_refresh.is_zero() {
+                    // Budgets leased in blocks, renewed with the plans' shares.
+                    builder = builder.shares(
+                        Shares::new()
+                            .refresh_every(r.share_refresh)
+                            .lifetime(lifetime(r.share_refresh, r.redis_timeout)),
+                    );
+                }
+                let backend = builder.build(connection)?;
                 stores.push(Some(backend));
             }
             budgets.share_through(stores);

@@ -151,7 +151,8 @@ impl RedisBackendBuilder {
     /// [`Shares::hot_after`] requests a period take from a pool in Redis, one round trip
     /// each. See [`Shares`] and the guide for the scheme and its bounds.
     ///
-    /// Every limit of the set must be a GCRA, a token bucket or a semaphore.
+    /// Every limit of the set must be a GCRA, a token bucket, a semaphore, or a fixed or
+    /// calendar window (leased in blocks of units).
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -448,11 +449,22 @@ fn share_limit(limit: &Limit, excess_percent: u32) -> Result<ShareLimit, String>
             if amount >= 1 << 53 {
                 return Err(format!("its capacity {amount} is above 2^53, the largest integer a share table counts"));
             }
-            return Ok(ShareLimit { amount, period_us: 1, burst: 0, permits: true });
+            return Ok(ShareLimit { amount, period_us: 1, burst: 0, permits: true, window: false });
+        }
+        Limit::FixedWindow(_) | Limit::CalendarWindow(_) => {
+            let amount = limit.capacity();
+            if amount >= 1 << 53 {
+                return Err(format!("its limit {amount} is above 2^53, the largest integer a share table counts"));
+            }
+            let period_us = match limit {
+                Limit::FixedWindow(w) => u64::try_from(w.window().as_micros()).unwrap_or(u64::MAX),
+                _ => 0,
+            };
+            return Ok(ShareLimit { amount, period_us, burst: 0, permits: false, window: true });
         }
         _ => {
-            return Err("capacity shares split rates and semaphores: windows cannot be shared (use a GCRA or a \
-                        token bucket)"
+            return Err("capacity shares split rates, semaphores and fixed or calendar windows: a sliding \
+                        window cannot be shared (use a GCRA or a token bucket)"
                 .into());
         }
     };
@@ -473,7 +485,7 @@ fn share_limit(limit: &Limit, excess_percent: u32) -> Result<ShareLimit, String>
              the largest integer a share table counts exactly: count in larger units"
         ));
     }
-    Ok(ShareLimit { amount: rate.amount(), period_us, burst, permits: false })
+    Ok(ShareLimit { amount: rate.amount(), period_us, burst, permits: false, window: false })
 }
 
 /// The policy with every limit scaled to `share`, for the local fallback.

@@ -1,5 +1,5 @@
-//! Capacity shares: each replica decides its rate limits and semaphores from a share it
-//! holds, and asks Redis once per refresh for all of them, not once per request.
+//! Capacity shares: each replica decides its rate limits, semaphores and windows from a
+//! share it holds, and asks Redis once per refresh for all of them, not once per request.
 //!
 //! # The scheme
 //!
@@ -102,9 +102,23 @@
 //! share they were admitted under, and a dead replica's permits come back within the
 //! lease.
 //!
+//! # Windows
+//!
+//! A fixed or calendar window is leased in blocks of units. Its table counts the units
+//! spent in the window and the block each replica holds; a replica spends from its block
+//! locally, and each refresh reports the block it holds, its spending in the window all
+//! told (a cumulative figure: a lost reply is never counted twice) and the block it
+//! wants (two refresh periods of its demand, plus a quarter). The script grants from the
+//! units nobody spent or holds, max-min fairly by demand once they run short, and asks a
+//! block above its fair part back (counted as held until the replica reports it gone).
+//! Spent plus held never exceeds the limit, so the fleet admits at most the limit in
+//! every window. Each replica names its window by its own clock; a block of an earlier
+//! window is worth nothing. A block that expires unrenewed counts as spent (its replica
+//! may have spent all of it): a dead replica costs the window at most its block.
+//!
 //! # What is not shared
 //!
-//! Fixed and sliding windows: a set with one is refused when the backend is built.
+//! Sliding windows: a set with one is refused when the backend is built.
 //! Settling a grant charges or refunds its share (locally) or the pool (one background
 //! call); a semaphore's holding does not change with the usage.
 
@@ -276,13 +290,16 @@ impl Shares {
 }
 
 /// A limit as the share tables count it: a rate of `amount` units per period with its
-/// burst, or, with `permits`, a semaphore of `amount` permits (no period, no burst).
+/// burst; with `permits`, a semaphore of `amount` permits (no period, no burst); with
+/// `window`, a fixed or calendar window of `amount` units, leased in blocks (`period_us`
+/// the fixed window's length, 0 for a calendar one).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ShareLimit {
     pub(super) amount: u64,
     pub(super) period_us: u64,
     pub(super) burst: u64,
     pub(super) permits: bool,
+    pub(super) window: bool,
 }
 
 impl ShareLimit {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use redis::Value;
 use tower_limits_core::{AcquireError, Counts, Instant, LimitRefusal, Snapshot, TenantKey};
 
+use super::ShareLimit;
 use super::table::{Local, Part, SharedGrant, Table};
 use crate::backend::background::PendingGuard;
 use crate::backend::call::{CallError, int_array};
@@ -67,7 +68,7 @@ impl Inner {
         units: impl Fn(&Part) -> i128,
     ) {
         let Some(table) = &self.shares else { return };
-        let gone = table.adjust(self, &grant.local, &units);
+        let gone = table.adjust(self, &grant.local, now, &units);
         let mut keys = Vec::new();
         let mut args = table.args_head(self, "S", now);
         for part in grant.pooled.iter().chain(&gone) {
@@ -75,9 +76,8 @@ impl Inner {
             let Some(l) = self.limits[part.limit].share else { continue };
             if n != 0 {
                 keys.push(part.scope.clone());
-                for v in [l.amount.to_string(), l.period_us.to_string(), l.burst.to_string(), n.to_string()] {
-                    args.push(v);
-                }
+                args.extend(pool_args(&l, part));
+                args.push(n.to_string());
             }
         }
         if keys.is_empty() {
@@ -279,9 +279,8 @@ async fn take_from_pools(
     for part in &cold {
         let Some(l) = inner.limits[part.limit].share else { continue };
         keys.push(part.scope.clone());
-        for v in [l.amount, l.period_us, l.burst, part.units] {
-            args.push(v.to_string());
-        }
+        args.extend(pool_args(&l, part));
+        args.push(part.units.to_string());
     }
     let give_back = |inner: &Inner| table.undo(inner, &local);
     let why = match inner.eval_shares(&table, &keys, &args).await {
@@ -295,9 +294,13 @@ async fn take_from_pools(
                 bump(&inner.stats.refused);
                 let k = usize::try_from(reply[2] - 1).unwrap_or(0).min(cold.len() - 1);
                 let limit = cold[k].limit;
-                // No rate is free of shares: the pool refills when a share ends or shrinks.
-                let wait_us = u64::try_from(reply[3]).unwrap_or(table.settings.refresh.as_micros() as u64);
-                let wait = Duration::from_micros(wait_us);
+                // No rate is free of shares (-1): the pool refills when a share ends or
+                // shrinks. A window that is spent (-2): until it ends.
+                let wait = match u64::try_from(reply[3]) {
+                    Ok(us) => Duration::from_micros(us),
+                    Err(_) if reply[3] == -2 => table.window_left(&cold[k].scope, now),
+                    Err(_) => table.settings.refresh,
+                };
                 table.pool_dry(&cold[k].scope, now + wait);
                 let refusal = inner.share_refusal(limit, wait, false);
                 if let (Some(cache), AcquireError::Refused(r)) = (&inner.refusals, &refusal) {
@@ -325,6 +328,16 @@ async fn take_from_pools(
     };
     give_back(&inner);
     inner.unavailable(&key, cost, now, &why)
+}
+
+/// A pool call's arguments for `part` before its units: the limit, and a rate's period
+/// and burst or a window's bounds (`start:end`, and -1).
+fn pool_args(l: &ShareLimit, part: &Part) -> [String; 3] {
+    if l.window {
+        [l.amount.to_string(), format!("{}:{}", part.window, part.window_end), "-1".into()]
+    } else {
+        [l.amount.to_string(), l.period_us.to_string(), l.burst.to_string()]
+    }
 }
 
 /// Refreshes every period while the backend lives. Its `now` is the latest an acquisition

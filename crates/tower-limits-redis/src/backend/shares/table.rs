@@ -9,7 +9,7 @@ use std::time::Duration;
 use tower_limits_core::{Counts, Instant};
 
 use super::{SCRIPT, ShareLimit, Shares};
-use crate::backend::Inner;
+use crate::backend::{Inner, LimitInfo};
 use crate::keys::key_slot;
 
 /// This replica's shares.
@@ -50,8 +50,21 @@ struct Scope {
     fetching: u64,
     /// Permits: no share to be had until then (the last fetch found every permit held).
     denied_until: Instant,
-    /// Rates: the pool refused this scope; its share alone decides until then.
+    /// Rates and windows: the pool refused this scope; its share alone decides until then.
     pool_dry_until: Instant,
+    /// Windows: the start of the window the block is of, as the script is told; its end,
+    /// as the script is told and on this clock; the units spent from blocks in it (net of
+    /// settles), all told; and the window the last report was of. A window's `tokens` are
+    /// the units of its block (not times a period).
+    window: u64,
+    window_end_us: u64,
+    window_end: Instant,
+    spent: i128,
+    reported_window: u64,
+    /// Windows: the last report said the scope holds nothing and wants nothing, and was
+    /// answered: Redis no longer keeps its spending, so the scope may be forgotten.
+    reported_idle: bool,
+    released: bool,
 }
 
 /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
@@ -82,7 +95,35 @@ impl Scope {
             fetching: 0,
             denied_until: now,
             pool_dry_until: now,
+            window: 0,
+            window_end_us: 0,
+            window_end: now,
+            spent: 0,
+            reported_window: 0,
+            reported_idle: false,
+            released: false,
         }
+    }
+
+    /// A window's scope brought to the window holding `now`: a block of an earlier window
+    /// is worth nothing in this one, and its spending is that window's.
+    fn roll(&mut self, info: &LimitInfo, l: &ShareLimit, manual: bool, now: Instant) {
+        if now < self.window_end {
+            return;
+        }
+        let (start, end_us, end) = window_at(info, l, manual, now);
+        if start != self.window {
+            self.window = start;
+            self.tokens = 0;
+            self.spent = 0;
+        }
+        self.window_end_us = end_us;
+        self.window_end = end;
+    }
+
+    /// A window's block, usable until it expires.
+    fn block(&self, now: Instant) -> i128 {
+        if now < self.expires { self.tokens } else { self.tokens.min(0) }
     }
 
     /// Brings the bucket to `now`: refilled at the share until it expires, an expired
@@ -140,6 +181,10 @@ pub(in crate::backend) struct Part {
     pub(in crate::backend) limit: usize,
     pub(in crate::backend) scope: Arc<str>,
     pub(in crate::backend) units: u64,
+    /// A window's part: the start and end of the window it was granted in, as the script
+    /// is told (0 for the others).
+    pub(in crate::backend) window: u64,
+    pub(in crate::backend) window_end: u64,
 }
 
 /// A grant from shares: what it took locally and from the pools.
@@ -211,13 +256,29 @@ impl Table {
                     // No room to track a share: refused as a full semaphore would be.
                     refused.get_or_insert((i, 0, true));
                 } else {
-                    cold.push(Part { limit: i, scope, units });
+                    cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 }
                 continue;
             }
             let s = scopes.entry(scope.clone()).or_insert_with(|| Scope::new(i, now));
-            s.take_pending(&l, now);
             s.asks = s.asks.saturating_add(1);
+            if l.window {
+                s.roll(info, &l, inner.settings.manual_clock, now);
+                rates.push((scope.clone(), units));
+                let (window, window_end) = (s.window, s.window_end_us);
+                if s.block(now) >= i128::from(units) {
+                    local.push(Part { limit: i, scope, units, window, window_end });
+                } else if now >= s.pool_dry_until {
+                    cold.push(Part { limit: i, scope, units, window, window_end });
+                } else {
+                    let wait = s.pool_dry_until.nanos_since(now);
+                    if refused.is_none_or(|(_, w, _)| wait > w) {
+                        refused = Some((i, wait, false));
+                    }
+                }
+                continue;
+            }
+            s.take_pending(&l, now);
             if l.permits {
                 s.wanted = s.wanted.max(s.in_flight.saturating_add(s.fetching).saturating_add(units));
                 if s.share == 0 {
@@ -227,7 +288,7 @@ impl Table {
                         fetch.push((scope, units));
                     }
                 } else if s.in_flight.saturating_add(units) <= s.share {
-                    local.push(Part { limit: i, scope, units });
+                    local.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 } else if now < s.denied_until {
                     refused.get_or_insert((i, 0, true));
                 } else {
@@ -241,17 +302,17 @@ impl Table {
             }
             rates.push((scope.clone(), units));
             if s.share == 0 || units > s.burst {
-                cold.push(Part { limit: i, scope, units });
+                cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 continue;
             }
             let need = i128::from(units) * l.period_ns();
             if s.tokens >= need {
-                local.push(Part { limit: i, scope, units });
+                local.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
             } else if now >= s.pool_dry_until {
                 // The share is spent: the pool may hold what no share does (a burst after
                 // a quiet spell). Refused there, the scope refuses locally until the pool
                 // could have it: one call per such wait, not per request.
-                cold.push(Part { limit: i, scope, units });
+                cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
             } else {
                 let missing = u64::try_from(need - s.tokens).unwrap_or(u64::MAX);
                 let wait = missing.div_ceil(s.share).min(s.pool_dry_until.nanos_since(now));
@@ -284,6 +345,9 @@ impl Table {
             if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
                 if l.permits {
                     s.in_flight += part.units;
+                } else if l.window {
+                    s.tokens -= i128::from(part.units);
+                    s.spent += i128::from(part.units);
                 } else {
                     s.tokens -= i128::from(part.units) * l.period_ns();
                 }
@@ -305,6 +369,11 @@ impl Table {
             if let (Some(s), Some(l)) = (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
                 if l.permits {
                     s.in_flight = s.in_flight.saturating_sub(part.units);
+                } else if l.window {
+                    if part.window == s.window {
+                        s.tokens += i128::from(part.units);
+                        s.spent -= i128::from(part.units);
+                    }
                 } else {
                     let p = l.period_ns();
                     s.tokens = (s.tokens + i128::from(part.units) * p).min(i128::from(s.burst) * p);
@@ -318,6 +387,11 @@ impl Table {
         if let Some(s) = self.lock().get_mut(scope) {
             s.pool_dry_until = until;
         }
+    }
+
+    /// What is left of the window `scope` is in (zero for a scope no longer tracked).
+    pub(super) fn window_left(&self, scope: &Arc<str>, now: Instant) -> Duration {
+        self.lock().get(scope).map_or(Duration::ZERO, |s| Duration::from_nanos(s.window_end.nanos_since(now)))
     }
 
     /// Gives back the permits of a grant's semaphore parts.
@@ -362,14 +436,32 @@ impl Table {
     }
 
     /// Gives `units` back to (or, negative, charges them from) each part's local share.
-    /// Answers the parts whose scope this replica no longer tracks: their pools must be
-    /// settled instead.
-    pub(super) fn adjust(&self, inner: &Inner, parts: &[Part], units: impl Fn(&Part) -> i128) -> Vec<Part> {
+    /// Answers the parts whose scope this replica no longer tracks (or whose window's
+    /// block has ended): their pools must be settled instead.
+    pub(super) fn adjust(
+        &self,
+        inner: &Inner,
+        parts: &[Part],
+        now: Instant,
+        units: impl Fn(&Part) -> i128,
+    ) -> Vec<Part> {
         let mut scopes = self.lock();
         let mut gone = Vec::new();
         for part in parts {
             match (scopes.get_mut(&part.scope), inner.limits[part.limit].share) {
                 (_, Some(l)) if l.permits => {}
+                (Some(s), Some(l)) if l.window => {
+                    s.roll(&inner.limits[part.limit], &l, inner.settings.manual_clock, now);
+                    if part.window != s.window {
+                        // A grant of a window that has ended is neither refunded nor charged.
+                    } else if now < s.expires {
+                        s.tokens += units(part);
+                        s.spent -= units(part);
+                        s.released = false;
+                    } else {
+                        gone.push(part.clone());
+                    }
+                }
                 (Some(s), Some(l)) => {
                     let p = l.period_ns();
                     s.tokens = (s.tokens + units(part) * p).min(i128::from(s.burst) * p);
@@ -397,6 +489,11 @@ impl Table {
             let Some(l) = inner.limits[s.limit].share else { return false };
             if only.is_some_and(|keys| !keys.contains(key)) {
                 return true;
+            }
+            if l.window {
+                let info = &inner.limits[s.limit];
+                s.roll(info, &l, inner.settings.manual_clock, now);
+                return report_window(key, s, &l, now, refresh_ns, hot_after, cluster, &mut groups);
             }
             s.advance(&l, now);
             if l.permits {
@@ -458,7 +555,18 @@ impl Table {
         let at = |v: i64| u64::try_from(v).unwrap_or(0);
         for (k, key) in keys.iter().enumerate() {
             let (Some(s), Some(r)) = (scopes.get_mut(key), reply.get(1 + 3 * k..4 + 3 * k)) else { continue };
-            if inner.limits[s.limit].share.is_none() {
+            let Some(l) = inner.limits[s.limit].share else { continue };
+            if l.window {
+                // Applied at once: a block is units, not a rate from an instant. A reply to a
+                // report of another window, or from a table already in a later one, gives
+                // nothing.
+                if s.reported_window != s.window || r[1] < 0 {
+                    continue;
+                }
+                s.released = s.reported_idle;
+                let held = s.tokens.max(0);
+                s.tokens += i128::from(r[0]).max(-held);
+                s.expires = expires;
                 continue;
             }
             s.pending = Some(Pending { share: at(r[0]), burst: at(r[1]), gift: at(r[2]), expires });
@@ -470,6 +578,88 @@ impl Table {
         let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
         vec![op.to_owned(), self.replica.to_string(), now_us, us(self.settings.lifetime), us(self.permit_lease)]
     }
+}
+
+/// A window scope's part of a report: the block it holds (a block that ended is counted
+/// spent in Redis, and a debt is in its spending), the block it wants (two refresh
+/// periods of its demand, with a quarter of headroom, while it is busy) and its spending
+/// in the window, all told. Idle, its block goes back.
+/// Answers whether to keep tracking the scope.
+#[allow(clippy::too_many_arguments)]
+fn report_window(
+    key: &Arc<str>,
+    s: &mut Scope,
+    l: &ShareLimit,
+    now: Instant,
+    refresh_ns: u64,
+    hot_after: u32,
+    cluster: bool,
+    groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
+) -> bool {
+    s.tokens = s.block(now);
+    let had = s.tokens > 0;
+    let hot = s.asks >= hot_after || (had && s.asks > 0);
+    let demand = if hot {
+        let elapsed = u128::from(now.nanos_since(s.reported).max(refresh_ns));
+        let per_period = u128::from(s.wanted) * u128::from(refresh_ns) / elapsed;
+        u64::try_from((per_period * 5 / 4 + 1) * 2).unwrap_or(u64::MAX).min(l.amount)
+    } else {
+        s.tokens = s.tokens.min(0);
+        0
+    };
+    // A debt is in the spending reported: the block starts again from nothing.
+    let held = u64::try_from(s.tokens.max(0)).unwrap_or(u64::MAX);
+    s.tokens = s.tokens.max(0);
+    // Until Redis has heard it holds nothing, the scope reports: forgotten and made anew,
+    // its spending would start again from zero while Redis still counts the old figure.
+    let report = hot || had || (s.spent != 0 && !s.released);
+    s.asks = 0;
+    s.wanted = 0;
+    s.reported = now;
+    if !report {
+        s.quiet += 1;
+        return s.quiet < 2;
+    }
+    s.quiet = 0;
+    s.reported_window = s.window;
+    s.reported_idle = held == 0 && demand == 0;
+    s.released = false;
+    let slot = if cluster { key_slot(key) } else { 0 };
+    let (keys, args) = groups.entry(slot).or_default();
+    keys.push(key.clone());
+    args.push(l.amount.to_string());
+    args.push(format!("{}:{}", s.window, s.window_end_us));
+    args.push("-1".into());
+    args.push(held.to_string());
+    args.push(demand.to_string());
+    args.push(s.spent.to_string());
+    true
+}
+
+/// The window of `info` holding `now`: its start and end as the script is told
+/// (microseconds of the caller's clock with a manual one, of the Unix epoch otherwise,
+/// below 2^53), and its end on this clock.
+fn window_at(info: &LimitInfo, l: &ShareLimit, manual: bool, now: Instant) -> (u64, u64, Instant) {
+    let us = |n: i128| u64::try_from(n.div_euclid(1000).clamp(0, (1 << 53) - 1)).unwrap_or(0);
+    if let Some(w) = &info.calendar {
+        let (start, end) = w.period_at(now);
+        if manual {
+            return (start.as_nanos() / 1000, end.as_nanos() / 1000, end);
+        }
+        let (start_unix, end_unix) = w.unix_period_at(now);
+        return (us(start_unix), us(end_unix), end);
+    }
+    let len = i128::from(l.period_us.max(1)) * 1000;
+    let at = i128::from(now.as_nanos()) + if manual { 0 } else { unix_origin_ns() };
+    let start = at - at.rem_euclid(len);
+    let left = u64::try_from(start + len - at).unwrap_or(u64::MAX);
+    (us(start), us(start + len), Instant::from_nanos(now.as_nanos().saturating_add(left)))
+}
+
+/// The Unix time, in nanoseconds, at which this process's clocks read zero.
+fn unix_origin_ns() -> i128 {
+    let origin = tower_limits_core::time::unix_origin();
+    origin.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(0))
 }
 
 /// A semaphore scope's part of a report: the permits it may be using (held ones
