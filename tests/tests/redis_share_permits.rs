@@ -146,7 +146,10 @@ fn a_replica_whose_share_is_short_asks_for_more_before_refusing() {
                 Err(e) => panic!("request {i} of 8, the capacity: {e}"),
             }
         }
+        // The ninth: one fetch finds no permit free, so no second one is sent.
+        let calls = replicas[0].stats().share_refreshes;
         assert!(replicas[0].acquire(&tenant, 1, now).await.is_err(), "a ninth request");
+        assert_eq!(replicas[0].stats().share_refreshes - calls, 1, "one fetch for the ninth request");
         for grant in held {
             replicas[0].release(&tenant, grant);
         }

@@ -576,6 +576,40 @@ fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
 }
 
 #[test]
+fn a_scope_that_turns_hot_is_refreshed_early_and_alone() {
+    let Some(server) = redis_for("a_scope_that_turns_hot_is_refreshed_early_and_alone") else { return };
+    runtime().block_on(async {
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000)).burst(nz!(100))).per("tenant"));
+        let conn = connect(&server.url()).await;
+        let replica = manual(policy, "shares-early").shares(shares().hot_after(4)).build(&conn).unwrap();
+        let (hot, cold) = (TenantKey::new(["hot"]).unwrap(), TenantKey::new(["cold"]).unwrap());
+        let start = 1_000_000 * MS;
+        let at = |ms: u64| Instant::from_nanos(start + ms * MS);
+        for _ in 0..2 {
+            let _ = replica.acquire(&cold, 1, at(0)).await.unwrap();
+        }
+        assert!(!replica.refresh_turned_hot(at(1)).await, "two requests: nothing turned hot");
+        for _ in 0..4 {
+            let grant = replica.acquire(&hot, 1, at(1)).await.unwrap();
+            assert_ne!(grant.source(), GrantSource::Share, "no share yet");
+        }
+        let calls = replica.stats().share_refreshes;
+        assert!(replica.refresh_turned_hot(at(2)).await, "the fourth request turned the scope hot");
+        assert_eq!(replica.stats().share_refreshes - calls, 1);
+        // The hot scope decides from its share now; the cold one still takes from the pool.
+        assert_eq!(replica.acquire(&hot, 1, at(3)).await.unwrap().source(), GrantSource::Share);
+        assert_ne!(replica.acquire(&cold, 1, at(3)).await.unwrap().source(), GrantSource::Share);
+        // Once reported, a scope does not ask again before the next period.
+        for _ in 0..8 {
+            let _ = replica.acquire(&hot, 1, at(4)).await.unwrap();
+        }
+        assert!(!replica.refresh_turned_hot(at(5)).await, "a scope turns hot once");
+    });
+}
+
+#[test]
 fn shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings() {
     let Some(server) = redis_for("shares_are_refused_for_limits_they_cannot_split_and_for_bad_settings") else {
         return;

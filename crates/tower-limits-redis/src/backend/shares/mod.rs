@@ -23,7 +23,11 @@
 //! trip per request, as a cold scope does. Demand below `hot_after`
 //! requests a refresh (4) asks for no share: the scope stays with the pool; a scope that
 //! holds a share keeps asking while any request comes, and gives its share back after a
-//! period without one. Requests a semaphore of the set refuses are not counted as demand
+//! period without one. A scope new to the replica that turns hot does not wait for the
+//! period's end: the refresh loop sends it alone, a tenth of a period after the last call
+//! at the earliest, so a tenant arriving with a burst costs a few pool calls, not a
+//! period of them (its demand is still counted over a whole period, so a burst never
+//! claims more than its requests). Requests a semaphore of the set refuses are not counted as demand
 //! of its rates. A replica
 //! whose share is spent asks the pool before refusing; refused there, its share alone
 //! decides until the pool could have a token.
@@ -95,7 +99,9 @@
 //! first request (one call) and finds those free permits, and a scope whose share is too
 //! small for a request asks for more the same way, counting every request fetching with
 //! it (its share follows the last period's peak, and the request may be the first of a
-//! burst); when every permit it could have is held elsewhere it is refused, then refused
+//! burst); a fetch that grew the share but is still short asks once more (a request
+//! admitted meanwhile may have taken the permit), one that did not grow it was told no
+//! permit is free; when every permit it could have is held elsewhere it is refused, then refused
 //! locally until the next refresh period, its demand on record so that the others' next
 //! allotments make room. Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the

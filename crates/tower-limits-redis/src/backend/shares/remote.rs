@@ -9,7 +9,7 @@ use redis::Value;
 use tower_limits_core::{AcquireError, Counts, Instant, LimitRefusal, Snapshot, TenantKey};
 
 use super::ShareLimit;
-use super::table::{Local, Part, SharedGrant, Table};
+use super::table::{EARLIEST, Local, Part, SharedGrant, Table};
 use crate::backend::background::PendingGuard;
 use crate::backend::call::{CallError, int_array};
 use crate::backend::grant::{GrantKind, RedisGrant};
@@ -57,6 +57,18 @@ impl Inner {
             }
         }
         all
+    }
+
+    /// Refreshes the scopes new to this replica that turned hot since the last refresh,
+    /// and only those: the others' demand is measured over whole periods. Answers whether
+    /// there were any.
+    async fn refresh_turned_hot(&self, table: &Table, now: Instant) -> bool {
+        let scopes = table.take_turned_hot();
+        if scopes.is_empty() {
+            return false;
+        }
+        self.refresh_shares(table, now, true, Some(&scopes)).await;
+        true
     }
 
     /// Settles a grant from shares: the local parts at once, the pooled ones in the
@@ -122,13 +134,23 @@ impl RedisBackend {
         self.inner.refresh_shares(table, now, false, None).await
     }
 
-    fn start_refreshing(&self, table: &Table) {
+    /// Test support: the early refresh the background loop sends between two periods when
+    /// scopes new to this replica turn hot (reach [`Shares::hot_after`](crate::Shares::hot_after)
+    /// requests without a share): it refreshes those scopes only. Answers whether there
+    /// were any.
+    #[cfg(feature = "test-support")]
+    pub async fn refresh_turned_hot(&self, now: Instant) -> bool {
+        let Some(table) = &self.inner.shares else { return false };
+        self.inner.refresh_turned_hot(table, now).await
+    }
+
+    fn start_refreshing(&self, table: &Arc<Table>) {
         if self.inner.settings.manual_clock || table.running.swap(true, Ordering::AcqRel) {
             return;
         }
         match self.inner.handle() {
             Some(handle) => {
-                handle.spawn(refresh_loop(Arc::downgrade(&self.inner), table.settings.refresh));
+                handle.spawn(refresh_loop(Arc::downgrade(&self.inner), table.clone(), table.settings.refresh));
             }
             None => table.running.store(false, Ordering::Release),
         }
@@ -229,14 +251,17 @@ async fn fetch_then_acquire(
     let mut fetching = Some(fetching);
     // Two fetches at most: a request admitted meanwhile from the share as it was before
     // this fetch's answer took a permit the fetch did not count; the second counts it.
+    // When the first did not grow any share, no permit was free: the second is not sent.
     for fetch in 1..=2 {
         let Some(this) = fetching.take() else { break };
         let only: Vec<Arc<str>> = this.scopes.iter().map(|(k, _)| k.clone()).collect();
+        let before: Vec<u64> = only.iter().map(|k| table.permits_of(k)).collect();
         let answered = inner.refresh_shares(&table, now, true, Some(&only)).await;
         drop(this);
         if !answered {
             return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
         }
+        let grew = || only.iter().zip(&before).any(|(k, b)| table.permits_of(k) > *b);
         match table.decide(&inner, inner.keys_for(&key), cost, now) {
             Local::Granted(grant) => {
                 bump(&inner.stats.shared_grants);
@@ -249,7 +274,9 @@ async fn fetch_then_acquire(
             Local::Pool { local, cold } => {
                 return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
             }
-            Local::Fetch(still) if fetch == 1 => fetching = Some(Fetching { table: table.clone(), scopes: still }),
+            Local::Fetch(still) if fetch == 1 && grew() => {
+                fetching = Some(Fetching { table: table.clone(), scopes: still });
+            }
             Local::Fetch(still) => {
                 table.fetched(&still);
                 table.deny(&still, now + table.settings.refresh);
@@ -340,15 +367,30 @@ fn pool_args(l: &ShareLimit, part: &Part) -> [String; 3] {
     }
 }
 
-/// Refreshes every period while the backend lives. Its `now` is the latest an acquisition
-/// was given: never later than the clock, so shares expire locally no later than in Redis.
-async fn refresh_loop(inner: Weak<Inner>, every: Duration) {
-    let mut tick = crate::periodic::ticks(Duration::ZERO, every);
+/// Refreshes every period while the backend lives, and, in between, the scopes new to
+/// this replica that turned hot (at least a tenth of a period after the last call): the
+/// others' demand is measured over whole periods. Its `now` is the latest an acquisition
+/// was given: never later than the clock, so shares expire locally no later than in
+/// Redis. It holds the table, not the backend: once the backend is dropped, the loop ends
+/// within a period.
+async fn refresh_loop(inner: Weak<Inner>, table: Arc<Table>, every: Duration) {
+    let gap = every / EARLIEST;
+    let mut next = tokio::time::Instant::now();
+    let mut last = next;
     loop {
-        tick.tick().await;
+        let early = tokio::time::timeout_at(next, table.early.notified()).await.is_ok();
+        if early {
+            tokio::time::sleep_until((last + gap).min(next)).await;
+        }
         let Some(inner) = inner.upgrade() else { return };
-        let Some(table) = &inner.shares else { return };
+        last = tokio::time::Instant::now();
         let now = Instant::from_nanos(table.latest.load(Ordering::Relaxed));
-        inner.refresh_shares(table, now, true, None).await;
+        if early && last < next {
+            inner.refresh_turned_hot(&table, now).await;
+            continue;
+        }
+        drop(table.take_turned_hot());
+        inner.refresh_shares(&table, now, true, None).await;
+        next = (next + every).max(last);
     }
 }

@@ -12,6 +12,10 @@ use super::{SCRIPT, ShareLimit, Shares};
 use crate::backend::{Inner, LimitInfo};
 use crate::keys::key_slot;
 
+/// An early refresh comes at least this fraction of the refresh period after the last
+/// call.
+pub(super) const EARLIEST: u32 = 10;
+
 /// This replica's shares.
 pub(in crate::backend) struct Table {
     pub(super) settings: Shares,
@@ -24,6 +28,11 @@ pub(in crate::backend) struct Table {
     scopes: Mutex<HashMap<Arc<str>, Scope>>,
     pub(super) latest: AtomicU64,
     pub(super) running: AtomicBool,
+    /// Scopes new to this replica that turned hot without a share: the refresh loop
+    /// refreshes them early rather than leave them with the pool, a call per request, for
+    /// the rest of the period.
+    pub(super) early: tokio::sync::Notify,
+    turned_hot: Mutex<Vec<Arc<str>>>,
 }
 
 struct Scope {
@@ -65,6 +74,8 @@ struct Scope {
     /// answered: Redis no longer keeps its spending, so the scope may be forgotten.
     reported_idle: bool,
     released: bool,
+    /// Not yet reported: turning hot, the scope asks for an early refresh.
+    new: bool,
 }
 
 /// A refresh's answer, applied by the next acquisition (whose `now` is after it).
@@ -102,6 +113,7 @@ impl Scope {
             reported_window: 0,
             reported_idle: false,
             released: false,
+            new: true,
         }
     }
 
@@ -228,6 +240,8 @@ impl Table {
             scopes: Mutex::new(HashMap::new()),
             latest: AtomicU64::new(0),
             running: AtomicBool::new(false),
+            early: tokio::sync::Notify::new(),
+            turned_hot: Mutex::new(Vec::new()),
         }
     }
 
@@ -245,6 +259,7 @@ impl Table {
         let mut rates: Vec<(Arc<str>, u64)> = Vec::new();
         // The limit that refuses, its wait in ns, and whether it waits for a release.
         let mut refused: Option<(usize, u64, bool)> = None;
+        let mut turned_hot = Vec::new();
         for (i, key) in keys.into_iter().enumerate() {
             let info = &inner.limits[i];
             let Some(l) = info.share else { continue };
@@ -264,6 +279,9 @@ impl Table {
             s.asks = s.asks.saturating_add(1);
             if l.window {
                 s.roll(info, &l, inner.settings.manual_clock, now);
+                if s.new && s.asks == self.settings.hot_after && s.tokens <= 0 {
+                    turned_hot.push(scope.clone());
+                }
                 rates.push((scope.clone(), units));
                 let (window, window_end) = (s.window, s.window_end_us);
                 if s.block(now) >= i128::from(units) {
@@ -302,6 +320,14 @@ impl Table {
             }
             rates.push((scope.clone(), units));
             if s.share == 0 || units > s.burst {
+                if s.new
+                    && s.share == 0
+                    && s.pending.is_none()
+                    && s.asks == self.settings.hot_after
+                    && l.burst >= self.settings.min_burst
+                {
+                    turned_hot.push(scope.clone());
+                }
                 cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 continue;
             }
@@ -329,6 +355,10 @@ impl Table {
                     s.wanted = s.wanted.saturating_add(units);
                 }
             }
+        }
+        if !turned_hot.is_empty() {
+            self.turned_hot.lock().unwrap_or_else(PoisonError::into_inner).append(&mut turned_hot);
+            self.early.notify_one();
         }
         if let Some((limit, wait, release)) = refused {
             return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
@@ -387,6 +417,16 @@ impl Table {
         if let Some(s) = self.lock().get_mut(scope) {
             s.pool_dry_until = until;
         }
+    }
+
+    /// The scopes that turned hot since the last call.
+    pub(super) fn take_turned_hot(&self) -> Vec<Arc<str>> {
+        std::mem::take(&mut *self.turned_hot.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The permits `scope`'s share holds, or will once the last refresh's answer applies.
+    pub(super) fn permits_of(&self, scope: &Arc<str>) -> u64 {
+        self.lock().get(scope).map_or(0, |s| s.share.max(s.pending.map_or(0, |p| p.share)))
     }
 
     /// What is left of the window `scope` is in (zero for a scope no longer tracked).
@@ -490,6 +530,7 @@ impl Table {
             if only.is_some_and(|keys| !keys.contains(key)) {
                 return true;
             }
+            s.new = false;
             if l.window {
                 let info = &inner.limits[s.limit];
                 s.roll(info, &l, inner.settings.manual_clock, now);
