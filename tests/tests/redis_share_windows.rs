@@ -12,11 +12,11 @@ use std::time::{Duration, SystemTime};
 
 use tower_limits_core::algorithm::CalendarPeriod;
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, TenantKey};
+use tower_limits_redis::RedisBackend;
 use tower_limits_redis::test_support::redis_for;
-use tower_limits_redis::{GrantSource, RedisBackend};
 use tower_limits_tests::Rng;
 
-use redis_common::{MS, Phases, connect, fleet, namespace, refresh_fleet, runtime};
+use redis_common::{MS, Phases, connect, fleet, namespace, random_step, runtime};
 
 /// A second, in the nanoseconds of a manual clock.
 const SECOND: u64 = 1_000 * MS;
@@ -47,41 +47,15 @@ fn a_fleet_leasing_windows_in_blocks_never_admits_more_than_a_window_allows() {
             let mut phases = Phases::new();
             for step in 0..4_000u64 {
                 let now = Instant::from_nanos(start + step * MS);
-                phases.at(step, &mut rng);
-                if step % 20 == 0 {
-                    refresh_fleet(&replicas, now, phases.deaf, &mut rng).await;
-                }
-                let requests = match phases.phase {
-                    0 => rng.below(2),
-                    1 => 2 + rng.below(12),
-                    _ => rng.below(8),
-                };
                 let window = now.as_nanos() / SECOND;
-                for _ in 0..requests {
-                    let r = &replicas[phases.replica(&mut rng)];
-                    let t = rng.below(4) as usize;
-                    let cost = 1 + rng.below(3);
-                    match r.acquire(&tenants[t], cost, now).await {
-                        Ok(mut grant) => {
-                            if grant.source() == GrantSource::Share {
-                                local += 1;
-                            } else {
-                                remote += 1;
-                            }
-                            // A third settle to a usage below what they took: the window
-                            // counts the usage.
-                            let used = if rng.below(3) == 0 { rng.below(cost + 1) } else { cost };
-                            if used != cost {
-                                r.settle(&tenants[t], &mut grant, used, now);
-                                r.flush().await;
-                            }
-                            *global.entry(window).or_default() += 1;
-                            *per_tenant.entry((window, t)).or_default() += used;
-                            r.release(&tenants[t], grant);
-                        }
-                        Err(AcquireError::Refused(_)) => {}
-                        Err(e) => panic!("{e}"),
+                for a in random_step(&replicas, &tenants, &mut phases, step, now, &mut rng).await {
+                    if a.from_share {
+                        local += 1;
+                    } else {
+                        remote += 1;
                     }
+                    *global.entry(window).or_default() += 1;
+                    *per_tenant.entry((window, a.tenant)).or_default() += a.used;
                 }
             }
             for (w, n) in &global {

@@ -14,7 +14,7 @@ use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{GrantSource, RedisBackend, Shares};
 use tower_limits_tests::Rng;
 
-use redis_common::{MS, Phases, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
+use redis_common::{MS, Phases, connect, fleet, manual, namespace, random_step, runtime, shares};
 
 /// Over every window between two admissions, the units used are at most
 /// `burst + window * amount / period`.
@@ -65,43 +65,14 @@ fn a_fleet_on_shares_never_admits_more_than_the_limit_over_any_window() {
             let mut phases = Phases::new();
             for step in 0..3_000u64 {
                 let now = Instant::from_nanos(start + step * MS);
-                phases.at(step, &mut rng);
-                if step % 20 == 0 {
-                    refresh_fleet(&replicas, now, phases.deaf, &mut rng).await;
-                }
-                let requests = match phases.phase {
-                    0 => rng.below(2),
-                    1 => 2 + rng.below(12),
-                    _ => rng.below(8),
-                };
-                for _ in 0..requests {
-                    let r = &replicas[phases.replica(&mut rng)];
-                    let t = rng.below(4) as usize;
-                    let cost = 1 + rng.below(3);
-                    match r.acquire(&tenants[t], cost, now).await {
-                        Ok(mut grant) => {
-                            if grant.source() == GrantSource::Share {
-                                local += 1;
-                            } else {
-                                remote += 1;
-                            }
-                            // A third settle at once to a real usage below what they took (a
-                            // refund); what counts is the usage. Charges beyond it are debts,
-                            // checked on their own below.
-                            let used = if rng.below(3) == 0 { rng.below(cost + 1) } else { cost };
-                            if used != cost {
-                                r.settle(&tenants[t], &mut grant, used, now);
-                                // A pool's settle is a call in the background: in place
-                                // before the next decision, as the law's order has it.
-                                r.flush().await;
-                            }
-                            global.push((now.as_nanos(), 1));
-                            per_tenant.entry(t).or_default().push((now.as_nanos(), used));
-                            r.release(&tenants[t], grant);
-                        }
-                        Err(AcquireError::Refused(_)) => {}
-                        Err(e) => panic!("{e}"),
+                for a in random_step(&replicas, &tenants, &mut phases, step, now, &mut rng).await {
+                    if a.from_share {
+                        local += 1;
+                    } else {
+                        remote += 1;
                     }
+                    global.push((now.as_nanos(), 1));
+                    per_tenant.entry(a.tenant).or_default().push((now.as_nanos(), a.used));
                 }
             }
             for r in &replicas {

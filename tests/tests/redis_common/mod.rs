@@ -5,10 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tower_limits_core::Instant;
-use tower_limits_core::LimitSetPolicy;
+use tower_limits_core::{AcquireError, Backend, Instant, LimitSetPolicy, TenantKey};
 use tower_limits_redis::redis;
-use tower_limits_redis::{RedisBackend, RedisBackendBuilder, RedisConnection, Shares};
+use tower_limits_redis::{GrantSource, RedisBackend, RedisBackendBuilder, RedisConnection, Shares};
 use tower_limits_tests::Rng;
 
 /// A runtime for one test (Redis tests start their server before it, blocking).
@@ -111,4 +110,59 @@ impl Phases {
     pub fn replica(&self, rng: &mut Rng) -> usize {
         if self.phase == 2 { self.busy } else { rng.below(3) as usize }
     }
+}
+
+/// One admission of [`random_step`]: the tenant (its index), the units it used, and
+/// whether shares alone granted it.
+pub struct Admitted {
+    pub tenant: usize,
+    pub used: u64,
+    pub from_share: bool,
+}
+
+/// One step (a millisecond at `now`) of the share laws' random traffic: every 20 steps
+/// the fleet refreshes (see [`refresh_fleet`]); then requests as many as the phase draws,
+/// each on the replica it picks, for one of `tenants` at a cost of 1 to 3, a third
+/// settled at once to a usage below their cost (what counts is the usage).
+pub async fn random_step(
+    replicas: &[RedisBackend],
+    tenants: &[TenantKey],
+    phases: &mut Phases,
+    step: u64,
+    now: Instant,
+    rng: &mut Rng,
+) -> Vec<Admitted> {
+    phases.at(step, rng);
+    if step % 20 == 0 {
+        refresh_fleet(replicas, now, phases.deaf, rng).await;
+    }
+    let requests = match phases.phase {
+        0 => rng.below(2),
+        1 => 2 + rng.below(12),
+        _ => rng.below(8),
+    };
+    let mut admitted = Vec::new();
+    for _ in 0..requests {
+        let r = &replicas[phases.replica(rng)];
+        let tenant = rng.below(tenants.len() as u64) as usize;
+        let key = &tenants[tenant];
+        let cost = 1 + rng.below(3);
+        match r.acquire(key, cost, now).await {
+            Ok(mut grant) => {
+                let from_share = grant.source() == GrantSource::Share;
+                let used = if rng.below(3) == 0 { rng.below(cost + 1) } else { cost };
+                if used != cost {
+                    r.settle(key, &mut grant, used, now);
+                    // A pool's settle is a call in the background: in place before the
+                    // next decision, as the laws' order has it.
+                    r.flush().await;
+                }
+                r.release(key, grant);
+                admitted.push(Admitted { tenant, used, from_share });
+            }
+            Err(AcquireError::Refused(_)) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    admitted
 }
