@@ -58,8 +58,8 @@
 //! # Capacity shares
 //!
 //! Per request, the fleet waits on one Redis core. Built with
-//! [`RedisBackendBuilder::shares`], each replica decides its rate limits and semaphores
-//! from a share it holds, and refreshes all of them in one call per period (100 ms by
+//! [`RedisBackendBuilder::shares`], each replica decides its rate limits, semaphores and
+//! windows (budgets) from a share it holds, and refreshes all of them in one call per period (100 ms by
 //! default): Redis work grows with the replicas and the tenants they are busy with, not
 //! with requests. The fleet still admits at most each rate's burst plus its rate over
 //! every window, with no excess, and holds at most each semaphore's capacity; capacity

@@ -138,8 +138,8 @@ pub(super) use table::{SharedGrant, Table};
 /// The script of the share tables.
 const SCRIPT: &str = include_str!("script.lua");
 
-/// How a [`RedisBackend`](crate::RedisBackend) splits its rate limits and semaphores
-/// among replicas: capacity shares, leased from Redis and refreshed in the background, so
+/// How a [`RedisBackend`](crate::RedisBackend) splits its rate limits, semaphores and
+/// windows among replicas: capacity shares, leased from Redis and refreshed in the background, so
 /// that a request admitted from a share makes no round trip. See
 /// [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares) and the guide for
 /// the scheme and its bounds.

@@ -35,6 +35,10 @@ impl Inner {
         only: Option<&[Arc<str>]>,
     ) -> bool {
         table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+        if only.is_none() {
+            // A whole refresh carries the scopes that turned hot too.
+            drop(table.take_turned_hot());
+        }
         let expires = now + table.settings.lifetime;
         let mut all = true;
         for (keys, args) in table.report(self, now, only) {
@@ -389,7 +393,6 @@ async fn refresh_loop(inner: Weak<Inner>, table: Arc<Table>, every: Duration) {
             inner.refresh_turned_hot(&table, now).await;
             continue;
         }
-        drop(table.take_turned_hot());
         inner.refresh_shares(&table, now, true, None).await;
         next = (next + every).max(last);
     }
