@@ -572,6 +572,103 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
     });
 }
 
+/// A replica whose tenants start waiting after it first reported none counts its whole
+/// weight at once: the part it holds is its weight's, not a part smoothed up from nothing
+/// over five periods.
+#[test]
+fn a_replica_s_first_demand_counts_whole_at_once() {
+    let Some(server) = redis_for("a_replica_s_first_demand_counts_whole_at_once") else { return };
+    runtime().block_on(async {
+        let ns = namespace("leases-first-demand");
+        let mut sides = Vec::new();
+        for _ in 0..2 {
+            let conn = connect(&server.url()).await;
+            let fleet = std::sync::Arc::new(FleetShares::new());
+            let mut store = RedisAccounts::builder("accounts")
+                .namespace(&ns)
+                .timeout(Duration::from_secs(5))
+                .manual_clock()
+                .fleet(fleet.clone())
+                .leases(
+                    AccountLeases::new()
+                        .refresh_every(Duration::from_millis(50))
+                        .lifetime(LIFETIME)
+                        .largest_cost(LARGEST),
+                );
+            let mut pool = LimitPool::builder(Selection::MostHeadroom);
+            for (name, rps, burst, tps, tburst) in ACCOUNTS {
+                store = store.member(name, account(rps, burst, tps, tburst));
+                pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
+            }
+            let store = store.build(&conn).unwrap();
+            let pool = pool.shared(std::sync::Arc::new(store.clone())).build().unwrap();
+            sides.push((pool, store, fleet));
+        }
+        let key = TenantKey::global();
+        let tenants = [TenantKey::new(["a"]).unwrap(), TenantKey::new(["b"]).unwrap()];
+        // Side 0's tenant waits from the start; side 1 reports nothing waiting at first,
+        // then, from 50 ms, a tenant of the same weight.
+        for t in (0..=170).step_by(10) {
+            for (i, (pool, store, fleet)) in sides.iter().enumerate() {
+                let waiting = (i == 0 || t >= 50).then(|| Waiting::new(tenants[i].clone(), 1, 5));
+                let busy = waiting.is_some();
+                fleet.publish(waiting, 0);
+                if busy {
+                    for _ in 0..5 {
+                        if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+                            Backend::release(pool, &key, g);
+                        }
+                    }
+                }
+                if t % 50 == 20 * i as u64 {
+                    store.refresh_leases(ms(t)).await;
+                }
+            }
+        }
+        // Side 0 kept half at 100 and confirmed it at 150; side 1, at 170, holds its half
+        // (smoothed up from nothing it would hold 0.66 / 1.66 of the whole, 0.40).
+        let held = sides[1].1.leased_fraction(ms(170)).unwrap();
+        assert!(held > 0.45, "side 1 holds {held} of the rates, not half");
+    });
+}
+
+/// A replica told to give a large part back (a tenth of the whole or more) while another
+/// waits for capacity confirms at once, not at its next period, and the one waiting is
+/// asked again just after that confirmation; a part that grows (the waiting one's first
+/// weight) counts at once, not smoothed up from nothing.
+#[test]
+fn a_large_part_given_back_while_another_waits_is_confirmed_at_once() {
+    let Some(server) = redis_for("a_large_part_given_back_while_another_waits_is_confirmed_at_once") else {
+        return;
+    };
+    runtime().block_on(async {
+        let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-confirm").await;
+        // x takes the whole at 0 (refresh periods are 50 ms); y, at 10, gets nothing.
+        ask(&x, 20, 0).await;
+        ask(&y, 20, 10).await;
+        assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
+        // At 40 x is told to keep half (y's weight counts whole at once) and, y waiting,
+        // to confirm at once (a microsecond, and the 2 ms every early call waits), not at
+        // 90.
+        ask(&x, 20, 40).await;
+        x_store.refresh_leases(ms(40)).await;
+        assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
+        assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_micros(2_001)));
+        // y, at 42, is asked again 2 ms after x's confirmation is due (5 ms after x's
+        // refresh): at 47, not at 92.
+        ask(&y, 20, 42).await;
+        y_store.refresh_leases(ms(42)).await;
+        assert_eq!(y_store.leased_fraction(ms(42)), Some(0.0));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(5)));
+        // x confirms at 42; y, at 47, has the half x gave back.
+        x_store.refresh_leases(ms(42)).await;
+        assert!(x_store.leased_fraction(ms(42)).is_some_and(|f| f <= 0.5));
+        ask(&y, 20, 47).await;
+        y_store.refresh_leases(ms(47)).await;
+        assert_eq!(y_store.leased_fraction(ms(47)), Some(0.5));
+    });
+}
+
 /// While Redis is away a replica decides from its lease until it expires, then the
 /// failure policy (here fail closed) answers; no request makes a call meanwhile.
 #[test]

@@ -299,7 +299,14 @@ impl RedisAccountsBuilder {
         let refresh_us = self.leases.map_or(0, |l| l.refresh().as_micros());
         let _ =
             writeln!(table, "local LIFE, REFRESH, WHOLE, QMIN = {life_us}, {refresh_us}, {}, {smallest}", lease::WHOLE);
-        let _ = writeln!(table, "local SMOOTH, DEAD = {}, {}", lease::SMOOTH, lease::DEAD);
+        let _ = writeln!(
+            table,
+            "local SMOOTH, DEAD, LARGE, CONFIRM = {}, {}, {}, {}",
+            lease::SMOOTH,
+            lease::DEAD,
+            lease::LARGE,
+            lease::CONFIRM_US
+        );
         let _ = writeln!(table, "local LIVE, IDLE, BLOCKED = {DEMAND_LIVES_US}, {TAG_LIVES_US}, {BLOCKED_NS}");
         let _ = writeln!(table, "local AHEAD = {}", self.reserve_ahead.as_nanos());
         // The last arguments: whether this store reached Redis before, then (on a manual

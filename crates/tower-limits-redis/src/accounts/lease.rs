@@ -24,7 +24,9 @@
 //! over bands of the band's part times the replica's part of the band's weight. A
 //! replica's weights move three tenths of the way toward what each refresh reports: the
 //! requests waiting swing from one refresh to the next, and every part of a rate that
-//! moves between replicas is idle until both have refreshed. For the same reason a rate
+//! moves between replicas is idle until both have refreshed. A band whose weight was
+//! zero counts at once: a replica's first demand (a fleet starting, or work after a quiet
+//! spell) would otherwise take five periods to reach its part. For the same reason a rate
 //! part within 1% of the one held is left as it is.
 //!
 //! The bursts are divided differently, because a bucket must hold a request to admit it
@@ -110,8 +112,10 @@
 //! # What it costs
 //!
 //! One call per busy replica per refresh period, whatever the requests, and one more when
-//! the replica is short of its part while another gives some back; none while it is
-//! idle. A call reads every live replica's entry, so its cost grows with the fleet. A
+//! the replica is short of its part while another gives some back, or when it is told to
+//! give a large part back (a tenth of the whole or more) while others wait for capacity:
+//! it confirms at once, so the part is free one call later rather than one period; none
+//! while it is idle. A call reads every live replica's entry, so its cost grows with the fleet. A
 //! first request on a replica without a lease waits for one call; a replica whose lease
 //! is spent refuses locally with the exact wait of its bucket, or, granted nothing, until
 //! its next refresh.
@@ -138,6 +142,15 @@ pub(super) const SMOOTH: f64 = 0.3;
 
 /// A rate part within this of the one a replica holds (millionths) is left as it is.
 pub(super) const DEAD: u64 = WHOLE / 100;
+
+/// A part given back that is at least this large, while other replicas wait for
+/// capacity, is confirmed at once (the giver asks again right after its answer) rather
+/// than at its next period.
+pub(super) const LARGE: u64 = WHOLE / 10;
+
+/// How soon after the refresh that told it to give a large part back a replica has
+/// confirmed it: when the replicas short of their parts ask again (µs).
+pub(super) const CONFIRM_US: u64 = 5_000;
 
 /// How account leases are refreshed: see
 /// [`RedisAccountsBuilder::leases`](super::RedisAccountsBuilder::leases).

@@ -559,8 +559,10 @@ if ARGV[1] == 'l' then
       end
     end
     -- smoothed: a count of requests waiting swings from one refresh to the next, and
-    -- every part that moves between replicas is idle until both have refreshed
-    if before then w = (before[b] or 0) + SMOOTH * (w - (before[b] or 0)) end
+    -- every part that moves between replicas is idle until both have refreshed; a band
+    -- that had no weight here counts at once (a replica's first requests, or its first
+    -- after a quiet spell, would otherwise ramp over five periods behind the others)
+    if before and (before[b] or 0) > 0 then w = before[b] + SMOOTH * (w - before[b]) end
     ws[b] = w
   end
   -- the bands' parts of the rate: each later band with work its minimum share, the first
@@ -645,8 +647,20 @@ if ARGV[1] == 'l' then
   local soon = 0
   if allot - g > DEAD then
     for _, o in pairs(reps) do
-      local next = o.e - LIFE + REFRESH - NOW
-      if o.r - o.g > DEAD and next > 0 and next < REFRESH and (soon == 0 or next < soon) then soon = next end
+      if o.r - o.g > DEAD then
+        -- one that gives a large part back confirms at once (below)
+        local next = o.e - LIFE + REFRESH - NOW
+        if o.r - o.g > LARGE and o.e - LIFE + CONFIRM > NOW then next = o.e - LIFE + CONFIRM - NOW end
+        if next > 0 and next < REFRESH and (soon == 0 or next < soon) then soon = next end
+      end
+    end
+  end
+  -- told to give a large part back (a tenth of the whole or more: a fleet starting, or
+  -- work that moved) while others wait for capacity: ask again at once, so that the part
+  -- is free for them one call later rather than one period
+  if ug - math.min(g, ug) > LARGE then
+    for _, o in pairs(reps) do
+      if o.c >= WHOLE then soon = 1 break end
     end
   end
   local h = floor(math.min(hallot, WHOLE - oh))
