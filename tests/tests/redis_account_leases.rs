@@ -86,6 +86,41 @@ async fn replicas(url: &str, prefix: &str) -> [(LimitPool, RedisAccounts); 2] {
     [replica(url, &ns).await, replica(url, &ns).await]
 }
 
+/// Two replicas leasing the accounts (refreshed every 50 ms, on the test clock), each
+/// with a fleet-shares handle (with `bands`' minimum shares when given) for its demand.
+async fn sides_with_fleet_shares(
+    url: &str,
+    prefix: &str,
+    bands: Option<[u32; 2]>,
+) -> Vec<(LimitPool, RedisAccounts, std::sync::Arc<FleetShares>)> {
+    let ns = namespace(prefix);
+    let mut sides = Vec::new();
+    for _ in 0..2 {
+        let conn = connect(url).await;
+        let fleet = std::sync::Arc::new(FleetShares::new());
+        if let Some(bands) = bands {
+            fleet.set_bands(bands);
+        }
+        let mut store = RedisAccounts::builder("accounts")
+            .namespace(&ns)
+            .timeout(Duration::from_secs(5))
+            .manual_clock()
+            .fleet(fleet.clone())
+            .leases(
+                AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME).largest_cost(LARGEST),
+            );
+        let mut pool = LimitPool::builder(Selection::MostHeadroom);
+        for (name, rps, burst, tps, tburst) in ACCOUNTS {
+            store = store.member(name, account(rps, burst, tps, tburst));
+            pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
+        }
+        let store = store.build(&conn).unwrap();
+        let pool = pool.shared(std::sync::Arc::new(store.clone())).build().unwrap();
+        sides.push((pool, store, fleet));
+    }
+    sides
+}
+
 fn ms(n: u64) -> Instant {
     Instant::from_nanos(n * 1_000_000)
 }
@@ -398,32 +433,7 @@ fn bursts_follow_the_requests_each_replica_is_asked() {
 fn a_later_band_leases_its_minimum_share_while_the_first_has_work() {
     let Some(server) = redis_for("a_later_band_leases_its_minimum_share_while_the_first_has_work") else { return };
     runtime().block_on(async {
-        let ns = namespace("leases-bands");
-        let mut sides = Vec::new();
-        for _ in 0..2 {
-            let conn = connect(&server.url()).await;
-            let fleet = std::sync::Arc::new(FleetShares::new());
-            fleet.set_bands([0, 10]);
-            let mut store = RedisAccounts::builder("accounts")
-                .namespace(&ns)
-                .timeout(Duration::from_secs(5))
-                .manual_clock()
-                .fleet(fleet.clone())
-                .leases(
-                    AccountLeases::new()
-                        .refresh_every(Duration::from_millis(50))
-                        .lifetime(LIFETIME)
-                        .largest_cost(LARGEST),
-                );
-            let mut pool = LimitPool::builder(Selection::MostHeadroom);
-            for (name, rps, burst, tps, tburst) in ACCOUNTS {
-                store = store.member(name, account(rps, burst, tps, tburst));
-                pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
-            }
-            let store = store.build(&conn).unwrap();
-            let pool = pool.shared(std::sync::Arc::new(store.clone())).build().unwrap();
-            sides.push((pool, store, fleet));
-        }
+        let sides = sides_with_fleet_shares(&server.url(), "leases-bands", Some([0, 10])).await;
         let key = TenantKey::global();
         let (chat, nightly) = (TenantKey::new(["chat"]).unwrap(), TenantKey::new(["nightly"]).unwrap());
         let mut first_band_ends = None;
@@ -579,31 +589,7 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
 fn a_replica_s_first_demand_counts_whole_at_once() {
     let Some(server) = redis_for("a_replica_s_first_demand_counts_whole_at_once") else { return };
     runtime().block_on(async {
-        let ns = namespace("leases-first-demand");
-        let mut sides = Vec::new();
-        for _ in 0..2 {
-            let conn = connect(&server.url()).await;
-            let fleet = std::sync::Arc::new(FleetShares::new());
-            let mut store = RedisAccounts::builder("accounts")
-                .namespace(&ns)
-                .timeout(Duration::from_secs(5))
-                .manual_clock()
-                .fleet(fleet.clone())
-                .leases(
-                    AccountLeases::new()
-                        .refresh_every(Duration::from_millis(50))
-                        .lifetime(LIFETIME)
-                        .largest_cost(LARGEST),
-                );
-            let mut pool = LimitPool::builder(Selection::MostHeadroom);
-            for (name, rps, burst, tps, tburst) in ACCOUNTS {
-                store = store.member(name, account(rps, burst, tps, tburst));
-                pool = pool.member(name, LimitSet::new(account(rps, burst, tps, tburst)).unwrap(), ());
-            }
-            let store = store.build(&conn).unwrap();
-            let pool = pool.shared(std::sync::Arc::new(store.clone())).build().unwrap();
-            sides.push((pool, store, fleet));
-        }
+        let sides = sides_with_fleet_shares(&server.url(), "leases-first-demand", None).await;
         let key = TenantKey::global();
         let tenants = [TenantKey::new(["a"]).unwrap(), TenantKey::new(["b"]).unwrap()];
         // Side 0's tenant waits from the start; side 1 reports nothing waiting at first,

@@ -270,6 +270,10 @@ impl Table {
                 if l.permits {
                     // No room to track a share: refused as a full semaphore would be.
                     refused.get_or_insert((i, 0, true));
+                } else if l.window {
+                    // The pool counts in the window the caller names.
+                    let (window, window_end, _) = window_at(info, &l, inner.settings.manual_clock, now);
+                    cold.push(Part { limit: i, scope, units, window, window_end });
                 } else {
                     cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 }
