@@ -549,8 +549,11 @@ fn leases_take_the_limits_the_fleet_replaced() {
 }
 
 /// A replica short of its part while another was told to give part of its own back is
-/// asked to refresh again just after that one's next refresh (which confirms it),
-/// rather than at its own next period; a replica that got its part is not.
+/// asked to refresh again just after that one confirms it, rather than at its own next
+/// period; a replica that got its part is not. The one told to give a large part back
+/// (a tenth of the whole or more) while another waits confirms at once: the one waiting
+/// is asked again just after that (5 ms after the giver's refresh), or, that instant
+/// past, just after the giver's next period.
 #[test]
 fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
     let Some(server) = redis_for("a_replica_short_of_its_part_asks_again_after_the_holder_refreshes") else {
@@ -564,11 +567,19 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
         ask(&y, 20, 10).await;
         assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
         assert_eq!(y_store.lease_asked_again_in(), None);
-        // x is told at 40 to keep half; y, at 45, is asked again 2 ms after x's next
-        // refresh (at 90), which confirms the half.
+        // x is told at 40 to keep half (y's weight counts whole at once) and, y waiting,
+        // to confirm at once (a microsecond, and the 2 ms every early call waits).
         ask(&x, 20, 40).await;
         x_store.refresh_leases(ms(40)).await;
         assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
+        assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_micros(2_001)));
+        // y, at 42, is asked again 2 ms after x's confirmation is due: at 47.
+        ask(&y, 20, 42).await;
+        y_store.refresh_leases(ms(42)).await;
+        assert_eq!(y_store.leased_fraction(ms(42)), Some(0.0));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(5)));
+        // x does not confirm; y, at 45, is asked again 2 ms after x's next refresh (at
+        // 90), which confirms the half.
         ask(&y, 20, 45).await;
         y_store.refresh_leases(ms(45)).await;
         assert_eq!(y_store.leased_fraction(ms(45)), Some(0.0));
@@ -615,43 +626,6 @@ fn a_replica_s_first_demand_counts_whole_at_once() {
         // (smoothed up from nothing it would hold 0.66 / 1.66 of the whole, 0.40).
         let held = sides[1].1.leased_fraction(ms(170)).unwrap();
         assert!(held > 0.45, "side 1 holds {held} of the rates, not half");
-    });
-}
-
-/// A replica told to give a large part back (a tenth of the whole or more) while another
-/// waits for capacity confirms at once, not at its next period, and the one waiting is
-/// asked again just after that confirmation; a part that grows (the waiting one's first
-/// weight) counts at once, not smoothed up from nothing.
-#[test]
-fn a_large_part_given_back_while_another_waits_is_confirmed_at_once() {
-    let Some(server) = redis_for("a_large_part_given_back_while_another_waits_is_confirmed_at_once") else {
-        return;
-    };
-    runtime().block_on(async {
-        let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-confirm").await;
-        // x takes the whole at 0 (refresh periods are 50 ms); y, at 10, gets nothing.
-        ask(&x, 20, 0).await;
-        ask(&y, 20, 10).await;
-        assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
-        // At 40 x is told to keep half (y's weight counts whole at once) and, y waiting,
-        // to confirm at once (a microsecond, and the 2 ms every early call waits), not at
-        // 90.
-        ask(&x, 20, 40).await;
-        x_store.refresh_leases(ms(40)).await;
-        assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
-        assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_micros(2_001)));
-        // y, at 42, is asked again 2 ms after x's confirmation is due (5 ms after x's
-        // refresh): at 47, not at 92.
-        ask(&y, 20, 42).await;
-        y_store.refresh_leases(ms(42)).await;
-        assert_eq!(y_store.leased_fraction(ms(42)), Some(0.0));
-        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(5)));
-        // x confirms at 42; y, at 47, has the half x gave back.
-        x_store.refresh_leases(ms(42)).await;
-        assert!(x_store.leased_fraction(ms(42)).is_some_and(|f| f <= 0.5));
-        ask(&y, 20, 47).await;
-        y_store.refresh_leases(ms(47)).await;
-        assert_eq!(y_store.leased_fraction(ms(47)), Some(0.5));
     });
 }
 
