@@ -121,6 +121,31 @@ async fn sides_with_fleet_shares(
     sides
 }
 
+/// One 10 ms step of side `i` at `t` ms: publishes what waits there (in `band`), asks for
+/// five requests while something waits, and refreshes every 50 ms (side `i` 20·i ms into
+/// the period).
+async fn side_step(
+    (pool, store, fleet): (&LimitPool, &RedisAccounts, &std::sync::Arc<FleetShares>),
+    i: usize,
+    waiting: Option<Waiting>,
+    band: usize,
+    t: u64,
+) {
+    let busy = waiting.is_some();
+    fleet.publish(waiting, band);
+    if busy {
+        let key = TenantKey::global();
+        for _ in 0..5 {
+            if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
+                Backend::release(pool, &key, g);
+            }
+        }
+    }
+    if t % 50 == 20 * i as u64 {
+        store.refresh_leases(ms(t)).await;
+    }
+}
+
 fn ms(n: u64) -> Instant {
     Instant::from_nanos(n * 1_000_000)
 }
@@ -434,7 +459,6 @@ fn a_later_band_leases_its_minimum_share_while_the_first_has_work() {
     let Some(server) = redis_for("a_later_band_leases_its_minimum_share_while_the_first_has_work") else { return };
     runtime().block_on(async {
         let sides = sides_with_fleet_shares(&server.url(), "leases-bands", Some([0, 10])).await;
-        let key = TenantKey::global();
         let (chat, nightly) = (TenantKey::new(["chat"]).unwrap(), TenantKey::new(["nightly"]).unwrap());
         let mut first_band_ends = None;
         for t in (0..4000).step_by(10) {
@@ -445,18 +469,7 @@ fn a_later_band_leases_its_minimum_share_while_the_first_has_work() {
                     Some(Waiting::new(nightly.clone(), 1, 5).in_band(1))
                 };
                 let band = waiting.as_ref().map_or(0, |_| i);
-                let busy = waiting.is_some();
-                fleet.publish(waiting, band);
-                if busy {
-                    for _ in 0..5 {
-                        if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
-                            Backend::release(pool, &key, g);
-                        }
-                    }
-                }
-                if t % 50 == 20 * i as u64 {
-                    store.refresh_leases(ms(t)).await;
-                }
+                side_step((pool, store, fleet), i, waiting, band, t).await;
             }
             let later = sides[1].1.leased_fraction(ms(t)).unwrap();
             if t == 2000 {
@@ -601,25 +614,13 @@ fn a_replica_s_first_demand_counts_whole_at_once() {
     let Some(server) = redis_for("a_replica_s_first_demand_counts_whole_at_once") else { return };
     runtime().block_on(async {
         let sides = sides_with_fleet_shares(&server.url(), "leases-first-demand", None).await;
-        let key = TenantKey::global();
         let tenants = [TenantKey::new(["a"]).unwrap(), TenantKey::new(["b"]).unwrap()];
         // Side 0's tenant waits from the start; side 1 reports nothing waiting at first,
         // then, from 50 ms, a tenant of the same weight.
         for t in (0..=170).step_by(10) {
             for (i, (pool, store, fleet)) in sides.iter().enumerate() {
                 let waiting = (i == 0 || t >= 50).then(|| Waiting::new(tenants[i].clone(), 1, 5));
-                let busy = waiting.is_some();
-                fleet.publish(waiting, 0);
-                if busy {
-                    for _ in 0..5 {
-                        if let Ok(g) = Backend::acquire(pool, &key, 1, ms(t)).await {
-                            Backend::release(pool, &key, g);
-                        }
-                    }
-                }
-                if t % 50 == 20 * i as u64 {
-                    store.refresh_leases(ms(t)).await;
-                }
+                side_step((pool, store, fleet), i, waiting, 0, t).await;
             }
         }
         // Side 0 kept half at 100 and confirmed it at 150; side 1, at 170, holds its half
