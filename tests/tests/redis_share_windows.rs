@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use tower_limits_core::algorithm::CalendarPeriod;
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, TenantKey};
-use tower_limits_redis::RedisBackend;
-use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::test_support::{own_redis_for, redis_for};
+use tower_limits_redis::{GrantSource, RedisBackend};
 use tower_limits_tests::Rng;
 
 use redis_common::{MS, Phases, connect, fleet, namespace, random_step, runtime};
@@ -121,6 +121,57 @@ fn a_replica_that_dies_holding_a_block_leaves_no_more_than_it_spent() {
         assert!(total <= 1_000, "{total} admitted in a window of 1000");
         // Replica 1's block was two periods of its demand (at most a few dozen).
         assert!(total >= 900, "only {total} of 1000 admitted: the dead replica's block was large");
+    });
+}
+
+#[test]
+fn while_redis_is_away_a_replica_spends_its_block_then_the_failure_policy_answers() {
+    let Some(mut server) =
+        own_redis_for("while_redis_is_away_a_replica_spends_its_block_then_the_failure_policy_answers")
+    else {
+        return;
+    };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let policy = LimitSetPolicy::new()
+            .tiers(["tenant"])
+            .limit(LimitPolicy::fixed_window("budget", 100_000, Duration::from_secs(60)).per("tenant").counting_cost());
+        let backend = redis_common::manual(policy, "share-window-away")
+            .shares(redis_common::shares())
+            .timeout(Duration::from_millis(200))
+            .circuit_breaker(1_000, Duration::from_secs(1))
+            .build(&conn)
+            .unwrap();
+        let key = TenantKey::new(["acme"]).unwrap();
+        let start = 600 * SECOND;
+        let at = |ms: u64| Instant::from_nanos(start + ms * MS);
+        // A request of 3 units a millisecond: blocks of two periods of it (20 ms each).
+        for ms in 0..60 {
+            if ms % 20 == 0 {
+                assert!(backend.refresh_shares(at(ms)).await);
+            }
+            let grant = backend.acquire(&key, 3, at(ms)).await.unwrap();
+            backend.release(&key, grant);
+        }
+        assert!(backend.refresh_shares(at(60)).await);
+        server.stop();
+        // Redis is away: the block decides, a request at a time, until it is spent; then
+        // the failure policy (fail closed) answers.
+        let mut from_block = 0;
+        let refusal = loop {
+            match backend.acquire(&key, 3, at(61 + from_block)).await {
+                Ok(grant) => {
+                    assert_eq!(grant.source(), GrantSource::Share, "request {from_block}");
+                    backend.release(&key, grant);
+                    from_block += 1;
+                }
+                Err(e) => break e,
+            }
+            assert!(from_block < 100, "a block of two periods' demand, not more");
+        };
+        assert!(matches!(refusal, AcquireError::Unavailable(_)), "{refusal}");
+        // Two periods of 20 requests, and a quarter: 50 requests at most.
+        assert!((35..=52).contains(&from_block), "{from_block} requests from the block");
     });
 }
 

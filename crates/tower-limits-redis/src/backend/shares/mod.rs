@@ -80,7 +80,8 @@
 //! # Failure
 //!
 //! While Redis is slow or away, a replica keeps deciding from its shares until they
-//! expire (the lifetime, 1 s by default); scopes without a share, and then every scope,
+//! expire (the lifetime, 1 s by default; a window's block until it is spent, about two
+//! periods of the replica's demand); scopes without a share, and then every scope,
 //! follow the failure policy. Refreshes are not retried: the next one carries the same
 //! scopes.
 //!
