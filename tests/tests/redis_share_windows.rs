@@ -136,24 +136,11 @@ fn while_redis_is_away_a_replica_spends_its_block_then_the_failure_policy_answer
         let policy = LimitSetPolicy::new()
             .tiers(["tenant"])
             .limit(LimitPolicy::fixed_window("budget", 100_000, Duration::from_secs(60)).per("tenant").counting_cost());
-        let backend = redis_common::manual(policy, "share-window-away")
-            .shares(redis_common::shares())
-            .timeout(Duration::from_millis(200))
-            .circuit_breaker(1_000, Duration::from_secs(1))
-            .build(&conn)
-            .unwrap();
         let key = TenantKey::new(["acme"]).unwrap();
         let start = 600 * SECOND;
         let at = |ms: u64| Instant::from_nanos(start + ms * MS);
         // A request of 3 units a millisecond: blocks of two periods of it (20 ms each).
-        for ms in 0..60 {
-            if ms % 20 == 0 {
-                assert!(backend.refresh_shares(at(ms)).await);
-            }
-            let grant = backend.acquire(&key, 3, at(ms)).await.unwrap();
-            backend.release(&key, grant);
-        }
-        assert!(backend.refresh_shares(at(60)).await);
+        let backend = redis_common::busy_replica(&conn, policy, "share-window-away", &key, 3, start).await;
         server.stop();
         // Redis is away: the block decides, a request at a time, until it is spent; then
         // the failure policy (fail closed) answers.

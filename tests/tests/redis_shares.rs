@@ -14,7 +14,7 @@ use tower_limits_redis::test_support::{own_redis_for, redis_for};
 use tower_limits_redis::{GrantSource, RedisBackend, Shares};
 use tower_limits_tests::Rng;
 
-use redis_common::{MS, Phases, connect, fleet, manual, namespace, random_step, runtime, shares};
+use redis_common::{MS, Phases, busy_replica, connect, fleet, manual, namespace, random_step, runtime, shares};
 
 /// Over every window between two admissions, the units used are at most
 /// `burst + window * amount / period`.
@@ -293,24 +293,11 @@ fn while_redis_is_away_a_replica_decides_from_its_shares_until_they_end() {
             .tiers(["tenant"])
             .limit(LimitPolicy::gcra("rate", Quota::per_second(nz!(1_000))).per("tenant"))
             .limit(LimitPolicy::semaphore("concurrent", 4).per("tenant"));
-        let backend = manual(policy, "shares-away")
-            .shares(shares())
-            .timeout(Duration::from_millis(200))
-            .circuit_breaker(1_000, Duration::from_secs(1))
-            .build(&conn)
-            .unwrap();
         let key = TenantKey::new(["acme"]).unwrap();
         let start = 1_000_000 * MS;
         let at = |ms: u64| Instant::from_nanos(start + ms * MS);
         // Busy long enough for shares of both limits.
-        for ms in 0..60 {
-            if ms % 20 == 0 {
-                assert!(backend.refresh_shares(at(ms)).await);
-            }
-            let grant = backend.acquire(&key, 1, at(ms)).await.unwrap();
-            backend.release(&key, grant);
-        }
-        assert!(backend.refresh_shares(at(60)).await);
+        let backend = busy_replica(&conn, policy, "shares-away", &key, 1, start).await;
         server.stop();
         // Redis is away: the shares decide until they end (the last refresh at 60 ms, a
         // lifetime of 100 ms); the refreshes fail.

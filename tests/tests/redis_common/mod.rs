@@ -166,3 +166,33 @@ pub async fn random_step(
     }
     admitted
 }
+
+/// A replica on [`shares`] for `policy` that finds Redis away quickly (calls of 200 ms, a
+/// breaker that stays closed), busy with `key` for 60 ms from `start` (a request of
+/// `cost` a millisecond, refreshing every 20 ms) and refreshed once more at 60 ms: it
+/// holds a share of every limit. For the tests that then stop the server.
+pub async fn busy_replica(
+    conn: &RedisConnection,
+    policy: LimitSetPolicy,
+    test: &str,
+    key: &TenantKey,
+    cost: u64,
+    start: u64,
+) -> RedisBackend {
+    let backend = manual(policy, test)
+        .shares(shares())
+        .timeout(Duration::from_millis(200))
+        .circuit_breaker(1_000, Duration::from_secs(1))
+        .build(conn)
+        .unwrap();
+    let at = |ms: u64| Instant::from_nanos(start + ms * MS);
+    for ms in 0..60 {
+        if ms % 20 == 0 {
+            assert!(backend.refresh_shares(at(ms)).await);
+        }
+        let grant = backend.acquire(key, cost, at(ms)).await.unwrap();
+        backend.release(key, grant);
+    }
+    assert!(backend.refresh_shares(at(60)).await);
+    backend
+}
