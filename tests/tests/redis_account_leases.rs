@@ -606,6 +606,80 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
     });
 }
 
+/// A fleet whose replicas hold what they are allotted is settled: each answer doubles the
+/// period until the next refresh, up to the calm period (150 ms here: half of what the
+/// lifetime leaves); once a replica's demand moves, the answers give the refresh period
+/// again, to it and to the one its part goes to.
+#[test]
+fn a_settled_fleet_spaces_its_refreshes_out_until_demand_moves() {
+    let Some(server) = redis_for("a_settled_fleet_spaces_its_refreshes_out_until_demand_moves") else { return };
+    runtime().block_on(async {
+        let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-calm").await;
+        let periods = |store: &RedisAccounts| store.lease_period().unwrap().as_millis();
+        // Both flood from the start: the whole moves to half each, every answer the
+        // refresh period while it moves.
+        let mut given = Vec::new();
+        let mut t = 0;
+        for _ in 0..8 {
+            ask(&x, 50, t).await;
+            ask(&y, 50, t).await;
+            x_store.refresh_leases(ms(t + 1)).await;
+            y_store.refresh_leases(ms(t + 2)).await;
+            given.push((periods(&x_store), periods(&y_store)));
+            t += 50;
+        }
+        assert_eq!(given[0], (50, 50), "{given:?}");
+        let (a, b) = (x_store.leased_fraction(ms(t)).unwrap(), y_store.leased_fraction(ms(t)).unwrap());
+        assert!((a - 0.5).abs() < 0.01 && (b - 0.5).abs() < 0.01, "{a} and {b}, not half each");
+        // Settled: the periods double to the calm period and stay there.
+        assert_eq!(given.last(), Some(&(150, 150)), "{given:?}");
+        let first_long = given.iter().position(|&(p, _)| p > 50).unwrap();
+        assert_eq!(given[first_long].0, 100, "{given:?}");
+        // y stops asking: its next report wants a little of the rate, it is told to give
+        // the rest back, and both are answered the refresh period again.
+        x_store.refresh_leases(ms(t + 1)).await;
+        ask(&x, 50, t + 1).await;
+        y_store.refresh_leases(ms(t + 2)).await;
+        assert_eq!(periods(&y_store), 50);
+        ask(&x, 50, t + 3).await;
+        x_store.refresh_leases(ms(t + 3)).await;
+        assert_eq!(periods(&x_store), 50);
+    });
+}
+
+/// Lease settings that cannot keep their promise are refused when the store is built,
+/// naming the setting: a refresh period of zero, a lifetime shorter than two refresh
+/// periods and the timeout, a calm period shorter than the refresh period, or one that
+/// the lifetime cannot cover twice with the timeout.
+#[test]
+fn lease_settings_that_cannot_hold_are_refused_naming_the_setting() {
+    let Some(server) = redis_for("lease_settings_that_cannot_hold_are_refused_naming_the_setting") else { return };
+    runtime().block_on(async {
+        let conn = connect(&server.url()).await;
+        let ms = Duration::from_millis;
+        let build = |leases: AccountLeases| {
+            RedisAccounts::builder("accounts")
+                .namespace(namespace("leases-settings"))
+                .timeout(ms(100))
+                .member("a", account(10, 2, 100, 50))
+                .leases(leases)
+                .build(&conn)
+                .err()
+                .map(|e| match e {
+                    tower_limits_redis::BuildError::Invalid { field, .. } => field,
+                    other => panic!("{other}"),
+                })
+        };
+        let leases = AccountLeases::new().refresh_every(ms(100)).lifetime(ms(1000));
+        assert_eq!(build(leases), None);
+        assert_eq!(build(leases.calm_every(ms(450))), None);
+        assert_eq!(build(leases.refresh_every(Duration::ZERO)), Some("leases.refresh"));
+        assert_eq!(build(leases.lifetime(ms(299))), Some("leases.lifetime"));
+        assert_eq!(build(leases.calm_every(ms(99))), Some("leases.calm"));
+        assert_eq!(build(leases.calm_every(ms(451))), Some("leases.calm"));
+    });
+}
+
 /// A replica whose tenants start waiting after it first reported none counts its whole
 /// weight at once: the part it holds is its weight's, not a part smoothed up from nothing
 /// over five periods.

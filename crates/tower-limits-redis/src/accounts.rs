@@ -677,7 +677,7 @@ impl RedisAccounts {
             // No lease in force: one call for it, then the lease decides.
             let inner = inner.clone();
             return Box::pin(async move {
-                if !inner.refresh_lease_if(now, true, true).await {
+                if !inner.refresh_lease_if(now, true, renewal::Ask::UnlessHeld).await {
                     return Err(inner.unavailable("no lease, and the lease refresh failed"));
                 }
                 let Some(leases) = &inner.leases else { return Err(inner.unavailable("no lease")) };

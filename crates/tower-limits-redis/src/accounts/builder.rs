@@ -220,6 +220,24 @@ impl RedisAccountsBuilder {
             // (On a manual clock, calls take no time the leases count.)
             let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
             crate::periodic::check_lifetime("leases.lifetime", leases.refresh(), leases.lasts(), call)?;
+            if let Some(calm) = leases.calm() {
+                if calm < leases.refresh() {
+                    return Err(invalid(
+                        "leases.calm",
+                        format!("must be at least the refresh period ({:?}), got {calm:?}", leases.refresh()),
+                    ));
+                }
+                let least = calm.saturating_mul(2).saturating_add(call);
+                if leases.lasts() < least {
+                    return Err(invalid(
+                        "leases.calm",
+                        format!(
+                            "the lifetime ({:?}) must cover two calm periods plus the timeout ({least:?})",
+                            leases.lasts()
+                        ),
+                    ));
+                }
+            }
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(invalid("runtime", "build the accounts inside a tokio runtime".into()));
@@ -297,13 +315,19 @@ impl RedisAccountsBuilder {
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
         let smallest = lease::least_part(&leased, 1);
         let refresh_us = self.leases.map_or(0, |l| l.refresh().as_micros());
-        let _ =
-            writeln!(table, "local LIFE, REFRESH, WHOLE, QMIN = {life_us}, {refresh_us}, {}, {smallest}", lease::WHOLE);
+        let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
+        let calm_us = self.leases.map_or(0, |l| l.calm_in_force(call).as_micros());
         let _ = writeln!(
             table,
-            "local SMOOTH, DEAD, LARGE, CONFIRM = {}, {}, {}, {}",
+            "local LIFE, REFRESH, CALM, WHOLE, QMIN = {life_us}, {refresh_us}, {calm_us}, {}, {smallest}",
+            lease::WHOLE
+        );
+        let _ = writeln!(
+            table,
+            "local SMOOTH, DEAD, SETTLE, LARGE, CONFIRM = {}, {}, {}, {}, {}",
             lease::SMOOTH,
             lease::DEAD,
+            lease::SETTLE,
             lease::LARGE,
             lease::CONFIRM_US
         );

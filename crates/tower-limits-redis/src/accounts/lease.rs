@@ -11,7 +11,7 @@
 //! cancels and the upstream's `x-ratelimit-remaining-*` correct the bucket that granted,
 //! locally; a `Retry-After` still benches the member for the whole fleet.
 //!
-//! Every refresh period (100 ms by default) a busy replica sends one call: the fractions
+//! At every refresh a busy replica sends one call: the fractions
 //! it may still be using, the most rate it could use (its *cap*: everything while it
 //! refuses or has requests waiting, else twice what it admitted in the last period), and,
 //! with [`fleet`](super::RedisAccountsBuilder::fleet), its fair queue's demand per
@@ -28,6 +28,20 @@
 //! zero counts at once: a replica's first demand (a fleet starting, or work after a quiet
 //! spell) would otherwise take five periods to reach its part. For the same reason a rate
 //! part within 1% of the one held is left as it is.
+//!
+//! How often it refreshes follows how still the fleet is. While capacity moves, every
+//! refresh period (100 ms by default). Once every live replica holds what it is allotted,
+//! within 4% of the whole (the allotments swing by a few hundredths from one refresh to
+//! the next with the requests each replica has waiting, and moving such a part mends
+//! nothing), the fleet is settled: each answer doubles the period until the next refresh,
+//! up to the calm period ([`AccountLeases::calm_every`], four refresh periods by
+//! default), and any answer that finds something moving gives the refresh period again.
+//! Between refreshes the replica looks at its own demand every refresh period, locally,
+//! and refreshes at once when it moved: a band started or stopped waiting, the replica
+//! turned idle or busy, turned short of its part or stopped being short, was asked a
+//! request its burst part cannot hold, or holds a tenth of the whole more than it could
+//! use. A change elsewhere reaches a settled replica at its next refresh, within the calm
+//! period.
 //!
 //! The bursts are divided differently, because a bucket must hold a request to admit it
 //! at all: each replica reports the least part `q_r` of the bursts that holds the largest
@@ -111,7 +125,8 @@
 //!
 //! # What it costs
 //!
-//! One call per busy replica per refresh period, whatever the requests, and one more when
+//! One call per busy replica per refresh period while capacity moves, one per calm period
+//! while the fleet is settled, whatever the requests, and one more when
 //! the replica is short of its part while another gives some back, or when it is told to
 //! give a large part back (a tenth of the whole or more) while others wait for capacity:
 //! it confirms at once, so the part is free one call later rather than one period; none
@@ -143,6 +158,12 @@ pub(super) const SMOOTH: f64 = 0.3;
 /// A rate part within this of the one a replica holds (millionths) is left as it is.
 pub(super) const DEAD: u64 = WHOLE / 100;
 
+/// A fleet whose every replica holds its allotment within this (millionths) is settled:
+/// its refreshes space out. The allotments swing by a few hundredths from one refresh to
+/// the next with the requests each replica has waiting; moving such a part costs a call
+/// and mends nothing.
+pub(super) const SETTLE: u64 = WHOLE / 25;
+
 /// A part given back that is at least this large, while other replicas wait for
 /// capacity, is confirmed at once (the giver asks again right after its answer) rather
 /// than at its next period.
@@ -168,6 +189,7 @@ pub(super) const CONFIRM_US: u64 = 5_000;
 pub struct AccountLeases {
     refresh: Duration,
     lifetime: Duration,
+    calm: Option<Duration>,
     largest_cost: u64,
 }
 
@@ -180,12 +202,19 @@ impl Default for AccountLeases {
 impl AccountLeases {
     /// Refreshed every 100 ms, living 1 s.
     pub const fn new() -> AccountLeases {
-        AccountLeases { refresh: Duration::from_millis(100), lifetime: Duration::from_secs(1), largest_cost: u64::MAX }
+        AccountLeases {
+            refresh: Duration::from_millis(100),
+            lifetime: Duration::from_secs(1),
+            calm: None,
+            largest_cost: u64::MAX,
+        }
     }
 
-    /// How often a replica with traffic renews its lease and reports its demand (default
-    /// 100 ms): the fleet's Redis work is one call per busy replica per period, and
-    /// capacity moves between replicas within about three periods.
+    /// How often a replica with traffic renews its lease and reports its demand while
+    /// capacity moves between replicas (default 100 ms): capacity moves within about
+    /// three periods. A settled fleet refreshes less often
+    /// ([`calm_every`](Self::calm_every)); a replica looks at its own demand every period
+    /// either way, locally.
     pub const fn refresh_every(mut self, every: Duration) -> Self {
         self.refresh = every;
         self
@@ -197,6 +226,47 @@ impl AccountLeases {
     pub const fn lifetime(mut self, lifetime: Duration) -> Self {
         self.lifetime = lifetime;
         self
+    }
+
+    /// The longest a replica goes between refreshes while the fleet is settled (default:
+    /// four refresh periods, or less when the lifetime must cover two of them and the
+    /// call timeout). Settled means that at its last refresh every live replica held
+    /// what it was allotted: the period then doubles at each refresh up to this one, and
+    /// falls back to the refresh period as soon as anything moves. A replica whose own
+    /// demand moves (a tenant or a band starts or stops waiting, it turns short of its
+    /// part, or holds a tenth of the whole more than it could use) refreshes at its next
+    /// refresh period however settled the fleet was; another replica's demand reaches it
+    /// at its own next refresh, so capacity follows a replica's new demand within this
+    /// period instead of within a refresh period. Must be at least the refresh period.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits_redis::AccountLeases;
+    ///
+    /// let leases = AccountLeases::new().calm_every(Duration::from_millis(300));
+    /// assert_eq!(leases.calm(), Some(Duration::from_millis(300)));
+    /// assert_eq!(AccountLeases::new().calm(), None);
+    /// ```
+    pub const fn calm_every(mut self, every: Duration) -> Self {
+        self.calm = Some(every);
+        self
+    }
+
+    /// The longest period between refreshes of a settled fleet, if set
+    /// ([`calm_every`](Self::calm_every)); `None`: the default.
+    #[must_use]
+    pub const fn calm(&self) -> Option<Duration> {
+        self.calm
+    }
+
+    /// The calm period in force with calls that may take `call`: the one set, or four
+    /// refresh periods within half of what the lifetime leaves after a call (never below
+    /// the refresh period).
+    pub(crate) fn calm_in_force(&self, call: Duration) -> Duration {
+        self.calm.unwrap_or_else(|| {
+            let room = self.lifetime.saturating_sub(call) / 2;
+            self.refresh.saturating_mul(4).min(room).max(self.refresh)
+        })
     }
 
     /// The largest cost a request will have (default: no bound but the members' own
@@ -360,6 +430,56 @@ struct State {
     down_until: Instant,
     /// When the latest `now` was given, on tokio's clock (for the background task).
     latest_at: tokio::time::Instant,
+    /// When the last report Redis heard was sent: the admissions since count over the
+    /// time since.
+    reported_at: Instant,
+    /// When the background task refreshes next, however still the replica's demand, and
+    /// what the last report Redis heard said of that demand.
+    due: Instant,
+    period: Duration,
+    sent: Option<Sent>,
+}
+
+/// What a report said of the replica's demand, to tell whether it moved since: a lease
+/// refresh is due early when it did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Sent {
+    /// The bands some tenant waits in (bit `b` for band `b`), and whether any tenant has
+    /// requests waiting or in flight.
+    bands: u64,
+    active: bool,
+    /// Wanted more rate than it held.
+    short: bool,
+    /// The least burst part it needs, and whether the burst part it held was smaller.
+    least: u64,
+    cramped: bool,
+}
+
+impl Sent {
+    /// The demand in `reported` and `report`.
+    pub(super) fn of(reported: &[tower_limits_core::fleet::TenantDemand], report: &Report) -> Sent {
+        Sent {
+            bands: reported.iter().fold(0, |bands, d| bands | d.bands),
+            active: reported.iter().any(|d| d.outstanding > 0),
+            short: report.cap > report.using.0.saturating_add(DEAD),
+            least: report.least,
+            cramped: report.least > report.using.1,
+        }
+    }
+
+    /// Whether the demand moved from `self` to `now`, for a replica holding `held` of the
+    /// rate and wanting at most `cap`: a band started or stopped waiting, the replica
+    /// turned idle or busy, short of its part or no longer short, its requests outgrew its
+    /// burst part, or it holds a tenth of the whole more than it could use. (Tenants
+    /// coming and going within a band, and the counts of requests waiting, swing from one
+    /// instant to the next: they count at the next period.)
+    fn moved(&self, now: &Sent, held: u64, cap: u64) -> bool {
+        self.bands != now.bands
+            || self.active != now.active
+            || self.short != now.short
+            || (now.cramped && now.least > self.least)
+            || cap + LARGE < held
+    }
 }
 
 impl Leases {
@@ -385,6 +505,10 @@ impl Leases {
                 busy_until: Instant::ZERO,
                 down_until: Instant::ZERO,
                 latest_at: tokio::time::Instant::now(),
+                reported_at: Instant::ZERO,
+                due: Instant::ZERO,
+                period: settings.refresh,
+                sent: None,
             }),
             refreshing: tokio::sync::Mutex::new(()),
             latest: AtomicU64::new(0),
@@ -560,7 +684,15 @@ impl Leases {
         } else if st.admitted == 0 {
             0
         } else {
-            let part = 2.0 * st.admitted as f64 / st.per_refresh.max(1.0);
+            // (Admissions since the last report, over the periods since: a settled
+            // fleet reports every few periods.)
+            let refresh_ns = self.settings.refresh.as_nanos() as f64;
+            let periods = if st.reported_at == Instant::ZERO {
+                1.0
+            } else {
+                (now.nanos_since(st.reported_at) as f64 / refresh_ns.max(1.0)).clamp(1.0, 64.0)
+            };
+            let part = 2.0 * st.admitted as f64 / (st.per_refresh.max(1.0) * periods);
             ((part * WHOLE as f64) as u64).clamp(WHOLE / 64, WHOLE)
         };
         let wanted = st.wanted.max(st.wanted_before).max(1);
@@ -595,9 +727,36 @@ impl Leases {
         }
     }
 
-    /// Redis heard the counts of a report: the next one starts after them.
-    pub(super) fn reported(&self, (admitted, refused, wanted): (u64, u64, u64)) {
+    /// Whether the background task should refresh at `now`: the period Redis gave has
+    /// passed, or the replica's demand (`sent`, holding `report`) moved since the last
+    /// report Redis heard.
+    pub(super) fn due(&self, now: Instant, sent: &Sent, report: &Report) -> bool {
+        let st = self.lock();
+        // (Half a period early: the background task ticks every period, and the next
+        // tick may come a hair before the instant the last refresh named.)
+        now + self.settings.refresh / 2 >= st.due
+            || st.sent.as_ref().is_none_or(|before| before.moved(sent, report.using.0, report.cap))
+    }
+
+    /// Redis heard a report sent at `now` saying `sent`, and gave the period until the
+    /// next refresh (`None`: the answer was lost, the refresh period).
+    pub(super) fn heard(&self, now: Instant, sent: Sent, period: Option<Duration>) {
         let mut st = self.lock();
+        st.period = period.unwrap_or(self.settings.refresh);
+        st.due = now + st.period;
+        st.sent = Some(sent);
+    }
+
+    /// The period until the next refresh that the last answer gave (tests).
+    #[cfg(feature = "test-support")]
+    pub(super) fn period(&self) -> Duration {
+        self.lock().period
+    }
+
+    /// Redis heard the counts of a report sent at `now`: the next one starts after them.
+    pub(super) fn reported(&self, (admitted, refused, wanted): (u64, u64, u64), now: Instant) {
+        let mut st = self.lock();
+        st.reported_at = st.reported_at.max(now);
         st.admitted = st.admitted.saturating_sub(admitted);
         st.refused = st.refused.saturating_sub(refused);
         st.wanted_before = wanted;
@@ -742,14 +901,58 @@ mod tests {
         assert_eq!((report.using, report.cap), ((WHOLE, WHOLE), WHOLE), "refused: it could use everything");
         assert_eq!(report.least, WHOLE * 4 / 5, "40 tokens of a burst of 50");
         assert_eq!(l.report(at(1000), false).cap, WHOLE, "not heard: reported again");
-        l.reported(report.counts);
+        l.reported(report.counts, at(1000));
         let idle = l.report(at(1000), false);
         assert_eq!(idle.cap, 0, "nothing asked since: idle");
         assert_eq!(idle.least, WHOLE * 4 / 5, "the last report's largest request still counts");
-        l.reported(idle.counts);
+        l.reported(idle.counts, at(1000));
         assert_eq!(l.report(at(1000), false).least, WHOLE / 2, "then one request of the 2 a burst holds");
         // A benched member is skipped, with the bench as the wait.
         let bench = [at(1500).as_nanos()];
         assert!(matches!(l.decide(1, &bench, at(1100)), Decision::Refused(w) if w == Duration::from_millis(400)));
+    }
+
+    #[test]
+    fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
+        use tower_limits_core::TenantKey;
+        use tower_limits_core::fleet::TenantDemand;
+        let l = leases();
+        let tenant = |name: &str, bands: u64| TenantDemand {
+            key: TenantKey::single(name).unwrap(),
+            weight: 1,
+            waiting: u64::from(bands != 0),
+            outstanding: 1,
+            bands,
+        };
+        let report =
+            |cap: u64, held: u64, least: u64| Report { using: (held, WHOLE / 2), cap, least, counts: (0, 0, 0) };
+        let first = [tenant("a", 1)];
+        let full = report(WHOLE, WHOLE / 2, 1_000);
+        let said = Sent::of(&first, &full);
+        // Never heard: due at once.
+        assert!(l.due(at(0), &said, &full));
+        // Heard at 0 with a period of 400 ms (refresh periods are 100 ms): due from half
+        // a refresh period before it ends, not earlier.
+        l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
+        assert!(!l.due(at(340), &said, &full));
+        assert!(l.due(at(350), &said, &full));
+        // Another tenant in the same band, or more of them waiting: not a move.
+        let more = [tenant("a", 1), tenant("b", 1)];
+        assert!(!l.due(at(100), &Sent::of(&more, &full), &full));
+        // A band starting to wait, the replica going idle, no longer short, holding a
+        // tenth more than it could use, or asked a request its burst part cannot hold
+        // (larger than the last): each is.
+        let batch = [tenant("a", 1), tenant("b", 2)];
+        assert!(l.due(at(100), &Sent::of(&batch, &full), &full));
+        assert!(l.due(at(100), &Sent::of(&[], &full), &full));
+        let content = report(WHOLE / 2, WHOLE / 2, 1_000);
+        assert!(l.due(at(100), &Sent::of(&first, &content), &content));
+        let spare = report(WHOLE / 4, WHOLE / 2, 1_000);
+        assert!(l.due(at(100), &Sent::of(&first, &full), &spare));
+        let cramped = report(WHOLE, WHOLE / 2, WHOLE);
+        assert!(l.due(at(100), &Sent::of(&first, &cramped), &cramped));
+        // An answer lost on its way back: due again after a refresh period.
+        l.heard(at(0), said.clone(), None);
+        assert!(l.due(at(50), &said, &full));
     }
 }

@@ -11,28 +11,43 @@ use tower_limits_core::Instant;
 use super::{Inner, RedisAccounts, demand_args, lease};
 use crate::failure::Gate;
 
+/// When a lease refresh is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ask {
+    /// Now.
+    Now,
+    /// Unless a lease came in force while this one waited for its turn (requests without
+    /// a lease wait for one call, not one each).
+    UnlessHeld,
+    /// When the period Redis gave is over, or the replica's demand moved since its last
+    /// report (the background task).
+    WhenDue,
+}
+
 impl Inner {
     /// Renews this replica's lease at `now`, in one call; with `heard` false the answer is
     /// dropped as if lost on its way back (tests). Whether Redis answered.
     pub(super) async fn refresh_lease(&self, now: Instant, heard: bool) -> bool {
-        self.refresh_lease_if(now, heard, false).await
+        self.refresh_lease_if(now, heard, Ask::Now).await
     }
 
-    /// As [`refresh_lease`](Self::refresh_lease); with `unless_held`, nothing is sent if
-    /// a lease came in force while this one waited for its turn (requests without a
-    /// lease wait for one call, not one each).
-    pub(super) async fn refresh_lease_if(&self, now: Instant, heard: bool, unless_held: bool) -> bool {
+    /// As [`refresh_lease`](Self::refresh_lease), or nothing sent when `ask` says so.
+    pub(super) async fn refresh_lease_if(&self, now: Instant, heard: bool, ask: Ask) -> bool {
         let Some(leases) = &self.leases else { return false };
         let _one_at_a_time = leases.refreshing.lock().await;
-        if unless_held && leases.in_force(now) {
+        if ask == Ask::UnlessHeld && leases.in_force(now) {
             return true;
         }
         if self.manual_clock {
             self.last_now_us.fetch_max(now.as_nanos() / 1000, Ordering::Relaxed);
         }
         let reported = self.fleet.as_ref().map(|f| f.demand()).unwrap_or_default();
-        let lease::Report { using: (rate, burst), cap, least, counts } =
-            leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let report = leases.report(now, reported.iter().any(|d| d.waiting > 0));
+        let said = lease::Sent::of(&reported, &report);
+        if ask == Ask::WhenDue && !leases.due(now, &said, &report) {
+            return true;
+        }
+        let lease::Report { using: (rate, burst), cap, least, counts } = report;
         let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
         args.push(least.to_string());
         let min_shares = self.fleet.as_ref().map(|f| f.min_shares()).unwrap_or_default();
@@ -58,15 +73,15 @@ impl Inner {
         };
         let limits: usize =
             self.members.iter().map(|m| m.shape.lock().unwrap_or_else(PoisonError::into_inner).len()).sum();
-        let expected = 3 + self.members.len() + reported.len() + min_shares.len() + 2 * limits + 1;
+        let expected = 3 + self.members.len() + reported.len() + min_shares.len() + 2 * limits + 2;
         let Some(ints) = ints.filter(|v: &Vec<i64>| v.len() == expected) else {
             tracing::warn!(target: "tower_limits_redis", reply = ?reply, "unexpected reply to a lease refresh");
             return false;
         };
-        leases.reported(counts);
+        leases.reported(counts, now);
         let at = 3 + self.members.len() + reported.len();
         let (bands, rest) = ints[at..].split_at(min_shares.len());
-        let (current, soon) = rest.split_at(2 * limits);
+        let (current, times) = rest.split_at(2 * limits);
         self.heard(&ints[3..3 + self.members.len() + reported.len()], reported, now);
         if let Some(fleet) = self.fleet.as_ref().filter(|_| !bands.is_empty()) {
             fleet.set_band_shares(Some(bands.iter().map(|&b| u32::try_from(b).unwrap_or(0)).collect()));
@@ -78,7 +93,10 @@ impl Inner {
         leases.take_limits(&current, now);
         // Short of its allotment while another gives its excess back: ask again just
         // after that one's refresh (2 ms after, so that it comes first).
-        let soon = soon.first().map_or(0, |&ns| u64::try_from(ns).unwrap_or(0));
+        let nanos = |i: usize| times.get(i).map_or(0, |&ns| u64::try_from(ns).unwrap_or(0));
+        let soon = nanos(0);
+        // The period until the next refresh: longer while the fleet is settled.
+        leases.heard(now, said, heard.then(|| Duration::from_nanos(nanos(1))));
         leases.ask_again(if soon > 0 && heard {
             Some(Duration::from_nanos(soon) + Duration::from_millis(2))
         } else {
@@ -135,6 +153,16 @@ impl RedisAccounts {
         self.inner.leases.as_ref()?.asked_again().map(|(_, after)| after)
     }
 
+    /// The period until the next refresh that Redis gave with its last answer: the
+    /// refresh period while anything in the fleet moves, longer while it is settled
+    /// ([`AccountLeases::calm_every`](crate::AccountLeases::calm_every)); `None` without
+    /// leases (tests).
+    #[cfg(feature = "test-support")]
+    #[must_use]
+    pub fn lease_period(&self) -> Option<Duration> {
+        Some(self.inner.leases.as_ref()?.period())
+    }
+
     /// The part of every account's burst this replica's lease holds at `now`, from 0 to 1
     /// (`None` without leases): at least what holds one request of the largest cost.
     #[must_use]
@@ -170,6 +198,8 @@ pub(super) async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) 
         if leases.idle(now) || inner.breaker.gate() == Gate::Open {
             continue;
         }
-        inner.refresh_lease(now, true).await;
+        // Asked early, or the period Redis gave is over, or this replica's demand moved.
+        let ask = if early.is_some() { Ask::Now } else { Ask::WhenDue };
+        inner.refresh_lease_if(now, true, ask).await;
     }
 }

@@ -497,13 +497,15 @@ end
 -- burst part that holds its largest request (fractions in millionths), the number of
 -- bands and their minimum shares, then n and n quintuples as for 'f'. The hash LEASES
 -- keeps per replica 'r:<id>' = "rate granted, rate reported, burst granted, burst
--- reported, expires, cap, weights per band (comma-separated), least part", 'd:<id>' =
+-- reported, expires, cap, weights per band (comma-separated), least part, period, next
+-- refresh" (the period it was given and when it comes back, us), 'd:<id>' =
 -- its demand per tenant (JSON), and 'u' = the part of the bursts no lease has held yet
 -- (a new fleet's, handed out once as tokens). The reply: the rate and burst granted, the
 -- part of the bursts given as tokens, the members' benches, the caller's part of each
 -- tenant's demand (of 1024), each band's part of what the caller holds (millionths),
--- every member's limits, interval and tolerance (ns), and when to ask again (ns, 0: at
--- the next period).
+-- every member's limits, interval and tolerance (ns), when to ask again (ns, 0: at the
+-- next period) and the period until the next refresh (ns): REFRESH while anything in the
+-- fleet moves, doubling up to CALM while every live replica holds what it is allotted.
 if ARGV[1] == 'l' then
   local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
@@ -517,13 +519,14 @@ if ARGV[1] == 'l' then
     mine[names[k]] = tonumber(ARGV[j + 4])
     bandsof[k] = ARGV[j + 5]
   end
-  local reps, demand, before, held, unspent = {}, {}, nil, 0, 0
+  local reps, demand, before, held, unspent, pv = {}, {}, nil, 0, 0, 0
   local all = call('HGETALL', LEASES)
   for j = 1, #all, 2 do
     local f, v = all[j], all[j + 1]
     local kind, id = string.sub(f, 1, 1), string.sub(f, 3)
     if kind == 'r' then
-      local g, r, hg, hr, e, c, w, oq = string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+      local g, r, hg, hr, e, c, w, oq, op, nx =
+        string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
       if not e or tonumber(e) <= NOW then call('HDEL', LEASES, f, 'd:' .. id)
       else
         local ws = {}
@@ -531,9 +534,9 @@ if ARGV[1] == 'l' then
         for x in string.gmatch(w, '[^,]+') do ws[b], b = tonumber(x), b + 1 end
         if id ~= rid then
           reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c),
-            ws = ws, q = tonumber(oq), e = tonumber(e)}
+            ws = ws, q = tonumber(oq), e = tonumber(e), nx = tonumber(nx)}
         else
-          before, held = ws, math.max(tonumber(hg), tonumber(hr))
+          before, held, pv = ws, math.max(tonumber(hg), tonumber(hr)), tonumber(op)
         end
       end
     elseif kind == 'd' and id ~= rid then demand[id] = v
@@ -649,9 +652,9 @@ if ARGV[1] == 'l' then
     for _, o in pairs(reps) do
       if o.r - o.g > DEAD then
         -- one that gives a large part back confirms at once (below)
-        local next = o.e - LIFE + REFRESH - NOW
+        local next = o.nx - NOW
         if o.r - o.g > LARGE and o.e - LIFE + CONFIRM > NOW then next = o.e - LIFE + CONFIRM - NOW end
-        if next > 0 and next < REFRESH and (soon == 0 or next < soon) then soon = next end
+        if next > 0 and next < CALM and (soon == 0 or next < soon) then soon = next end
       end
     end
   end
@@ -671,10 +674,25 @@ if ARGV[1] == 'l' then
     if h > uh then h = uh end
     if h < q then g, h = 0, 0 end
   end
+  -- settled: the caller keeps what it holds and is allotted no more, and every other
+  -- live replica holds its allotment and has confirmed it; then nothing moves until some
+  -- replica's demand does (that replica refreshes at once, see lease.rs), and the period
+  -- doubles up to CALM; anything else brings it back to REFRESH
+  local period = REFRESH
+  local settled = soon == 0 and g > 0 and math.abs(g - ug) <= SETTLE and math.abs(h - uh) <= SETTLE
+    and allot - g <= SETTLE and call('EXISTS', LOST) == 0
+  if settled then
+    for id, o in pairs(reps) do
+      local a = allots[id] or 0
+      if o.c > 0 and (o.r - o.g > SETTLE or math.abs(a - o.g) > SETTLE) then settled = false break end
+    end
+  end
+  if settled then period = math.min(CALM, math.max(REFRESH, 2 * pv)) end
   local wtext = {}
   for b = 0, nb - 1 do wtext[b + 1] = fmt('%.17g', ws[b]) end
   call('HSET', LEASES, 'r:' .. rid,
-    fmt('%.0f %.0f %.0f %.0f %.0f %.0f %s %.0f', g, ug, h, uh, NOW + LIFE, cap, table.concat(wtext, ','), q))
+    fmt('%.0f %.0f %.0f %.0f %.0f %.0f %s %.0f %.0f %.0f', g, ug, h, uh, NOW + LIFE, cap, table.concat(wtext, ','), q,
+      period, NOW + period))
   local report = {}
   for k = 1, n do
     if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
@@ -711,6 +729,7 @@ if ARGV[1] == 'l' then
     end
   end
   reply[at + 1] = soon * 1000
+  reply[at + 2] = period * 1000
   return reply
 end
 -- 'b': a batch of operations (see apply)
