@@ -30,10 +30,11 @@
 //! part within 1% of the one held is left as it is.
 //!
 //! How often it refreshes follows how still the fleet is. While capacity moves, every
-//! refresh period (100 ms by default). Once every live replica holds what it is allotted,
-//! within 4% of the whole (the allotments swing by a few hundredths from one refresh to
-//! the next with the requests each replica has waiting, and moving such a part mends
-//! nothing), the fleet is settled: each answer doubles the period until the next refresh,
+//! refresh period (100 ms by default). Once every live replica that wants capacity holds
+//! some, and what it is allotted within 4% of the whole (the allotments swing by a few
+//! hundredths from one refresh to the next with the requests each replica has waiting,
+//! and moving such a part mends nothing), the fleet is settled: each answer doubles the
+//! period until the next refresh,
 //! up to the calm period ([`AccountLeases::calm_every`], four refresh periods by
 //! default), and any answer that finds something moving gives the refresh period again.
 //! Between refreshes the replica looks at its own demand every refresh period, locally,
@@ -126,11 +127,15 @@
 //! # What it costs
 //!
 //! One call per busy replica per refresh period while capacity moves, one per calm period
-//! while the fleet is settled, whatever the requests, and one more when
-//! the replica is short of its part while another gives some back, or when it is told to
-//! give a large part back (a tenth of the whole or more) while others wait for capacity:
-//! it confirms at once, so the part is free one call later rather than one period; none
-//! while it is idle. A call reads every live replica's entry, so its cost grows with the fleet. A
+//! while the fleet is settled, whatever the requests, and one more in three cases. A
+//! replica short of its part while another holds more than its own (told to give some
+//! back, or to be told at its next refresh) asks again just after that one's next
+//! refresh or confirmation. A replica told to give a large part back (a tenth of the
+//! whole or more) while others wait for capacity confirms at once, so the part is free
+//! one call later rather than one period. A replica that took a large part looks again a
+//! quarter of a period on: the first replica to refresh in a new fleet takes the whole,
+//! and the others, arriving moments later, would otherwise wait a period for it to give
+//! their parts back, then a second for their own turn. None while it is idle. A call reads every live replica's entry, so its cost grows with the fleet. A
 //! first request on a replica without a lease waits for one call; a replica whose lease
 //! is spent refuses locally with the exact wait of its bucket, or, granted nothing, until
 //! its next refresh.

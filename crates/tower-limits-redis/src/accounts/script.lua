@@ -534,7 +534,7 @@ if ARGV[1] == 'l' then
         for x in string.gmatch(w, '[^,]+') do ws[b], b = tonumber(x), b + 1 end
         if id ~= rid then
           reps[id] = {g = tonumber(g), r = tonumber(r), hg = tonumber(hg), hr = tonumber(hr), c = tonumber(c),
-            ws = ws, q = tonumber(oq), e = tonumber(e), nx = tonumber(nx)}
+            ws = ws, q = tonumber(oq), e = tonumber(e), nx = tonumber(nx), per = tonumber(op)}
         else
           before, held, pv = ws, math.max(tonumber(hg), tonumber(hr)), tonumber(op)
         end
@@ -644,16 +644,20 @@ if ARGV[1] == 'l' then
   -- a part within DEAD of the one held stays as it is: moving it costs more than it mends
   if math.abs(allot - ug) < DEAD and ug <= WHOLE - og then allot = ug end
   local g = floor(math.min(allot, WHOLE - og))
-  -- short of its allotment while another was told to give part of its own back and has
-  -- not confirmed yet: ask again just after that one's next refresh (which confirms),
-  -- not at this one's next period
+  -- short of its allotment while another holds more than its own, told to give part
+  -- back or to be told at its next refresh: ask again just after that one's next refresh
+  -- (or its confirmation, for a large part), not at this one's next period
   local soon = 0
   if allot - g > DEAD then
-    for _, o in pairs(reps) do
-      if o.r - o.g > DEAD then
-        -- one that gives a large part back confirms at once (below)
+    for id, o in pairs(reps) do
+      local over = math.max(o.g, o.r) - (allots[id] or 0)
+      if o.r - o.g > DEAD or over > DEAD then
+        -- (it comes back when its last answer said, or, that past, at its period)
         local next = o.nx - NOW
-        if o.r - o.g > LARGE and o.e - LIFE + CONFIRM > NOW then next = o.e - LIFE + CONFIRM - NOW end
+        if next <= 0 then next = o.e - LIFE + o.per - NOW end
+        -- one that gives a large part back confirms at once (below)
+        if o.r - o.g > LARGE and o.e - LIFE + CONFIRM > NOW then next = o.e - LIFE + CONFIRM - NOW
+        elseif o.r - o.g <= DEAD and over > LARGE then next = next + CONFIRM end
         if next > 0 and next < CALM and (soon == 0 or next < soon) then soon = next end
       end
     end
@@ -666,6 +670,9 @@ if ARGV[1] == 'l' then
       if o.c >= WHOLE then soon = 1 break end
     end
   end
+  -- took a large part in this call (a fleet starting, or work that moved here): others
+  -- may be waiting for some of it; look again a quarter of a period on
+  if soon == 0 and g - ug >= LARGE then soon = floor(REFRESH / 4) end
   local h = floor(math.min(hallot, WHOLE - oh))
   -- a burst too small to hold the replica's requests would refuse them
   if g <= 0 or h < q then g, h = 0, 0 end
@@ -675,7 +682,8 @@ if ARGV[1] == 'l' then
     if h < q then g, h = 0, 0 end
   end
   -- settled: the caller keeps what it holds and is allotted no more, and every other
-  -- live replica holds its allotment and has confirmed it; then nothing moves until some
+  -- live replica that wants capacity holds some, holds its allotment and has confirmed
+  -- it; then nothing moves until some
   -- replica's demand does (that replica refreshes at once, see lease.rs), and the period
   -- doubles up to CALM; anything else brings it back to REFRESH
   local period = REFRESH
@@ -684,7 +692,11 @@ if ARGV[1] == 'l' then
   if settled then
     for id, o in pairs(reps) do
       local a = allots[id] or 0
-      if o.c > 0 and (o.r - o.g > SETTLE or math.abs(a - o.g) > SETTLE) then settled = false break end
+      -- (one that wants capacity and holds none waits for parts to move: not settled)
+      if o.c > 0 and (o.r - o.g > SETTLE or math.abs(a - o.g) > SETTLE or math.max(o.g, o.r) == 0) then
+        settled = false
+        break
+      end
     end
   end
   if settled then period = math.min(CALM, math.max(REFRESH, 2 * pv)) end
@@ -692,7 +704,7 @@ if ARGV[1] == 'l' then
   for b = 0, nb - 1 do wtext[b + 1] = fmt('%.17g', ws[b]) end
   call('HSET', LEASES, 'r:' .. rid,
     fmt('%.0f %.0f %.0f %.0f %.0f %.0f %s %.0f %.0f %.0f', g, ug, h, uh, NOW + LIFE, cap, table.concat(wtext, ','), q,
-      period, NOW + period))
+      period, NOW + (soon > 0 and soon or period)))
   local report = {}
   for k = 1, n do
     if mine[names[k]] > 0 then report[names[k]] = mine[names[k]] end
