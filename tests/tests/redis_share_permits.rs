@@ -224,6 +224,61 @@ fn a_tenant_at_its_limit_over_three_replicas_gets_every_permit() {
     });
 }
 
+/// A replica whose fetch found every permit held elsewhere refuses locally, without a
+/// call, for two refresh periods, unless a refresh grows its share meanwhile (its demand
+/// is on record, so the holder's next allotments make room): then its requests are
+/// admitted from the share that refresh brought, with no fetch. Caught: fetching again
+/// after one period however full the semaphore (one call a period per starved replica,
+/// the gateway's greedy batch tenant's largest cost in Redis).
+#[test]
+fn a_replica_refused_for_want_of_permits_waits_for_a_refresh_that_makes_room() {
+    let Some(server) = redis_for("a_replica_refused_for_want_of_permits_waits_for_a_refresh_that_makes_room") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 4).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-starved"), 2).await;
+        let tenant = TenantKey::new(["a"]).unwrap();
+        let start = 1_000_000 * MS;
+        let at = |ms: u64| Instant::from_nanos(start + ms * MS);
+        // Replica 0 holds all four permits; replica 1's fetch finds none free.
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(replicas[0].acquire(&tenant, 1, at(0)).await.unwrap());
+        }
+        let calls = |r: usize| replicas[r].stats().share_refreshes;
+        let before = calls(1);
+        assert!(replicas[1].acquire(&tenant, 1, at(1)).await.is_err());
+        assert_eq!(calls(1) - before, 1, "one fetch");
+        // A refresh period later (20 ms), nothing has made room: refused with no call.
+        assert!(replicas[1].acquire(&tenant, 1, at(25)).await.is_err());
+        assert_eq!(calls(1) - before, 1, "no fetch while nothing made room");
+        // Replica 0 finishes two requests. Its refreshes report the four it held in the
+        // period, then the two it still holds (given two, it is counted for four until
+        // it confirms), then confirm; replica 1's report its refused demand, and the
+        // last brings it the permits freed, before the two periods are over.
+        for grant in held.drain(..2) {
+            replicas[0].release(&tenant, grant);
+        }
+        for t in [27, 31, 35] {
+            replicas[0].refresh_shares(at(t)).await;
+            replicas[1].refresh_shares(at(t + 1)).await;
+            // (Replica 0 serves on: its answers apply with its next request.)
+            let served = replicas[0].acquire(&tenant, 1, at(t + 2)).await.unwrap();
+            replicas[0].release(&tenant, served);
+        }
+        let refreshed = calls(1);
+        let granted = replicas[1].acquire(&tenant, 1, at(38)).await.expect("admitted from the refreshed share");
+        assert_eq!(calls(1), refreshed, "admitted with no fetch");
+        replicas[1].release(&tenant, granted);
+        for grant in held {
+            replicas[0].release(&tenant, grant);
+        }
+    });
+}
+
 #[test]
 fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     let Some(server) = redis_for("a_permit_taken_for_a_request_the_pool_refuses_comes_back") else { return };

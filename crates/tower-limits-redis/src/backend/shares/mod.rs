@@ -102,9 +102,11 @@
 //! it (its share follows the last period's peak, and the request may be the first of a
 //! burst); a fetch that grew the share but is still short asks once more (a request
 //! admitted meanwhile may have taken the permit), one that did not grow it was told no
-//! permit is free; when every permit it could have is held elsewhere it is refused, then refused
-//! locally until the next refresh period, its demand on record so that the others' next
-//! allotments make room. Redis counts a semaphore's share for the
+//! permit is free; when every permit it could have is held elsewhere it is refused, then
+//! refused locally, with no call, for two refresh periods unless a refresh grows its share
+//! meanwhile: its demand stands in its reports until then, so that the holders' next
+//! allotments make room (fetching again after one period found the same permits held:
+//! a call a period for every starved replica). Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the
 //! share they were admitted under, and a dead replica's permits come back within the
 //! lease.

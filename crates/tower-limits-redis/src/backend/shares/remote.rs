@@ -243,7 +243,8 @@ impl Drop for Fetching {
 /// call fetches its share (reporting the demand that made it ask: this request's permits
 /// and those of the others fetching it), then the acquisition is decided again; still
 /// short, one more. Short after both, every permit it could have is held elsewhere:
-/// refused, and refused locally until the next refresh period.
+/// refused, and refused locally for two refresh periods unless a refresh grows the share
+/// meanwhile.
 async fn fetch_then_acquire(
     inner: Arc<Inner>,
     key: TenantKey,
@@ -283,7 +284,9 @@ async fn fetch_then_acquire(
             }
             Local::Fetch(still) => {
                 table.fetched(&still);
-                table.deny(&still, now + table.settings.refresh);
+                // Until the periodic refreshes, which report this demand, make room: a
+                // fetch meanwhile would find the same permits held.
+                table.deny(&still, now + table.settings.refresh * 2);
                 bump(&inner.stats.shared_refusals);
                 let limit =
                     still.first().and_then(|(k, _)| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);

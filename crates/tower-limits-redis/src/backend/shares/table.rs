@@ -467,7 +467,8 @@ impl Table {
     }
 
     /// Marks semaphore scopes whose fetch found no permit free for the request (no share,
-    /// or one still too small): refused locally until the next refresh period.
+    /// or one still too small): refused locally until `until`, unless a refresh grows
+    /// the share enough meanwhile.
     pub(super) fn deny(&self, scopes: &[(Arc<str>, u64)], until: Instant) {
         let mut table = self.lock();
         for (key, _) in scopes {
@@ -710,7 +711,8 @@ fn unix_origin_ns() -> i128 {
 /// A semaphore scope's part of a report: the permits it may be using (held ones
 /// included: a share shrinks only as its permits come back), and the most it held or was
 /// asked at once in the period, exactly (a margin would take permits another replica's
-/// tenant needs); idle for a period, its share goes back.
+/// tenant needs), or, refused for want of permits, since the refusals began; idle for a
+/// period, its share goes back.
 /// Answers whether to keep tracking the scope.
 fn report_permits(
     key: &Arc<str>,
@@ -723,7 +725,10 @@ fn report_permits(
     // Requests waiting for a fetch count until it is answered: fetches sent together
     // each report them all, whichever is answered last.
     let asked = s.in_flight.saturating_add(s.fetching);
-    let busy = s.asks > 0 || asked > 0;
+    // Refused for want of permits: its demand stands until the refusals end, so that the
+    // refreshes meanwhile make room for it (its clients are waiting to ask again).
+    let denied = now < s.denied_until;
+    let busy = s.asks > 0 || asked > 0 || denied;
     let demand = if busy { s.wanted.max(asked).min(l.amount) } else { 0 };
     if !busy {
         s.share = 0;
@@ -731,7 +736,7 @@ fn report_permits(
     }
     let using = s.using(now).max(s.in_flight);
     s.asks = 0;
-    s.wanted = s.in_flight;
+    s.wanted = if denied { s.wanted.max(s.in_flight) } else { s.in_flight };
     s.reported = now;
     if using == 0 && demand == 0 {
         s.quiet += 1;
