@@ -118,7 +118,8 @@ impl RedisAccountsBuilder {
     /// pool's replaced limits (one small hash) and records its charge. With
     /// [`leases`](Self::leases), each refresh brings the replaced limits to its replica,
     /// whose buckets keep the units they hold (up to the new bursts) and refill at the
-    /// new rates: a replaced limit reaches every replica within one refresh period, and
+    /// new rates: a replaced limit reaches every replica at its next refresh (within a
+    /// refresh period, or a calm period while the fleet is settled), and
     /// nothing is charged at a lowering (leases make no call per request to record).
     ///
     /// ```

@@ -92,8 +92,8 @@
 //!   more than the bursts: the fleet is one bucket that started full.
 //!
 //! A replaced limit holds for a replica from its next refresh: until then it refills at
-//! the limit it knew, so for up to one refresh period (and the call) after a lowering the
-//! fleet may charge the old rate.
+//! the limit it knew, so for up to one period between refreshes (the calm period while
+//! the fleet is settled) and the call after a lowering the fleet may charge the old rate.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
 //! that granted it, repaid by its refill; the fleet may exceed the bound by the overrun
@@ -119,7 +119,8 @@
 //!   epoch is there, and the leases it lost are not counted until their holders refresh.
 //! - **Fallback while others still hold leases.** When Redis is away, a replica whose
 //!   lease ended falls back to its local share of each account, while another's lease
-//!   may still run for up to about one refresh period more.
+//!   may still run for up to about one period between refreshes more (the calm period
+//!   while the fleet was settled).
 //! - **A stale call.** A refresh that a client retries after a newer one has been applied
 //!   overwrites the newer entry. Entries expire by the server's wall clock, so a clock
 //!   step forward ends them early.
