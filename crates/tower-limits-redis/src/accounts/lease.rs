@@ -454,7 +454,7 @@ pub(super) struct Sent {
     /// requests waiting or in flight.
     bands: u64,
     active: bool,
-    /// Wanted more rate than it held.
+    /// Could use everything (refusing, or with requests waiting) and held less.
     short: bool,
     /// The least burst part it needs, and whether the burst part it held was smaller.
     least: u64,
@@ -467,7 +467,10 @@ impl Sent {
         Sent {
             bands: reported.iter().fold(0, |bands, d| bands | d.bands),
             active: reported.iter().any(|d| d.outstanding > 0),
-            short: report.cap > report.using.0.saturating_add(DEAD),
+            // (Short: it could use everything, refusing or with requests waiting, and
+            // holds less. A replica below its part wants twice what it admitted, which
+            // swings around what it holds from one period to the next.)
+            short: report.cap >= WHOLE && report.using.0.saturating_add(DEAD) < WHOLE,
             least: report.least,
             cramped: report.least > report.using.1,
         }
@@ -691,12 +694,13 @@ impl Leases {
             0
         } else {
             // (Admissions since the last report, over the periods since: a settled
-            // fleet reports every few periods.)
+            // fleet reports every few periods, and an early refresh after a fraction of
+            // one, whose admissions would otherwise read as a fraction of the rate.)
             let refresh_ns = self.settings.refresh.as_nanos() as f64;
             let periods = if st.reported_at == Instant::ZERO {
                 1.0
             } else {
-                (now.nanos_since(st.reported_at) as f64 / refresh_ns.max(1.0)).clamp(1.0, 64.0)
+                (now.nanos_since(st.reported_at) as f64 / refresh_ns.max(1.0)).clamp(0.25, 64.0)
             };
             let part = 2.0 * st.admitted as f64 / (st.per_refresh.max(1.0) * periods);
             ((part * WHOLE as f64) as u64).clamp(WHOLE / 64, WHOLE)
