@@ -957,6 +957,12 @@ mod tests {
         assert!(l.due(at(100), &Sent::of(&[], &full), &full));
         let content = report(WHOLE / 2, WHOLE / 2, 1_000);
         assert!(l.due(at(100), &Sent::of(&first, &content), &content));
+        // Below its part, wanting twice what it admitted: that swings around what it
+        // holds from one period to the next, and is no move.
+        l.heard(at(0), Sent::of(&first, &content), Some(Duration::from_millis(400)));
+        let above = report(WHOLE / 2 + 3 * DEAD, WHOLE / 2, 1_000);
+        assert!(!l.due(at(100), &Sent::of(&first, &above), &above));
+        l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
         let spare = report(WHOLE / 4, WHOLE / 2, 1_000);
         assert!(l.due(at(100), &Sent::of(&first, &full), &spare));
         let cramped = report(WHOLE, WHOLE / 2, WHOLE);
