@@ -239,7 +239,7 @@ impl AccountLeases {
     /// call timeout). Settled means that at its last refresh every live replica held
     /// what it was allotted: the period then doubles at each refresh up to this one, and
     /// falls back to the refresh period as soon as anything moves. A replica whose own
-    /// demand moves (a tenant or a band starts or stops waiting, it turns short of its
+    /// demand moves (a band starts or stops waiting, it turns idle, busy or short of its
     /// part, or holds a tenth of the whole more than it could use) refreshes at its next
     /// refresh period however settled the fleet was; another replica's demand reaches it
     /// at its own next refresh, so capacity follows a replica's new demand within this

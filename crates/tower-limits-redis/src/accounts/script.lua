@@ -683,9 +683,9 @@ if ARGV[1] == 'l' then
   end
   -- settled: the caller keeps what it holds and is allotted no more, and every other
   -- live replica that wants capacity holds some, holds its allotment and has confirmed
-  -- it; then nothing moves until some
-  -- replica's demand does (that replica refreshes at once, see lease.rs), and the period
-  -- doubles up to CALM; anything else brings it back to REFRESH
+  -- it; then nothing moves until some replica's demand does (that replica refreshes at
+  -- once, see lease.rs), and the period doubles up to CALM; anything else brings it back
+  -- to REFRESH
   local period = REFRESH
   local settled = soon == 0 and g > 0 and math.abs(g - ug) <= SETTLE and math.abs(h - uh) <= SETTLE
     and allot - g <= SETTLE and call('EXISTS', LOST) == 0

@@ -105,8 +105,8 @@
 //! permit is free; when every permit it could have is held elsewhere it is refused, then
 //! refused locally, with no call, for two refresh periods unless a refresh grows its share
 //! meanwhile: its demand stands in its reports until then, so that the holders' next
-//! allotments make room (fetching again after one period found the same permits held:
-//! a call a period for every starved replica). Redis counts a semaphore's share for the
+//! allotments make room (a fetch after one period would find the same permits held: a
+//! call a period for every starved replica). Redis counts a semaphore's share for the
 //! backend's lease rather than the share's lifetime: the requests in flight outlive the
 //! share they were admitted under, and a dead replica's permits come back within the
 //! lease.
