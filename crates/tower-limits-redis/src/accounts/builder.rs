@@ -214,12 +214,12 @@ impl RedisAccountsBuilder {
         if !self.reserve_ahead.is_zero() && self.leases.is_some() {
             return Err(invalid("reserve_ahead", "leases decide locally: choose leases or reservations".into()));
         }
+        // (On a manual clock, calls take no time the leases count.)
+        let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
         if let Some(leases) = &self.leases {
             if leases.refresh().is_zero() {
                 return Err(invalid("leases.refresh", "the refresh period must be positive".into()));
             }
-            // (On a manual clock, calls take no time the leases count.)
-            let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
             crate::periodic::check_lifetime("leases.lifetime", leases.refresh(), leases.lasts(), call)?;
             if let Some(calm) = leases.calm() {
                 if calm < leases.refresh() {
@@ -316,7 +316,6 @@ impl RedisAccountsBuilder {
         let life_us = self.leases.map_or(0, |l| l.lasts().as_micros());
         let smallest = lease::least_part(&leased, 1);
         let refresh_us = self.leases.map_or(0, |l| l.refresh().as_micros());
-        let call = if self.manual_clock { Duration::ZERO } else { self.timeout };
         let calm_us = self.leases.map_or(0, |l| l.calm_in_force(call).as_micros());
         let _ = writeln!(
             table,

@@ -153,6 +153,10 @@ use std::time::Duration;
 
 use tower_limits_core::Instant;
 
+mod settings;
+
+pub use settings::AccountLeases;
+
 /// The whole pool, in the millionths leases are counted in.
 pub(crate) const WHOLE: u64 = 1_000_000;
 
@@ -179,140 +183,9 @@ pub(super) const LARGE: u64 = WHOLE / 10;
 /// confirmed it: when the replicas short of their parts ask again (µs).
 pub(super) const CONFIRM_US: u64 = 5_000;
 
-/// How account leases are refreshed: see
-/// [`RedisAccountsBuilder::leases`](super::RedisAccountsBuilder::leases).
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_limits_redis::AccountLeases;
-///
-/// let leases = AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(Duration::from_millis(500));
-/// assert_eq!(leases.refresh(), Duration::from_millis(50));
-/// assert_eq!(leases.lasts(), Duration::from_millis(500));
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[must_use]
-pub struct AccountLeases {
-    refresh: Duration,
-    lifetime: Duration,
-    calm: Option<Duration>,
-    largest_cost: u64,
-}
-
-impl Default for AccountLeases {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl AccountLeases {
-    /// Refreshed every 100 ms, living 1 s.
-    pub const fn new() -> AccountLeases {
-        AccountLeases {
-            refresh: Duration::from_millis(100),
-            lifetime: Duration::from_secs(1),
-            calm: None,
-            largest_cost: u64::MAX,
-        }
-    }
-
-    /// How often a replica with traffic renews its lease and reports its demand while
-    /// capacity moves between replicas (default 100 ms): capacity moves within about
-    /// three periods. A settled fleet refreshes less often
-    /// ([`calm_every`](Self::calm_every)); a replica looks at its own demand every period
-    /// either way, locally.
-    pub const fn refresh_every(mut self, every: Duration) -> Self {
-        self.refresh = every;
-        self
-    }
-
-    /// How long a lease lives without a refresh (default 1 s): how long a replica serves
-    /// while Redis is away, and how long the fraction of a replica that died stays taken.
-    /// At least two refresh periods plus the call timeout.
-    pub const fn lifetime(mut self, lifetime: Duration) -> Self {
-        self.lifetime = lifetime;
-        self
-    }
-
-    /// The longest a replica goes between refreshes while the fleet is settled (default:
-    /// four refresh periods, or less when the lifetime must cover two of them and the
-    /// call timeout). Settled means that at its last refresh every live replica held
-    /// what it was allotted: the period then doubles at each refresh up to this one, and
-    /// falls back to the refresh period as soon as anything moves. A replica whose own
-    /// demand moves (a band starts or stops waiting, it turns idle, busy or short of its
-    /// part, or holds a tenth of the whole more than it could use) refreshes at its next
-    /// refresh period however settled the fleet was; another replica's demand reaches it
-    /// at its own next refresh, so capacity follows a replica's new demand within this
-    /// period instead of within a refresh period. Must be at least the refresh period.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tower_limits_redis::AccountLeases;
-    ///
-    /// let leases = AccountLeases::new().calm_every(Duration::from_millis(300));
-    /// assert_eq!(leases.calm(), Some(Duration::from_millis(300)));
-    /// assert_eq!(AccountLeases::new().calm(), None);
-    /// ```
-    pub const fn calm_every(mut self, every: Duration) -> Self {
-        self.calm = Some(every);
-        self
-    }
-
-    /// The longest period between refreshes of a settled fleet, if set
-    /// ([`calm_every`](Self::calm_every)); `None`: the default.
-    #[must_use]
-    pub const fn calm(&self) -> Option<Duration> {
-        self.calm
-    }
-
-    /// The calm period in force with calls that may take `call`: the one set, or four
-    /// refresh periods within half of what the lifetime leaves after a call (never below
-    /// the refresh period).
-    pub(crate) fn calm_in_force(&self, call: Duration) -> Duration {
-        self.calm.unwrap_or_else(|| {
-            let room = self.lifetime.saturating_sub(call) / 2;
-            self.refresh.saturating_mul(4).min(room).max(self.refresh)
-        })
-    }
-
-    /// The largest cost a request will have (default: no bound but the members' own
-    /// bursts): a request costing more is refused at once as above capacity. A lease's
-    /// part of the bursts is sized by the requests its replica was asked lately: a
-    /// request larger than the part waits for the next refreshes to grow it.
-    ///
-    /// ```
-    /// use tower_limits_redis::AccountLeases;
-    ///
-    /// assert_eq!(AccountLeases::new().largest(), u64::MAX);
-    /// assert_eq!(AccountLeases::new().largest_cost(512).largest(), 512);
-    /// ```
-    pub const fn largest_cost(mut self, cost: u64) -> Self {
-        self.largest_cost = cost;
-        self
-    }
-
-    /// The largest cost a request may have.
-    #[must_use]
-    pub const fn largest(&self) -> u64 {
-        self.largest_cost
-    }
-
-    /// The refresh period.
-    #[must_use]
-    pub const fn refresh(&self) -> Duration {
-        self.refresh
-    }
-
-    /// How long a lease lives without a refresh.
-    #[must_use]
-    pub const fn lasts(&self) -> Duration {
-        self.lifetime
-    }
-}
-
 /// The requests the members allow in one refresh period, together.
 fn per_refresh(settings: &AccountLeases, limits: &[Vec<LeasedLimit>]) -> f64 {
-    let refresh_ns = settings.refresh.as_nanos() as f64;
+    let refresh_ns = settings.refresh().as_nanos() as f64;
     limits
         .iter()
         .filter_map(|member| member.iter().find(|l| !l.cost))
@@ -516,7 +389,7 @@ impl Leases {
                 latest_at: tokio::time::Instant::now(),
                 reported_at: Instant::ZERO,
                 due: Instant::ZERO,
-                period: settings.refresh,
+                period: settings.refresh(),
                 sent: None,
             }),
             refreshing: tokio::sync::Mutex::new(()),
@@ -581,7 +454,7 @@ impl Leases {
             st.latest_at = tokio::time::Instant::now();
         }
         self.take_pending(st, now);
-        st.busy_until = now + self.settings.lifetime;
+        st.busy_until = now + self.settings.lasts();
         st.wanted = st.wanted.max(cost);
         if st.rate == 0 {
             if now < st.denied_until {
@@ -597,7 +470,7 @@ impl Leases {
         }
         let mut best: Option<(usize, f64)> = None;
         let mut wait = u64::MAX;
-        let refresh_ns = u64::try_from(self.settings.refresh.as_nanos()).unwrap_or(u64::MAX);
+        let refresh_ns = u64::try_from(self.settings.refresh().as_nanos()).unwrap_or(u64::MAX);
         for (m, member) in st.limits.iter().enumerate() {
             let bench = benched.get(m).copied().unwrap_or(0);
             if bench > now.as_nanos() {
@@ -696,7 +569,7 @@ impl Leases {
             // (Admissions since the last report, over the periods since: a settled
             // fleet reports every few periods, and an early refresh after a fraction of
             // one, whose admissions would otherwise read as a fraction of the rate.)
-            let refresh_ns = self.settings.refresh.as_nanos() as f64;
+            let refresh_ns = self.settings.refresh().as_nanos() as f64;
             let periods = if st.reported_at == Instant::ZERO {
                 1.0
             } else {
@@ -744,7 +617,7 @@ impl Leases {
         let st = self.lock();
         // (Half a period early: the background task ticks every period, and the next
         // tick may come a hair before the instant the last refresh named.)
-        now + self.settings.refresh / 2 >= st.due
+        now + self.settings.refresh() / 2 >= st.due
             || st.sent.as_ref().is_none_or(|before| before.moved(sent, report.using.0, report.cap))
     }
 
@@ -752,7 +625,7 @@ impl Leases {
     /// next refresh (`None`: the answer was lost, the refresh period).
     pub(super) fn heard(&self, now: Instant, sent: Sent, period: Option<Duration>) {
         let mut st = self.lock();
-        st.period = period.unwrap_or(self.settings.refresh);
+        st.period = period.unwrap_or(self.settings.refresh());
         st.due = now + st.period;
         st.sent = Some(sent);
     }
@@ -782,7 +655,7 @@ impl Leases {
         let mut st = self.lock();
         st.pending = Some((rate, burst, expires, from, gift));
         if rate == 0 {
-            st.denied_until = now + self.settings.refresh;
+            st.denied_until = now + self.settings.refresh();
         }
     }
 
@@ -801,7 +674,7 @@ impl Leases {
     /// A refresh at `now` failed: acquisitions without a lease go to the failure policy
     /// for a refresh period, without a call each.
     pub(super) fn failed(&self, now: Instant) {
-        self.lock().down_until = now + self.settings.refresh;
+        self.lock().down_until = now + self.settings.refresh();
     }
 
     /// Whether a lease is in force at `now`, or an answer waits to be applied: a request
@@ -835,140 +708,4 @@ impl Leases {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn leases() -> Leases {
-        // One member: 10 requests a second with a burst of 2, 100 tokens a second with a
-        // burst of 50.
-        let rpm = LeasedLimit { interval: 100_000_000, burst: 2, cost: false };
-        let tpm = LeasedLimit { interval: 10_000_000, burst: 50, cost: true };
-        Leases::new(AccountLeases::new(), vec![vec![rpm, tpm]])
-    }
-
-    fn at(ms: u64) -> Instant {
-        Instant::from_nanos(ms * 1_000_000)
-    }
-
-    #[test]
-    fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
-        let l = leases();
-        assert_eq!(l.decide(1, &[], at(0)), Decision::NoLease);
-        l.granted((WHOLE / 2, WHOLE / 2, 0), at(1000), at(0), at(0));
-        // Half of 10 a second: one request every 200 ms, nothing at first.
-        assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(200)));
-        assert_eq!(l.decide(1, &[], at(200)), Decision::Granted(0));
-        assert!(matches!(l.decide(1, &[], at(200)), Decision::Refused(_)));
-        // The burst at half is 1: a long pause refills one request, not two.
-        assert_eq!(l.decide(1, &[], at(900)), Decision::Granted(0));
-        assert!(matches!(l.decide(1, &[], at(900)), Decision::Refused(_)));
-        // Expired: nothing is decided locally any more.
-        assert_eq!(l.decide(1, &[], at(1000)), Decision::NoLease);
-    }
-
-    #[test]
-    fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
-        let l = leases();
-        l.granted((WHOLE / 2, WHOLE / 2, 0), at(10_000), at(0), at(0));
-        assert_eq!(l.fractions(at(0)).0, WHOLE / 2);
-        // Full at half: one request. Grown to the whole: still one, not two.
-        l.granted((WHOLE, WHOLE, 0), at(10_000), at(5000), at(5000));
-        assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
-        assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
-        // Full at the whole (two), shrunk to half: one.
-        l.granted((WHOLE / 2, WHOLE / 2, 0), at(20_000), at(9000), at(9000));
-        assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
-        assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
-    }
-
-    #[test]
-    fn a_lease_refills_from_when_its_answer_came() {
-        let l = leases();
-        // Asked at 0, answered at 100 ms: the first request comes 200 ms after the answer.
-        l.granted((WHOLE / 2, WHOLE / 2, 0), at(1000), at(100), at(0));
-        assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(_)));
-        assert!(matches!(l.decide(1, &[], at(200)), Decision::Refused(_)));
-        assert_eq!(l.decide(1, &[], at(300)), Decision::Granted(0));
-        // A failed refresh: no lease, and no call either for a refresh period.
-        assert_eq!(l.decide(1, &[], at(1000)), Decision::NoLease);
-        l.failed(at(1000));
-        assert_eq!(l.decide(1, &[], at(1050)), Decision::Down);
-        assert_eq!(l.decide(1, &[], at(1100)), Decision::NoLease);
-    }
-
-    #[test]
-    fn settles_charge_the_bucket_and_reports_say_what_is_used() {
-        let l = leases();
-        l.granted((WHOLE, WHOLE, 0), at(10_000), at(0), at(0));
-        assert_eq!(l.fractions(at(0)).0, WHOLE);
-        assert_eq!(l.decide(10, &[], at(1000)), Decision::Granted(0));
-        // 50 tokens of burst: 40 left; a settle to 45 leaves 5.
-        l.adjust(0, 0, 35);
-        assert!(matches!(l.decide(10, &[], at(1000)), Decision::Refused(w) if w == Duration::from_millis(50)));
-        // Asked for 40 tokens: refused, and the least part that holds it is reported.
-        assert!(matches!(l.decide(40, &[], at(1000)), Decision::Refused(_)));
-        let report = l.report(at(1000), false);
-        assert_eq!((report.using, report.cap), ((WHOLE, WHOLE), WHOLE), "refused: it could use everything");
-        assert_eq!(report.least, WHOLE * 4 / 5, "40 tokens of a burst of 50");
-        assert_eq!(l.report(at(1000), false).cap, WHOLE, "not heard: reported again");
-        l.reported(report.counts, at(1000));
-        let idle = l.report(at(1000), false);
-        assert_eq!(idle.cap, 0, "nothing asked since: idle");
-        assert_eq!(idle.least, WHOLE * 4 / 5, "the last report's largest request still counts");
-        l.reported(idle.counts, at(1000));
-        assert_eq!(l.report(at(1000), false).least, WHOLE / 2, "then one request of the 2 a burst holds");
-        // A benched member is skipped, with the bench as the wait.
-        let bench = [at(1500).as_nanos()];
-        assert!(matches!(l.decide(1, &bench, at(1100)), Decision::Refused(w) if w == Duration::from_millis(400)));
-    }
-
-    #[test]
-    fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
-        use tower_limits_core::TenantKey;
-        use tower_limits_core::fleet::TenantDemand;
-        let l = leases();
-        let tenant = |name: &str, bands: u64| TenantDemand {
-            key: TenantKey::single(name).unwrap(),
-            weight: 1,
-            waiting: u64::from(bands != 0),
-            outstanding: 1,
-            bands,
-        };
-        let report =
-            |cap: u64, held: u64, least: u64| Report { using: (held, WHOLE / 2), cap, least, counts: (0, 0, 0) };
-        let first = [tenant("a", 1)];
-        let full = report(WHOLE, WHOLE / 2, 1_000);
-        let said = Sent::of(&first, &full);
-        // Never heard: due at once.
-        assert!(l.due(at(0), &said, &full));
-        // Heard at 0 with a period of 400 ms (refresh periods are 100 ms): due from half
-        // a refresh period before it ends, not earlier.
-        l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
-        assert!(!l.due(at(340), &said, &full));
-        assert!(l.due(at(350), &said, &full));
-        // Another tenant in the same band, or more of them waiting: not a move.
-        let more = [tenant("a", 1), tenant("b", 1)];
-        assert!(!l.due(at(100), &Sent::of(&more, &full), &full));
-        // A band starting to wait, the replica going idle, no longer short, holding a
-        // tenth more than it could use, or asked a request its burst part cannot hold
-        // (larger than the last): each is.
-        let batch = [tenant("a", 1), tenant("b", 2)];
-        assert!(l.due(at(100), &Sent::of(&batch, &full), &full));
-        assert!(l.due(at(100), &Sent::of(&[], &full), &full));
-        let content = report(WHOLE / 2, WHOLE / 2, 1_000);
-        assert!(l.due(at(100), &Sent::of(&first, &content), &content));
-        // Below its part, wanting twice what it admitted: that swings around what it
-        // holds from one period to the next, and is no move.
-        l.heard(at(0), Sent::of(&first, &content), Some(Duration::from_millis(400)));
-        let above = report(WHOLE / 2 + 3 * DEAD, WHOLE / 2, 1_000);
-        assert!(!l.due(at(100), &Sent::of(&first, &above), &above));
-        l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
-        let spare = report(WHOLE / 4, WHOLE / 2, 1_000);
-        assert!(l.due(at(100), &Sent::of(&first, &full), &spare));
-        let cramped = report(WHOLE, WHOLE / 2, WHOLE);
-        assert!(l.due(at(100), &Sent::of(&first, &cramped), &cramped));
-        // An answer lost on its way back: due again after a refresh period.
-        l.heard(at(0), said.clone(), None);
-        assert!(l.due(at(50), &said, &full));
-    }
-}
+mod tests;

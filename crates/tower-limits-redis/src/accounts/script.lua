@@ -676,7 +676,8 @@ if ARGV[1] == 'l' then
   local h = floor(math.min(hallot, WHOLE - oh))
   -- a burst too small to hold the replica's requests would refuse them
   if g <= 0 or h < q then g, h = 0, 0 end
-  if call('EXISTS', LOST) == 1 then
+  local lost = call('EXISTS', LOST) == 1
+  if lost then
     if g > ug then g = ug end
     if h > uh then h = uh end
     if h < q then g, h = 0, 0 end
@@ -688,7 +689,7 @@ if ARGV[1] == 'l' then
   -- to REFRESH
   local period = REFRESH
   local settled = soon == 0 and g > 0 and math.abs(g - ug) <= SETTLE and math.abs(h - uh) <= SETTLE
-    and allot - g <= SETTLE and call('EXISTS', LOST) == 0
+    and allot - g <= SETTLE and not lost
   if settled then
     for id, o in pairs(reps) do
       local a = allots[id] or 0
