@@ -6,6 +6,7 @@
 
 mod redis_common;
 
+use std::future::Future;
 use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
@@ -187,8 +188,50 @@ fn requests_arriving_together_before_the_first_share_are_all_counted() {
                 Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
             }
         }
+        assert_eq!(r.stats().share_refreshes, 1, "one fetch for the six: the others waited for its answer");
         for grant in held {
             replicas[0].release(&tenant, grant);
+        }
+    });
+}
+
+#[test]
+fn requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next() {
+    let Some(server) = redis_for("requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let policy =
+            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
+        let replicas = fleet(&url, &policy, &namespace("shares-fetch-in-flight"), 1).await;
+        let (r, tenant) = (&replicas[0], TenantKey::new(["a"]).unwrap());
+        let now = Instant::from_nanos(1_000_000 * MS);
+        // The first request's fetch is sent (polled once) before the others arrive: it
+        // reports one permit, and its answer holds one.
+        let mut first = Box::pin(r.acquire(&tenant, 1, now));
+        let sent = std::future::poll_fn(|cx| std::task::Poll::Ready(first.as_mut().poll(cx).is_pending())).await;
+        assert!(sent, "the first request waits for its fetch");
+        // Five more wait for that answer rather than send a fetch each; short of permits
+        // once it comes, one of them fetches for all, the others waiting for it.
+        let (a, b, c, d, e, f) = tokio::join!(
+            first,
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+            r.acquire(&tenant, 1, now),
+        );
+        let mut held = Vec::new();
+        for (i, answer) in [a, b, c, d, e, f].into_iter().enumerate() {
+            match answer {
+                Ok(grant) => held.push(grant),
+                Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
+            }
+        }
+        assert_eq!(r.stats().share_refreshes, 2, "two fetches for six requests");
+        for grant in held {
+            r.release(&tenant, grant);
         }
     });
 }

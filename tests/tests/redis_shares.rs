@@ -530,6 +530,11 @@ fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
         assert!((40..=42).contains(&alone), "the limit's 4 a second and its burst: {alone}");
         let from_shares: u64 = replicas.iter().map(|r| r.stats().shared_grants).sum();
         assert_eq!(from_shares, 0, "a thin rate is never split");
+        // A pool that refused, or that a grant left without a unit, refuses locally until it
+        // refills one: each replica asks at most once between two refills (forty in ten
+        // seconds, and the burst), however often its client retries.
+        let calls: u64 = replicas.iter().map(|r| r.stats().round_trips).sum();
+        assert!(calls <= 3 * 41, "at most one call per replica per refill: {calls}");
     });
 }
 
@@ -559,9 +564,13 @@ fn a_scope_that_turns_hot_is_refreshed_early_and_alone() {
         // The hot scope decides from its share now; the cold one still takes from the pool.
         assert_eq!(replica.acquire(&hot, 1, at(3)).await.unwrap().source(), GrantSource::Share);
         assert_ne!(replica.acquire(&cold, 1, at(3)).await.unwrap().source(), GrantSource::Share);
-        // Once reported, a scope does not ask again before the next period.
-        for _ in 0..8 {
-            let _ = replica.acquire(&hot, 1, at(4)).await.unwrap();
+        // Its demand was measured over the time since it appeared (a tenth of a period at
+        // least), not over a whole period: four requests in a millisecond claim the whole
+        // rate, and its share holds what the pool had left. Once reported, a scope does not
+        // ask again before the next period.
+        for n in 0..60 {
+            let grant = replica.acquire(&hot, 1, at(4)).await.unwrap();
+            assert_eq!(grant.source(), GrantSource::Share, "request {n} from the share");
         }
         assert!(!replica.refresh_turned_hot(at(5)).await, "a scope turns hot once");
     });

@@ -20,15 +20,23 @@
 //! the difference at its own next refresh, and only then can another take it. A share
 //! too small to hold one unit of burst stays in the pool, and a rate whose whole burst is
 //! below `min_burst` (8 units) is never split: its scopes take from the pool, one round
-//! trip per request, as a cold scope does. Demand below `hot_after`
+//! trip per request, as a cold scope does. A pool that refused a scope, or that a grant
+//! left without a unit, answers with the exact time it holds a unit again, and until then
+//! the replica refuses that scope locally: a client retrying a thin rate costs each replica
+//! at most one call per unit the pool refills. Demand below `hot_after`
 //! requests a refresh (4) asks for no share: the scope stays with the pool; a scope that
 //! holds a share keeps asking while any request comes, and gives its share back after a
 //! period without one. A scope new to the replica that turns hot does not wait for the
 //! period's end: the refresh loop sends it alone, a tenth of a period after the last call
 //! at the earliest, so a tenant arriving with a burst costs a few pool calls, not a
-//! period of them (its demand is still counted over a whole period, so a burst never
-//! claims more than its requests). Requests a semaphore of the set refuses are not counted as demand
-//! of its rates. A replica
+//! period of them. A new scope's first demand is measured over the time since it appeared
+//! (a tenth of a period at least), later ones over the period since the last report: its
+//! share follows the pace it showed rather than that of its first requests spread over a
+//! whole period, which would leave it with the pool for the rest of that period. A burst
+//! may so claim, for one period, more than its tenant keeps up: allotted max-min fairly as
+//! any demand is, it narrows the others' shares only where the limit is short, and never
+//! takes anything beyond it. Requests a semaphore of the
+//! set refuses are not counted as demand of its rates. A replica
 //! whose share is spent asks the pool before refusing; refused there, its share alone
 //! decides until the pool could have a token.
 //!
@@ -100,9 +108,12 @@
 //! first request (one call) and finds those free permits, and a scope whose share is too
 //! small for a request asks for more the same way, counting every request fetching with
 //! it (its share follows the last period's peak, and the request may be the first of a
-//! burst); a fetch that grew the share but is still short asks once more (a request
-//! admitted meanwhile may have taken the permit), one that did not grow it was told no
-//! permit is free; when every permit it could have is held elsewhere it is refused, then
+//! burst). Requests that find a fetch of their scope on its way wait for its answer
+//! instead of sending their own, their permits counted in the next fetch's demand: a
+//! herd arriving before a tenant's first share costs a call or two, not one each. A
+//! fetch that grew the share but is still short asks once more (a request admitted
+//! meanwhile may have taken the permit), one that did not grow it was told no permit is
+//! free; when every permit it could have is held elsewhere it is refused, then
 //! refused locally, with no call, for two refresh periods unless a refresh grows its share
 //! meanwhile: its demand stands in its reports until then, so that the holders' next
 //! allotments make room (a fetch after one period would find the same permits held: a

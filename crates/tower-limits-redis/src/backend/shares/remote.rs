@@ -170,7 +170,7 @@ impl RedisBackend {
     ) -> RedisAcquire {
         let inner = &self.inner;
         self.start_refreshing(table);
-        match table.decide(inner, inner.keys_for(key), cost, now) {
+        match table.decide(inner, inner.keys_for(key), cost, now, true) {
             Local::Granted(grant) => {
                 bump(&inner.stats.shared_grants);
                 RedisAcquire::ready(Ok(RedisGrant { kind: GrantKind::Shared(grant) }))
@@ -188,8 +188,13 @@ impl RedisBackend {
                         "circuit open after repeated failures",
                     ));
                 }
-                let fetching = Fetching { table: table.clone(), scopes };
+                let fetching = Fetching { table: table.clone(), scopes, sent: true };
                 let fut = fetch_then_acquire(inner.clone(), key.clone(), cost, now, fetching);
+                RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
+            }
+            Local::AwaitFetch(scopes, seen) => {
+                let waiting = Fetching { table: table.clone(), scopes, sent: false };
+                let fut = await_fetch_then_acquire(inner.clone(), key.clone(), cost, now, waiting, seen);
                 RedisAcquire::remote(Box::pin(fut), self.clone(), key.clone(), now)
             }
             Local::Pool { local, cold } => {
@@ -226,16 +231,18 @@ impl Inner {
     }
 }
 
-/// Semaphore scopes whose share a request is fetching: their permits count in the demand
-/// the fetches report until it is answered, fails or is dropped.
+/// Semaphore scopes whose share a request is fetching (`sent`) or waiting for another's
+/// fetch of: their permits count in the demand the fetches report until it is answered,
+/// fails or is dropped.
 struct Fetching {
     table: Arc<Table>,
     scopes: Vec<(Arc<str>, u64)>,
+    sent: bool,
 }
 
 impl Drop for Fetching {
     fn drop(&mut self) {
-        self.table.fetched(&self.scopes);
+        self.table.fetched(&self.scopes, self.sent);
     }
 }
 
@@ -267,7 +274,7 @@ async fn fetch_then_acquire(
             return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
         }
         let grew = || only.iter().zip(&before).any(|(k, b)| table.permits_of(k) > *b);
-        match table.decide(&inner, inner.keys_for(&key), cost, now) {
+        match table.decide(&inner, inner.keys_for(&key), cost, now, false) {
             Local::Granted(grant) => {
                 bump(&inner.stats.shared_grants);
                 return Ok(RedisGrant { kind: GrantKind::Shared(grant) });
@@ -279,11 +286,16 @@ async fn fetch_then_acquire(
             Local::Pool { local, cold } => {
                 return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
             }
+            Local::AwaitFetch(still, _) => {
+                // (Not answered without `may_wait`.)
+                table.fetched(&still, false);
+                break;
+            }
             Local::Fetch(still) if fetch == 1 && grew() => {
-                fetching = Some(Fetching { table: table.clone(), scopes: still });
+                fetching = Some(Fetching { table: table.clone(), scopes: still, sent: true });
             }
             Local::Fetch(still) => {
-                table.fetched(&still);
+                table.fetched(&still, true);
                 // Until the periodic refreshes, which report this demand, make room: a
                 // fetch meanwhile would find the same permits held.
                 table.deny(&still, now + table.settings.refresh * 2);
@@ -291,6 +303,51 @@ async fn fetch_then_acquire(
                 let limit =
                     still.first().and_then(|(k, _)| inner.keys_for(&key).iter().position(|x| **x == **k)).unwrap_or(0);
                 return Err(inner.share_refusal(limit, Duration::ZERO, true));
+            }
+        }
+    }
+    inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched")
+}
+
+/// A request whose semaphore scopes all have a fetch in flight: it waits for that fetch
+/// (at most the call timeout), then decides again; finding another fetch in flight, it
+/// waits once more (that one counts its permits), and after that fetches itself. A herd
+/// of requests arriving before a tenant's first share so costs a few calls, not one each.
+async fn await_fetch_then_acquire(
+    inner: Arc<Inner>,
+    key: TenantKey,
+    cost: u64,
+    now: Instant,
+    waiting: Fetching,
+    seen: u64,
+) -> Result<RedisGrant, AcquireError> {
+    let table = waiting.table.clone();
+    let mut done = table.fetch_done.subscribe();
+    let (mut waiting, mut seen) = (Some(waiting), seen);
+    for round in 0..2 {
+        // A fetch that outlives the timeout fails and is counted done; the bound is kept
+        // here too.
+        let _ = tokio::time::timeout(inner.settings.timeout, done.wait_for(|n| *n != seen)).await;
+        drop(waiting.take());
+        match table.decide(&inner, inner.keys_for(&key), cost, now, round == 0) {
+            Local::Granted(grant) => {
+                bump(&inner.stats.shared_grants);
+                return Ok(RedisGrant { kind: GrantKind::Shared(grant) });
+            }
+            Local::Refused { limit, wait, release } => {
+                bump(&inner.stats.shared_refusals);
+                return Err(inner.share_refusal(limit, wait, release));
+            }
+            Local::Pool { local, cold } => {
+                return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
+            }
+            Local::Fetch(scopes) => {
+                let fetching = Fetching { table: table.clone(), scopes, sent: true };
+                return fetch_then_acquire(inner, key, cost, now, fetching).await;
+            }
+            Local::AwaitFetch(scopes, again) => {
+                waiting = Some(Fetching { table: table.clone(), scopes, sent: false });
+                seen = again;
             }
         }
     }
@@ -320,6 +377,13 @@ async fn take_from_pools(
     let why = match inner.eval_shares(&table, &keys, &args).await {
         Ok(value) => match int_array(&value) {
             Some(reply) if reply.get(1) == Some(&1) => {
+                // A pool left without a unit refuses its next requests locally until it
+                // refills one (a thin rate: the replica's next request, an instant later).
+                for (part, &us) in cold.iter().zip(reply.iter().skip(2)) {
+                    if let Ok(us @ 1..) = u64::try_from(us) {
+                        table.pool_dry(&part.scope, now + Duration::from_micros(us));
+                    }
+                }
                 bump(&inner.stats.granted);
                 return Ok(RedisGrant { kind: GrantKind::Shared(SharedGrant { local, pooled: cold, charged: cost }) });
             }

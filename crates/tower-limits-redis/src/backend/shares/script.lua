@@ -240,8 +240,9 @@ if op == 'R' then
   end
   return out
 elseif op == 'P' then
-  -- Take from the pools, all or nothing: per key A, P, B and the units. Answers 1, or 0,
-  -- the blocking key (from 1) and its wait in us (-1: no rate is free of shares).
+  -- Take from the pools, all or nothing: per key A, P, B and the units. Answers 1 and per
+  -- key the wait until its pool holds a unit again, or 0, the blocking key (from 1) and
+  -- its wait in us (-1: no rate is free of shares).
   -- A window takes from the units no replica holds; refused, its wait is -2 when the
   -- window itself is spent (the caller knows when it ends).
   local a, ss = 6, {}
@@ -281,6 +282,17 @@ elseif op == 'P' then
   end
   if blocked == 0 then
     out[#out + 1] = 1
+    -- Per key, the wait in us until its pool holds a unit again (0: it holds one; a
+    -- window's is 0): the caller refuses locally until then, with no call.
+    for k = 1, #KEYS do
+      local s = ss[k]
+      local w = 0
+      if not s.w and s.p < s.P then
+        local free = s.A - s.rate
+        if free > 0 then w = floor((s.P - s.p + free - 1) / free) else w = -1 end
+      end
+      out[#out + 1] = w
+    end
   else
     out[#out + 1] = 0
     out[#out + 1] = blocked

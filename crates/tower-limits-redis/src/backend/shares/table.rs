@@ -33,6 +33,9 @@ pub(in crate::backend) struct Table {
     /// the rest of the period.
     pub(super) early: tokio::sync::Notify,
     turned_hot: Mutex<Vec<Arc<str>>>,
+    /// Counts the semaphore fetches answered (or given up): requests that found a fetch of
+    /// their scope in flight wait for the next count rather than send one of their own.
+    pub(super) fetch_done: tokio::sync::watch::Sender<u64>,
 }
 
 struct Scope {
@@ -57,6 +60,8 @@ struct Scope {
     /// of the demand each of those fetches reports, so that requests arriving together
     /// before the first share are all counted.
     fetching: u64,
+    /// Fetches of this scope's share in flight.
+    fetches: u32,
     /// Permits: no share to be had until then (the last fetch found every permit held).
     denied_until: Instant,
     /// Rates and windows: the pool refused this scope; its share alone decides until then.
@@ -104,6 +109,7 @@ impl Scope {
             quiet: 0,
             in_flight: 0,
             fetching: 0,
+            fetches: 0,
             denied_until: now,
             pool_dry_until: now,
             window: 0,
@@ -222,9 +228,13 @@ pub(super) enum Local {
         cold: Vec<Part>,
     },
     /// Semaphores without a share, or with one too small: it must be fetched first
-    /// (nothing is taken). Each scope with the permits asked, counted as being fetched
-    /// until [`Table::fetched`].
+    /// (nothing is taken). Each scope with the permits asked, counted as being fetched,
+    /// and the fetch as in flight, until [`Table::fetched`].
     Fetch(Vec<(Arc<str>, u64)>),
+    /// As [`Local::Fetch`], but every scope's fetch is in flight already: the request
+    /// waits until the fetch count moves past the one given, its permits counted in the
+    /// demand of the next fetch meanwhile, then decides again.
+    AwaitFetch(Vec<(Arc<str>, u64)>, u64),
 }
 
 impl Table {
@@ -242,6 +252,7 @@ impl Table {
             running: AtomicBool::new(false),
             early: tokio::sync::Notify::new(),
             turned_hot: Mutex::new(Vec::new()),
+            fetch_done: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -250,8 +261,9 @@ impl Table {
     }
 
     /// Decides what the shares can, taking from them; the rest goes to the pools, or
-    /// waits for a semaphore's share to be fetched.
-    pub(super) fn decide(&self, inner: &Inner, keys: Vec<String>, cost: u64, now: Instant) -> Local {
+    /// waits for a semaphore's share to be fetched: by a fetch of its own, or, with
+    /// `may_wait`, by one already in flight for every scope it needs.
+    pub(super) fn decide(&self, inner: &Inner, keys: Vec<String>, cost: u64, now: Instant, may_wait: bool) -> Local {
         self.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
         let mut scopes = self.lock();
         let (mut local, mut cold, mut fetch) = (Vec::new(), Vec::new(), Vec::<(Arc<str>, u64)>::new());
@@ -332,6 +344,15 @@ impl Table {
                 {
                     turned_hot.push(scope.clone());
                 }
+                if now < s.pool_dry_until {
+                    // The pool refused this scope and refills no sooner: refused locally
+                    // with the pool's wait, no call (a thin rate's retries on one replica).
+                    let wait = s.pool_dry_until.nanos_since(now);
+                    if refused.is_none_or(|(_, w, _)| wait > w) {
+                        refused = Some((i, wait, false));
+                    }
+                    continue;
+                }
                 cold.push(Part { limit: i, scope, units, window: 0, window_end: 0 });
                 continue;
             }
@@ -368,10 +389,19 @@ impl Table {
             return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
         }
         if !fetch.is_empty() {
+            // Requests arriving together share a fetch rather than send one each: the
+            // fetch in flight answers them, and the next one counts them all.
+            let wait = may_wait && fetch.iter().all(|(k, _)| scopes.get(k).is_some_and(|s| s.fetches > 0));
             for (scope, units) in &fetch {
                 if let Some(s) = scopes.get_mut(scope) {
                     s.fetching = s.fetching.saturating_add(*units);
+                    if !wait {
+                        s.fetches = s.fetches.saturating_add(1);
+                    }
                 }
+            }
+            if wait {
+                return Local::AwaitFetch(fetch, *self.fetch_done.borrow());
             }
             return Local::Fetch(fetch);
         }
@@ -455,14 +485,21 @@ impl Table {
         grant.local.iter().any(|p| inner.limits[p.limit].share.is_some_and(|l| l.permits))
     }
 
-    /// The fetch of these scopes' shares ended (answered, failed or dropped): their
-    /// permits are no longer counted as being fetched.
-    pub(super) fn fetched(&self, parts: &[(Arc<str>, u64)]) {
+    /// A request's wait for these scopes' shares ended (answered, failed or dropped): its
+    /// permits are no longer counted as being fetched; with `sent`, the request's own
+    /// fetch ended, and the requests waiting for it decide again.
+    pub(super) fn fetched(&self, parts: &[(Arc<str>, u64)], sent: bool) {
         let mut table = self.lock();
         for (key, units) in parts {
             if let Some(s) = table.get_mut(key) {
                 s.fetching = s.fetching.saturating_sub(*units);
+                if sent {
+                    s.fetches = s.fetches.saturating_sub(1);
+                }
             }
+        }
+        if sent {
+            self.fetch_done.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 
@@ -535,17 +572,24 @@ impl Table {
             if only.is_some_and(|keys| !keys.contains(key)) {
                 return true;
             }
-            s.new = false;
+            let first = std::mem::replace(&mut s.new, false);
             if l.window {
                 let info = &inner.limits[s.limit];
                 s.roll(info, &l, inner.settings.manual_clock, now);
-                return report_window(key, s, &l, now, refresh_ns, hot_after, cluster, &mut groups);
+                let floor = if first { refresh_ns / u64::from(EARLIEST) } else { refresh_ns };
+                return report_window(key, s, &l, now, refresh_ns, floor, hot_after, cluster, &mut groups);
             }
             s.advance(&l, now);
             if l.permits {
                 return report_permits(key, s, &l, now, cluster, &mut groups);
             }
-            let elapsed = now.nanos_since(s.reported).max(refresh_ns);
+            // Demand is measured over the period since the last report; a new scope's, over
+            // the time since it appeared, at least the earliest an early refresh comes: a
+            // tenant that turns hot within a period is not held to the pace of its first
+            // few requests spread over a whole period (a call per request to the pool for
+            // the rest of it).
+            let floor = if first { refresh_ns / u64::from(EARLIEST) } else { refresh_ns };
+            let elapsed = now.nanos_since(s.reported).max(floor.max(1));
             let mut using = s.using(now);
             // A scope holding a share keeps it while it has requests: a tenant whose pace
             // hovers near `hot_after` would otherwise hand its tokens to the pool and take
@@ -629,8 +673,9 @@ impl Table {
 /// A window scope's part of a report: the block it holds (a block that ended is counted
 /// spent in Redis, and a debt is in its spending), the block it wants (two refresh
 /// periods of its demand, with a quarter of headroom, while it is busy) and its spending
-/// in the window, all told. Idle, its block goes back.
-/// Answers whether to keep tracking the scope.
+/// in the window, all told. Idle, its block goes back. Its demand is measured over the
+/// time since the last report, at least `floor` (a period, or a tenth of one for a new
+/// scope). Answers whether to keep tracking the scope.
 #[allow(clippy::too_many_arguments)]
 fn report_window(
     key: &Arc<str>,
@@ -638,6 +683,7 @@ fn report_window(
     l: &ShareLimit,
     now: Instant,
     refresh_ns: u64,
+    floor: u64,
     hot_after: u32,
     cluster: bool,
     groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
@@ -646,7 +692,7 @@ fn report_window(
     let had = s.tokens > 0;
     let hot = s.asks >= hot_after || (had && s.asks > 0);
     let demand = if hot {
-        let elapsed = u128::from(now.nanos_since(s.reported).max(refresh_ns));
+        let elapsed = u128::from(now.nanos_since(s.reported).max(floor.max(1)));
         let per_period = u128::from(s.wanted) * u128::from(refresh_ns) / elapsed;
         u64::try_from((per_period * 5 / 4 + 1) * 2).unwrap_or(u64::MAX).min(l.amount)
     } else {
