@@ -238,29 +238,3 @@ fn a_monthly_budget_leased_in_blocks_is_spent_once_and_renews_on_the_first() {
         assert!((4_500..=5_040).contains(&spent), "December: {spent} spent of 5000");
     });
 }
-
-#[test]
-fn a_window_scope_that_turns_hot_gets_a_block_for_the_pace_it_showed() {
-    let Some(server) = redis_for("a_window_scope_that_turns_hot_gets_a_block_for_the_pace_it_showed") else {
-        return;
-    };
-    runtime().block_on(async {
-        let policy = LimitSetPolicy::new()
-            .tiers(["tenant"])
-            .limit(LimitPolicy::fixed_window("w", 1_000, Duration::from_secs(10)).per("tenant"));
-        let replicas = fleet(&server.url(), &policy, &namespace("share-windows-hot"), 1).await;
-        let (r, tenant) = (&replicas[0], TenantKey::new(["a"]).unwrap());
-        let at = |ms: u64| Instant::from_nanos(1_000 * SECOND + ms * MS);
-        // Two requests in a millisecond turn the scope hot (the shares' `hot_after`): its
-        // first block is sized by that pace measured over a tenth of a refresh period, not
-        // over a whole one, and holds the forty that follow.
-        for _ in 0..2 {
-            assert_ne!(r.acquire(&tenant, 1, at(1)).await.unwrap().source(), GrantSource::Share);
-        }
-        assert!(r.refresh_turned_hot(at(2)).await, "the scope turned hot");
-        for n in 0..40 {
-            let grant = r.acquire(&tenant, 1, at(3)).await.unwrap();
-            assert_eq!(grant.source(), GrantSource::Share, "request {n} from the block");
-        }
-    });
-}

@@ -29,14 +29,11 @@
 //! period without one. A scope new to the replica that turns hot does not wait for the
 //! period's end: the refresh loop sends it alone, a tenth of a period after the last call
 //! at the earliest, so a tenant arriving with a burst costs a few pool calls, not a
-//! period of them. A new scope's first demand is measured over the time since it appeared
-//! (a tenth of a period at least), later ones over the period since the last report: its
-//! share follows the pace it showed rather than that of its first requests spread over a
-//! whole period, which would leave it with the pool for the rest of that period. A burst
-//! may so claim, for one period, more than its tenant keeps up: allotted max-min fairly as
-//! any demand is, it narrows the others' shares only where the limit is short, and never
-//! takes anything beyond it. Requests a semaphore of the
-//! set refuses are not counted as demand of its rates. A replica
+//! period of them (its demand is still counted over a whole period, so a burst never
+//! claims more than its requests: measured over the time since it began, a burst would
+//! claim a tenant's whole rate and leave the pool nothing for the tenant's requests on
+//! other replicas until the next refresh). Requests a semaphore of the set refuses are
+//! not counted as demand of its rates. A replica
 //! whose share is spent asks the pool before refusing; refused there, its share alone
 //! decides until the pool could have a token.
 //!

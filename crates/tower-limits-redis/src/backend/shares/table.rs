@@ -572,24 +572,17 @@ impl Table {
             if only.is_some_and(|keys| !keys.contains(key)) {
                 return true;
             }
-            let first = std::mem::replace(&mut s.new, false);
+            s.new = false;
             if l.window {
                 let info = &inner.limits[s.limit];
                 s.roll(info, &l, inner.settings.manual_clock, now);
-                let floor = if first { refresh_ns / u64::from(EARLIEST) } else { refresh_ns };
-                return report_window(key, s, &l, now, refresh_ns, floor, hot_after, cluster, &mut groups);
+                return report_window(key, s, &l, now, refresh_ns, hot_after, cluster, &mut groups);
             }
             s.advance(&l, now);
             if l.permits {
                 return report_permits(key, s, &l, now, cluster, &mut groups);
             }
-            // Demand is measured over the period since the last report; a new scope's, over
-            // the time since it appeared, at least the earliest an early refresh comes: a
-            // tenant that turns hot within a period is not held to the pace of its first
-            // few requests spread over a whole period (a call per request to the pool for
-            // the rest of it).
-            let floor = if first { refresh_ns / u64::from(EARLIEST) } else { refresh_ns };
-            let elapsed = now.nanos_since(s.reported).max(floor.max(1));
+            let elapsed = now.nanos_since(s.reported).max(refresh_ns);
             let mut using = s.using(now);
             // A scope holding a share keeps it while it has requests: a tenant whose pace
             // hovers near `hot_after` would otherwise hand its tokens to the pool and take
@@ -673,9 +666,8 @@ impl Table {
 /// A window scope's part of a report: the block it holds (a block that ended is counted
 /// spent in Redis, and a debt is in its spending), the block it wants (two refresh
 /// periods of its demand, with a quarter of headroom, while it is busy) and its spending
-/// in the window, all told. Idle, its block goes back. Its demand is measured over the
-/// time since the last report, at least `floor` (a period, or a tenth of one for a new
-/// scope). Answers whether to keep tracking the scope.
+/// in the window, all told. Idle, its block goes back.
+/// Answers whether to keep tracking the scope.
 #[allow(clippy::too_many_arguments)]
 fn report_window(
     key: &Arc<str>,
@@ -683,7 +675,6 @@ fn report_window(
     l: &ShareLimit,
     now: Instant,
     refresh_ns: u64,
-    floor: u64,
     hot_after: u32,
     cluster: bool,
     groups: &mut HashMap<u16, (Vec<Arc<str>>, Vec<String>)>,
@@ -692,7 +683,7 @@ fn report_window(
     let had = s.tokens > 0;
     let hot = s.asks >= hot_after || (had && s.asks > 0);
     let demand = if hot {
-        let elapsed = u128::from(now.nanos_since(s.reported).max(floor.max(1)));
+        let elapsed = u128::from(now.nanos_since(s.reported).max(refresh_ns));
         let per_period = u128::from(s.wanted) * u128::from(refresh_ns) / elapsed;
         u64::try_from((per_period * 5 / 4 + 1) * 2).unwrap_or(u64::MAX).min(l.amount)
     } else {
