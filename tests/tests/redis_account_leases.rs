@@ -597,18 +597,21 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
         y_store.refresh_leases(ms(42)).await;
         assert_eq!(y_store.leased_fraction(ms(42)), Some(0.0));
         assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(5)));
-        // x does not confirm; y, at 45, is asked again 2 ms after x's next refresh (at
-        // 90), which confirms the half.
+        // x does not confirm; y, at 45, would be asked again 2 ms after x's next refresh
+        // (at 90, which confirms the half), but granted nothing while allotted half, it
+        // looks again a quarter period on at the latest (12.5 ms, and 2 ms): x may give
+        // the half back sooner, and y would not hear of it.
         ask(&y, 20, 45).await;
         y_store.refresh_leases(ms(45)).await;
         assert_eq!(y_store.leased_fraction(ms(45)), Some(0.0));
-        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(47)));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_micros(14_500)));
         ask(&x, 20, 90).await;
         x_store.refresh_leases(ms(90)).await;
+        // y refused locally only until the refresh it was asked for (59.5): its requests
+        // at 92 ask for a lease themselves and take the half x confirmed. Not short any
+        // more; having taken a large part, it looks again a quarter on.
         ask(&y, 20, 92).await;
-        y_store.refresh_leases(ms(92)).await;
         assert_eq!(y_store.leased_fraction(ms(92)), Some(0.5));
-        // Not short any more; having taken a large part, it looks again a quarter on.
         assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_micros(14_500)));
     });
 }

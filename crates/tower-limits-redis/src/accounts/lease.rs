@@ -183,6 +183,10 @@ pub(super) const LARGE: u64 = WHOLE / 10;
 /// confirmed it: when the replicas short of their parts ask again (µs).
 pub(super) const CONFIRM_US: u64 = 5_000;
 
+/// How long after the instant of a refresh its answer is taken to have come, for a
+/// request refused meanwhile to decide again (ns).
+const ANSWERED: u64 = 2_000_000;
+
 /// The requests the members allow in one refresh period, together.
 fn per_refresh(settings: &AccountLeases, limits: &[Vec<LeasedLimit>]) -> f64 {
     let refresh_ns = settings.refresh().as_nanos() as f64;
@@ -275,6 +279,9 @@ pub(super) struct Leases {
     /// When Redis asked for an early refresh, on tokio's clock, and how long after the
     /// answer it asked.
     early: Mutex<Option<(tokio::time::Instant, Duration)>>,
+    /// Woken when Redis asks for an early refresh: the background task, waiting for its
+    /// period, waits for that instant instead.
+    pub(super) rearm: std::sync::Arc<tokio::sync::Notify>,
 }
 
 struct State {
@@ -317,6 +324,9 @@ struct State {
     due: Instant,
     period: Duration,
     sent: Option<Sent>,
+    /// When the next refresh's answer may change the lease: the period's refresh, or the
+    /// early one Redis asked for.
+    next: Instant,
 }
 
 /// What a report said of the replica's demand, to tell whether it moved since: a lease
@@ -391,10 +401,12 @@ impl Leases {
                 due: Instant::ZERO,
                 period: settings.refresh(),
                 sent: None,
+                next: Instant::ZERO,
             }),
             refreshing: tokio::sync::Mutex::new(()),
             latest: AtomicU64::new(0),
             early: Mutex::new(None),
+            rearm: std::sync::Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -513,7 +525,19 @@ impl Leases {
             }
             None => {
                 st.refused += 1;
-                Decision::Refused(Duration::from_nanos(wait.min(refresh_ns.max(1).saturating_mul(10))))
+                // No longer than until the next refresh's answer, which may change the
+                // lease (a part that grew refills sooner): the request decides again
+                // then, locally. (A wait computed at a sliver of the rate would outlast a
+                // part that grows meanwhile, and the requests would sleep through it.) A
+                // refresh overdue is looked for a quarter of a period on.
+                let next = if st.next == Instant::ZERO {
+                    u64::MAX
+                } else if st.next > now {
+                    st.next.nanos_since(now).saturating_add(ANSWERED)
+                } else {
+                    refresh_ns / 4
+                };
+                Decision::Refused(Duration::from_nanos(wait.min(next).min(refresh_ns.max(1).saturating_mul(10))))
             }
         }
     }
@@ -622,11 +646,13 @@ impl Leases {
     }
 
     /// Redis heard a report sent at `now` saying `sent`, and gave the period until the
-    /// next refresh (`None`: the answer was lost, the refresh period).
-    pub(super) fn heard(&self, now: Instant, sent: Sent, period: Option<Duration>) {
+    /// next refresh (`None`: the answer was lost, the refresh period) and, with `soon`,
+    /// asked for an early one: a request refused meanwhile waits no longer than either.
+    pub(super) fn heard(&self, now: Instant, sent: Sent, period: Option<Duration>, soon: Option<Duration>) {
         let mut st = self.lock();
         st.period = period.unwrap_or(self.settings.refresh());
         st.due = now + st.period;
+        st.next = now + soon.map_or(st.period, |soon| soon.min(st.period));
         st.sent = Some(sent);
     }
 
@@ -655,7 +681,9 @@ impl Leases {
         let mut st = self.lock();
         st.pending = Some((rate, burst, expires, from, gift));
         if rate == 0 {
-            st.denied_until = now + self.settings.refresh();
+            // Until the next refresh: the period's, or the early one Redis asked for.
+            let early = self.asked_again().map_or(self.settings.refresh(), |(_, after)| after);
+            st.denied_until = now + early.min(self.settings.refresh());
         }
     }
 
@@ -663,6 +691,9 @@ impl Leases {
     pub(super) fn ask_again(&self, after: Option<Duration>) {
         *self.early.lock().unwrap_or_else(PoisonError::into_inner) =
             after.map(|d| (tokio::time::Instant::now() + d, d));
+        if after.is_some() {
+            self.rearm.notify_one();
+        }
     }
 
     /// When the background task should refresh before the next period, if Redis asked,
@@ -674,7 +705,9 @@ impl Leases {
     /// A refresh at `now` failed: acquisitions without a lease go to the failure policy
     /// for a refresh period, without a call each.
     pub(super) fn failed(&self, now: Instant) {
-        self.lock().down_until = now + self.settings.refresh();
+        let mut st = self.lock();
+        st.down_until = now + self.settings.refresh();
+        st.next = now + self.settings.refresh();
     }
 
     /// Whether a lease is in force at `now`, or an answer waits to be applied: a request

@@ -96,12 +96,9 @@ impl Inner {
         let nanos = |i: usize| times.get(i).map_or(0, |&ns| u64::try_from(ns).unwrap_or(0));
         let soon = nanos(0);
         // The period until the next refresh: longer while the fleet is settled.
-        leases.heard(now, said, heard.then(|| Duration::from_nanos(nanos(1))));
-        leases.ask_again(if soon > 0 && heard {
-            Some(Duration::from_nanos(soon) + Duration::from_millis(2))
-        } else {
-            None
-        });
+        let early = (soon > 0 && heard).then(|| Duration::from_nanos(soon) + Duration::from_millis(2));
+        leases.heard(now, said, heard.then(|| Duration::from_nanos(nanos(1))), early);
+        leases.ask_again(early);
         if heard {
             let fraction = |i: i64| u64::try_from(i).unwrap_or(0).min(lease::WHOLE);
             let parts = (fraction(ints[0]), fraction(ints[1]), fraction(ints[2]));
@@ -175,17 +172,26 @@ impl RedisAccounts {
 /// Renews this replica's lease every period while the store lives and the replica is busy
 /// (an acquisition within a lifetime, or a lease held).
 pub(super) async fn renew_leases(weak: std::sync::Weak<Inner>, every: Duration) {
-    let mut tick = crate::periodic::ticks(every, every);
+    let Some(rearm) = weak.upgrade().and_then(|inner| inner.leases.as_ref().map(|l| l.rearm.clone())) else {
+        return;
+    };
+    let mut next = tokio::time::Instant::now() + every;
     loop {
         let early =
             weak.upgrade().and_then(|inner| inner.leases.as_ref().and_then(|l| l.asked_again())).map(|(at, _)| at);
-        match early {
-            // The period's tick or the instant Redis asked for, whichever comes first.
-            Some(at) => {
-                let _ = tokio::time::timeout_at(at, tick.tick()).await;
-            }
-            None => {
-                tick.tick().await;
+        // The period's tick or the instant Redis asked for, whichever comes first; an
+        // instant asked for meanwhile (the answer to a refresh an acquisition sent) starts
+        // the wait over.
+        let until = early.map_or(next, |at| at.min(next));
+        if tokio::time::timeout_at(until, rearm.notified()).await.is_ok() {
+            continue;
+        }
+        let woke = tokio::time::Instant::now();
+        if woke >= next {
+            // A tick that comes late delays the ones after it.
+            next += every;
+            if next <= woke {
+                next = woke + every;
             }
         }
         let Some(inner) = weak.upgrade() else { return };

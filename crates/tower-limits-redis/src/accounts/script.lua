@@ -642,7 +642,9 @@ if ARGV[1] == 'l' then
     oh = oh + math.max(o.hg, o.hr)
   end
   -- a part within DEAD of the one held stays as it is: moving it costs more than it mends
-  if math.abs(allot - ug) < DEAD and ug <= WHOLE - og then allot = ug end
+  -- (a part that grows into what no replica holds moves nobody's: it grows, else the
+  -- difference would be nobody's until the allotments move)
+  if math.abs(allot - ug) < DEAD and ug <= WHOLE - og and (allot < ug or allot > WHOLE - og) then allot = ug end
   local g = floor(math.min(allot, WHOLE - og))
   -- short of its allotment while another holds more than its own, told to give part
   -- back or to be told at its next refresh: ask again just after that one's next refresh
@@ -662,6 +664,11 @@ if ARGV[1] == 'l' then
       end
     end
   end
+  -- allotted a tenth of the whole or more and granted nothing (a fleet starting, or work
+  -- that moved here), it looks again a quarter of a period on at the latest: the holders
+  -- may give their parts back before the refresh it was told of (one that refreshes early
+  -- gives a large part back at once, below), and it would not hear of it
+  if g <= 0 and allot > LARGE and (soon == 0 or soon > REFRESH / 4) then soon = floor(REFRESH / 4) end
   -- told to give a large part back (a tenth of the whole or more: a fleet starting, or
   -- work that moved) while others wait for capacity: ask again at once, so that the part
   -- is free for them one call later rather than one period

@@ -31,6 +31,46 @@ fn a_new_lease_starts_empty_and_refills_at_its_fraction() {
 }
 
 #[test]
+fn a_refused_request_waits_no_longer_than_the_next_refresh_answer() {
+    let l = leases();
+    let said = Sent { bands: 0, active: true, short: true, least: 0, cramped: false };
+    // A sliver of the rate: the next request in 100 s, were the lease to stay as it is.
+    l.heard(at(0), said.clone(), Some(Duration::from_millis(200)), None);
+    l.granted((WHOLE / 1000, WHOLE, WHOLE), at(1000), at(0), at(0));
+    // (The burst's two requests first.)
+    assert_eq!(l.decide(1, &[], at(0)), Decision::Granted(0));
+    assert_eq!(l.decide(1, &[], at(0)), Decision::Granted(0));
+    let refused = |now: u64| match l.decide(1, &[], at(now)) {
+        Decision::Refused(wait) => wait,
+        other => panic!("refused at {now} ms, got {other:?}"),
+    };
+    // Decided again once the period's refresh has answered (2 ms after it is sent).
+    assert_eq!(refused(0), Duration::from_millis(202));
+    assert_eq!(refused(150), Duration::from_millis(52));
+    // Asked to refresh early: until that one.
+    l.heard(at(200), said.clone(), Some(Duration::from_millis(800)), Some(Duration::from_millis(30)));
+    assert_eq!(refused(210), Duration::from_millis(22));
+    // Overdue (slow, or skipped): looked for a quarter of a refresh period (100 ms) on.
+    assert_eq!(refused(300), Duration::from_millis(25));
+    // A failed refresh: the next is a refresh period on.
+    l.failed(at(300));
+    assert_eq!(refused(300), Duration::from_millis(102));
+}
+
+#[test]
+fn a_replica_granted_nothing_refuses_until_the_refresh_it_was_asked_for() {
+    let l = leases();
+    l.ask_again(Some(Duration::from_millis(50)));
+    l.granted((0, 0, 0), at(1000), at(0), at(0));
+    assert!(matches!(l.decide(1, &[], at(0)), Decision::Refused(w) if w == Duration::from_millis(50)));
+    assert_eq!(l.decide(1, &[], at(50)), Decision::NoLease, "then it asks");
+    l.ask_again(None);
+    l.granted((0, 0, 0), at(1000), at(100), at(100));
+    // Not asked: until the next period's (a refresh period, 100 ms).
+    assert_eq!(l.decide(1, &[], at(100)), Decision::Refused(Duration::from_millis(100)));
+}
+
+#[test]
 fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
     let l = leases();
     l.granted((WHOLE / 2, WHOLE / 2, 0), at(10_000), at(0), at(0));
@@ -106,7 +146,7 @@ fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
     assert!(l.due(at(0), &said, &full));
     // Heard at 0 with a period of 400 ms (refresh periods are 100 ms): due from half
     // a refresh period before it ends, not earlier.
-    l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
+    l.heard(at(0), said.clone(), Some(Duration::from_millis(400)), None);
     assert!(!l.due(at(340), &said, &full));
     assert!(l.due(at(350), &said, &full));
     // Another tenant in the same band, or more of them waiting: not a move.
@@ -122,15 +162,15 @@ fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
     assert!(l.due(at(100), &Sent::of(&first, &content), &content));
     // Below its part, wanting twice what it admitted: that swings around what it
     // holds from one period to the next, and is no move.
-    l.heard(at(0), Sent::of(&first, &content), Some(Duration::from_millis(400)));
+    l.heard(at(0), Sent::of(&first, &content), Some(Duration::from_millis(400)), None);
     let above = report(WHOLE / 2 + 3 * DEAD, WHOLE / 2, 1_000);
     assert!(!l.due(at(100), &Sent::of(&first, &above), &above));
-    l.heard(at(0), said.clone(), Some(Duration::from_millis(400)));
+    l.heard(at(0), said.clone(), Some(Duration::from_millis(400)), None);
     let spare = report(WHOLE / 4, WHOLE / 2, 1_000);
     assert!(l.due(at(100), &Sent::of(&first, &full), &spare));
     let cramped = report(WHOLE, WHOLE / 2, WHOLE);
     assert!(l.due(at(100), &Sent::of(&first, &cramped), &cramped));
     // An answer lost on its way back: due again after a refresh period.
-    l.heard(at(0), said.clone(), None);
+    l.heard(at(0), said.clone(), None, None);
     assert!(l.due(at(50), &said, &full));
 }
