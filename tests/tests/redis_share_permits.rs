@@ -87,10 +87,7 @@ fn a_replica_s_first_request_finds_permits_another_replica_does_not_use() {
         return;
     };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 64).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-first-permit"), 2).await;
+        let replicas = semaphore_fleet(&server.url(), 64, "shares-first-permit", 2).await;
         let tenant = TenantKey::new(["a"]).unwrap();
         let start = 1_000_000 * MS;
         // Replica 0 holds two permits through several refreshes: its share settles.
@@ -128,10 +125,7 @@ fn a_replica_s_first_request_finds_permits_another_replica_does_not_use() {
 fn a_replica_whose_share_is_short_asks_for_more_before_refusing() {
     let Some(server) = redis_for("a_replica_whose_share_is_short_asks_for_more_before_refusing") else { return };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-short"), 2).await;
+        let replicas = semaphore_fleet(&server.url(), 8, "shares-short", 2).await;
         let tenant = TenantKey::new(["a"]).unwrap();
         let start = 1_000_000 * MS;
         // One permit held through several refreshes: the share settles near it.
@@ -163,15 +157,12 @@ fn requests_arriving_together_before_the_first_share_are_all_counted() {
         return;
     };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-together"), 2).await;
+        let replicas = semaphore_fleet(&server.url(), 8, "shares-together", 2).await;
         let tenant = TenantKey::new(["a"]).unwrap();
         let now = Instant::from_nanos(1_000_000 * MS);
-        // Six requests decided, and their fetches sent, before any fetch is answered:
-        // every fetch reports all six, so whichever answer comes last holds them (a
-        // tenant at six of its eight permits is never refused).
+        // Six requests decided before any fetch is answered: the first sends a fetch that
+        // reports all six, the others wait for its answer, which holds them all (a tenant
+        // at six of its eight permits is never refused).
         let r = &replicas[0];
         let (a, b, c, d, e, f) = tokio::join!(
             r.acquire(&tenant, 1, now),
@@ -181,13 +172,7 @@ fn requests_arriving_together_before_the_first_share_are_all_counted() {
             r.acquire(&tenant, 1, now),
             r.acquire(&tenant, 1, now),
         );
-        let mut held = Vec::new();
-        for (i, answer) in [a, b, c, d, e, f].into_iter().enumerate() {
-            match answer {
-                Ok(grant) => held.push(grant),
-                Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
-            }
-        }
+        let held = all_granted([a, b, c, d, e, f]);
         assert_eq!(r.stats().share_refreshes, 1, "one fetch for the six: the others waited for its answer");
         for grant in held {
             replicas[0].release(&tenant, grant);
@@ -201,10 +186,7 @@ fn requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next(
         return;
     };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-fetch-in-flight"), 1).await;
+        let replicas = semaphore_fleet(&server.url(), 8, "shares-fetch-in-flight", 1).await;
         let (r, tenant) = (&replicas[0], TenantKey::new(["a"]).unwrap());
         let now = Instant::from_nanos(1_000_000 * MS);
         // The first request's fetch is sent (polled once) before the others arrive: it
@@ -222,13 +204,7 @@ fn requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next(
             r.acquire(&tenant, 1, now),
             r.acquire(&tenant, 1, now),
         );
-        let mut held = Vec::new();
-        for (i, answer) in [a, b, c, d, e, f].into_iter().enumerate() {
-            match answer {
-                Ok(grant) => held.push(grant),
-                Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
-            }
-        }
+        let held = all_granted([a, b, c, d, e, f]);
         assert_eq!(r.stats().share_refreshes, 2, "two fetches for six requests");
         for grant in held {
             r.release(&tenant, grant);
@@ -240,10 +216,7 @@ fn requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next(
 fn a_tenant_at_its_limit_over_three_replicas_gets_every_permit() {
     let Some(server) = redis_for("a_tenant_at_its_limit_over_three_replicas_gets_every_permit") else { return };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 8).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-at-limit"), 3).await;
+        let replicas = semaphore_fleet(&server.url(), 8, "shares-at-limit", 3).await;
         let tenant = TenantKey::new(["a"]).unwrap();
         let now = Instant::from_nanos(1_000_000 * MS);
         // Its eight requests land 4, 2 and 2 on the replicas, the first replica's first:
@@ -279,10 +252,7 @@ fn a_replica_refused_for_want_of_permits_waits_for_a_refresh_that_makes_room() {
         return;
     };
     runtime().block_on(async {
-        let url = server.url();
-        let policy =
-            LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", 4).per("tenant"));
-        let replicas = fleet(&url, &policy, &namespace("shares-starved"), 2).await;
+        let replicas = semaphore_fleet(&server.url(), 4, "shares-starved", 2).await;
         let tenant = TenantKey::new(["a"]).unwrap();
         let start = 1_000_000 * MS;
         let at = |ms: u64| Instant::from_nanos(start + ms * MS);
@@ -350,4 +320,24 @@ fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
         backend.release(&key, second);
         backend.release(&key, third);
     });
+}
+
+/// The grants of `answers`, each of which must be one (8 permits were free).
+fn all_granted<G>(answers: [Result<G, AcquireError>; 6]) -> Vec<G> {
+    let mut held = Vec::new();
+    for (i, answer) in answers.into_iter().enumerate() {
+        match answer {
+            Ok(grant) => held.push(grant),
+            Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
+        }
+    }
+    held
+}
+
+/// `n` replicas on capacity shares of a semaphore of `permits` per tenant, in namespace
+/// `ns`.
+async fn semaphore_fleet(url: &str, permits: u64, ns: &str, n: usize) -> Vec<tower_limits_redis::RedisBackend> {
+    let policy =
+        LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", permits).per("tenant"));
+    fleet(url, &policy, &namespace(ns), n).await
 }

@@ -27,7 +27,8 @@
 //! moves between replicas is idle until both have refreshed. A band whose weight was
 //! zero counts at once: a replica's first demand (a fleet starting, or work after a quiet
 //! spell) would otherwise take five periods to reach its part. For the same reason a rate
-//! part within 1% of the one held is left as it is.
+//! part within 1% of the one held is left as it is, unless it grows into what no replica
+//! holds (that moves nobody's part, and left alone it would be nobody's).
 //!
 //! How often it refreshes follows how still the fleet is. While capacity moves, every
 //! refresh period (100 ms by default). Once every live replica that wants capacity holds
@@ -136,10 +137,15 @@
 //! one call later rather than one period. A replica that took a large part looks again a
 //! quarter of a period on: the first replica to refresh in a new fleet takes the whole,
 //! and the others, arriving moments later, would otherwise wait a period for it to give
-//! their parts back, then a second for their own turn. None while it is idle. A call reads every live replica's entry, so its cost grows with the fleet. A
-//! first request on a replica without a lease waits for one call; a replica whose lease
-//! is spent refuses locally with the exact wait of its bucket, or, granted nothing, until
-//! its next refresh.
+//! their parts back, then a second for their own turn; and one allotted a large part but
+//! granted nothing looks again a quarter of a period on at the latest, since a holder
+//! may give its part back before the refresh it was told of. None while it is idle. A
+//! call reads every live replica's entry, so its cost grows with the fleet. The
+//! background task refreshes at the instant an answer asked for, whichever call that
+//! answer came to. A first request on a replica without a lease waits for one call; a
+//! replica whose lease is spent refuses locally with the exact wait of its bucket, but
+//! never longer than until its next refresh is answered (its part may grow then, and
+//! the request decides again, locally), or, granted nothing, until that refresh.
 //!
 //! # Failure
 //!
@@ -676,7 +682,8 @@ impl Leases {
 
     /// Takes a refresh's answer, asked at `now` and come at `from`: parts of every `rate`
     /// and `burst` until `expires`, and the part `gift` of the bursts as tokens; granted
-    /// nothing, the replica refuses without asking until its next refresh.
+    /// nothing, the replica refuses without asking until its next refresh (the early one
+    /// Redis asked for, if sooner).
     pub(super) fn granted(&self, (rate, burst, gift): (u64, u64, u64), expires: Instant, from: Instant, now: Instant) {
         let mut st = self.lock();
         st.pending = Some((rate, burst, expires, from, gift));

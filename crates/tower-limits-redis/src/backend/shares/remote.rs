@@ -274,27 +274,18 @@ async fn fetch_then_acquire(
             return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
         }
         let grew = || only.iter().zip(&before).any(|(k, b)| table.permits_of(k) > *b);
-        match table.decide(&inner, inner.keys_for(&key), cost, now, false) {
-            Local::Granted(grant) => {
-                bump(&inner.stats.shared_grants);
-                return Ok(RedisGrant { kind: GrantKind::Shared(grant) });
-            }
-            Local::Refused { limit, wait, release } => {
-                bump(&inner.stats.shared_refusals);
-                return Err(inner.share_refusal(limit, wait, release));
-            }
-            Local::Pool { local, cold } => {
-                return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
-            }
-            Local::AwaitFetch(still, _) => {
+        let decided = table.decide(&inner, inner.keys_for(&key), cost, now, false);
+        match answer_locally(&inner, &table, &key, cost, now, decided).await {
+            Ok(answer) => return answer,
+            Err(Unanswered::Await(still, _)) => {
                 // (Not answered without `may_wait`.)
                 table.fetched(&still, false);
                 break;
             }
-            Local::Fetch(still) if fetch == 1 && grew() => {
+            Err(Unanswered::Fetch(still)) if fetch == 1 && grew() => {
                 fetching = Some(Fetching { table: table.clone(), scopes: still, sent: true });
             }
-            Local::Fetch(still) => {
+            Err(Unanswered::Fetch(still)) => {
                 table.fetched(&still, true);
                 // Until the periodic refreshes, which report this demand, make room: a
                 // fetch meanwhile would find the same permits held.
@@ -307,6 +298,40 @@ async fn fetch_then_acquire(
         }
     }
     inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched")
+}
+
+/// A decision that waits for a semaphore's share: a fetch to send, or one in flight to
+/// wait for (the fetch count seen).
+enum Unanswered {
+    Fetch(Vec<(Arc<str>, u64)>),
+    Await(Vec<(Arc<str>, u64)>, u64),
+}
+
+/// The answer to what the shares decided, when it needs no fetch: granted, refused, or
+/// the pools' part asked for. A fetch to send or to wait for is handed back.
+async fn answer_locally(
+    inner: &Arc<Inner>,
+    table: &Arc<Table>,
+    key: &TenantKey,
+    cost: u64,
+    now: Instant,
+    decided: Local,
+) -> Result<Result<RedisGrant, AcquireError>, Unanswered> {
+    match decided {
+        Local::Granted(grant) => {
+            bump(&inner.stats.shared_grants);
+            Ok(Ok(RedisGrant { kind: GrantKind::Shared(grant) }))
+        }
+        Local::Refused { limit, wait, release } => {
+            bump(&inner.stats.shared_refusals);
+            Ok(Err(inner.share_refusal(limit, wait, release)))
+        }
+        Local::Pool { local, cold } => {
+            Ok(take_from_pools(inner.clone(), table.clone(), key.clone(), cost, now, local, cold).await)
+        }
+        Local::Fetch(scopes) => Err(Unanswered::Fetch(scopes)),
+        Local::AwaitFetch(scopes, seen) => Err(Unanswered::Await(scopes, seen)),
+    }
 }
 
 /// A request whose semaphore scopes all have a fetch in flight: it waits for that fetch
@@ -329,23 +354,14 @@ async fn await_fetch_then_acquire(
         // here too.
         let _ = tokio::time::timeout(inner.settings.timeout, done.wait_for(|n| *n != seen)).await;
         drop(waiting.take());
-        match table.decide(&inner, inner.keys_for(&key), cost, now, round == 0) {
-            Local::Granted(grant) => {
-                bump(&inner.stats.shared_grants);
-                return Ok(RedisGrant { kind: GrantKind::Shared(grant) });
-            }
-            Local::Refused { limit, wait, release } => {
-                bump(&inner.stats.shared_refusals);
-                return Err(inner.share_refusal(limit, wait, release));
-            }
-            Local::Pool { local, cold } => {
-                return take_from_pools(inner.clone(), table.clone(), key, cost, now, local, cold).await;
-            }
-            Local::Fetch(scopes) => {
+        let decided = table.decide(&inner, inner.keys_for(&key), cost, now, round == 0);
+        match answer_locally(&inner, &table, &key, cost, now, decided).await {
+            Ok(answer) => return answer,
+            Err(Unanswered::Fetch(scopes)) => {
                 let fetching = Fetching { table: table.clone(), scopes, sent: true };
                 return fetch_then_acquire(inner, key, cost, now, fetching).await;
             }
-            Local::AwaitFetch(scopes, again) => {
+            Err(Unanswered::Await(scopes, again)) => {
                 waiting = Some(Fetching { table: table.clone(), scopes, sent: false });
                 seen = again;
             }
