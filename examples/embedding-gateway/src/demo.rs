@@ -298,7 +298,7 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     let off_share = off_share(&tenants, &rows, config.demo.tolerance);
     print_table(&tenants, &rows, elapsed);
     print_layer_metrics();
-    let upstream = summarize_upstream(&config, &upstream_stats, elapsed);
+    let upstream = summarize_upstream(&config, &upstream_stats, &events, elapsed);
     print_account_store(&fleet.gateways, upstream.served);
     print_plan_store(&fleet.gateways);
     if let Some(work) = redis_work {

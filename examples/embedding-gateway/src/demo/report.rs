@@ -127,8 +127,14 @@ pub(super) fn print_layer_metrics() {
 }
 
 /// What the upstream served over `elapsed` seconds against the accounts' quota and what
-/// their mirrors allowed; prints it.
-pub(super) fn summarize_upstream(config: &Config, upstream_stats: &UpstreamStats, elapsed: f64) -> UpstreamSummary {
+/// their mirrors allowed, over the run and (a run long enough) after its first
+/// [`SETTLING`] seconds, from the answers' tokens; prints it.
+pub(super) fn summarize_upstream(
+    config: &Config,
+    upstream_stats: &UpstreamStats,
+    events: &[Event],
+    elapsed: f64,
+) -> UpstreamSummary {
     let served = upstream_stats.served.load(Ordering::Relaxed);
     let upstream_tokens = upstream_stats.tokens.load(Ordering::Relaxed);
     let upstream_429 = upstream_stats.refused();
@@ -142,9 +148,25 @@ pub(super) fn summarize_upstream(config: &Config, upstream_stats: &UpstreamStats
         "upstream: {served} requests, {upstream_tokens} tokens, {:.0} tok/s (accounts' quota {quota}, mirrors' pace {mirror_rate:.0}); 429 answers: {upstream_429}",
         upstream_tokens as f64 / elapsed
     );
-    println!("utilization: {:.1}% of the {allowed:.0} tokens the mirrors allowed over the run", utilization * 100.0);
+    let mut line =
+        format!("utilization: {:.1}% of the {allowed:.0} tokens the mirrors allowed over the run", utilization * 100.0);
+    if elapsed >= 2.0 * SETTLING {
+        // Where a fleet starts its leases, the first seconds are its parts settling.
+        let after: u64 = events
+            .iter()
+            .filter(|e| e.at.as_secs_f64() >= SETTLING)
+            .map(|e| if let Outcome::Ok { tokens, .. } = e.outcome { tokens } else { 0 })
+            .sum();
+        let pace = after as f64 / (mirror_rate * (elapsed - SETTLING)).max(1.0);
+        let _ = write!(line, ", {:.1}% of their pace after the first {SETTLING:.0} s", pace * 100.0);
+    }
+    println!("{line}");
     UpstreamSummary { served, refused: upstream_429, quota, mirror_rate, utilization }
 }
+
+/// The seconds after which the demo measures the utilization a second time: past a
+/// fleet's first refreshes.
+const SETTLING: f64 = 2.0;
 
 /// What the mirrors let through in the long run: (L - b) / (W + J) tokens per second per
 /// account (one mirror per account, shared by the replicas through Redis), and the
