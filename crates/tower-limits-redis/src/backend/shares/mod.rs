@@ -14,28 +14,27 @@
 //!
 //! Every refresh period (100 ms by default) a replica sends one call carrying, for every
 //! scope it is busy with, the share it may be using, the demand it saw (units per
-//! period, with a quarter of headroom) and the tokens it gives back. The script
-//! allots each scope's rate max-min fairly by the live replicas' demands, and grants the
-//! caller `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up
-//! the difference at its own next refresh, and only then can another take it. A share
-//! too small to hold one unit of burst stays in the pool, and a rate whose whole burst is
+//! period, with a quarter of headroom) and the tokens it gives back. The script allots
+//! each scope's rate max-min fairly by the live replicas' demands, and grants the caller
+//! `min(its allotment, A − Σ others)`: a replica whose allotment shrank gives up the
+//! difference at its own next refresh, and only then can another take it. A share too
+//! small to hold one unit of burst stays in the pool, and a rate whose whole burst is
 //! below `min_burst` (8 units) is never split: its scopes take from the pool, one round
 //! trip per request, as a cold scope does. A pool that refused a scope, or that a grant
-//! left without a unit, answers with the exact time it holds a unit again, and until then
-//! the replica refuses that scope locally: a client retrying a thin rate costs each replica
-//! at most one call per unit the pool refills. Demand below `hot_after`
-//! requests a refresh (4) asks for no share: the scope stays with the pool; a scope that
-//! holds a share keeps asking while any request comes, and gives its share back after a
-//! period without one. A scope new to the replica that turns hot does not wait for the
-//! period's end: the refresh loop sends it alone, a tenth of a period after the last call
-//! at the earliest, so a tenant arriving with a burst costs a few pool calls, not a
-//! period of them (its demand is still counted over a whole period, so a burst never
-//! claims more than its requests: measured over the time since it began, a burst would
-//! claim a tenant's whole rate and leave the pool nothing for the tenant's requests on
-//! other replicas until the next refresh). Requests a semaphore of the set refuses are
-//! not counted as demand of its rates. A replica
-//! whose share is spent asks the pool before refusing; refused there, its share alone
-//! decides until the pool could have a token.
+//! left without a unit, answers with the exact time it holds a unit again, and until
+//! then the replica refuses that scope locally: a client retrying a thin rate costs each
+//! replica at most one call per unit the pool refills. Demand below `hot_after` requests
+//! a refresh (4) asks for no share: the scope stays with the pool; a scope that holds a
+//! share keeps asking while any request comes, and gives its share back after a period
+//! without one. A scope new to the replica that turns hot does not wait for the period's
+//! end: the refresh loop sends it alone, a tenth of a period after the last call at the
+//! earliest, so a tenant arriving with a burst costs a few pool calls, not a period of
+//! them (its demand is still counted over a whole period, so a burst never claims more
+//! than its requests: measured over the time since it began, a burst would claim a
+//! tenant's whole rate and leave the pool nothing for the tenant's requests on other
+//! replicas until the next refresh). Requests a semaphore of the set refuses are not
+//! counted as demand of its rates. A replica whose share is spent asks the pool before
+//! refusing; refused there, its share alone decides until the pool could have a token.
 //!
 //! # Bounds
 //!
