@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::test_support::redis_for;
+use tower_limits_redis::{RedisBackend, RedisGrant};
 use tower_limits_tests::Rng;
 
 use redis_common::{MS, Phases, connect, fleet, manual, namespace, refresh_fleet, runtime, shares};
@@ -164,15 +165,7 @@ fn requests_arriving_together_before_the_first_share_are_all_counted() {
         // reports all six, the others wait for its answer, which holds them all (a tenant
         // at six of its eight permits is never refused).
         let r = &replicas[0];
-        let (a, b, c, d, e, f) = tokio::join!(
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-        );
-        let held = all_granted([a, b, c, d, e, f]);
+        let held = six_at_once(r.acquire(&tenant, 1, now), r, &tenant, now).await;
         assert_eq!(r.stats().share_refreshes, 1, "one fetch for the six: the others waited for its answer");
         for grant in held {
             replicas[0].release(&tenant, grant);
@@ -196,15 +189,7 @@ fn requests_arriving_while_a_fetch_is_on_its_way_wait_for_it_and_share_the_next(
         assert!(sent, "the first request waits for its fetch");
         // Five more wait for that answer rather than send a fetch each; short of permits
         // once it comes, one of them fetches for all, the others waiting for it.
-        let (a, b, c, d, e, f) = tokio::join!(
-            first,
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-            r.acquire(&tenant, 1, now),
-        );
-        let held = all_granted([a, b, c, d, e, f]);
+        let held = six_at_once(first, r, &tenant, now).await;
         assert_eq!(r.stats().share_refreshes, 2, "two fetches for six requests");
         for grant in held {
             r.release(&tenant, grant);
@@ -322,10 +307,25 @@ fn a_permit_taken_for_a_request_the_pool_refuses_comes_back() {
     });
 }
 
-/// The grants of `answers`, each of which must be one (8 permits were free).
-fn all_granted<G>(answers: [Result<G, AcquireError>; 6]) -> Vec<G> {
+/// `first` and five more requests of `tenant` on `r`, all decided (their acquisitions
+/// made) before any is polled, then awaited together: their grants, each of which must be
+/// one (8 permits were free).
+async fn six_at_once(
+    first: impl Future<Output = Result<RedisGrant, AcquireError>>,
+    r: &RedisBackend,
+    tenant: &TenantKey,
+    now: Instant,
+) -> Vec<RedisGrant> {
+    let (a, b, c, d, e, f) = tokio::join!(
+        first,
+        r.acquire(tenant, 1, now),
+        r.acquire(tenant, 1, now),
+        r.acquire(tenant, 1, now),
+        r.acquire(tenant, 1, now),
+        r.acquire(tenant, 1, now),
+    );
     let mut held = Vec::new();
-    for (i, answer) in answers.into_iter().enumerate() {
+    for (i, answer) in [a, b, c, d, e, f].into_iter().enumerate() {
         match answer {
             Ok(grant) => held.push(grant),
             Err(e) => panic!("request {i} of 6, with 8 permits free: {e}"),
@@ -336,7 +336,7 @@ fn all_granted<G>(answers: [Result<G, AcquireError>; 6]) -> Vec<G> {
 
 /// `n` replicas on capacity shares of a semaphore of `permits` per tenant, in namespace
 /// `ns`.
-async fn semaphore_fleet(url: &str, permits: u64, ns: &str, n: usize) -> Vec<tower_limits_redis::RedisBackend> {
+async fn semaphore_fleet(url: &str, permits: u64, ns: &str, n: usize) -> Vec<RedisBackend> {
     let policy =
         LimitSetPolicy::new().tiers(["tenant"]).limit(LimitPolicy::semaphore("concurrent", permits).per("tenant"));
     fleet(url, &policy, &namespace(ns), n).await
