@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
-use tower_limits_redis::{GrantSource, RedisBackend, Shares};
+use tower_limits_redis::{BuildError, GrantSource, RedisBackend, ShareGroup, Shares};
 use tower_limits_tests::Rng;
 
 use redis_common::{MS, Phases, busy_replica, connect, fleet, manual, namespace, random_step, runtime, shares};
@@ -569,6 +569,106 @@ fn a_scope_that_turns_hot_is_refreshed_early_and_alone() {
             let _ = replica.acquire(&hot, 1, at(4)).await.unwrap();
         }
         assert!(!replica.refresh_turned_hot(at(5)).await, "a scope turns hot once");
+    });
+}
+
+#[test]
+fn a_share_group_refreshes_its_backends_in_one_call_as_each_would_alone() {
+    let Some(server) = redis_for("a_share_group_refreshes_its_backends_in_one_call_as_each_would_alone") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        // A plan's rates and a budget's window, as a gateway has: two limit sets.
+        let plan = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::gcra("rpm", Quota::per_second(nz!(200)).burst(nz!(20))).per("org"))
+            .limit(LimitPolicy::semaphore("concurrency", 6).per("org"));
+        let budget = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::fixed_window("budget", 400, Duration::from_secs(1)).per("org"));
+        // Two replicas of each: one pair refreshed by a group each, the other alone.
+        let (grouped_ns, alone_ns) = (namespace("group"), namespace("alone"));
+        let mut grouped = Vec::new();
+        let mut alone = Vec::new();
+        for _ in 0..2 {
+            let conn = connect(&url).await;
+            let group = ShareGroup::new(shares());
+            let build = |policy: &LimitSetPolicy, ns: String| manual(policy.clone(), "group").namespace(ns);
+            grouped.push([
+                build(&plan, format!("{grouped_ns}:plan")).shares_in(&group).build(&conn).unwrap(),
+                build(&budget, format!("{grouped_ns}:budget")).shares_in(&group).build(&conn).unwrap(),
+            ]);
+            alone.push([
+                build(&plan, format!("{alone_ns}:plan")).shares(shares()).build(&conn).unwrap(),
+                build(&budget, format!("{alone_ns}:budget")).shares(shares()).build(&conn).unwrap(),
+            ]);
+        }
+        let tenants: Vec<TenantKey> = ["a", "b", "c"].iter().map(|t| TenantKey::new([*t]).unwrap()).collect();
+        let mut rng = Rng(37);
+        let start = 1_000_000 * MS;
+        let calls = |pair: &[RedisBackend; 2]| pair.iter().map(|b| b.stats().share_refreshes).sum::<u64>();
+        let (mut group_calls, mut alone_calls) = (0, 0);
+        for step in 0..600u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                for (g, a) in grouped.iter().zip(&alone) {
+                    let (g0, a0) = (calls(g), a.iter().map(|b| b.stats().share_refreshes).collect::<Vec<_>>());
+                    // Either backend refreshes its whole group.
+                    assert!(g[(step / 20 % 2) as usize].refresh_shares(now).await);
+                    for backend in a {
+                        assert!(backend.refresh_shares(now).await);
+                    }
+                    let alone: Vec<u64> =
+                        a.iter().zip(a0).map(|(b, before)| b.stats().share_refreshes - before).collect();
+                    let group = calls(g) - g0;
+                    assert_eq!(group, alone.iter().copied().max().unwrap_or(0), "step {step}: one call for the group");
+                    group_calls += group;
+                    alone_calls += alone.iter().sum::<u64>();
+                }
+            }
+            for _ in 0..rng.below(4) {
+                let (replica, set, tenant) = (rng.below(2) as usize, rng.below(2) as usize, rng.below(3) as usize);
+                let key = &tenants[tenant];
+                let cost = 1 + rng.below(3);
+                let g = grouped[replica][set].acquire(key, cost, now).await;
+                let a = alone[replica][set].acquire(key, cost, now).await;
+                match (g, a) {
+                    (Ok(g), Ok(a)) => {
+                        assert_eq!(g.source(), a.source(), "step {step}: granted from the same place");
+                        grouped[replica][set].release(key, g);
+                        alone[replica][set].release(key, a);
+                    }
+                    (Err(g), Err(a)) => assert_eq!(g.to_string(), a.to_string(), "step {step}"),
+                    (g, a) => panic!("step {step}: grouped {g:?}, alone {a:?}"),
+                }
+            }
+        }
+        let from_shares = |pair: &[RedisBackend; 2]| pair.iter().map(|b| b.stats().shared_grants).sum::<u64>();
+        for (g, a) in grouped.iter().zip(&alone) {
+            assert!(from_shares(g) > 100, "the shares decided most requests: {}", from_shares(g));
+            assert_eq!(from_shares(g), from_shares(a));
+        }
+        assert!(alone_calls > group_calls * 3 / 2, "refreshed alone: {alone_calls} calls, as a group: {group_calls}");
+    });
+}
+
+#[test]
+fn a_share_group_refuses_a_backend_on_another_connection_or_clock() {
+    let Some(server) = redis_for("a_share_group_refuses_a_backend_on_another_connection_or_clock") else {
+        return;
+    };
+    runtime().block_on(async {
+        let (one, other) = (connect(&server.url()).await, connect(&server.url()).await);
+        let rate = LimitSetPolicy::new().limit(LimitPolicy::gcra("r", Quota::per_second(nz!(10))));
+        let group = ShareGroup::new(shares());
+        let _first = manual(rate.clone(), "group").shares_in(&group).build(&one).unwrap();
+        let _clone = manual(rate.clone(), "group").shares_in(&group).build(&one.clone()).unwrap();
+        let err = manual(rate.clone(), "group").shares_in(&group).build(&other).unwrap_err();
+        assert!(matches!(err, BuildError::Invalid { field: "shares_in", .. }), "{err}");
+        assert!(err.to_string().contains("one RedisConnection"), "{err}");
+        let err = RedisBackend::builder(rate).namespace(namespace("group")).shares_in(&group).build(&one).unwrap_err();
+        assert!(err.to_string().contains("manual clock"), "{err}");
     });
 }
 

@@ -2,6 +2,7 @@
 //! redis-rs's connection manager reconnecting it in the background), or a cluster client.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -17,6 +18,8 @@ use redis::{Cmd, RedisResult, Value};
 #[derive(Clone)]
 pub struct RedisConnection {
     inner: Conn,
+    /// Shared by the clones of one connection: tells them from another connection's.
+    origin: Arc<()>,
 }
 
 #[derive(Clone)]
@@ -50,7 +53,7 @@ impl RedisConnection {
     /// A connection from a connection manager configured by the caller.
     #[must_use]
     pub fn from_manager(manager: ConnectionManager) -> Self {
-        RedisConnection { inner: Conn::Standalone(manager) }
+        RedisConnection { inner: Conn::Standalone(manager), origin: Arc::new(()) }
     }
 
     /// Connects to a Redis Cluster through any of its `nodes`.
@@ -75,7 +78,7 @@ impl RedisConnection {
     #[cfg(feature = "cluster")]
     #[must_use]
     pub fn from_cluster(connection: redis::cluster_async::ClusterConnection) -> Self {
-        RedisConnection { inner: Conn::Cluster(connection) }
+        RedisConnection { inner: Conn::Cluster(connection), origin: Arc::new(()) }
     }
 
     /// Whether this is a Redis Cluster connection (a set's keys must then share a slot).
@@ -86,6 +89,11 @@ impl RedisConnection {
             #[cfg(feature = "cluster")]
             Conn::Cluster(_) => true,
         }
+    }
+
+    /// Whether `other` is a clone of this connection.
+    pub(crate) fn same_as(&self, other: &RedisConnection) -> bool {
+        Arc::ptr_eq(&self.origin, &other.origin)
     }
 
     /// Sends one command and reads its reply; an error reply is an `Err`.

@@ -182,7 +182,7 @@ pub mod test_support;
 mod throttle;
 
 pub use accounts::{AccountLeases, AccountStats, RedisAccounts, RedisAccountsBuilder};
-pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant, Shares};
+pub use backend::{GrantSource, RedisAcquire, RedisBackend, RedisBackendBuilder, RedisGrant, ShareGroup, Shares};
 pub use connection::RedisConnection;
 pub use error::BuildError;
 pub use failure::FailurePolicy;

@@ -80,7 +80,9 @@ use tower_limits::shell::body::{HeldBody, OpenAiStreamUsage};
 use tower_limits::{
     Chosen, FairQueueLayer, Instant, LimitPool, LimitSet, LimitSetLayer, LimitSetPolicy, Rate, TenantKey,
 };
-use tower_limits_redis::{AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection, Shares};
+use tower_limits_redis::{
+    AccountLeases, FailurePolicy, RedisAccounts, RedisBackend, RedisConnection, ShareGroup, Shares,
+};
 
 use crate::BoxFuture;
 use crate::api::{self, EmbeddingRequest};
@@ -634,6 +636,12 @@ impl Gateway {
         let namespace = namespace.unwrap_or(&r.namespace);
         let mut services = Vec::new();
         let mut backends = Vec::new();
+        // The plans' and the budgets' shares, refreshed in one call a period.
+        let shares = (!r.share_refresh.is_zero()).then(|| {
+            ShareGroup::new(
+                Shares::new().refresh_every(r.share_refresh).lifetime(lifetime(r.share_refresh, r.redis_timeout)),
+            )
+        });
         for (name, policy) in &r.plans {
             if policy.limits.is_empty() {
                 // A plan of budgets alone.
@@ -644,10 +652,8 @@ impl Gateway {
                 .namespace(format!("{namespace}:plan:{name}"))
                 .timeout(r.redis_timeout)
                 .on_failure(r.failure);
-            if !r.share_refresh.is_zero() {
-                builder = builder.shares(
-                    Shares::new().refresh_every(r.share_refresh).lifetime(lifetime(r.share_refresh, r.redis_timeout)),
-                );
+            if let Some(group) = &shares {
+                builder = builder.shares_in(group);
             }
             let backend = builder.build(connection)?;
             backends.push(backend.clone());
@@ -708,13 +714,9 @@ impl Gateway {
                     .namespace(format!("{namespace}:budget:{name}"))
                     .timeout(r.redis_timeout)
                     .on_failure(r.failure);
-                if !r.share_refresh.is_zero() {
-                    // Budgets leased in blocks, renewed with the plans' shares.
-                    builder = builder.shares(
-                        Shares::new()
-                            .refresh_every(r.share_refresh)
-                            .lifetime(lifetime(r.share_refresh, r.redis_timeout)),
-                    );
+                if let Some(group) = &shares {
+                    // Budgets leased in blocks, renewed in the plans' calls.
+                    builder = builder.shares_in(group);
                 }
                 let backend = builder.build(connection)?;
                 stores.push(Some(backend));

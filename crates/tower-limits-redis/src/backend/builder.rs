@@ -22,7 +22,7 @@ use crate::failure::{Breaker, FailurePolicy};
 use crate::keys::{SlotLayout, escape_into};
 use crate::script::{self, ScriptLimit};
 
-use super::shares::{self, ShareLimit, Shares};
+use super::shares::{self, ShareGroup, ShareLimit, Shares};
 use super::{EXACT, Inner, LimitInfo, RedisBackend, Settings};
 use crate::stats::Counters;
 
@@ -43,7 +43,7 @@ pub struct RedisBackendBuilder {
     peek_cache: usize,
     max_leases: usize,
     manual_clock: bool,
-    shares: Option<Shares>,
+    shares: Option<ShareGroup>,
 }
 
 impl RedisBackend {
@@ -171,7 +171,33 @@ impl RedisBackendBuilder {
     /// # }
     /// ```
     pub fn shares(mut self, shares: Shares) -> Self {
-        self.shares = Some(shares);
+        self.shares = Some(ShareGroup::new(shares));
+        self
+    }
+
+    /// Capacity shares as with [`RedisBackendBuilder::shares`], with the settings of
+    /// `group`, refreshed in one call with the other backends of the group: a replica
+    /// with several limit sets (a plan each) costs Redis one refresh a period, not one per
+    /// set. The backends of a group must be built on one [`RedisConnection`] (or its
+    /// clones) and the same clock; [`RedisBackendBuilder::build`] refuses another.
+    ///
+    /// ```no_run
+    /// use tower_limits_core::{LimitPolicy, LimitSetPolicy, Quota, nz};
+    /// use tower_limits_redis::{RedisBackend, RedisConnection, ShareGroup, Shares};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let redis = RedisConnection::connect("redis://127.0.0.1:6379/").await?;
+    /// let group = ShareGroup::new(Shares::new());
+    /// let requests = LimitSetPolicy::new().limit(LimitPolicy::gcra("requests", Quota::per_second(nz!(1000))));
+    /// let bytes = LimitSetPolicy::new().limit(LimitPolicy::gcra("bytes", Quota::per_second(nz!(1_000_000))));
+    /// let requests = RedisBackend::builder(requests).namespace("requests").shares_in(&group).build(&redis)?;
+    /// let bytes = RedisBackend::builder(bytes).namespace("bytes").shares_in(&group).build(&redis)?;
+    /// # let _ = (requests, bytes);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn shares_in(mut self, group: &ShareGroup) -> Self {
+        self.shares = Some(group.clone());
         self
     }
 
@@ -200,7 +226,9 @@ impl RedisBackendBuilder {
     ///   ([`LimitPolicy::shadow`](tower_limits_core::LimitPolicy::shadow)): shadow limits
     ///   are decided in memory only.
     /// - [`BuildError::Invalid`]: a namespace or tag containing braces, a zero timeout or
-    ///   lease, a fallback share outside `(0, 1]`.
+    ///   lease, a fallback share outside `(0, 1]`, shares that cannot hold (naming the
+    ///   setting), a [`ShareGroup`] whose backends are on another connection or clock
+    ///   (`shares_in`).
     pub fn build(self, connection: &RedisConnection) -> Result<RedisBackend, BuildError> {
         self.policy.validate()?;
         #[cfg(feature = "metrics")]
@@ -216,10 +244,14 @@ impl RedisBackendBuilder {
         if self.timeout.is_zero() || self.lease < Duration::from_millis(3) {
             return Err(BuildError::Invalid { field: "timeout", message: "timeout and lease must be positive".into() });
         }
-        if let Some(shares) = &self.shares {
+        if let Some(group) = &self.shares {
             // A test's clock is not the one the timeout runs on.
-            shares.validate(if self.manual_clock { Duration::ZERO } else { self.timeout })?;
+            group.settings().validate(if self.manual_clock { Duration::ZERO } else { self.timeout })?;
+            if let Some(message) = group.shared.refuses(connection, self.manual_clock) {
+                return Err(BuildError::Invalid { field: "shares_in", message });
+            }
         }
+        let share_settings = self.shares.as_ref().map(ShareGroup::settings);
         let tiers: Box<[&'static str]> = self.policy.tiers.iter().map(|t| intern(t)).collect();
         let mut limits = Vec::with_capacity(self.policy.limits.len());
         let mut script_limits = Vec::with_capacity(self.policy.limits.len());
@@ -232,7 +264,7 @@ impl RedisBackendBuilder {
                         .into(),
                 });
             }
-            let (info, mut script) = describe(p, &self.policy.tiers, &tiers, self.shares.as_ref())?;
+            let (info, mut script) = describe(p, &self.policy.tiers, &tiers, share_settings.as_ref())?;
             if let ScriptLimit::Calendar { slot, .. } = &mut script {
                 *slot = script_limits.iter().filter(|l| matches!(l, ScriptLimit::Calendar { .. })).count();
             }
@@ -274,7 +306,7 @@ impl RedisBackendBuilder {
             matches!(l, ScriptLimit::Semaphore { .. } | ScriptLimit::Log { .. } | ScriptLimit::Calendar { .. })
         });
         let depth_needed = limits.iter().filter_map(|l| l.tier).map(|t| t + 1).max().unwrap_or(0);
-        Ok(RedisBackend {
+        let backend = RedisBackend {
             inner: Arc::new(Inner {
                 conn: connection.clone(),
                 source,
@@ -311,9 +343,16 @@ impl RedisBackendBuilder {
                 leases: Mutex::new(HashMap::new()),
                 runtime: OnceLock::new(),
                 renewing: AtomicBool::new(false),
-                shares: self.shares.map(|s| Arc::new(shares::Table::new(s, instance, self.lease))),
+                shares: self
+                    .shares
+                    .as_ref()
+                    .map(|g| Arc::new(shares::Table::new(g.shared.clone(), instance, self.lease))),
             }),
-        })
+        };
+        if let Some(group) = &self.shares {
+            group.shared.join(&backend.inner);
+        }
+        Ok(backend)
     }
 }
 

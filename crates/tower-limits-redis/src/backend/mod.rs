@@ -72,7 +72,7 @@ pub use builder::RedisBackendBuilder;
 use call::acquire_remote;
 use grant::GrantKind;
 pub use grant::{GrantSource, RedisGrant};
-pub use shares::Shares;
+pub use shares::{ShareGroup, Shares};
 
 /// The bound below which the script's double arithmetic (divisions included) is exact:
 /// 2^52, which as nanoseconds is 52 days.

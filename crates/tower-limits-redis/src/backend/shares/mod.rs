@@ -77,7 +77,8 @@
 //!
 //! Redis work grows with the replicas and the scopes they are busy with, not with
 //! requests: one call per replica per refresh (one per Cluster slot on a cluster),
-//! carrying every scope. A request admitted from a share takes a lock and a few
+//! carrying every scope, and of every backend of the replica built into one
+//! [`ShareGroup`]. A request admitted from a share takes a lock and a few
 //! integer operations per limit; one refused by an exhausted share is refused locally,
 //! with the exact wait of the share, and counts as demand.
 //!
@@ -140,9 +141,11 @@
 
 use std::time::Duration;
 
+mod group;
 mod remote;
 mod table;
 
+pub use group::ShareGroup;
 pub(super) use table::{SharedGrant, Table};
 
 /// The script of the share tables.

@@ -1,15 +1,15 @@
 //! What capacity shares ask of Redis: the refreshes, the pools' part of an acquisition,
 //! the settles sent in the background, and the loop that refreshes every period.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use redis::Value;
 use tower_limits_core::{AcquireError, Counts, Instant, LimitRefusal, Snapshot, TenantKey};
 
 use super::ShareLimit;
-use super::table::{EARLIEST, Local, Part, SharedGrant, Table};
+use super::table::{Local, Part, SharedGrant, Table};
 use crate::backend::background::PendingGuard;
 use crate::backend::call::{CallError, int_array};
 use crate::backend::grant::{GrantKind, RedisGrant};
@@ -19,39 +19,30 @@ use crate::failure::Gate;
 use crate::stats::bump;
 
 impl Inner {
-    async fn eval_shares(&self, table: &Table, keys: &[Arc<str>], args: &[String]) -> Result<Value, CallError> {
+    pub(super) async fn eval_shares(
+        &self,
+        table: &Table,
+        keys: &[Arc<str>],
+        args: &[String],
+    ) -> Result<Value, CallError> {
         let keys: Vec<&str> = keys.iter().map(|k| &**k).collect();
         self.call_script(&table.sha, &table.source, &keys, args).await
     }
 
-    /// Refreshes every share this replica holds or wants (or those of `only`), one call
-    /// per slot; with `heard` false, the replies are dropped as if lost on the way back
-    /// (tests).
-    pub(super) async fn refresh_shares(
-        &self,
-        table: &Table,
-        now: Instant,
-        heard: bool,
-        only: Option<&[Arc<str>]>,
-    ) -> bool {
+    /// Fetches the shares of the scopes `only` (a semaphore's, for a request its share
+    /// is too small for), one call per slot, outside the refresh group's periodic calls.
+    /// Answers whether every call succeeded.
+    pub(super) async fn fetch_shares(&self, table: &Table, now: Instant, only: &[Arc<str>]) -> bool {
         table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
-        if only.is_none() {
-            // A whole refresh carries the scopes that turned hot too.
-            drop(table.take_turned_hot());
-        }
         let expires = now + table.settings.lifetime;
         let mut all = true;
-        for (keys, args) in table.report(self, now, only) {
+        for (_, keys, args) in table.report(self, now, Some(only)) {
             let mut full = table.args_head(self, "R", now);
             full.extend(args);
             bump(&self.stats.share_refreshes);
             match self.eval_shares(table, &keys, &full).await {
                 Ok(value) => match int_array(&value) {
-                    Some(reply) if reply.len() == 1 + 3 * keys.len() => {
-                        if heard {
-                            table.apply(self, &keys, &reply, expires);
-                        }
-                    }
+                    Some(reply) if reply.len() == 1 + 3 * keys.len() => table.apply(self, &keys, &reply[1..], expires),
                     _ => {
                         all = false;
                         tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
@@ -61,18 +52,6 @@ impl Inner {
             }
         }
         all
-    }
-
-    /// Refreshes the scopes new to this replica that turned hot since the last refresh,
-    /// and only those: the others' demand is measured over whole periods. Answers whether
-    /// there were any.
-    async fn refresh_turned_hot(&self, table: &Table, now: Instant) -> bool {
-        let scopes = table.take_turned_hot();
-        if scopes.is_empty() {
-            return false;
-        }
-        self.refresh_shares(table, now, true, Some(&scopes)).await;
-        true
     }
 
     /// Settles a grant from shares: the local parts at once, the pooled ones in the
@@ -120,14 +99,30 @@ impl Inner {
 
 impl RedisBackend {
     /// Refreshes this replica's capacity shares now: reports its demand and renews every
-    /// share it holds or wants, one call per slot. A backend built with
-    /// [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares) does this
-    /// every refresh period by itself; call it by hand with a manual clock (tests), where
-    /// it is the only refresh. Answers whether every call succeeded (false also when the
-    /// backend has no shares).
+    /// share it holds or wants, with those of the other backends of its
+    /// [`ShareGroup`](crate::ShareGroup), one call per slot. The backends of a group do
+    /// this every refresh period by themselves; call it by hand with a manual clock
+    /// (tests), where it is the only refresh. Answers whether every call succeeded (false
+    /// also when the backend has no shares).
+    ///
+    /// ```no_run
+    /// use tower_limits_core::{Clock, LimitPolicy, LimitSetPolicy, Quota, SystemClock, nz};
+    /// use tower_limits_redis::{RedisBackend, RedisConnection, Shares};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = LimitSetPolicy::new()
+    ///     .tiers(["tenant"])
+    ///     .limit(LimitPolicy::gcra("per-tenant", Quota::per_second(nz!(100))).per("tenant"));
+    /// let redis = RedisConnection::connect("redis://127.0.0.1:6379/").await?;
+    /// let backend = RedisBackend::builder(policy).shares(Shares::new()).build(&redis)?;
+    /// // Nothing acquired yet: nothing to report, and no call.
+    /// assert!(backend.refresh_shares(SystemClock::new().now()).await);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn refresh_shares(&self, now: Instant) -> bool {
         let Some(table) = &self.inner.shares else { return false };
-        self.inner.refresh_shares(table, now, true, None).await
+        table.group.refresh(Some(now), true, false).await
     }
 
     /// Test support: [`RedisBackend::refresh_shares`] whose replies are lost on the way
@@ -135,29 +130,19 @@ impl RedisBackend {
     #[cfg(feature = "test-support")]
     pub async fn refresh_shares_unheard(&self, now: Instant) -> bool {
         let Some(table) = &self.inner.shares else { return false };
-        self.inner.refresh_shares(table, now, false, None).await
+        table.group.refresh(Some(now), false, false).await
     }
 
     /// Test support: the early refresh the background loop sends between two periods when
     /// scopes new to this replica turn hot (reach [`Shares::hot_after`](crate::Shares::hot_after)
-    /// requests without a share): it refreshes those scopes only. Answers whether there
-    /// were any.
+    /// requests without a share): it refreshes those scopes only (of every backend of the
+    /// group). Answers whether there were any.
     #[cfg(feature = "test-support")]
     pub async fn refresh_turned_hot(&self, now: Instant) -> bool {
         let Some(table) = &self.inner.shares else { return false };
-        self.inner.refresh_turned_hot(table, now).await
-    }
-
-    fn start_refreshing(&self, table: &Arc<Table>) {
-        if self.inner.settings.manual_clock || table.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        match self.inner.handle() {
-            Some(handle) => {
-                handle.spawn(refresh_loop(Arc::downgrade(&self.inner), table.clone(), table.settings.refresh));
-            }
-            None => table.running.store(false, Ordering::Release),
-        }
+        let any = table.group.has_turned_hot();
+        table.group.refresh(Some(now), true, true).await;
+        any
     }
 
     /// An acquisition through the shares: this replica's `table`.
@@ -169,7 +154,7 @@ impl RedisBackend {
         now: Instant,
     ) -> RedisAcquire {
         let inner = &self.inner;
-        self.start_refreshing(table);
+        table.group.start(inner);
         match table.decide(inner, inner.keys_for(key), cost, now, true) {
             Local::Granted(grant) => {
                 bump(&inner.stats.shared_grants);
@@ -268,7 +253,7 @@ async fn fetch_then_acquire(
         let Some(this) = fetching.take() else { break };
         let only: Vec<Arc<str>> = this.scopes.iter().map(|(k, _)| k.clone()).collect();
         let before: Vec<u64> = only.iter().map(|k| table.permits_of(k)).collect();
-        let answered = inner.refresh_shares(&table, now, true, Some(&only)).await;
+        let answered = inner.fetch_shares(&table, now, &only).await;
         drop(this);
         if !answered {
             return inner.unavailable(&key, cost, now, "the share of a semaphore could not be fetched");
@@ -451,32 +436,5 @@ fn pool_args(l: &ShareLimit, part: &Part) -> [String; 3] {
         [l.amount.to_string(), format!("{}:{}", part.window, part.window_end), "-1".into()]
     } else {
         [l.amount.to_string(), l.period_us.to_string(), l.burst.to_string()]
-    }
-}
-
-/// Refreshes every period while the backend lives, and, in between, the scopes new to
-/// this replica that turned hot (at least a tenth of a period after the last call): the
-/// others' demand is measured over whole periods. Its `now` is the latest an acquisition
-/// was given: never later than the clock, so shares expire locally no later than in
-/// Redis. It holds the table, not the backend: once the backend is dropped, the loop ends
-/// within a period.
-async fn refresh_loop(inner: Weak<Inner>, table: Arc<Table>, every: Duration) {
-    let gap = every / EARLIEST;
-    let mut next = tokio::time::Instant::now();
-    let mut last = next;
-    loop {
-        let early = tokio::time::timeout_at(next, table.early.notified()).await.is_ok();
-        if early {
-            tokio::time::sleep_until((last + gap).min(next)).await;
-        }
-        let Some(inner) = inner.upgrade() else { return };
-        last = tokio::time::Instant::now();
-        let now = Instant::from_nanos(table.latest.load(Ordering::Relaxed));
-        if early && last < next {
-            inner.refresh_turned_hot(&table, now).await;
-            continue;
-        }
-        inner.refresh_shares(&table, now, true, None).await;
-        next = (next + every).max(last);
     }
 }

@@ -19,7 +19,7 @@
 -- ARGV[5] that of a semaphore's share in Redis (the backend's lease: a replica's permits
 -- in flight outlive the share it took them under);
 -- then per key: the limit's amount A per period P (us), its burst B, and what the
--- operation needs.
+-- operation needs. (A refresh group's call, G, carries a replica and lifetimes per part.)
 local call, floor, min, max, fmt, match, tonumber = redis.call, math.floor, math.min, math.max, string.format, string.match, tonumber
 local op, me = ARGV[1], ARGV[2]
 -- With the caller's clock (tests), keys expire an hour later than their state needs: the
@@ -147,12 +147,13 @@ local function wsave(s, settle)
 end
 
 local out = {now}
-if op == 'R' then
-  -- Refresh: per key A, P, B, what this replica may be using now, its demand (units per
-  -- period), and tokens it gives back. Answers per key the share it may use from now,
-  -- its burst, and tokens from the pool.
-  local a = 6
-  for k = 1, #KEYS do
+
+-- A refresh of `n` keys from KEYS[k0] on, their arguments from ARGV[a] on: per key A, P,
+-- B, what the replica `me` may be using now, its demand (units per period), and tokens it
+-- gives back. Answers per key the share it may use from now, its burst, and tokens from
+-- the pool. Returns where the next arguments start.
+local function refresh(k0, n, a)
+  for k = k0, k0 + n - 1 do
     local A, P, B = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local using, demand, back = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
     local spec = ARGV[a + 1]
@@ -237,6 +238,23 @@ if op == 'R' then
       out[#out + 1] = bnew
       out[#out + 1] = gift
     end
+  end
+  return a
+end
+
+if op == 'R' then
+  refresh(1, #KEYS, 6)
+  return out
+elseif op == 'G' then
+  -- A refresh group's call: the refreshes of several backends (their replicas, lifetimes
+  -- and keys) in one. ARGV[6] the number of parts; each part: its replica, the lifetime of
+  -- its shares and of its semaphores' shares, its number of keys, then per key as R.
+  local a, k = 7, 1
+  for _ = 1, tonumber(ARGV[6]) do
+    me, life, plife = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local n = tonumber(ARGV[a + 3])
+    a = refresh(k, n, a + 4)
+    k = k + n
   end
   return out
 elseif op == 'P' then

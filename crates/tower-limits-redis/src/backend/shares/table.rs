@@ -2,12 +2,13 @@
 //! permits in flight, and the demand it reports at the next refresh.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tower_limits_core::{Counts, Instant};
 
+use super::group::Group;
 use super::{SCRIPT, ShareLimit, Shares};
 use crate::backend::{Inner, LimitInfo};
 use crate::keys::key_slot;
@@ -21,17 +22,18 @@ pub(in crate::backend) struct Table {
     pub(super) settings: Shares,
     pub(super) source: Arc<str>,
     pub(super) sha: Arc<str>,
-    replica: Arc<str>,
+    pub(super) replica: Arc<str>,
     /// How long Redis counts a semaphore's share without a refresh: the backend's lease,
     /// so that permits in flight stay counted after the share they were taken under ends.
-    permit_lease: Duration,
+    pub(super) permit_lease: Duration,
     scopes: Mutex<HashMap<Arc<str>, Scope>>,
     pub(super) latest: AtomicU64,
-    pub(super) running: AtomicBool,
-    /// Scopes new to this replica that turned hot without a share: the refresh loop
-    /// refreshes them early rather than leave them with the pool, a call per request, for
-    /// the rest of the period.
-    pub(super) early: tokio::sync::Notify,
+    /// The refresh group this table is refreshed with (a group of its own unless the
+    /// backend was built into one).
+    pub(super) group: Arc<Group>,
+    /// Scopes new to this replica that turned hot without a share: the group's refresh
+    /// loop refreshes them early rather than leave them with the pool, a call per request,
+    /// for the rest of the period.
     turned_hot: Mutex<Vec<Arc<str>>>,
     /// Counts the semaphore fetches answered (or given up): requests that found a fetch of
     /// their scope in flight wait for the next count rather than send one of their own.
@@ -238,7 +240,8 @@ pub(super) enum Local {
 }
 
 impl Table {
-    pub(in crate::backend) fn new(settings: Shares, replica: u64, permit_lease: Duration) -> Table {
+    pub(in crate::backend) fn new(group: Arc<Group>, replica: u64, permit_lease: Duration) -> Table {
+        let settings = group.settings;
         let source: Arc<str> = SCRIPT.into();
         let sha: Arc<str> = redis::Script::new(SCRIPT).get_hash().into();
         Table {
@@ -249,8 +252,7 @@ impl Table {
             permit_lease: permit_lease.max(settings.lifetime),
             scopes: Mutex::new(HashMap::new()),
             latest: AtomicU64::new(0),
-            running: AtomicBool::new(false),
-            early: tokio::sync::Notify::new(),
+            group,
             turned_hot: Mutex::new(Vec::new()),
             fetch_done: tokio::sync::watch::Sender::new(0),
         }
@@ -383,7 +385,7 @@ impl Table {
         }
         if !turned_hot.is_empty() {
             self.turned_hot.lock().unwrap_or_else(PoisonError::into_inner).append(&mut turned_hot);
-            self.early.notify_one();
+            self.group.early.notify_one();
         }
         if let Some((limit, wait, release)) = refused {
             return Local::Refused { limit, wait: Duration::from_nanos(wait), release };
@@ -451,6 +453,12 @@ impl Table {
         if let Some(s) = self.lock().get_mut(scope) {
             s.pool_dry_until = until;
         }
+    }
+
+    /// Whether scopes turned hot since the last call.
+    #[cfg(feature = "test-support")]
+    pub(super) fn any_turned_hot(&self) -> bool {
+        !self.turned_hot.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
     }
 
     /// The scopes that turned hot since the last call.
@@ -560,7 +568,7 @@ impl Table {
         inner: &Inner,
         now: Instant,
         only: Option<&[Arc<str>]>,
-    ) -> Vec<(Vec<Arc<str>>, Vec<String>)> {
+    ) -> Vec<(u16, Vec<Arc<str>>, Vec<String>)> {
         let mut scopes = self.lock();
         let mut groups: HashMap<u16, (Vec<Arc<str>>, Vec<String>)> = HashMap::new();
         let cluster = inner.conn.is_cluster();
@@ -630,14 +638,14 @@ impl Table {
             }
             s.quiet < 2
         });
-        groups.into_values().collect()
+        groups.into_iter().map(|(slot, (keys, args))| (slot, keys, args)).collect()
     }
 
-    pub(super) fn apply(&self, inner: &Inner, keys: &[Arc<str>], reply: &[i64], expires: Instant) {
+    pub(super) fn apply(&self, inner: &Inner, keys: &[Arc<str>], answers: &[i64], expires: Instant) {
         let mut scopes = self.lock();
         let at = |v: i64| u64::try_from(v).unwrap_or(0);
         for (k, key) in keys.iter().enumerate() {
-            let (Some(s), Some(r)) = (scopes.get_mut(key), reply.get(1 + 3 * k..4 + 3 * k)) else { continue };
+            let (Some(s), Some(r)) = (scopes.get_mut(key), answers.get(3 * k..3 + 3 * k)) else { continue };
             let Some(l) = inner.limits[s.limit].share else { continue };
             if l.window {
                 // Applied at once: a block is units, not a rate from an instant. A reply to a

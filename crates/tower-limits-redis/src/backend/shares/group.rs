@@ -1,0 +1,274 @@
+//! Refresh groups: the backends of one replica whose shares one call refreshes.
+//!
+//! A service with several limit sets on Redis (a gateway's plans, its budgets) builds a
+//! backend for each; refreshed apart, each would cost a call per refresh period, and the
+//! fleet's Redis work would grow with the sets as well as the replicas. Backends built
+//! into one [`ShareGroup`] report their demand and renew their shares in one call per
+//! period (one per Cluster slot), each carried as a part with its own replica id and
+//! lifetimes: the script refreshes every part as it would alone.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use tower_limits_core::Instant;
+
+use super::Shares;
+use super::table::EARLIEST;
+use crate::backend::Inner;
+use crate::backend::call::int_array;
+use crate::connection::RedisConnection;
+use crate::stats::bump;
+
+/// Backends that refresh their capacity [`Shares`] together: one call per refresh period
+/// (per Cluster slot) carries every member's demand and renews every member's shares.
+///
+/// Build each backend of a replica with
+/// [`RedisBackendBuilder::shares_in`](crate::RedisBackendBuilder::shares_in) and the same
+/// group: a gateway with a limit set per plan then costs Redis one refresh a period per
+/// replica, however many plans it has. The members share the group's settings, and must
+/// be built on one [`RedisConnection`] (or its clones) and the same clock. A backend
+/// built with [`RedisBackendBuilder::shares`](crate::RedisBackendBuilder::shares) is a
+/// group of one.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_limits_core::{LimitPolicy, LimitSetPolicy, Quota, nz};
+/// use tower_limits_redis::{RedisBackend, RedisConnection, ShareGroup, Shares};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let plan = |per_second| {
+///     LimitSetPolicy::new()
+///         .tiers(["tenant"])
+///         .limit(LimitPolicy::gcra("per-tenant", Quota::per_second(per_second)).per("tenant"))
+/// };
+/// let redis = RedisConnection::connect("redis://127.0.0.1:6379/").await?;
+/// let group = ShareGroup::new(Shares::new().refresh_every(Duration::from_millis(200)));
+/// let free = RedisBackend::builder(plan(nz!(10))).namespace("plan:free").shares_in(&group).build(&redis)?;
+/// let paid = RedisBackend::builder(plan(nz!(100))).namespace("plan:paid").shares_in(&group).build(&redis)?;
+/// // One call every 200 ms refreshes the shares of both.
+/// # let _ = (free, paid);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ShareGroup {
+    pub(in crate::backend) shared: Arc<Group>,
+}
+
+impl fmt::Debug for ShareGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShareGroup")
+            .field("settings", &self.shared.settings)
+            .field("members", &self.shared.live().len())
+            .finish()
+    }
+}
+
+impl ShareGroup {
+    /// A group whose members take their shares with `settings`.
+    ///
+    /// ```
+    /// use tower_limits_redis::{ShareGroup, Shares};
+    ///
+    /// let group = ShareGroup::new(Shares::new());
+    /// assert_eq!(group.settings(), Shares::new());
+    /// ```
+    #[must_use]
+    pub fn new(settings: Shares) -> ShareGroup {
+        ShareGroup {
+            shared: Arc::new(Group {
+                settings,
+                members: Mutex::new(Vec::new()),
+                running: AtomicBool::new(false),
+                early: tokio::sync::Notify::new(),
+            }),
+        }
+    }
+
+    /// The settings every member's shares follow.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_limits_redis::{ShareGroup, Shares};
+    ///
+    /// let group = ShareGroup::new(Shares::new().lifetime(Duration::from_secs(2)));
+    /// assert_eq!(group.settings().share_lifetime(), Duration::from_secs(2));
+    /// ```
+    pub fn settings(&self) -> Shares {
+        self.shared.settings
+    }
+}
+
+/// What the members of a group share.
+pub(in crate::backend) struct Group {
+    pub(super) settings: Shares,
+    members: Mutex<Vec<Weak<Inner>>>,
+    running: AtomicBool,
+    /// Scopes new to a member turned hot: the loop refreshes them early.
+    pub(super) early: tokio::sync::Notify,
+}
+
+impl Group {
+    /// The members still alive, in the order they joined.
+    fn live(&self) -> Vec<Arc<Inner>> {
+        let mut members = self.members.lock().unwrap_or_else(PoisonError::into_inner);
+        members.retain(|m| m.strong_count() > 0);
+        members.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Why a backend on `connection` (with a manual clock or not) cannot join, if it
+    /// cannot: its calls would go to another server, or run on another clock.
+    pub(in crate::backend) fn refuses(&self, connection: &RedisConnection, manual_clock: bool) -> Option<String> {
+        let first = self.live().into_iter().next()?;
+        if !first.conn.same_as(connection) {
+            return Some("the backends of a share group must be built on one RedisConnection (or its clones)".into());
+        }
+        if first.settings.manual_clock != manual_clock {
+            return Some("the backends of a share group must all run on a manual clock, or none".into());
+        }
+        None
+    }
+
+    /// Whether a member has scopes that turned hot since the last call.
+    #[cfg(feature = "test-support")]
+    pub(super) fn has_turned_hot(&self) -> bool {
+        self.live().iter().any(|m| m.shares.as_ref().is_some_and(|t| t.any_turned_hot()))
+    }
+
+    pub(in crate::backend) fn join(&self, inner: &Arc<Inner>) {
+        self.members.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::downgrade(inner));
+    }
+
+    /// Starts the group's refresh loop on `inner`'s runtime, unless it runs (or the
+    /// backends run on a manual clock: their tests refresh by hand).
+    pub(super) fn start(self: &Arc<Self>, inner: &Inner) {
+        if inner.settings.manual_clock || self.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match inner.handle() {
+            Some(handle) => {
+                handle.spawn(refresh_loop(self.clone(), self.settings.refresh));
+            }
+            None => self.running.store(false, Ordering::Release),
+        }
+    }
+
+    /// Refreshes every member's shares (or, with `turned_hot`, only the scopes new to a
+    /// member that turned hot since), one call per slot, sent on the first member's
+    /// connection. Each member reports as of `now` (its latest acquisition's instant when
+    /// `None`). With `heard` false, the replies are dropped as if lost on the way back
+    /// (tests). Answers whether every call succeeded.
+    pub(super) async fn refresh(&self, now: Option<Instant>, heard: bool, turned_hot: bool) -> bool {
+        let members = self.live();
+        let Some(sender) = members.first() else { return false };
+        // Per slot, the parts: a member, its keys and their arguments, and its instant.
+        let mut slots: BTreeMap<u16, Vec<Part<'_>>> = BTreeMap::new();
+        for member in &members {
+            let Some(table) = &member.shares else { continue };
+            if let Some(now) = now {
+                table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
+            }
+            let at = now.unwrap_or_else(|| Instant::from_nanos(table.latest.load(Ordering::Relaxed)));
+            let hot = table.take_turned_hot();
+            let only = if turned_hot {
+                if hot.is_empty() {
+                    continue;
+                }
+                Some(hot)
+            } else {
+                // A whole refresh carries the scopes that turned hot too.
+                None
+            };
+            for (slot, keys, args) in table.report(member, at, only.as_deref()) {
+                slots.entry(slot).or_default().push(Part { member, keys, args, at });
+            }
+        }
+        if slots.is_empty() {
+            return true;
+        }
+        let Some(table) = &sender.shares else { return false };
+        let now_us = match now {
+            Some(now) if sender.settings.manual_clock => (now.as_nanos() / 1000).to_string(),
+            _ => String::new(),
+        };
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
+        let mut all = true;
+        for parts in slots.into_values() {
+            let mut keys = Vec::new();
+            let mut args = vec!["G".to_owned(), String::new(), now_us.clone(), "0".into(), "0".into()];
+            args.push(parts.len().to_string());
+            for part in &parts {
+                let Some(t) = &part.member.shares else { continue };
+                args.extend([t.replica.to_string(), us(t.settings.lifetime), us(t.permit_lease)]);
+                args.push(part.keys.len().to_string());
+                args.extend(part.args.iter().cloned());
+                keys.extend(part.keys.iter().cloned());
+            }
+            bump(&sender.stats.share_refreshes);
+            let reply = match sender.eval_shares(table, &keys, &args).await {
+                Ok(value) => match int_array(&value) {
+                    Some(reply) if reply.len() == 1 + 3 * keys.len() => reply,
+                    _ => {
+                        all = false;
+                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
+                        continue;
+                    }
+                },
+                Err(_) => {
+                    all = false;
+                    continue;
+                }
+            };
+            if !heard {
+                continue;
+            }
+            let mut answers = &reply[1..];
+            for part in &parts {
+                let Some(t) = &part.member.shares else { continue };
+                let (mine, rest) = answers.split_at(3 * part.keys.len());
+                t.apply(part.member, &part.keys, mine, part.at + t.settings.lifetime);
+                answers = rest;
+            }
+        }
+        all
+    }
+}
+
+/// A member's part of a group's call.
+struct Part<'a> {
+    member: &'a Arc<Inner>,
+    keys: Vec<Arc<str>>,
+    args: Vec<String>,
+    at: Instant,
+}
+
+/// Refreshes every period while a member lives, and, in between, the scopes new to a
+/// member that turned hot (at least a tenth of a period after the last call): the others'
+/// demand is measured over whole periods. Each member's `now` is the latest an
+/// acquisition was given: never later than the clock, so shares expire locally no later
+/// than in Redis. Once every member is dropped, the loop ends within a period.
+async fn refresh_loop(group: Arc<Group>, every: Duration) {
+    let gap = every / EARLIEST;
+    let mut next = tokio::time::Instant::now();
+    let mut last = next;
+    loop {
+        let early = tokio::time::timeout_at(next, group.early.notified()).await.is_ok();
+        if early {
+            tokio::time::sleep_until((last + gap).min(next)).await;
+        }
+        if group.live().is_empty() {
+            group.running.store(false, Ordering::Release);
+            return;
+        }
+        last = tokio::time::Instant::now();
+        if early && last < next {
+            group.refresh(None, true, true).await;
+            continue;
+        }
+        group.refresh(None, true, false).await;
+        next = (next + every).max(last);
+    }
+}
