@@ -9,9 +9,11 @@ mod redis_common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use tower_limits_core::{AcquireError, Backend, Instant, LimitPolicy, LimitSetPolicy, Quota, TenantKey, nz};
+use tower_limits_core::{
+    AcquireError, Backend, Instant, LimitPolicy, LimitPool, LimitSet, LimitSetPolicy, Quota, Selection, TenantKey, nz,
+};
 use tower_limits_redis::test_support::{own_redis_for, redis_for};
-use tower_limits_redis::{BuildError, GrantSource, RedisBackend, ShareGroup, Shares};
+use tower_limits_redis::{AccountLeases, BuildError, GrantSource, RedisAccounts, RedisBackend, ShareGroup, Shares};
 use tower_limits_tests::Rng;
 
 use redis_common::{MS, Phases, busy_replica, connect, fleet, manual, namespace, random_step, runtime, shares};
@@ -650,6 +652,80 @@ fn a_share_group_refreshes_its_backends_in_one_call_as_each_would_alone() {
             assert_eq!(from_shares(g), from_shares(a));
         }
         assert!(alone_calls > group_calls * 3 / 2, "refreshed alone: {alone_calls} calls, as a group: {group_calls}");
+    });
+}
+
+#[test]
+fn a_lease_refresh_carries_the_share_group_s_refresh_in_its_call() {
+    let Some(server) = redis_for("a_lease_refresh_carries_the_share_group_s_refresh_in_its_call") else {
+        return;
+    };
+    runtime().block_on(async {
+        let url = server.url();
+        let plan = LimitSetPolicy::new()
+            .tiers(["org"])
+            .limit(LimitPolicy::gcra("rpm", Quota::per_second(nz!(200)).burst(nz!(20))).per("org"));
+        let account = LimitSetPolicy::new().limit(LimitPolicy::gcra("rps", Quota::per_second(nz!(100)).burst(nz!(10))));
+        let leases = AccountLeases::new().refresh_every(Duration::from_millis(20)).lifetime(Duration::from_millis(100));
+        let conn = connect(&url).await;
+        let group = ShareGroup::new(shares());
+        let carried = manual(plan.clone(), "carried").shares_in(&group).build(&conn).unwrap();
+        let store = RedisAccounts::builder("accounts")
+            .namespace(namespace("carried"))
+            .manual_clock()
+            .timeout(Duration::from_secs(5))
+            .member("only", account.clone())
+            .leases(leases)
+            .carry_shares(&group)
+            .build(&conn)
+            .unwrap();
+        let pool = LimitPool::builder(Selection::MostHeadroom)
+            .member("only", LimitSet::new(account.clone()).unwrap(), ())
+            .shared(std::sync::Arc::new(store.clone()))
+            .build()
+            .unwrap();
+        // The same plan refreshed alone.
+        let alone = manual(plan.clone(), "alone").shares(shares()).build(&conn).unwrap();
+        let tenants: Vec<TenantKey> = ["a", "b"].iter().map(|t| TenantKey::new([*t]).unwrap()).collect();
+        let mut rng = Rng(30);
+        let start = 1_000_000 * MS;
+        for step in 0..400u64 {
+            let now = Instant::from_nanos(start + step * MS);
+            if step % 20 == 0 {
+                assert!(store.refresh_leases(now).await, "step {step}: the lease refresh answered");
+                assert!(alone.refresh_shares(now).await);
+                if step > 0 {
+                    assert!(store.leased_fraction(now).is_some_and(|f| f > 0.0), "step {step}: the lease is held");
+                }
+            }
+            // The accounts' demand: a request a step.
+            if let Ok(grant) = Backend::acquire(&pool, &TenantKey::global(), 1, now).await {
+                Backend::release(&pool, &TenantKey::global(), grant);
+            }
+            for _ in 0..rng.below(4) {
+                let key = &tenants[rng.below(2) as usize];
+                let cost = 1 + rng.below(3);
+                match (carried.acquire(key, cost, now).await, alone.acquire(key, cost, now).await) {
+                    (Ok(c), Ok(a)) => assert_eq!(c.source(), a.source(), "step {step}: granted from the same place"),
+                    (Err(c), Err(a)) => assert_eq!(c.to_string(), a.to_string(), "step {step}"),
+                    (c, a) => panic!("step {step}: carried {c:?}, alone {a:?}"),
+                }
+            }
+        }
+        assert!(carried.stats().shared_grants > 100, "the shares decided: {:?}", carried.stats());
+        assert_eq!(carried.stats().shared_grants, alone.stats().shared_grants);
+        assert_eq!(carried.stats().share_refreshes, 0, "every refresh rode on a lease refresh");
+        // Every refresh but the first, which had nothing to report yet.
+        assert_eq!(carried.stats().share_refreshes_carried, 19, "{:?}", carried.stats());
+        assert!(alone.stats().share_refreshes >= 15, "{:?}", alone.stats());
+        // Carrying needs leases, and the group's connection.
+        let without_leases = RedisAccounts::builder("accounts").member("only", account.clone()).carry_shares(&group);
+        let err = without_leases.manual_clock().build(&conn).unwrap_err();
+        assert!(matches!(err, BuildError::Invalid { field: "carry_shares", .. }), "{err}");
+        let other = connect(&url).await;
+        let elsewhere = RedisAccounts::builder("accounts").member("only", account).leases(leases).carry_shares(&group);
+        let err = elsewhere.manual_clock().build(&other).unwrap_err();
+        assert!(matches!(err, BuildError::Invalid { field: "carry_shares", .. }), "{err}");
     });
 }
 

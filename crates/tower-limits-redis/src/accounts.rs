@@ -150,6 +150,7 @@ use tower_limits_core::{
     TenantKey, Unavailable, UpstreamReport,
 };
 
+use crate::backend::Ride;
 use crate::connection::RedisConnection;
 use crate::failure::{Breaker, FailurePolicy, Gate};
 
@@ -217,6 +218,9 @@ struct Inner {
     leases: Option<Leases>,
     /// With [`RedisAccountsBuilder::replaceable_limits`].
     replaceable: bool,
+    /// With [`RedisAccountsBuilder::carry_shares`]: the share group whose refreshes the
+    /// lease refreshes carry.
+    carried: Option<Arc<crate::backend::SharesGroup>>,
 }
 
 struct MemberInfo {
@@ -334,6 +338,7 @@ impl RedisAccounts {
             leases: None,
             replaceable: None,
             reserve_ahead: Duration::ZERO,
+            carried: None,
         }
     }
 
@@ -411,19 +416,26 @@ impl RedisAccounts {
 }
 
 impl Inner {
-    async fn eval(&self, args: &[String]) -> redis::RedisResult<Value> {
+    async fn eval(&self, args: &[String], ride: Option<&Ride>) -> redis::RedisResult<Value> {
         let mut args = args.to_vec();
         args.push(if self.reached.load(Ordering::Relaxed) { "1" } else { "0" }.to_owned());
         if self.manual_clock {
             args.push(self.last_now_us.load(Ordering::Relaxed).to_string());
         }
+        if let Some(ride) = ride {
+            // `X`: the lease's keys and arguments, then the shares'.
+            let head = ["X".to_owned(), self.keys.len().to_string(), args.len().to_string()];
+            args.splice(0..0, head);
+            args.extend(ride.args.iter().cloned());
+        }
+        let shares: Vec<&str> = ride.map_or_else(Vec::new, |r| r.keys.iter().map(|k| &**k).collect());
         let args = &args[..];
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&*self.sha).arg(self.keys.len()).arg(&self.keys).arg(args);
+        cmd.arg(&*self.sha).arg(self.keys.len() + shares.len()).arg(&self.keys).arg(&shares).arg(args);
         match self.conn.query(&cmd).await {
             Err(e) if e.code() == Some("NOSCRIPT") => {
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg(&*self.source).arg(self.keys.len()).arg(&self.keys).arg(args);
+                cmd.arg(&*self.source).arg(self.keys.len() + shares.len()).arg(&self.keys).arg(&shares).arg(args);
                 self.conn.query(&cmd).await
             }
             other => other,
@@ -432,7 +444,13 @@ impl Inner {
 
     /// One call under the timeout, feeding the breaker.
     async fn call(&self, args: &[String]) -> Result<Value, String> {
-        let (out, _kind) = match tokio::time::timeout(self.timeout, self.eval(args)).await {
+        self.call_carrying(args, None).await
+    }
+
+    /// One call under the timeout, feeding the breaker, carrying a share group's refresh
+    /// with `ride`.
+    async fn call_carrying(&self, args: &[String], ride: Option<&Ride>) -> Result<Value, String> {
+        let (out, _kind) = match tokio::time::timeout(self.timeout, self.eval(args, ride)).await {
             Ok(Ok(value)) => {
                 self.breaker.success();
                 self.reached.store(true, Ordering::Relaxed);

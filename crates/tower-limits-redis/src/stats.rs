@@ -51,6 +51,11 @@ pub struct RedisStats {
     pub shared_refusals: u64,
     /// Calls refreshing the shares (one per refresh period, per Cluster slot).
     pub share_refreshes: u64,
+    /// Refreshes of the shares carried in a lease refresh's call
+    /// ([`RedisAccountsBuilder::carry_shares`](crate::RedisAccountsBuilder::carry_shares)),
+    /// with no call of their own. A refresh group's calls and carried refreshes count
+    /// with the first backend of the group.
+    pub share_refreshes_carried: u64,
     /// Acquisitions that found a semaphore full while this replica's releases were on
     /// their way, waited for them and asked again (once each).
     pub release_waits: u64,
@@ -77,6 +82,7 @@ pub(crate) struct Counters {
     pub(crate) shared_grants: AtomicU64,
     pub(crate) shared_refusals: AtomicU64,
     pub(crate) share_refreshes: AtomicU64,
+    pub(crate) share_refreshes_carried: AtomicU64,
     pub(crate) release_waits: AtomicU64,
 }
 
@@ -109,6 +115,7 @@ impl Counters {
             shared_grants: l(&self.shared_grants),
             shared_refusals: l(&self.shared_refusals),
             share_refreshes: l(&self.share_refreshes),
+            share_refreshes_carried: l(&self.share_refreshes_carried),
             release_waits: l(&self.release_waits),
         }
     }

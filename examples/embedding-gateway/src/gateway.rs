@@ -693,6 +693,11 @@ impl Gateway {
                     .lifetime(lifetime(r.lease_refresh, r.redis_timeout))
                     .largest_cost(r.max_request_tokens),
             );
+            // One call a refresh for the accounts, the plans and the budgets (on one
+            // server: a cluster keeps them in different slots).
+            if let Some(group) = shares.as_ref().filter(|_| !connection.is_cluster()) {
+                store = store.carry_shares(group);
+            }
         }
         let store = store.build(connection)?;
         if self.pool.share_through(Arc::new(store.clone())) {

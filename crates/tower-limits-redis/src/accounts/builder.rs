@@ -15,6 +15,8 @@ use super::batches::send_batches;
 use super::lease::{self, AccountLeases, LeasedLimit, Leases};
 use super::renewal::renew_leases;
 use super::{BLOCKED_NS, DEMAND_LIVES_US, Inner, LimitShape, MemberInfo, RedisAccounts, Stats, TAG_LIVES_US};
+use crate::ShareGroup;
+use crate::backend::SHARES_SCRIPT;
 use crate::connection::RedisConnection;
 use crate::error::BuildError;
 use crate::failure::{Breaker, FailurePolicy};
@@ -35,6 +37,7 @@ pub struct RedisAccountsBuilder {
     pub(super) leases: Option<AccountLeases>,
     pub(super) replaceable: Option<Duration>,
     pub(super) reserve_ahead: Duration,
+    pub(super) carried: Option<ShareGroup>,
 }
 
 impl RedisAccountsBuilder {
@@ -107,6 +110,27 @@ impl RedisAccountsBuilder {
     /// ```
     pub fn leases(mut self, leases: AccountLeases) -> Self {
         self.leases = Some(leases);
+        self
+    }
+
+    /// Carries the whole refresh of `group`'s capacity shares in this replica's lease
+    /// refreshes: one call renews the accounts' lease and the shares of every backend of
+    /// the group, rather than a call each. The group's refresh rides on the first lease
+    /// refresh three quarters of its period after the last; while lease refreshes come,
+    /// the group waits up to half a period more for one before sending its own (so its
+    /// refreshes come every ¾ to 1½ periods). Needs [`leases`](Self::leases), the group's
+    /// connection (or a clone) and clock, and a standalone server (on a cluster the
+    /// accounts' keys and the shares' are in different slots).
+    ///
+    /// ```
+    /// use tower_limits_redis::{AccountLeases, RedisAccounts, ShareGroup, Shares};
+    ///
+    /// let plans = ShareGroup::new(Shares::new());
+    /// let builder = RedisAccounts::builder("accounts").leases(AccountLeases::new()).carry_shares(&plans);
+    /// # drop(builder);
+    /// ```
+    pub fn carry_shares(mut self, group: &ShareGroup) -> Self {
+        self.carried = Some(group.clone());
         self
     }
 
@@ -210,6 +234,20 @@ impl RedisAccountsBuilder {
         }
         if self.reserve_ahead > Duration::from_secs(10) {
             return Err(invalid("reserve_ahead", "reservations reach at most 10 s ahead".into()));
+        }
+        if let Some(group) = &self.carried {
+            if self.leases.is_none() {
+                return Err(invalid("carry_shares", "only lease refreshes carry a share group's: set leases".into()));
+            }
+            if connection.is_cluster() {
+                return Err(invalid(
+                    "carry_shares",
+                    "on a cluster the accounts' keys and the shares' are in different slots: refresh them apart".into(),
+                ));
+            }
+            if let Some(message) = group.shared.refuses(connection, self.manual_clock) {
+                return Err(invalid("carry_shares", message));
+            }
         }
         if !self.reserve_ahead.is_zero() && self.leases.is_some() {
             return Err(invalid("reserve_ahead", "leases decide locally: choose leases or reservations".into()));
@@ -342,7 +380,10 @@ impl RedisAccountsBuilder {
             table.push_str("local T = redis.call('TIME')\nlocal NOW, SLACK = T[1] * 1000000 + T[2], 0\n");
             table.push_str("local KNOWN = ARGV[#ARGV] == '1'\n");
         }
-        let source: Arc<str> = format!("{table}{SCRIPT}").into();
+        let source: Arc<str> = match &self.carried {
+            None => format!("{table}{SCRIPT}").into(),
+            Some(_) => carrying(&table).into(),
+        };
         let sha: Arc<str> = redis::Script::new(&source).get_hash().into();
         let (tx, rx) = mpsc::unbounded_channel();
         let n = members.len();
@@ -369,6 +410,7 @@ impl RedisAccountsBuilder {
             reached: AtomicBool::new(false),
             leases: self.leases.map(|settings| Leases::new(settings, leased)),
             replaceable: self.replaceable.is_some(),
+            carried: self.carried.map(|group| group.shared),
         });
         runtime.spawn(send_batches(Arc::downgrade(&inner), rx));
         // On a manual clock the test chooses when leases are refreshed.
@@ -381,6 +423,40 @@ impl RedisAccountsBuilder {
 
 /// The script after the members' table: `a` acquires, `b` applies a batch.
 const SCRIPT: &str = include_str!("script.lua");
+
+/// The script of a store that carries a share group's refreshes: the accounts' script
+/// (after its members' `table`) and the shares' as two functions of their own keys and
+/// arguments, and `X`, a call of both.
+fn carrying(table: &str) -> String {
+    format!(
+        "local accounts = function(KEYS, ARGV)\n{table}{SCRIPT}\nend\n\
+         local shares = function(KEYS, ARGV)\n{SHARES_SCRIPT}\nend\n{CARRY}"
+    )
+}
+
+/// `X`: a lease refresh carrying a share group's refresh. ARGV[2] the number of the lease's
+/// keys (the first KEYS), ARGV[3] the number of its arguments (after these three), then
+/// the shares' arguments; answers the number of the lease's answers, they, then the
+/// shares' answers. Any other operation is the accounts'.
+const CARRY: &str = r"
+if ARGV[1] ~= 'X' then return accounts(KEYS, ARGV) end
+local nk, na = tonumber(ARGV[2]), tonumber(ARGV[3])
+local K1, A1, K2, A2 = {}, {}, {}, {}
+for i = 1, #KEYS do
+  if i <= nk then K1[#K1 + 1] = KEYS[i] else K2[#K2 + 1] = KEYS[i] end
+end
+for i = 4, #ARGV do
+  if i <= 3 + na then A1[#A1 + 1] = ARGV[i] else A2[#A2 + 1] = ARGV[i] end
+end
+local r1 = accounts(K1, A1)
+if type(r1) ~= 'table' or r1.err then return r1 end
+local r2 = shares(K2, A2)
+if type(r2) ~= 'table' or r2.err then return r2 end
+local out = {#r1}
+for i = 1, #r1 do out[#out + 1] = r1[i] end
+for i = 1, #r2 do out[#out + 1] = r2[i] end
+return out
+";
 
 /// A member's limit as Redis evaluates it: its lease shape, its interval and its
 /// tolerance (ns); or why it cannot be.

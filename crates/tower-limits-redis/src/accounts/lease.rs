@@ -129,7 +129,9 @@
 //! # What it costs
 //!
 //! One call per busy replica per refresh period while capacity moves, one per calm period
-//! while the fleet is settled, whatever the requests, and one more in three cases. A
+//! while the fleet is settled, whatever the requests (carrying the replica's capacity
+//! shares too, with [`RedisAccountsBuilder::carry_shares`](crate::RedisAccountsBuilder::carry_shares)),
+//! and one more in three cases. A
 //! replica short of its part while another holds more than its own (told to give some
 //! back, or to be told at its next refresh) asks again just after that one's next
 //! refresh or confirmation. A replica told to give a large part back (a tenth of the

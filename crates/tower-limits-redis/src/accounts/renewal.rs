@@ -9,6 +9,7 @@ use redis::Value;
 use tower_limits_core::Instant;
 
 use super::{Inner, RedisAccounts, demand_args, lease};
+use crate::backend::SharesGroup;
 use crate::failure::Gate;
 
 /// When a lease refresh is sent.
@@ -55,10 +56,16 @@ impl Inner {
         args.extend(min_shares.iter().map(u32::to_string));
         demand_args(&reported, &mut args);
         self.stats.lease_refreshes.fetch_add(1, Ordering::Relaxed);
+        // The share group's refresh rides along when it is due (the test's, on a manual
+        // clock, every time).
+        let ride = self.carried.as_ref().and_then(|group| group.ride(self.manual_clock.then_some(now)));
         let sent = tokio::time::Instant::now();
-        let reply = match self.call(&args).await {
+        let reply = match self.call_carrying(&args, ride.as_ref()).await {
             Ok(reply) => reply,
             Err(_) => {
+                if let Some(ride) = ride {
+                    SharesGroup::landed(ride, None);
+                }
                 if let Some(fleet) = &self.fleet {
                     fleet.clear_shares();
                 }
@@ -67,9 +74,24 @@ impl Inner {
             }
         };
         let took = sent.elapsed();
-        let ints = match &reply {
+        let ints: Option<Vec<i64>> = match &reply {
             Value::Array(items) => items.iter().map(|v| if let Value::Int(i) = v { Some(*i) } else { None }).collect(),
             _ => None,
+        };
+        // Carrying: the number of the lease's answers, they, then the shares' (after their
+        // time).
+        let ints = match (ride, ints) {
+            (None, ints) => ints,
+            (Some(ride), Some(all)) => {
+                let n = all.first().and_then(|&n| usize::try_from(n).ok()).filter(|&n| n < all.len());
+                let (lease, shares) = n.map_or((&all[..0], &all[..0]), |n| all[1..].split_at(n));
+                SharesGroup::landed(ride, shares.get(1..).filter(|_| heard));
+                Some(lease.to_vec())
+            }
+            (Some(ride), None) => {
+                SharesGroup::landed(ride, None);
+                None
+            }
         };
         let limits: usize =
             self.members.iter().map(|m| m.shape.lock().unwrap_or_else(PoisonError::into_inner).len()).sum();

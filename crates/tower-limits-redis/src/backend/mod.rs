@@ -72,6 +72,7 @@ pub use builder::RedisBackendBuilder;
 use call::acquire_remote;
 use grant::GrantKind;
 pub use grant::{GrantSource, RedisGrant};
+pub(crate) use shares::{Group as SharesGroup, Ride, SCRIPT as SHARES_SCRIPT};
 pub use shares::{ShareGroup, Shares};
 
 /// The bound below which the script's double arithmetic (divisions included) is exact:

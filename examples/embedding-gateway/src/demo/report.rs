@@ -216,14 +216,16 @@ pub(super) fn print_plan_store(gateways: &[Gateway]) {
     if backends.is_empty() {
         return;
     }
-    let (mut acquisitions, mut shared, mut refreshes, mut trips) = (0, 0, 0, 0);
+    let (mut acquisitions, mut shared, mut refreshes, mut carried, mut trips) = (0, 0, 0, 0, 0);
     for b in &backends {
         let st = b.stats();
         (acquisitions, shared) = (acquisitions + st.acquisitions, shared + st.shared_grants);
-        (refreshes, trips) = (refreshes + st.share_refreshes, trips + st.round_trips);
+        (refreshes, carried, trips) =
+            (refreshes + st.share_refreshes, carried + st.share_refreshes_carried, trips + st.round_trips);
     }
     println!(
-        "plans in Redis: {acquisitions} acquisitions, {shared} granted from shares, {refreshes} share refreshes, {trips} round trips in all"
+        "plans in Redis: {acquisitions} acquisitions, {shared} granted from shares, {refreshes} share refresh calls \
+         (and {carried} carried by lease refreshes), {trips} round trips in all"
     );
 }
 

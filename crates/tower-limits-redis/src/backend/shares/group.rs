@@ -55,7 +55,7 @@ use crate::stats::bump;
 /// ```
 #[derive(Clone)]
 pub struct ShareGroup {
-    pub(in crate::backend) shared: Arc<Group>,
+    pub(crate) shared: Arc<Group>,
 }
 
 impl fmt::Debug for ShareGroup {
@@ -84,6 +84,7 @@ impl ShareGroup {
                 members: Mutex::new(Vec::new()),
                 running: AtomicBool::new(false),
                 early: tokio::sync::Notify::new(),
+                timing: Mutex::new(Timing::default()),
             }),
         }
     }
@@ -103,12 +104,29 @@ impl ShareGroup {
 }
 
 /// What the members of a group share.
-pub(in crate::backend) struct Group {
+pub(crate) struct Group {
     pub(super) settings: Shares,
     members: Mutex<Vec<Weak<Inner>>>,
     running: AtomicBool,
     /// Scopes new to a member turned hot: the loop refreshes them early.
     pub(super) early: tokio::sync::Notify,
+    /// When the last whole refresh was sent (alone or carried), and when a carrier (a
+    /// lease refresh that may carry the group's) last offered to, on tokio's clock.
+    timing: Mutex<Timing>,
+}
+
+#[derive(Default)]
+struct Timing {
+    last: Option<tokio::time::Instant>,
+    offered: Option<tokio::time::Instant>,
+}
+
+/// A whole refresh of a group, carried in another script's call (a lease refresh): its
+/// keys and arguments (a `G` call's), and the members' parts to apply the answer to.
+pub(crate) struct Ride {
+    pub(crate) keys: Vec<Arc<str>>,
+    pub(crate) args: Vec<String>,
+    parts: Vec<Part>,
 }
 
 impl Group {
@@ -121,7 +139,7 @@ impl Group {
 
     /// Why a backend on `connection` (with a manual clock or not) cannot join, if it
     /// cannot: its calls would go to another server, or run on another clock.
-    pub(in crate::backend) fn refuses(&self, connection: &RedisConnection, manual_clock: bool) -> Option<String> {
+    pub(crate) fn refuses(&self, connection: &RedisConnection, manual_clock: bool) -> Option<String> {
         let first = self.live().into_iter().next()?;
         if !first.conn.same_as(connection) {
             return Some("the backends of a share group must be built on one RedisConnection (or its clones)".into());
@@ -164,9 +182,38 @@ impl Group {
     pub(super) async fn refresh(&self, now: Option<Instant>, heard: bool, turned_hot: bool) -> bool {
         let members = self.live();
         let Some(sender) = members.first() else { return false };
-        // Per slot, the parts: a member, its keys and their arguments, and its instant.
-        let mut slots: BTreeMap<u16, Vec<Part<'_>>> = BTreeMap::new();
-        for member in &members {
+        let Some(table) = &sender.shares else { return false };
+        if !turned_hot {
+            self.lock_timing().last = Some(tokio::time::Instant::now());
+        }
+        let mut all = true;
+        for parts in self.collect(&members, now, turned_hot).into_values() {
+            let (keys, args) = call_of(sender, now, &parts);
+            bump(&sender.stats.share_refreshes);
+            match sender.eval_shares(table, &keys, &args).await {
+                Ok(value) => match int_array(&value) {
+                    Some(reply) if reply.len() == 1 + 3 * keys.len() => {
+                        if heard {
+                            apply(&parts, &reply[1..]);
+                        }
+                    }
+                    _ => {
+                        all = false;
+                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
+                    }
+                },
+                Err(_) => all = false,
+            }
+        }
+        all
+    }
+
+    /// The members' reports, per slot: each member reports as of `now` (its latest
+    /// acquisition's instant when `None`) every scope, or with `turned_hot` the scopes new
+    /// to it that turned hot since the last call.
+    fn collect(&self, members: &[Arc<Inner>], now: Option<Instant>, turned_hot: bool) -> BTreeMap<u16, Vec<Part>> {
+        let mut slots: BTreeMap<u16, Vec<Part>> = BTreeMap::new();
+        for member in members {
             let Some(table) = &member.shares else { continue };
             if let Some(now) = now {
                 table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
@@ -183,78 +230,115 @@ impl Group {
                 None
             };
             for (slot, keys, args) in table.report(member, at, only.as_deref()) {
-                slots.entry(slot).or_default().push(Part { member, keys, args, at });
+                slots.entry(slot).or_default().push(Part { member: member.clone(), keys, args, at });
             }
         }
-        if slots.is_empty() {
-            return true;
+        slots
+    }
+
+    /// The group's whole refresh for a carrier's call (a lease refresh), when it is due:
+    /// three quarters of a period after the last one at the earliest (always on a manual
+    /// clock, where the test decides when refreshes happen). The carrier then hands the
+    /// answer to [`Group::landed`]. `None` when it is not due, or nothing is to report.
+    pub(crate) fn ride(&self, now: Option<Instant>) -> Option<Ride> {
+        let members = self.live();
+        let sender = members.first()?;
+        let manual = sender.settings.manual_clock;
+        {
+            let wall = tokio::time::Instant::now();
+            let mut timing = self.lock_timing();
+            timing.offered = Some(wall);
+            let early = timing.last.is_some_and(|last| wall < last + self.settings.refresh * 3 / 4);
+            if early && !manual {
+                return None;
+            }
+            timing.last = Some(wall);
         }
-        let Some(table) = &sender.shares else { return false };
-        let now_us = match now {
-            Some(now) if sender.settings.manual_clock => (now.as_nanos() / 1000).to_string(),
-            _ => String::new(),
-        };
-        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
-        let mut all = true;
-        for parts in slots.into_values() {
-            let mut keys = Vec::new();
-            let mut args = vec!["G".to_owned(), String::new(), now_us.clone(), "0".into(), "0".into()];
-            args.push(parts.len().to_string());
-            for part in &parts {
-                let Some(t) = &part.member.shares else { continue };
-                args.extend([t.replica.to_string(), us(t.settings.lifetime), us(t.permit_lease)]);
-                args.push(part.keys.len().to_string());
-                args.extend(part.args.iter().cloned());
-                keys.extend(part.keys.iter().cloned());
+        let mut slots = self.collect(&members, now, false);
+        // (A carrier is never on a cluster: all the keys are in one slot.)
+        let parts = slots.remove(&0)?;
+        let (keys, args) = call_of(sender, now, &parts);
+        bump(&sender.stats.share_refreshes_carried);
+        Some(Ride { keys, args, parts })
+    }
+
+    /// The answer to a carried refresh (the share script's, without its leading time), or
+    /// `None` when the call failed or its answer was lost.
+    pub(crate) fn landed(ride: Ride, answers: Option<&[i64]>) {
+        match answers {
+            Some(answers) if answers.len() == 3 * ride.keys.len() => apply(&ride.parts, answers),
+            Some(answers) => {
+                tracing::warn!(target: "tower_limits_redis", ?answers, "unexpected answer to a carried share refresh");
             }
-            bump(&sender.stats.share_refreshes);
-            let reply = match sender.eval_shares(table, &keys, &args).await {
-                Ok(value) => match int_array(&value) {
-                    Some(reply) if reply.len() == 1 + 3 * keys.len() => reply,
-                    _ => {
-                        all = false;
-                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
-                        continue;
-                    }
-                },
-                Err(_) => {
-                    all = false;
-                    continue;
-                }
-            };
-            if !heard {
-                continue;
-            }
-            let mut answers = &reply[1..];
-            for part in &parts {
-                let Some(t) = &part.member.shares else { continue };
-                let (mine, rest) = answers.split_at(3 * part.keys.len());
-                t.apply(part.member, &part.keys, mine, part.at + t.settings.lifetime);
-                answers = rest;
-            }
+            None => {}
         }
-        all
+    }
+
+    /// When the loop sends the next whole refresh on its own: a period after the last,
+    /// and half a period later while a carrier offers to carry it.
+    fn deadline(&self) -> tokio::time::Instant {
+        let timing = self.lock_timing();
+        let every = self.settings.refresh;
+        let Some(last) = timing.last else { return tokio::time::Instant::now() };
+        let carried = timing.offered.is_some_and(|at| at + every * 2 > tokio::time::Instant::now());
+        if carried { last + every * 3 / 2 } else { last + every }
+    }
+
+    fn lock_timing(&self) -> std::sync::MutexGuard<'_, Timing> {
+        self.timing.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 /// A member's part of a group's call.
-struct Part<'a> {
-    member: &'a Arc<Inner>,
+struct Part {
+    member: Arc<Inner>,
     keys: Vec<Arc<str>>,
     args: Vec<String>,
     at: Instant,
 }
 
+/// The keys and arguments of a `G` call of `parts`, for `sender` (its clock).
+fn call_of(sender: &Inner, now: Option<Instant>, parts: &[Part]) -> (Vec<Arc<str>>, Vec<String>) {
+    let now_us = match now {
+        Some(now) if sender.settings.manual_clock => (now.as_nanos() / 1000).to_string(),
+        _ => String::new(),
+    };
+    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
+    let mut keys = Vec::new();
+    let mut args = vec!["G".to_owned(), String::new(), now_us, "0".into(), "0".into()];
+    args.push(parts.len().to_string());
+    for part in parts {
+        let Some(t) = &part.member.shares else { continue };
+        args.extend([t.replica.to_string(), us(t.settings.lifetime), us(t.permit_lease)]);
+        args.push(part.keys.len().to_string());
+        args.extend(part.args.iter().cloned());
+        keys.extend(part.keys.iter().cloned());
+    }
+    (keys, args)
+}
+
+/// Applies a `G` call's answers (without the leading time) to its parts.
+fn apply(parts: &[Part], mut answers: &[i64]) {
+    for part in parts {
+        let Some(t) = &part.member.shares else { continue };
+        let (mine, rest) = answers.split_at(3 * part.keys.len());
+        t.apply(&part.member, &part.keys, mine, part.at + t.settings.lifetime);
+        answers = rest;
+    }
+}
+
 /// Refreshes every period while a member lives, and, in between, the scopes new to a
 /// member that turned hot (at least a tenth of a period after the last call): the others'
-/// demand is measured over whole periods. Each member's `now` is the latest an
-/// acquisition was given: never later than the clock, so shares expire locally no later
-/// than in Redis. Once every member is dropped, the loop ends within a period.
+/// demand is measured over whole periods. While a carrier (a lease refresh) offers to
+/// carry the whole refresh, the loop gives it half a period more before sending it alone.
+/// Each member's `now` is the latest an acquisition was given: never later than the
+/// clock, so shares expire locally no later than in Redis. Once every member is dropped,
+/// the loop ends within a period.
 async fn refresh_loop(group: Arc<Group>, every: Duration) {
     let gap = every / EARLIEST;
-    let mut next = tokio::time::Instant::now();
-    let mut last = next;
+    let mut last = tokio::time::Instant::now();
     loop {
+        let next = group.deadline();
         let early = tokio::time::timeout_at(next, group.early.notified()).await.is_ok();
         if early {
             tokio::time::sleep_until((last + gap).min(next)).await;
@@ -268,7 +352,9 @@ async fn refresh_loop(group: Arc<Group>, every: Duration) {
             group.refresh(None, true, true).await;
             continue;
         }
-        group.refresh(None, true, false).await;
-        next = (next + every).max(last);
+        // A carrier may have taken it meanwhile.
+        if last >= group.deadline() {
+            group.refresh(None, true, false).await;
+        }
     }
 }

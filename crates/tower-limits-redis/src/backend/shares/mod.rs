@@ -146,10 +146,11 @@ mod remote;
 mod table;
 
 pub use group::ShareGroup;
+pub(crate) use group::{Group, Ride};
 pub(super) use table::{SharedGrant, Table};
 
 /// The script of the share tables.
-const SCRIPT: &str = include_str!("script.lua");
+pub(crate) const SCRIPT: &str = include_str!("script.lua");
 
 /// How a [`RedisBackend`](crate::RedisBackend) splits its rate limits, semaphores and
 /// windows among replicas: capacity shares, leased from Redis and refreshed in the background, so
