@@ -503,6 +503,7 @@ fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
         let key = TenantKey::new(["hooli"]).unwrap();
         let start = 1_000_000 * MS;
         let (mut shared, mut alone) = (0u64, 0u64);
+        let mut admitted = Vec::new();
         // Ten seconds of a client asking every 5 ms (fifty times what the limit allows, as
         // a client retrying its refusals does), routed 60/30/10.
         for step in 0..10_000u64 {
@@ -520,6 +521,7 @@ fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
                 }];
                 if let Ok(grant) = r.acquire(&key, 1, now).await {
                     shared += 1;
+                    admitted.push((now.as_nanos(), 1));
                     r.release(&key, grant);
                 }
                 if let Ok(grant) = per_request.acquire(&key, 1, now).await {
@@ -530,13 +532,16 @@ fn a_thin_rate_is_decided_per_request_and_admits_what_the_limit_allows() {
         }
         assert_eq!(shared, alone, "the fleet admits what the per-request path admits");
         assert!((40..=42).contains(&alone), "the limit's 4 a second and its burst: {alone}");
-        let from_shares: u64 = replicas.iter().map(|r| r.stats().shared_grants).sum();
-        assert_eq!(from_shares, 0, "a thin rate is never split");
+        let refreshes: u64 = replicas.iter().map(|r| r.stats().share_refreshes).sum();
+        assert_eq!(refreshes, 0, "a thin rate is never split: no share to refresh");
+
+        assert_bound("rpm", &admitted, 240, 60_000 * MS, 2);
         // A pool that refused, or that a grant left without a unit, refuses locally until it
-        // refills one: each replica asks at most once between two refills (forty in ten
-        // seconds, and the burst), however often its client retries.
+        // refills one, and books the unit it refills next for the replica that asked: each
+        // call grants a unit or books one, unless the bookings already hold the whole
+        // burst. (Without bookings, the three replicas raced for every unit: 122 calls.)
         let calls: u64 = replicas.iter().map(|r| r.stats().round_trips).sum();
-        assert!(calls <= 3 * 41, "at most one call per replica per refill: {calls}");
+        assert!(calls < 2 * 41, "fewer than two calls per unit admitted: {calls}");
     });
 }
 

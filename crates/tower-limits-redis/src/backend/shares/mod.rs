@@ -22,8 +22,10 @@
 //! below `min_burst` (8 units) is never split: its scopes take from the pool, one round
 //! trip per request, as a cold scope does. A pool that refused a scope, or that a grant
 //! left without a unit, answers with the exact time it holds a unit again, and until
-//! then the replica refuses that scope locally: a client retrying a thin rate costs each
-//! replica at most one call per unit the pool refills. Demand below `hot_after` requests
+//! then the replica refuses that scope locally. A thin rate's pool books what it would
+//! refuse and refills within a lifetime for the replica that asked, which takes it with
+//! no call once due (see Bounds below): a client retrying a thin rate across replicas
+//! costs about a call per unit admitted. Demand below `hot_after` requests
 //! a refresh (4) asks for no share: the scope stays with the pool; a scope that holds a
 //! share keeps asking while any request comes, and gives its share back after a period
 //! without one. A scope new to the replica that turns hot does not wait for the period's
@@ -68,6 +70,15 @@
 //! With [`Shares::burst_excess`], the bursts the shares split sum to `B` plus that
 //! percentage of it, and the bound is that larger burst plus the rate: an excess the user
 //! chooses, zero by default.
+//!
+//! Bookings keep the bound. A thin rate's pool (never split, so no share takes its rate)
+//! books units for a replica by paying them at once, a debt its refill repays exactly by
+//! the time they are due, and records them as a share of no rate whose burst is the
+//! units until they are used or lost (a refresh period after they are due, or the wait if
+//! longer): the bursts, bookings included, still sum to `B` at most. A replica takes them
+//! no earlier than Redis made them due (counted from the answer) and no later than Redis
+//! holds them (counted from before the call). No share grows while its pool is in debt,
+//! so the pool's refill rate never falls before a booking is due.
 //!
 //! The one documented margin: a Redis that restarts empty forgets every share, and
 //! answers as a fresh limit while replicas still use theirs, so for one lifetime the

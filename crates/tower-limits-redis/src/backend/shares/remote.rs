@@ -366,7 +366,19 @@ async fn take_from_pools(
     local: Vec<Part>,
     cold: Vec<Part>,
 ) -> Result<RedisGrant, AcquireError> {
-    let mut args = table.args_head(&inner, "P", now);
+    // A thin rate's pool (never split: no share takes its rate) may book what it would
+    // refuse: the replica then holds the units the pool refills next, and takes them with
+    // no call once due (a thin rate several replicas ask for costs a call per unit, not
+    // one per unit and replica).
+    let thin = |p: &Part| {
+        inner.limits[p.limit].share.is_some_and(|l| !l.window && !l.permits && l.burst < table.settings.min_burst)
+    };
+    let book = cold.len() == 1 && thin(&cold[0]);
+    let mut args = table.args_head(&inner, if book { "Q" } else { "P" }, now);
+    if book {
+        // (Q: how long at least a booking is held once due, in place of the permits' lease.)
+        args[4] = u64::try_from(table.settings.refresh.as_micros()).unwrap_or(u64::MAX).to_string();
+    }
     let mut keys = Vec::with_capacity(cold.len());
     for part in &cold {
         let Some(l) = inner.limits[part.limit].share else { continue };
@@ -375,8 +387,21 @@ async fn take_from_pools(
         args.push(part.units.to_string());
     }
     let give_back = |inner: &Inner| table.undo(inner, &local);
+    let sent = tokio::time::Instant::now();
     let why = match inner.eval_shares(&table, &keys, &args).await {
         Ok(value) => match int_array(&value) {
+            Some(reply) if book && reply.len() == 3 && reply[1] == 2 => {
+                give_back(&inner);
+                bump(&inner.stats.refused);
+                let wait = Duration::from_micros(u64::try_from(reply[2]).unwrap_or(0));
+                // Due no earlier than in Redis (counted from the answer; a manual clock is
+                // the script's), held no later (counted from before the call).
+                let hold = wait.max(table.settings.refresh);
+                let late = if inner.settings.manual_clock { Duration::ZERO } else { sent.elapsed() };
+                let from = now + wait + late;
+                table.book(&cold[0].scope, cold[0].units, from, now + wait + hold);
+                return Err(inner.share_refusal(cold[0].limit, Duration::from_nanos(from.nanos_since(now)), false));
+            }
             Some(reply) if reply.get(1) == Some(&1) => {
                 // A pool left without a unit refuses its next requests locally until it
                 // refills one (a thin rate: the replica's next request, an instant later).

@@ -211,12 +211,19 @@ local function refresh(k0, n, a)
       -- than a refusal until the others' next refresh.
       local target = min(demand, lvl)
       local new = min(target, A - s.rate)
+      -- A pool in debt (units booked ahead, or a charge beyond what it held) repays it at
+      -- the rate no share holds: no share grows until it has, so a booking is never due
+      -- before the pool refilled it.
+      if B > 0 and s.p < 0 then new = min(new, using) end
       -- A share of a rate too small to hold one unit of burst stays in the pool. (A burst of
       -- 0 marks a semaphore: its shares are permits, and it has no pool.)
       if B > 0 and new > 0 and floor(B * new / A) < 1 then new = 0 end
-      -- Until this replica confirms a smaller share, the larger one stays counted.
+      -- Until this replica confirms a smaller share, the larger one stays counted. A new
+      -- burst takes no more than the others' bursts leave, bookings included (the burst
+      -- the replica may still be using is within that already).
       local held = max(using, new)
-      local bheld, bnew = floor(B * held / A), floor(B * new / A)
+      local bnew = min(floor(B * new / A), max(B - s.burst, 0))
+      local bheld = max(floor(B * using / A), bnew)
       local gift = 0
       if bnew > floor(B * using / A) and s.p >= P then
         gift = min(floor(s.p / P), bnew - floor(B * using / A))
@@ -257,12 +264,15 @@ elseif op == 'G' then
     k = k + n
   end
   return out
-elseif op == 'P' then
+elseif op == 'P' or op == 'Q' then
   -- Take from the pools, all or nothing: per key A, P, B and the units. Answers 1 and per
   -- key the wait until its pool holds a unit again, or 0, the blocking key (from 1) and
   -- its wait in us (-1: no rate is free of shares).
   -- A window takes from the units no replica holds; refused, its wait is -2 when the
   -- window itself is spent (the caller knows when it ends).
+  -- Q, for one rate's key, books what P would refuse when the pool refills it within a
+  -- lifetime: answers 2 and the wait (see below). ARGV[5] is then how long at least a
+  -- booking is held once it is due.
   local a, ss = 6, {}
   local blocked, wait = 0, 0
   for k = 1, #KEYS do
@@ -288,6 +298,26 @@ elseif op == 'P' then
     end
     ss[k] = s
   end
+  -- A booking: the units the pool refills next go to this replica, due at now + wait and
+  -- held until `x`, recorded as a share of no rate whose burst is the units (the pool's
+  -- own burst is that much smaller meanwhile, so the bursts still sum to B at most).
+  -- Unused by `x`, they are lost. The pool pays them now, as a debt its refill repays by
+  -- the time they are due: over every window the bound holds as if they were taken then.
+  local booked = false
+  if op == 'Q' and blocked == 1 and #KEYS == 1 and wait > 0 and wait <= life and not ss[1].w then
+    local s, f = ss[1], me .. '~b'
+    local old = s.e[f]
+    local held = s.burst
+    if old then held = held - old.b end
+    if held + s.n <= s.B then
+      local x = now + wait + max(wait, plife)
+      s.burst = held + s.n
+      s.p = s.p - s.n * s.P
+      call('HSET', s.key, f, fmt('%.0f:%.0f:%.0f:0', 0, s.n, x))
+      if x > s.last then s.last = x end
+      booked = true
+    end
+  end
   for k = 1, #KEYS do
     local s = ss[k]
     if s.w then
@@ -298,7 +328,10 @@ elseif op == 'P' then
       save(s)
     end
   end
-  if blocked == 0 then
+  if booked then
+    out[#out + 1] = 2
+    out[#out + 1] = wait
+  elseif blocked == 0 then
     out[#out + 1] = 1
     -- Per key, the wait in us until its pool holds a unit again (0: it holds one; a
     -- window's is 0): the caller refuses locally until then, with no call.

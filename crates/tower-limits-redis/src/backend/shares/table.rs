@@ -68,6 +68,13 @@ struct Scope {
     denied_until: Instant,
     /// Rates and windows: the pool refused this scope; its share alone decides until then.
     pool_dry_until: Instant,
+    /// Rates: units the pool booked for this replica, due from `booked_from` (no earlier
+    /// than Redis made them due) and usable until `booked_until` (no later than Redis
+    /// holds them): a request for this scope that the share cannot grant takes them with
+    /// no call.
+    booked: u64,
+    booked_from: Instant,
+    booked_until: Instant,
     /// Windows: the start of the window the block is of, as the script is told; its end,
     /// as the script is told and on this clock; the units spent from blocks in it (net of
     /// settles), all told; and the window the last report was of. A window's `tokens` are
@@ -114,6 +121,9 @@ impl Scope {
             fetches: 0,
             denied_until: now,
             pool_dry_until: now,
+            booked: 0,
+            booked_from: now,
+            booked_until: now,
             window: 0,
             window_end_us: 0,
             window_end: now,
@@ -420,9 +430,32 @@ impl Table {
             }
         }
         if cold.is_empty() {
-            Local::Granted(SharedGrant { local, pooled: Vec::new(), charged: cost })
-        } else {
-            Local::Pool { local, cold }
+            return Local::Granted(SharedGrant { local, pooled: Vec::new(), charged: cost });
+        }
+        // Units the pool booked for this replica and now due cover the pools' part: granted
+        // with no call, as if the pool had granted them (settles go to the pool).
+        let due = |p: &Part| {
+            scopes.get(&p.scope).is_some_and(|s| {
+                s.booked >= p.units && s.booked_from <= now && now < s.booked_until && p.window_end == 0
+            })
+        };
+        if cold.iter().all(due) {
+            for part in &cold {
+                if let Some(s) = scopes.get_mut(&part.scope) {
+                    s.booked -= part.units;
+                }
+            }
+            return Local::Granted(SharedGrant { local, pooled: cold, charged: cost });
+        }
+        Local::Pool { local, cold }
+    }
+
+    /// The pool booked `units` of `scope` for this replica, due from `from` and usable
+    /// until `until`; the scope is refused locally until they are due.
+    pub(super) fn book(&self, scope: &Arc<str>, units: u64, from: Instant, until: Instant) {
+        if let Some(s) = self.lock().get_mut(scope) {
+            (s.booked, s.booked_from, s.booked_until) = (units, from, until);
+            s.pool_dry_until = from;
         }
     }
 
