@@ -24,6 +24,7 @@
 
 pub mod budget;
 mod quota;
+mod redis_tap;
 mod redis_work;
 mod report;
 use std::collections::BTreeMap;
@@ -183,6 +184,10 @@ struct Fleet {
     addrs: Vec<SocketAddr>,
     /// The replicas, for their shared accounts' counters.
     gateways: Vec<Gateway>,
+    /// With Redis: the prefix of this run's keys, and the tap the replicas reach Redis
+    /// through (none for a URL it cannot tap).
+    namespace: String,
+    tap: Option<redis_tap::Tap>,
 }
 
 /// What the client tasks count as they go: read by the progress lines while the load
@@ -303,7 +308,8 @@ pub async fn run(mut config: Config, options: &DemoOptions) -> Result<DemoReport
     print_plan_store(&fleet.gateways);
     if let Some(work) = redis_work {
         let answers = counters.per_replica.iter().map(|r| r.0.load(Ordering::Relaxed)).sum();
-        work.print(answers).await?;
+        let replay = fleet.tap.as_ref().map(|t| (t.recorded.clone(), fleet.namespace.as_str()));
+        work.print(answers, replay).await?;
     }
     if fleet.addrs.len() > 1 {
         print_replicas(counters, &tenants);
@@ -353,21 +359,28 @@ async fn start_upstream(config: &mut Config) -> Result<(SocketAddr, Arc<Upstream
 /// Starts the gateway: one replica in memory, or `redis.replicas` replicas sharing their
 /// limits in Redis under a namespace of this run's own.
 async fn start_gateways(config: &Config, redis: Option<&RedisOptions>) -> Result<Fleet, tower::BoxError> {
-    let mut fleet = Fleet { addrs: Vec::new(), gateways: Vec::new() };
-    let replicas = redis.map_or(1, |r| r.replicas.max(1));
     let namespace = format!(
         "egw-demo-{}-{}",
         std::process::id(),
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
     );
+    let tap = match redis {
+        Some(r) => redis_tap::Tap::start(&r.url).await?,
+        None => None,
+    };
+    let mut fleet = Fleet { addrs: Vec::new(), gateways: Vec::new(), namespace: namespace.clone(), tap };
+    let replicas = redis.map_or(1, |r| r.replicas.max(1));
     for _ in 0..replicas {
         let sharing = match redis {
             None => Sharing::InMemory,
-            Some(r) => Sharing::Redis {
-                connection: RedisConnection::connect(&r.url).await.map_err(|e| format!("redis at {}: {e}", r.url))?,
-                replicas,
-                namespace: namespace.clone(),
-            },
+            Some(r) => {
+                let url = fleet.tap.as_ref().map_or(r.url.as_str(), |t| t.url.as_str());
+                Sharing::Redis {
+                    connection: RedisConnection::connect(url).await.map_err(|e| format!("redis at {}: {e}", r.url))?,
+                    replicas,
+                    namespace: namespace.clone(),
+                }
+            }
         };
         let gateway = Gateway::with_sharing(config, http_transport(), &sharing)?;
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;

@@ -2,11 +2,18 @@
 //! server's own counters (`INFO commandstats`, `INFO cpu`) around the load, beside what
 //! the server costs idle (its timers run whatever the load: about 1.5 ms of CPU a second
 //! at the default `hz 10`, a floor that a fleet answering few requests a second sees in
-//! every answer).
+//! every answer); then the same calls replayed back to back, which is what they cost a
+//! server kept busy (see [`super::redis_tap`]).
 
+use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use tower_limits_redis::redis::{self, aio::MultiplexedConnection};
+
+use super::redis_tap::Recorded;
+
+/// How many calls the pipelined replay sends at once.
+const DEPTH: usize = 32;
 
 /// How long the idle server is watched before the load.
 const IDLE: Duration = Duration::from_millis(500);
@@ -34,8 +41,9 @@ impl RedisWork {
     }
 
     /// Prints the script calls and the server CPU since [`RedisWork::start`], in all and per
-    /// answer of the gateways.
-    pub(super) async fn print(mut self, answers: u64) -> Result<(), tower::BoxError> {
+    /// answer of the gateways; with the calls a tap `recorded` (keys under `namespace`),
+    /// what they cost the same server replayed back to back.
+    pub(super) async fn print(mut self, answers: u64, replay: Option<(Recorded, &str)>) -> Result<(), tower::BoxError> {
         let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut self.conn).await?;
         let (mut scripts, mut commands) = (0u64, Vec::new());
         for line in info.lines().filter_map(|l| l.strip_prefix("cmdstat_")) {
@@ -65,8 +73,72 @@ impl RedisWork {
             self.idle * 1e3,
             per((cpu - idle).max(0.0) * 1e6)
         );
+        if let Some((recorded, namespace)) = replay {
+            let calls = std::mem::take(&mut *recorded.lock().unwrap_or_else(PoisonError::into_inner));
+            self.replay(&calls, namespace, answers).await?;
+        }
         Ok(())
     }
+
+    /// Sends `calls` again back to back with their keys under a namespace of their own
+    /// (the run's state stays as it was): once one at a time, each call waiting for the
+    /// one before (every call then pays the server's wake-up and its reads and writes),
+    /// once pipelined [`DEPTH`] deep in the same order (as a server busy with many
+    /// replicas' calls reads them). Prints the server CPU each took above the idle
+    /// server's, per answer of the run.
+    async fn replay(&mut self, calls: &[Vec<Vec<u8>>], namespace: &str, answers: u64) -> Result<(), tower::BoxError> {
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let from = namespace.as_bytes();
+        let mut per_answer = [0.0; 2];
+        let mut failed = 0;
+        for (round, depth) in [1, DEPTH].into_iter().enumerate() {
+            let to = format!("{namespace}-replay{round}").into_bytes();
+            let before = cpu_seconds(&mut self.conn).await?;
+            let started = Instant::now();
+            for chunk in calls.chunks(depth) {
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                for call in chunk {
+                    let cmd = pipe.cmd("EVALSHA");
+                    for arg in call.iter().skip(1) {
+                        cmd.arg(replace(arg, from, &to));
+                    }
+                }
+                let answers: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut self.conn).await?;
+                failed += answers.iter().filter(|a| a.is_err()).count();
+            }
+            let took = started.elapsed().as_secs_f64();
+            let cpu = (cpu_seconds(&mut self.conn).await? - before - self.idle * took).max(0.0);
+            per_answer[round] = cpu * 1e6 / answers.max(1) as f64;
+        }
+        println!(
+            "redis, the run's {} script calls replayed back to back on the same server{}: {:.1} us of server CPU per answer one at a time, {:.1} us pipelined {DEPTH} deep (one core at that cost: {:.0} answers a second)",
+            calls.len(),
+            if failed > 0 { format!(" ({failed} failed)") } else { String::new() },
+            per_answer[0],
+            per_answer[1],
+            1e6 / per_answer[1].max(0.001)
+        );
+        Ok(())
+    }
+}
+
+/// `arg` with every `from` in it replaced by `to`.
+fn replace(arg: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(arg.len());
+    let mut at = 0;
+    while at < arg.len() {
+        if arg[at..].starts_with(from) {
+            out.extend_from_slice(to);
+            at += from.len();
+        } else {
+            out.push(arg[at]);
+            at += 1;
+        }
+    }
+    out
 }
 
 /// The CPU the server has used since it started, user and system, in seconds.
