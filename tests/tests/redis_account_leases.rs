@@ -500,6 +500,34 @@ fn a_new_fleet_hands_its_bursts_out_once() {
     });
 }
 
+/// The bursts a new fleet's first lease holds pass to the replica the fleet gives them
+/// to: the first replica to refresh takes everything, gives most of it back once the
+/// other reports its demand, and the tokens its shrunk burst part dropped go back to
+/// Redis with its next report, for the other's growing part to take. (Before, they were
+/// lost, and the busy replica started from an empty bucket.)
+#[test]
+fn a_burst_part_given_back_passes_its_tokens_on() {
+    let Some(server) = redis_for("a_burst_part_given_back_passes_its_tokens_on") else { return };
+    runtime().block_on(async {
+        let [(quiet, quiet_store), (busy, busy_store)] = replicas(&server.url(), "leases-pass-on").await;
+        assert_eq!(ask(&quiet, 1, 0).await, 1, "the first lease: everything, the bursts as tokens");
+        assert_eq!(ask(&busy, 100, 0).await, 0, "the other holds everything");
+        // The quiet one, asked one request in a period, keeps a sliver; its next report
+        // gives back what its shrunk burst part dropped.
+        assert!(quiet_store.refresh_leases(ms(50)).await);
+        ask(&busy, 100, 51).await;
+        assert!(busy_store.refresh_leases(ms(51)).await);
+        assert!(quiet_store.refresh_leases(ms(52)).await);
+        ask(&busy, 100, 53).await;
+        assert!(busy_store.refresh_leases(ms(53)).await);
+        let part = busy_store.leased_fraction(ms(54));
+        assert!(part.is_some_and(|f| f > 0.5), "{part:?}");
+        let bursts: usize = ACCOUNTS.iter().map(|a| a.2 as usize).sum();
+        let served = ask(&busy, 100, 54).await;
+        assert!(served * 2 >= bursts, "the busy replica serves from the bursts at once: {served} of {bursts}");
+    });
+}
+
 /// Limits replaced while a leased fleet runs (learned from the upstream): one replica
 /// halves the account's rate, and from each replica's next refresh on the fleet keeps to
 /// the new limit over every window; doubled again, the fleet uses the new rate.

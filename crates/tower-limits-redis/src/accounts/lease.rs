@@ -70,8 +70,12 @@
 //! changed keeps the units it holds, up to its new burst, and refills at its new rate.
 //!
 //! A new fleet's bursts are full, as a new per-request store's are: the part of the
-//! bursts no lease has held yet is kept in Redis and handed out once, as tokens with the
-//! growth of the parts that take it.
+//! bursts no lease holds as tokens is kept in Redis and handed out as tokens with the
+//! growth of the parts that take it. A burst part that shrinks drops the tokens above its
+//! new capacity and gives them back with its next report, which also confirms the
+//! smaller part: the first replica of a new fleet takes everything, gives most of it
+//! back moments later, and the bursts pass to the replicas that need them rather than
+//! being lost.
 //!
 //! # Bounds
 //!
@@ -87,10 +91,13 @@
 //!   its call was sent, so never after Redis stops counting it.
 //! - Tokens come only from refills and from a new fleet's unspent bursts. A bucket whose
 //!   burst grows keeps its tokens (a new lease starts empty, but for the unspent bursts);
-//!   one that shrinks drops what is above its new capacity. The unspent part stays at
-//!   most the part of the bursts nobody is counted for (each grant takes from it no more
-//!   than its counted part grew), so the tokens held and the unspent bursts never sum to
-//!   more than the bursts: the fleet is one bucket that started full.
+//!   one that shrinks drops what is above its new capacity, and gives it back (the least
+//!   part over the limits) in the report that confirms its smaller part, whose counted
+//!   part shrinks by at least as much. The unspent part stays at most the part of the
+//!   bursts nobody is counted for (each grant takes from it no more than its counted part
+//!   grew), so the tokens held and the unspent bursts never sum to more than the bursts:
+//!   the fleet is one bucket that started full. A report whose answer is lost may have
+//!   been applied: its tokens are not given back twice.
 //!
 //! A replaced limit holds for a replica from its next refresh: until then it refills at
 //! the limit it knew, so for up to one period between refreshes (the calm period while
@@ -259,6 +266,9 @@ pub(super) struct Report {
     pub(super) cap: u64,
     /// The least burst part that holds the largest request it was asked lately.
     pub(super) least: u64,
+    /// Tokens of the bursts this replica dropped since the last report (a part of the
+    /// bursts), given back.
+    pub(super) returned: u64,
     /// What the report stands for: admitted, refused, the largest cost.
     pub(super) counts: (u64, u64, u64),
 }
@@ -307,6 +317,9 @@ struct State {
     pending: Option<(u64, u64, Instant, Instant, u64)>,
     /// Per member, per limit: tokens in units times the unit's interval times [`WHOLE`].
     tokens: Vec<Vec<i128>>,
+    /// Tokens a shrunk burst part dropped, as a part of the bursts (the least over the
+    /// limits), for the next report to give back to Redis.
+    dropped: u64,
     at: Instant,
     /// Requests admitted and refused since the last report.
     admitted: u64,
@@ -396,6 +409,7 @@ impl Leases {
                 expires: Instant::ZERO,
                 pending: None,
                 tokens,
+                dropped: 0,
                 at: Instant::ZERO,
                 admitted: 0,
                 refused: 0,
@@ -446,16 +460,25 @@ impl Leases {
     }
 
     /// Applies the last refresh's answer: a grown burst keeps the tokens, a shrunk one
-    /// drops those above its capacity.
+    /// drops those above its capacity, and the next report gives them back to Redis (the
+    /// least part of the bursts dropped over the limits), for a part that grows to take.
     fn take_pending(&self, st: &mut State, now: Instant) {
         self.advance(st, now);
         if let Some((rate, burst, expires, from, gift)) = st.pending.take() {
             if now < expires {
                 (st.rate, st.burst, st.expires) = (rate, burst, expires);
+                let mut dropped = u64::MAX;
                 for (member, tokens) in st.limits.iter().zip(&mut st.tokens) {
                     for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                        *t = (*t + l.capacity(gift)).min(l.capacity(burst));
+                        let full = *t + l.capacity(gift);
+                        *t = full.min(l.capacity(burst));
+                        let whole = l.capacity(WHOLE).max(1);
+                        let part = (full - *t).max(0) * i128::from(WHOLE) / whole;
+                        dropped = dropped.min(u64::try_from(part).unwrap_or(0));
                     }
+                }
+                if dropped != u64::MAX {
+                    st.dropped = st.dropped.saturating_add(dropped).min(WHOLE);
                 }
                 // The new parts refill from when the answer came, not from when it was
                 // asked: another replica may have used them until then.
@@ -612,7 +635,9 @@ impl Leases {
         };
         let wanted = st.wanted.max(st.wanted_before).max(1);
         let least = least_part(&st.limits, wanted);
-        Report { using, cap, least, counts: (st.admitted, st.refused, st.wanted) }
+        // Given back once: a report whose answer is lost may have been applied.
+        let returned = std::mem::take(&mut st.dropped);
+        Report { using, cap, least, returned, counts: (st.admitted, st.refused, st.wanted) }
     }
 
     /// The fleet's limits as Redis holds them (replaced ones included), per member and

@@ -494,13 +494,15 @@ if ARGV[1] == 'f' then
 end
 -- 'l': a lease refresh (accounts/lease.rs). ARGV: replica id, the rate fraction and the
 -- burst fraction it may still be using, the most rate it could use (its cap), the least
--- burst part that holds its largest request (fractions in millionths), the number of
--- bands and their minimum shares, then n and n quintuples as for 'f'. The hash LEASES
+-- burst part that holds its largest request, the part of the bursts it dropped as tokens
+-- since its last report (fractions in millionths), the number of bands and their
+-- minimum shares, then n and n quintuples as for 'f'. The hash LEASES
 -- keeps per replica 'r:<id>' = "rate granted, rate reported, burst granted, burst
 -- reported, expires, cap, weights per band (comma-separated), least part, period, next
 -- refresh" (the period it was given and when it comes back, us), 'd:<id>' =
--- its demand per tenant (JSON), and 'u' = the part of the bursts no lease has held yet
--- (a new fleet's, handed out once as tokens). The reply: the rate and burst granted, the
+-- its demand per tenant (JSON), and 'u' = the part of the bursts no lease holds as tokens
+-- (a new fleet's full bursts, and what shrunk parts dropped), handed out with the parts
+-- that grow. The reply: the rate and burst granted, the
 -- part of the bursts given as tokens, the members' benches, the caller's part of each
 -- tenant's demand (of 1024), each band's part of what the caller holds (millionths),
 -- every member's limits, interval and tolerance (ns), when to ask again (ns, 0: at the
@@ -508,13 +510,13 @@ end
 -- fleet moves, doubling up to CALM while every live replica holds what it is allotted.
 if ARGV[1] == 'l' then
   local rid, ug, uh, cap = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-  local q, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7])
+  local q, back, given = math.max(tonumber(ARGV[6]), QMIN), tonumber(ARGV[7]), tonumber(ARGV[8])
   local mins = {}
-  for b = 0, given - 1 do mins[b] = tonumber(ARGV[8 + b]) end
-  local nb, n = math.max(given, 1), tonumber(ARGV[8 + given])
+  for b = 0, given - 1 do mins[b] = tonumber(ARGV[9 + b]) end
+  local nb, n = math.max(given, 1), tonumber(ARGV[9 + given])
   local names, weights, mine, bandsof = {}, {}, {}, {}
   for k = 1, n do
-    local j = 8 + given + 5 * (k - 1)
+    local j = 9 + given + 5 * (k - 1)
     names[k], weights[k] = ARGV[j + 1], tonumber(ARGV[j + 2])
     mine[names[k]] = tonumber(ARGV[j + 4])
     bandsof[k] = ARGV[j + 5]
@@ -722,6 +724,13 @@ if ARGV[1] == 'l' then
   -- the part of the bursts no lease ever held comes with the part's growth as tokens:
   -- it stays at most the part nobody is counted for, so the tokens held and the bursts
   -- not handed out never sum to more than the bursts
+  -- tokens a replica's shrunk burst part dropped come back to the part no lease holds as
+  -- tokens, for a part that grows to take (a new fleet's first grab, given back moments
+  -- later, would otherwise lose the bursts)
+  if back > 0 then
+    unspent = math.min(WHOLE, unspent + back)
+    call('HSET', LEASES, 'u', fmt('%.0f', unspent))
+  end
   local gift = 0
   if unspent > 0 then
     gift = math.max(0, math.min(unspent, math.max(h, uh) - held, h))

@@ -138,7 +138,13 @@ fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
         outstanding: 1,
         bands,
     };
-    let report = |cap: u64, held: u64, least: u64| Report { using: (held, WHOLE / 2), cap, least, counts: (0, 0, 0) };
+    let report = |cap: u64, held: u64, least: u64| Report {
+        using: (held, WHOLE / 2),
+        cap,
+        least,
+        returned: 0,
+        counts: (0, 0, 0),
+    };
     let first = [tenant("a", 1)];
     let full = report(WHOLE, WHOLE / 2, 1_000);
     let said = Sent::of(&first, &full);
