@@ -101,7 +101,9 @@ impl RedisWork {
                 let mut pipe = redis::pipe();
                 pipe.ignore_errors();
                 for call in chunk {
-                    let cmd = pipe.cmd("EVALSHA");
+                    // (EVALSHA, or EVAL where the script was not loaded yet.)
+                    let name = call.first().and_then(|c| std::str::from_utf8(c).ok()).unwrap_or("EVALSHA");
+                    let cmd = pipe.cmd(name);
                     for arg in call.iter().skip(1) {
                         cmd.arg(replace(arg, from, &to));
                     }
