@@ -5,7 +5,12 @@
 //! fleet's Redis work would grow with the sets as well as the replicas. Backends built
 //! into one [`ShareGroup`] report their demand and renew their shares in one call per
 //! period (one per Cluster slot), each carried as a part with its own replica id and
-//! lifetimes: the script refreshes every part as it would alone.
+//! lifetimes: the script refreshes every part as it would alone. A replica's lease
+//! refreshes of its upstream accounts may carry the group's refresh in their own call
+//! ([`RedisAccountsBuilder::carry_shares`](crate::RedisAccountsBuilder::carry_shares)):
+//! the group's refresh then rides on the first lease refresh three quarters of a period
+//! after the last, and the loop sends it alone only when none came half a period after
+//! it was due.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -1,5 +1,6 @@
-//! What capacity shares ask of Redis: the refreshes, the pools' part of an acquisition,
-//! the settles sent in the background, and the loop that refreshes every period.
+//! What capacity shares ask of Redis outside their group's refreshes (see
+//! [`super::group`]): a semaphore's fetches, the pools' part of an acquisition (a thin
+//! rate's bookings among it) and the settles sent in the background.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
