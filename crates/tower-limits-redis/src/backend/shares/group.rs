@@ -126,6 +126,23 @@ struct Timing {
     offered: Option<tokio::time::Instant>,
 }
 
+impl Timing {
+    /// Whether a carrier at `now` takes the whole refresh of a group refreshed `every`:
+    /// three quarters of a period after the last at the earliest.
+    fn rides(&self, every: Duration, now: tokio::time::Instant) -> bool {
+        self.last.is_none_or(|last| now >= last + every * 3 / 4)
+    }
+
+    /// When the loop sends the next whole refresh on its own, seen at `now`: a period
+    /// after the last, and half a period later while a carrier offered to carry it
+    /// within the last two periods (at once before any).
+    fn deadline(&self, every: Duration, now: tokio::time::Instant) -> tokio::time::Instant {
+        let Some(last) = self.last else { return now };
+        let carried = self.offered.is_some_and(|at| at + every * 2 > now);
+        if carried { last + every * 3 / 2 } else { last + every }
+    }
+}
+
 /// A whole refresh of a group, carried in another script's call (a lease refresh): its
 /// keys and arguments (a `G` call's), and the members' parts to apply the answer to.
 pub(crate) struct Ride {
@@ -253,8 +270,7 @@ impl Group {
             let wall = tokio::time::Instant::now();
             let mut timing = self.lock_timing();
             timing.offered = Some(wall);
-            let early = timing.last.is_some_and(|last| wall < last + self.settings.refresh * 3 / 4);
-            if early && !manual {
+            if !manual && !timing.rides(self.settings.refresh, wall) {
                 return None;
             }
             timing.last = Some(wall);
@@ -279,14 +295,9 @@ impl Group {
         }
     }
 
-    /// When the loop sends the next whole refresh on its own: a period after the last,
-    /// and half a period later while a carrier offers to carry it.
+    /// When the loop sends the next whole refresh on its own.
     fn deadline(&self) -> tokio::time::Instant {
-        let timing = self.lock_timing();
-        let every = self.settings.refresh;
-        let Some(last) = timing.last else { return tokio::time::Instant::now() };
-        let carried = timing.offered.is_some_and(|at| at + every * 2 > tokio::time::Instant::now());
-        if carried { last + every * 3 / 2 } else { last + every }
+        self.lock_timing().deadline(self.settings.refresh, tokio::time::Instant::now())
     }
 
     fn lock_timing(&self) -> std::sync::MutexGuard<'_, Timing> {
@@ -361,5 +372,32 @@ async fn refresh_loop(group: Arc<Group>, every: Duration) {
         if last >= group.deadline() {
             group.refresh(None, true, false).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Timing;
+
+    #[test]
+    fn a_carrier_takes_the_refresh_from_three_quarters_of_a_period_and_the_loop_waits_for_it() {
+        let every = Duration::from_millis(1000);
+        let t0 = tokio::time::Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut timing = Timing::default();
+        assert!(timing.rides(every, t0), "never refreshed: the first carrier takes it");
+        assert_eq!(timing.deadline(every, t0), t0, "never refreshed: the loop sends at once");
+        timing.last = Some(t0);
+        assert!(!timing.rides(every, ms(749)));
+        assert!(timing.rides(every, ms(750)));
+        // No carrier: a period after the last.
+        assert_eq!(timing.deadline(every, ms(10)), ms(1000));
+        // A carrier offered lately: half a period more for it.
+        timing.offered = Some(ms(400));
+        assert_eq!(timing.deadline(every, ms(900)), ms(1500));
+        // None for two periods: the loop is on its own again.
+        assert_eq!(timing.deadline(every, ms(2400)), ms(1000));
     }
 }
