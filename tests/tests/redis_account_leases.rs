@@ -592,10 +592,10 @@ fn leases_take_the_limits_the_fleet_replaced() {
 /// A replica short of its part while another holds more than its own (told to give part
 /// back, or to be told at its next refresh) is asked to refresh again just after that one
 /// confirms it, rather than at its own next period; a replica that got its part is not. A
-/// replica that took a large part looks again a quarter period on. The one told to give a large part back
-/// (a tenth of the whole or more) while another waits confirms at once: the one waiting
-/// is asked again just after that (5 ms after the giver's refresh), or, that instant
-/// past, just after the giver's next period.
+/// replica that took a large part, or was allotted one and granted nothing, looks again a
+/// tenth of a period on. The one told to give a large part back (a tenth of the whole or
+/// more) while another waits confirms at once: the one waiting is asked again just after
+/// that (5 ms after the giver's refresh).
 #[test]
 fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
     let Some(server) = redis_for("a_replica_short_of_its_part_asks_again_after_the_holder_refreshes") else {
@@ -604,16 +604,17 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
     runtime().block_on(async {
         let [(x, x_store), (y, y_store)] = replicas(&server.url(), "leases-soon").await;
         // x takes the whole at 0 (refresh periods are 50 ms) and, having taken a large
-        // part, is asked to look again a quarter period on (12.5 ms, and 2 ms). y, at 10,
-        // gets nothing: x will be told to give half back at 12.5 and confirms at once,
-        // so y asks again 2 ms after that confirmation is due (17.5 ms).
+        // part, is asked to look again a tenth of a period on (5 ms, and the 2 ms every
+        // early call waits). y, at 10, gets nothing: allotted half and granted nothing,
+        // it looks again a tenth on too (x may give the half back sooner than its
+        // period, and y would not hear of it).
         ask(&x, 20, 0).await;
-        assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_micros(14_500)));
+        assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_millis(7)));
         ask(&y, 20, 10).await;
         assert_eq!(y_store.leased_fraction(ms(10)), Some(0.0));
-        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_micros(9_500)));
-        // x does not look again at 12.5 here (the test's clock): what follows is as
-        // when a holder keeps its period.
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(7)));
+        // x does not look again at 5 here (the test's clock): what follows is as when a
+        // holder keeps its period.
         // x is told at 40 to keep half (y's weight counts whole at once) and, y waiting,
         // to confirm at once (a microsecond, and the 2 ms every early call waits).
         ask(&x, 20, 40).await;
@@ -627,20 +628,19 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
         assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(5)));
         // x does not confirm; y, at 45, would be asked again 2 ms after x's next refresh
         // (at 90, which confirms the half), but granted nothing while allotted half, it
-        // looks again a quarter period on at the latest (12.5 ms, and 2 ms): x may give
-        // the half back sooner, and y would not hear of it.
+        // looks again a tenth of a period on at the latest (5 ms, and 2 ms).
         ask(&y, 20, 45).await;
         y_store.refresh_leases(ms(45)).await;
         assert_eq!(y_store.leased_fraction(ms(45)), Some(0.0));
-        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_micros(14_500)));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(7)));
         ask(&x, 20, 90).await;
         x_store.refresh_leases(ms(90)).await;
-        // y refused locally only until the refresh it was asked for (59.5): its requests
+        // y refused locally only until the refresh it was asked for (52): its requests
         // at 92 ask for a lease themselves and take the half x confirmed. Not short any
-        // more; having taken a large part, it looks again a quarter on.
+        // more; having taken a large part, it looks again a tenth on.
         ask(&y, 20, 92).await;
         assert_eq!(y_store.leased_fraction(ms(92)), Some(0.5));
-        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_micros(14_500)));
+        assert_eq!(y_store.lease_asked_again_in(), Some(Duration::from_millis(7)));
     });
 }
 

@@ -144,11 +144,11 @@
 //! refresh or confirmation. A replica told to give a large part back (a tenth of the
 //! whole or more) while others wait for capacity confirms at once, so the part is free
 //! one call later rather than one period. A replica that took a large part looks again a
-//! quarter of a period on: the first replica to refresh in a new fleet takes the whole,
+//! tenth of a period on: the first replica to refresh in a new fleet takes the whole,
 //! and the others, arriving moments later, would otherwise wait a period for it to give
 //! their parts back, then a second for their own turn; and one allotted a large part but
-//! granted nothing looks again a quarter of a period on at the latest, since a holder
-//! may give its part back before the refresh it was told of. None while it is idle. A
+//! granted nothing looks again a tenth of a period on at the latest, since a holder may
+//! give its part back before the refresh it was told of. None while it is idle. A
 //! call reads every live replica's entry, so its cost grows with the fleet. The
 //! background task refreshes at the instant an answer asked for, whichever call that
 //! answer came to. A first request on a replica without a lease waits for one call; a

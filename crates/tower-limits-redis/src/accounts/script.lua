@@ -667,10 +667,10 @@ if ARGV[1] == 'l' then
     end
   end
   -- allotted a tenth of the whole or more and granted nothing (a fleet starting, or work
-  -- that moved here), it looks again a quarter of a period on at the latest: the holders
+  -- that moved here), it looks again a tenth of a period on at the latest: the holders
   -- may give their parts back before the refresh it was told of (one that refreshes early
   -- gives a large part back at once, below), and it would not hear of it
-  if g <= 0 and allot > LARGE and (soon == 0 or soon > REFRESH / 4) then soon = floor(REFRESH / 4) end
+  if g <= 0 and allot > LARGE and (soon == 0 or soon > REFRESH / 10) then soon = floor(REFRESH / 10) end
   -- told to give a large part back (a tenth of the whole or more: a fleet starting, or
   -- work that moved) while others wait for capacity: ask again at once, so that the part
   -- is free for them one call later rather than one period
@@ -680,8 +680,8 @@ if ARGV[1] == 'l' then
     end
   end
   -- took a large part in this call (a fleet starting, or work that moved here): others
-  -- may be waiting for some of it; look again a quarter of a period on
-  if soon == 0 and g - ug >= LARGE then soon = floor(REFRESH / 4) end
+  -- may be waiting for some of it; look again a tenth of a period on
+  if soon == 0 and g - ug >= LARGE then soon = floor(REFRESH / 10) end
   local h = floor(math.min(hallot, WHOLE - oh))
   -- a burst too small to hold the replica's requests would refuse them
   if g <= 0 or h < q then g, h = 0, 0 end
