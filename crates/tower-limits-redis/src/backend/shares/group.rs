@@ -21,7 +21,7 @@ use std::time::Duration;
 use tower_limits_core::Instant;
 
 use super::Shares;
-use super::table::EARLIEST;
+use super::table::{EARLIEST, Table};
 use crate::backend::Inner;
 use crate::backend::call::int_array;
 use crate::connection::RedisConnection;
@@ -210,22 +210,7 @@ impl Group {
         }
         let mut all = true;
         for parts in self.collect(&members, now, turned_hot).into_values() {
-            let (keys, args) = call_of(sender, now, &parts);
-            bump(&sender.stats.share_refreshes);
-            match sender.eval_shares(table, &keys, &args).await {
-                Ok(value) => match int_array(&value) {
-                    Some(reply) if reply.len() == 1 + 3 * keys.len() => {
-                        if heard {
-                            apply(&parts, &reply[1..]);
-                        }
-                    }
-                    _ => {
-                        all = false;
-                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
-                    }
-                },
-                Err(_) => all = false,
-            }
+            all &= send(sender, table, now, &parts, heard).await;
         }
         all
     }
@@ -305,12 +290,34 @@ impl Group {
     }
 }
 
-/// A member's part of a group's call.
-struct Part {
-    member: Arc<Inner>,
-    keys: Vec<Arc<str>>,
-    args: Vec<String>,
-    at: Instant,
+/// A member's part of a group's call: its scopes' keys and arguments, reported as of `at`.
+pub(super) struct Part {
+    pub(super) member: Arc<Inner>,
+    pub(super) keys: Vec<Arc<str>>,
+    pub(super) args: Vec<String>,
+    pub(super) at: Instant,
+}
+
+/// Sends one `G` call of `parts` (one slot's) on `sender`, and applies its answers unless
+/// `heard` is false (tests: lost on the way back). Answers whether it succeeded.
+pub(super) async fn send(sender: &Inner, table: &Table, now: Option<Instant>, parts: &[Part], heard: bool) -> bool {
+    let (keys, args) = call_of(sender, now, parts);
+    bump(&sender.stats.share_refreshes);
+    match sender.eval_shares(table, &keys, &args).await {
+        Ok(value) => match int_array(&value) {
+            Some(reply) if reply.len() == 1 + 3 * keys.len() => {
+                if heard {
+                    apply(parts, &reply[1..]);
+                }
+                true
+            }
+            _ => {
+                tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
+                false
+            }
+        },
+        Err(_) => false,
+    }
 }
 
 /// The keys and arguments of a `G` call of `parts`, for `sender` (its clock).

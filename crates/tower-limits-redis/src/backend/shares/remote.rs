@@ -9,8 +9,8 @@ use std::time::Duration;
 use redis::Value;
 use tower_limits_core::{AcquireError, Counts, Instant, LimitRefusal, Snapshot, TenantKey};
 
-use super::ShareLimit;
 use super::table::{Local, Part, SharedGrant, Table};
+use super::{ShareLimit, group};
 use crate::backend::background::PendingGuard;
 use crate::backend::call::{CallError, int_array};
 use crate::backend::grant::{GrantKind, RedisGrant};
@@ -33,24 +33,12 @@ impl Inner {
     /// Fetches the shares of the scopes `only` (a semaphore's, for a request its share
     /// is too small for), one call per slot, outside the refresh group's periodic calls.
     /// Answers whether every call succeeded.
-    pub(super) async fn fetch_shares(&self, table: &Table, now: Instant, only: &[Arc<str>]) -> bool {
+    pub(super) async fn fetch_shares(self: &Arc<Self>, table: &Table, now: Instant, only: &[Arc<str>]) -> bool {
         table.latest.fetch_max(now.as_nanos(), Ordering::Relaxed);
-        let expires = now + table.settings.lifetime;
         let mut all = true;
         for (_, keys, args) in table.report(self, now, Some(only)) {
-            let mut full = table.args_head(self, "R", now);
-            full.extend(args);
-            bump(&self.stats.share_refreshes);
-            match self.eval_shares(table, &keys, &full).await {
-                Ok(value) => match int_array(&value) {
-                    Some(reply) if reply.len() == 1 + 3 * keys.len() => table.apply(self, &keys, &reply[1..], expires),
-                    _ => {
-                        all = false;
-                        tracing::warn!(target: "tower_limits_redis", reply = ?value, "unexpected reply from the share script");
-                    }
-                },
-                Err(_) => all = false,
-            }
+            let part = group::Part { member: self.clone(), keys, args, at: now };
+            all &= group::send(self, table, Some(now), &[part], true).await;
         }
         all
     }

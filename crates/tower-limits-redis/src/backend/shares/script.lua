@@ -19,7 +19,7 @@
 -- ARGV[5] that of a semaphore's share in Redis (the backend's lease: a replica's permits
 -- in flight outlive the share it took them under);
 -- then per key: the limit's amount A per period P (us), its burst B, and what the
--- operation needs. (A refresh group's call, G, carries a replica and lifetimes per part.)
+-- operation needs. (A refresh, G, carries a replica and lifetimes per part instead.)
 local call, floor, min, max, fmt, match, tonumber = redis.call, math.floor, math.min, math.max, string.format, string.match, tonumber
 local op, me = ARGV[1], ARGV[2]
 -- With the caller's clock (tests), keys expire an hour later than their state needs: the
@@ -249,13 +249,11 @@ local function refresh(k0, n, a)
   return a
 end
 
-if op == 'R' then
-  refresh(1, #KEYS, 6)
-  return out
-elseif op == 'G' then
-  -- A refresh group's call: the refreshes of several backends (their replicas, lifetimes
-  -- and keys) in one. ARGV[6] the number of parts; each part: its replica, the lifetime of
-  -- its shares and of its semaphores' shares, its number of keys, then per key as R.
+if op == 'G' then
+  -- Refresh: the shares of one backend's scopes, or of several backends' (a refresh
+  -- group's) in one call. ARGV[6] the number of parts; each part: its replica, the
+  -- lifetime of its shares and of its semaphores' shares, its number of keys, then per
+  -- key as `refresh` reads them.
   local a, k = 7, 1
   for _ = 1, tonumber(ARGV[6]) do
     me, life, plife = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
