@@ -27,13 +27,13 @@ impl Tap {
     /// over TCP); `None` for any other URL (TLS, a Unix socket), which the demo then
     /// measures live only.
     pub(super) async fn start(url: &str) -> Result<Option<Tap>, tower::BoxError> {
-        let Some(rest) = url.strip_prefix("redis://") else { return Ok(None) };
-        let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
-        let (userinfo, server) = authority.rsplit_once('@').map_or(("", authority), |(u, s)| (u, s));
-        let server = if server.contains(':') { server.to_owned() } else { format!("{server}:6379") };
+        let mut url = url::Url::parse(url)?;
+        let (Some(host), "redis") = (url.host_str(), url.scheme()) else { return Ok(None) };
+        let server = format!("{host}:{}", url.port().unwrap_or(6379));
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let port = listener.local_addr()?.port();
-        let at = if userinfo.is_empty() { String::new() } else { format!("{userinfo}@") };
+        url.set_host(Some("127.0.0.1"))?;
+        url.set_port(Some(port)).map_err(|()| "the Redis URL cannot take a port")?;
         let recorded: Recorded = Arc::default();
         let kept = recorded.clone();
         tokio::spawn(async move {
@@ -48,7 +48,7 @@ impl Tap {
                 });
             }
         });
-        Ok(Some(Tap { url: format!("redis://{at}127.0.0.1:{port}/{path}"), recorded }))
+        Ok(Some(Tap { url: url.into(), recorded }))
     }
 }
 
