@@ -337,8 +337,6 @@ impl Gateway {
     /// # Errors
     /// A plan or pool the library refuses (validation catches these first).
     pub fn new(config: &Config, transport: Transport) -> Result<Self, BoxError> {
-        // Every encoding's tables, before the first request needs them.
-        config.gateway.encodings.load();
         Self::with_sharing(config, transport, &Sharing::InMemory)
     }
 
@@ -367,6 +365,9 @@ impl Gateway {
     }
 
     fn build(config: &Config, transport: Transport, replicas: u64, redis: bool) -> Result<Self, BoxError> {
+        // Every encoding's tables, before the first request needs them (whichever way the
+        // replica is built).
+        config.gateway.encodings.load();
         let mut pool = LimitPool::builder(config.gateway.selection);
         for account in &config.accounts {
             let mirror = account
