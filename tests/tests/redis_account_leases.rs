@@ -335,16 +335,20 @@ fn a_hand_over_never_counts_a_fraction_twice() {
         y_store.refresh_leases(ms(70)).await;
         assert_eq!(y_store.leased_fraction(ms(70)), Some(0.0), "x may still be using the whole");
         assert!(held(70) <= 1.0);
-        // x hears half now, and uses it; until it says so, Redis counts the whole.
+        // x hears half now. Until it says so Redis counts the whole, and x keeps using
+        // the whole until then rather than leave the other half to nobody.
         ask(&x, 20, 80).await;
         x_store.refresh_leases(ms(80)).await;
-        assert_eq!(x_store.leased_fraction(ms(81)), Some(0.5));
+        assert_eq!(x_store.leased_fraction(ms(81)), Some(1.0));
         ask(&y, 20, 90).await;
         y_store.refresh_leases(ms(90)).await;
         assert_eq!(y_store.leased_fraction(ms(90)), Some(0.0), "x has not confirmed the half yet");
-        // x confirms; then y gets the other half.
+        assert!(held(90) <= 1.0);
+        // x confirms, holding the half from when its report is sent; then y gets the
+        // other half.
         ask(&x, 20, 130).await;
         x_store.refresh_leases(ms(130)).await;
+        assert_eq!(x_store.leased_fraction(ms(130)), Some(0.5));
         ask(&y, 20, 140).await;
         y_store.refresh_leases(ms(140)).await;
         assert_eq!(y_store.leased_fraction(ms(140)), Some(0.5));
@@ -616,10 +620,11 @@ fn a_replica_short_of_its_part_asks_again_after_the_holder_refreshes() {
         // x does not look again at 5 here (the test's clock): what follows is as when a
         // holder keeps its period.
         // x is told at 40 to keep half (y's weight counts whole at once) and, y waiting,
-        // to confirm at once (a microsecond, and the 2 ms every early call waits).
+        // to confirm at once (a microsecond, and the 2 ms every early call waits); it
+        // keeps the whole until it does.
         ask(&x, 20, 40).await;
         x_store.refresh_leases(ms(40)).await;
-        assert_eq!(x_store.leased_fraction(ms(40)), Some(0.5));
+        assert_eq!(x_store.leased_fraction(ms(40)), Some(1.0));
         assert_eq!(x_store.lease_asked_again_in(), Some(Duration::from_micros(2_001)));
         // y, at 42, is asked again 2 ms after x's confirmation is due: at 47.
         ask(&y, 20, 42).await;

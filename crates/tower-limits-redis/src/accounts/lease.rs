@@ -24,7 +24,8 @@
 //! over bands of the band's part times the replica's part of the band's weight. A
 //! replica's weights move three tenths of the way toward what each refresh reports: the
 //! requests waiting swing from one refresh to the next, and every part of a rate that
-//! moves between replicas is idle until both have refreshed. A band whose weight was
+//! moves between replicas is idle from the giver's confirmation (below) to the taker's
+//! next refresh. A band whose weight was
 //! zero counts at once: a replica's first demand (a fleet starting, or work after a quiet
 //! spell) would otherwise take five periods to reach its part. For the same reason a rate
 //! part within 1% of the one held is left as it is, unless it grows into what no replica
@@ -57,7 +58,11 @@
 //! at a time.
 //!
 //! The caller is granted its allotment, but never more than the others leave: an other
-//! counts the larger of what it was granted and what it said it may still be using. The
+//! counts the larger of what it was granted and what it said it may still be using. A
+//! replica granted less than it holds keeps what it holds until its next report is sent,
+//! which says it uses only the smaller part (it *confirms* it) and from which it does:
+//! Redis counts the larger part until then whatever the replica does, so a part given back
+//! is used by its giver until it is free for another, rather than by nobody. The
 //! reply also carries the members' benches, the caller's part of each tenant's demand,
 //! which the fair queue uses as its tenants' weights, and each band's part of what the
 //! caller holds, which its fair queue keeps as the band's minimum share
@@ -72,8 +77,8 @@
 //! A new fleet's bursts are full, as a new per-request store's are: the part of the
 //! bursts no lease holds as tokens is kept in Redis and handed out as tokens with the
 //! growth of the parts that take it. A burst part that shrinks drops the tokens above its
-//! new capacity and gives them back with its next report, which also confirms the
-//! smaller part: the first replica of a new fleet takes everything, gives most of it
+//! new capacity when the report that confirms it is sent, and gives them back with that
+//! report: the first replica of a new fleet takes everything, gives most of it
 //! back moments later, and the bursts pass to the replicas that need them rather than
 //! being lost.
 //!
@@ -84,15 +89,17 @@
 //!
 //! - The rate fractions Redis counts sum to at most the whole at every instant, and so do
 //!   the burst fractions: a replica's entry counts the larger of its grant and what it
-//!   reports until it confirms the smaller one, and until its lease expires. So the rates
-//!   the replicas refill at sum to at most `A`, and their buckets' capacities to at most
-//!   `B`.
+//!   reports until it confirms the smaller one, and until its lease expires. A replica
+//!   holds at most the larger of the two: it takes a smaller grant from the instant it
+//!   sends the report that confirms it, before Redis reads that report. So the rates the
+//!   replicas refill at sum to at most `A`, and their buckets' capacities to at most `B`.
 //! - A replica stops using a lease at its local expiry, counted from a `now` taken before
 //!   its call was sent, so never after Redis stops counting it.
 //! - Tokens come only from refills and from a new fleet's unspent bursts. A bucket whose
 //!   burst grows keeps its tokens (a new lease starts empty, but for the unspent bursts);
-//!   one that shrinks drops what is above its new capacity, and gives it back (the least
-//!   part over the limits) in the report that confirms its smaller part, whose counted
+//!   one that shrinks drops what is above its new capacity as the report that confirms
+//!   its smaller part is sent, and gives it back (the least part over the limits) in that
+//!   report, whose counted
 //!   part shrinks by at least as much. The unspent part stays at most the part of the
 //!   bursts nobody is counted for (each grant takes from it no more than its counted part
 //!   grew), so the tokens held and the unspent bursts never sum to more than the bursts:
@@ -177,7 +184,7 @@ pub(crate) const WHOLE: u64 = 1_000_000;
 
 /// How far a replica's weight moves toward the one its refresh reports: its tenants'
 /// requests waiting swing from one refresh to the next, and every part of a rate that
-/// moves between replicas is idle until both have refreshed.
+/// moves between replicas is idle from the giver's confirmation to the taker's refresh.
 pub(super) const SMOOTH: f64 = 0.3;
 
 /// A rate part within this of the one a replica holds (millionths) is left as it is.
@@ -266,9 +273,6 @@ pub(super) struct Report {
     pub(super) cap: u64,
     /// The least burst part that holds the largest request it was asked lately.
     pub(super) least: u64,
-    /// Tokens of the bursts this replica dropped since the last report (a part of the
-    /// bursts), given back.
-    pub(super) returned: u64,
     /// What the report stands for: admitted, refused, the largest cost.
     pub(super) counts: (u64, u64, u64),
 }
@@ -310,6 +314,10 @@ struct State {
     /// The fraction of every rate the lease holds, and of every burst.
     rate: u64,
     burst: u64,
+    /// The parts the last answer granted: a part granted smaller than the one held stays
+    /// in force until the next report is sent (Redis counts the larger until that report
+    /// confirms the smaller), then the lease shrinks to it.
+    granted: (u64, u64),
     expires: Instant,
     /// A refresh's answer, applied by the next acquisition (whose `now` is after it): the
     /// rate and burst parts, their expiry, the instant the answer came, before which
@@ -406,6 +414,7 @@ impl Leases {
                 per_refresh,
                 rate: 0,
                 burst: 0,
+                granted: (0, 0),
                 expires: Instant::ZERO,
                 pending: None,
                 tokens,
@@ -459,33 +468,59 @@ impl Leases {
         }
     }
 
-    /// Applies the last refresh's answer: a grown burst keeps the tokens, a shrunk one
-    /// drops those above its capacity, and the next report gives them back to Redis (the
-    /// least part of the bursts dropped over the limits), for a part that grows to take.
+    /// Applies the last refresh's answer: a part that grows is in force at once, keeping
+    /// the burst's tokens and adding the `gift`; a part that shrinks stays as it is until
+    /// the next report is sent ([`shrink`](Self::shrink)). Redis counts the larger part
+    /// until that report confirms the smaller, so a part given back is used by its
+    /// holder until then rather than by nobody.
     fn take_pending(&self, st: &mut State, now: Instant) {
         self.advance(st, now);
         if let Some((rate, burst, expires, from, gift)) = st.pending.take() {
             if now < expires {
-                (st.rate, st.burst, st.expires) = (rate, burst, expires);
-                let mut dropped = u64::MAX;
-                for (member, tokens) in st.limits.iter().zip(&mut st.tokens) {
-                    for (l, t) in member.iter().zip(tokens.iter_mut()) {
-                        let full = *t + l.capacity(gift);
-                        *t = full.min(l.capacity(burst));
-                        let whole = l.capacity(WHOLE).max(1);
-                        let part = (full - *t).max(0) * i128::from(WHOLE) / whole;
-                        dropped = dropped.min(u64::try_from(part).unwrap_or(0));
-                    }
-                }
-                if dropped != u64::MAX {
-                    st.dropped = st.dropped.saturating_add(dropped).min(WHOLE);
-                }
+                // (An expired lease holds nothing: `advance` dropped it.)
+                st.granted = (rate, burst);
+                (st.rate, st.burst, st.expires) = (st.rate.max(rate), st.burst.max(burst), expires);
+                Self::fill(st, gift);
                 // The new parts refill from when the answer came, not from when it was
                 // asked: another replica may have used them until then.
                 st.at = st.at.max(from);
             }
             self.advance(st, now);
         }
+    }
+
+    /// Adds `gift` (a part of the bursts) to every bucket and drops what is above its
+    /// capacity, for the next report to give back to Redis (the least part of the bursts
+    /// dropped over the limits), for a part that grows to take.
+    fn fill(st: &mut State, gift: u64) {
+        let mut dropped = u64::MAX;
+        for (member, tokens) in st.limits.iter().zip(&mut st.tokens) {
+            for (l, t) in member.iter().zip(tokens.iter_mut()) {
+                let full = *t + l.capacity(gift);
+                *t = full.min(l.capacity(st.burst));
+                let whole = l.capacity(WHOLE).max(1);
+                let part = (full - *t).max(0) * i128::from(WHOLE) / whole;
+                dropped = dropped.min(u64::try_from(part).unwrap_or(0));
+            }
+        }
+        if dropped != u64::MAX {
+            st.dropped = st.dropped.saturating_add(dropped).min(WHOLE);
+        }
+    }
+
+    /// A report is being sent at `now`: the parts the last answer granted smaller than
+    /// those held come in force, and the tokens above a shrunk burst part are dropped.
+    /// The part of the bursts dropped since the last report sent, which this one gives
+    /// back (once: a report whose answer is lost may have been applied).
+    pub(super) fn shrink(&self, now: Instant) -> u64 {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        self.take_pending(st, now);
+        if st.rate > 0 && (st.rate, st.burst) != st.granted {
+            (st.rate, st.burst) = st.granted;
+            Self::fill(st, 0);
+        }
+        std::mem::take(&mut st.dropped)
     }
 
     /// Decides a request of `cost` at `now` from the lease, skipping the members benched
@@ -613,9 +648,9 @@ impl Leases {
         // The last answer came before this refresh began: it is in force now, even for a
         // replica that made no acquisition since.
         self.take_pending(&mut st, now);
-        let live = |fraction: u64, expires: Instant| if now < expires { fraction } else { 0 };
-        let (pending_rate, pending_burst) = st.pending.map_or((0, 0), |(r, b, e, _, _)| (live(r, e), live(b, e)));
-        let using = (live(st.rate, st.expires).max(pending_rate), live(st.burst, st.expires).max(pending_burst));
+        // (What it may use once this report is sent: the parts granted last, which a part
+        // held larger shrinks to then.)
+        let using = if now < st.expires && st.rate > 0 { st.granted } else { (0, 0) };
         let cap = if st.refused > 0 || backlog {
             WHOLE
         } else if st.admitted == 0 {
@@ -635,9 +670,7 @@ impl Leases {
         };
         let wanted = st.wanted.max(st.wanted_before).max(1);
         let least = least_part(&st.limits, wanted);
-        // Given back once: a report whose answer is lost may have been applied.
-        let returned = std::mem::take(&mut st.dropped);
-        Report { using, cap, least, returned, counts: (st.admitted, st.refused, st.wanted) }
+        Report { using, cap, least, counts: (st.admitted, st.refused, st.wanted) }
     }
 
     /// The fleet's limits as Redis holds them (replaced ones included), per member and

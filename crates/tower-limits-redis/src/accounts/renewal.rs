@@ -48,7 +48,9 @@ impl Inner {
         if ask == Ask::WhenDue && !leases.due(now, &said, &report) {
             return true;
         }
-        let lease::Report { using: (rate, burst), cap, least, returned, counts } = report;
+        let lease::Report { using: (rate, burst), cap, least, counts } = report;
+        // From here the report is sent: the parts it confirms smaller come in force.
+        let returned = leases.shrink(now);
         let mut args = vec!["l".to_owned(), self.id.clone(), rate.to_string(), burst.to_string(), cap.to_string()];
         args.extend([least.to_string(), returned.to_string()]);
         let min_shares = self.fleet.as_ref().map(|f| f.min_shares()).unwrap_or_default();

@@ -564,9 +564,10 @@ if ARGV[1] == 'l' then
       end
     end
     -- smoothed: a count of requests waiting swings from one refresh to the next, and
-    -- every part that moves between replicas is idle until both have refreshed; a band
-    -- that had no weight here counts at once (a replica's first requests, or its first
-    -- after a quiet spell, would otherwise ramp over five periods behind the others)
+    -- every part that moves between replicas is idle from the giver's confirmation to
+    -- the taker's refresh; a band that had no weight here counts at once (a replica's
+    -- first requests, or its first after a quiet spell, would otherwise ramp over five
+    -- periods behind the others)
     if before and (before[b] or 0) > 0 then w = before[b] + SMOOTH * (w - before[b]) end
     ws[b] = w
   end

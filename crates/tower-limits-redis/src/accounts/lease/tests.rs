@@ -71,7 +71,7 @@ fn a_replica_granted_nothing_refuses_until_the_refresh_it_was_asked_for() {
 }
 
 #[test]
-fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
+fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them_when_it_reports() {
     let l = leases();
     l.granted((WHOLE / 2, WHOLE / 2, 0), at(10_000), at(0), at(0));
     assert_eq!(l.fractions(at(0)).0, WHOLE / 2);
@@ -79,10 +79,32 @@ fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them() {
     l.granted((WHOLE, WHOLE, 0), at(10_000), at(5000), at(5000));
     assert_eq!(l.decide(1, &[], at(5000)), Decision::Granted(0));
     assert!(matches!(l.decide(1, &[], at(5000)), Decision::Refused(_)));
-    // Full at the whole (two), shrunk to half: one.
+    // Full at the whole (two requests, 50 tokens), granted half: the whole stays in
+    // force, refilling at the whole rate, until the next report is sent.
     l.granted((WHOLE / 2, WHOLE / 2, 0), at(20_000), at(9000), at(9000));
+    assert_eq!(l.fractions(at(9000)), (WHOLE, WHOLE));
+    assert_eq!(l.report(at(9000), false).using, (WHOLE / 2, WHOLE / 2), "it reports what it shrinks to");
     assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
-    assert!(matches!(l.decide(1, &[], at(9000)), Decision::Refused(_)));
+    assert_eq!(l.decide(1, &[], at(9000)), Decision::Granted(0));
+    assert_eq!(l.decide(1, &[], at(9100)), Decision::Granted(0), "a request in 100 ms at the whole rate");
+    // Sent: half of the rate and the burst. The request bucket is spent, so no part of
+    // the bursts was dropped over every limit.
+    assert_eq!(l.shrink(at(9100)), 0);
+    assert_eq!(l.fractions(at(9100)), (WHOLE / 2, WHOLE / 2));
+    assert!(matches!(l.decide(1, &[], at(9200)), Decision::Refused(_)), "a request in 200 ms at half");
+    assert_eq!(l.decide(1, &[], at(9300)), Decision::Granted(0));
+    // Full again (one request, 25 tokens at half), grown to the whole and given back:
+    // the tokens above half the bursts are dropped when the report is sent, and that
+    // report gives them back (the least part over the limits), once.
+    l.granted((WHOLE, WHOLE, 0), at(20_000), at(12_000), at(12_000));
+    assert_eq!(l.decide(1, &[], at(14_000)), Decision::Granted(0));
+    l.granted((WHOLE / 2, WHOLE / 2, 0), at(20_000), at(14_000), at(14_000));
+    // Refilled at the whole rate until then: 2 requests and 50 tokens, half of each above
+    // the smaller part.
+    assert_eq!(l.shrink(at(16_000)), WHOLE / 2);
+    assert_eq!(l.shrink(at(16_000)), 0, "given back once");
+    assert_eq!(l.decide(1, &[], at(16_000)), Decision::Granted(0));
+    assert!(matches!(l.decide(1, &[], at(16_000)), Decision::Refused(_)));
 }
 
 #[test]
@@ -138,13 +160,7 @@ fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
         outstanding: 1,
         bands,
     };
-    let report = |cap: u64, held: u64, least: u64| Report {
-        using: (held, WHOLE / 2),
-        cap,
-        least,
-        returned: 0,
-        counts: (0, 0, 0),
-    };
+    let report = |cap: u64, held: u64, least: u64| Report { using: (held, WHOLE / 2), cap, least, counts: (0, 0, 0) };
     let first = [tenant("a", 1)];
     let full = report(WHOLE, WHOLE / 2, 1_000);
     let said = Sent::of(&first, &full);
