@@ -327,7 +327,11 @@ pub(super) fn print_verdict(report: &DemoReport, utilization: f64) {
         println!("FAIL: shares beyond tolerance: {}", report.off_share.join(", "));
     }
     if report.underused {
-        println!("FAIL: the fleet used {:.1}% of what the mirrors allowed (target 90%)", utilization * 100.0);
+        println!(
+            "FAIL: the fleet used {:.1}% of what the mirrors allowed (at least {:.0}%)",
+            utilization * 100.0,
+            super::LEAST_FLEET_USE * 100.0
+        );
     }
 }
 
