@@ -7,8 +7,11 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use combine::parser::combinator::AnySendSyncPartialState;
+use combine::stream::{Decoder, PointerOffset};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tower_limits_redis::redis::{self, Value};
 
 /// The most script calls kept (a long run replays its first ones).
 const KEPT: usize = 200_000;
@@ -52,16 +55,17 @@ impl Tap {
     }
 }
 
-/// Copies the server's bytes back as they come, and the client's on, recording each
-/// complete script call among them.
+/// Copies the server's bytes back as they come, and the client's on and into a pipe
+/// whose reader records the script calls among them.
 async fn forward(client: TcpStream, upstream: TcpStream, kept: Recorded) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = upstream.into_split();
     let back = tokio::spawn(async move {
         let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
     });
+    let (mut copy, commands) = tokio::io::duplex(64 * 1024);
+    let recording = tokio::spawn(record(commands, kept));
     let mut buf = vec![0u8; 64 * 1024];
-    let mut pending = Vec::new();
     loop {
         let n = match client_read.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -70,67 +74,51 @@ async fn forward(client: TcpStream, upstream: TcpStream, kept: Recorded) {
         if server_write.write_all(&buf[..n]).await.is_err() {
             break;
         }
-        pending.extend_from_slice(&buf[..n]);
-        let mut at = 0;
-        while let Some((args, used)) = parse_command(&pending[at..]) {
-            at += used;
-            let script =
-                args.first().is_some_and(|c| c.eq_ignore_ascii_case(b"EVALSHA") || c.eq_ignore_ascii_case(b"EVAL"));
-            if script {
-                let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
-                if kept.len() < KEPT {
-                    kept.push(args);
-                }
-            }
-        }
-        pending.drain(..at);
-        if pending.first().is_some_and(|&b| b != b'*') {
-            // Not what a client library sends: forwarded, not recorded.
-            pending.clear();
-        }
+        // (A recorder that stopped, on bytes no client library sends, records no more.)
+        let _ = copy.write_all(&buf[..n]).await;
     }
+    drop(copy);
+    let _ = recording.await;
     back.abort();
 }
 
-/// One command as a client sends it (a RESP array of bulk strings), and the bytes it
-/// took; `None` until it is all there.
-fn parse_command(bytes: &[u8]) -> Option<(Vec<Vec<u8>>, usize)> {
-    let (count, mut at) = header(bytes, b'*')?;
-    let mut args = Vec::with_capacity(count);
-    for _ in 0..count {
-        let (len, used) = header(&bytes[at..], b'$')?;
-        at += used;
-        let end = at.checked_add(len)?;
-        if bytes.len() < end + 2 {
-            return None;
+/// Reads the commands a client sends (RESP arrays of bulk strings) from `commands` until
+/// it ends or holds something else, and keeps the script calls' arguments.
+async fn record(mut commands: impl AsyncRead + Unpin, kept: Recorded) {
+    let mut decoder: Decoder<AnySendSyncPartialState, PointerOffset<[u8]>> = Decoder::new();
+    while let Ok(Value::Array(items)) = redis::parse_redis_value_async(&mut decoder, &mut commands).await {
+        let args: Option<Vec<Vec<u8>>> =
+            items.into_iter().map(|v| if let Value::BulkString(b) = v { Some(b) } else { None }).collect();
+        let Some(args) = args else { break };
+        if args.first().is_some_and(|c| c.eq_ignore_ascii_case(b"EVALSHA") || c.eq_ignore_ascii_case(b"EVAL")) {
+            let mut kept = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            if kept.len() < KEPT {
+                kept.push(args);
+            }
         }
-        args.push(bytes[at..end].to_vec());
-        at = end + 2;
     }
-    Some((args, at))
-}
-
-/// A RESP header line of `kind` (`*3\r\n`): its number and the bytes it took.
-fn header(bytes: &[u8], kind: u8) -> Option<(usize, usize)> {
-    if bytes.first() != Some(&kind) {
-        return None;
-    }
-    let end = bytes.windows(2).position(|w| w == b"\r\n")?;
-    let n = std::str::from_utf8(&bytes[1..end]).ok()?.parse().ok()?;
-    Some((n, end + 2))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_command;
+    use super::*;
 
-    #[test]
-    fn a_command_is_parsed_once_it_is_whole() {
-        let bytes = b"*3\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n0\r\n*1\r\n$4\r\nPING\r\n";
-        let (args, used) = parse_command(bytes).unwrap();
-        assert_eq!(args, vec![b"EVALSHA".to_vec(), b"ab".to_vec(), b"0".to_vec()]);
-        assert_eq!(parse_command(&bytes[used..]).unwrap().0, vec![b"PING".to_vec()]);
-        assert!(parse_command(&bytes[..used - 1]).is_none(), "a command cut short waits for the rest");
-        assert!(parse_command(b"*2\r\n$3\r\nGET").is_none());
+    #[tokio::test]
+    async fn the_script_calls_are_kept_once_whole() {
+        let kept = Recorded::default();
+        let (mut client, commands) = tokio::io::duplex(1024);
+        let recording = tokio::spawn(record(commands, kept.clone()));
+        let bytes =
+            b"*3\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n0\r\n*1\r\n$4\r\nPING\r\n*2\r\n$4\r\nEVAL\r\n$1\r\nx\r\n";
+        // Cut in two within a command: it is recorded once the rest comes.
+        client.write_all(&bytes[..20]).await.unwrap();
+        client.write_all(&bytes[20..]).await.unwrap();
+        drop(client);
+        recording.await.unwrap();
+        let kept = kept.lock().unwrap().clone();
+        assert_eq!(
+            kept,
+            vec![vec![b"EVALSHA".to_vec(), b"ab".to_vec(), b"0".to_vec()], vec![b"EVAL".to_vec(), b"x".to_vec()]]
+        );
     }
 }
