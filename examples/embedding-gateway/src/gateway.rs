@@ -586,7 +586,7 @@ impl Gateway {
 
     /// Each account's quotas per window as this replica learned them from the upstream's
     /// answers (requests, tokens), in the pool's order; empty with learning off
-    /// (`mirror.learn_ceiling_percent = 0`, or account leases on Redis).
+    /// (`mirror.learn_ceiling_percent = 0`).
     #[must_use]
     pub fn learned_limits(&self) -> Vec<(u64, u64)> {
         self.learning.as_ref().map_or_else(Vec::new, |l| l.learned())

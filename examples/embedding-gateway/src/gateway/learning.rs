@@ -28,8 +28,8 @@
 //! upstream still counts of every replica's calls. Replicas see
 //! the same stated limits and so learn the same quotas; a `429` lowers the fleet's mirror
 //! through the replica that met it. The replica's local mirror, which decides only while
-//! Redis is away, is rebuilt at its share (`1 / replicas`) of the learned quota. Not with
-//! account leases, which decide from the declared quotas.
+//! Redis is away, is rebuilt at its share (`1 / replicas`) of the learned quota. Leased
+//! accounts take a replaced quota at each replica's next lease refresh.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
