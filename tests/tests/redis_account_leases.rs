@@ -593,6 +593,40 @@ fn leases_take_the_limits_the_fleet_replaced() {
     });
 }
 
+/// The replica that lowers a limit decides with it at once, from the lease it holds,
+/// without waiting for its next refresh.
+#[test]
+fn a_replica_lowering_a_limit_keeps_to_it_before_its_next_refresh() {
+    let Some(server) = redis_for("a_replica_lowering_a_limit_keeps_to_it_before_its_next_refresh") else {
+        return;
+    };
+    runtime().block_on(async {
+        let one = |rps: u64, burst: u64| {
+            LimitSetPolicy::new().limit(LimitPolicy::gcra("rpm", quota(rps, Duration::from_secs(1), burst)))
+        };
+        let leases = AccountLeases::new().refresh_every(Duration::from_millis(50)).lifetime(LIFETIME);
+        let (pool, store) = single(&server.url(), &namespace("leases-lowered"), &one(100, 10), leases, true).await;
+        let key = TenantKey::global();
+        let mut grants = Vec::new();
+        // The first request takes the lease (at 0, for the lifetime: 300 ms); no refresh
+        // follows. Lowered to a tenth at 100 ms.
+        for t in 0..250 {
+            if t == 100 {
+                store.replace_member_limits(0, &one(10, 1), ms(t)).unwrap();
+            }
+            if let Ok(g) = Backend::acquire(&pool, &key, 1, ms(t)).await {
+                grants.push(t);
+                Backend::release(&pool, &key, g);
+            }
+        }
+        assert_eq!(store.stats().lease_refreshes, 1, "one lease, taken by the first request");
+        let count = |from: u64, to: u64| grants.iter().filter(|&&t| t >= from && t < to).count();
+        assert!(count(50, 100) >= 4, "{} grants in 50 ms at 100 a second", count(50, 100));
+        // 10 a second with a burst of 1: at most 1 + 1.5 in 150 ms (at 100 a second: 15).
+        assert!(count(100, 250) <= 2, "{} grants in 150 ms once lowered", count(100, 250));
+    });
+}
+
 /// A replica short of its part while another holds more than its own (told to give part
 /// back, or to be told at its next refresh) is asked to refresh again just after that one
 /// confirms it, rather than at its own next period; a replica that got its part is not. A

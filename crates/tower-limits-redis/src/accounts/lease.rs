@@ -106,8 +106,8 @@
 //!   the fleet is one bucket that started full. A report whose answer is lost may have
 //!   been applied: its tokens are not given back twice.
 //!
-//! A replaced limit holds for a replica from its next refresh: until then it refills at
-//! the limit it knew, so for up to one period between refreshes (the calm period while
+//! A replaced limit holds for a replica from its next refresh (the replica that lowered it,
+//! at once): until then it refills at the limit it knew, so for up to one period between refreshes (the calm period while
 //! the fleet is settled) and the call after a lowering the fleet may charge the old rate.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
@@ -262,6 +262,18 @@ impl LeasedLimit {
 
     fn need(&self, cost: u64) -> i128 {
         i128::from(if self.cost { cost } else { 1 }) * self.unit()
+    }
+
+    /// Takes `(interval, tolerance)` (ns) as the limit, its bucket `t` keeping the units it
+    /// holds up to its capacity at `fraction` of the burst; whether the limit changed.
+    fn replace(&mut self, t: &mut i128, (interval, tolerance): (u64, u64), fraction: u64) -> bool {
+        if interval == 0 || interval == self.interval && tolerance / interval == self.burst {
+            return false;
+        }
+        let old = self.interval.max(1);
+        (self.interval, self.burst) = (interval, tolerance / interval);
+        *t = (*t * i128::from(interval) / i128::from(old)).min(self.capacity(fraction));
+        true
     }
 }
 
@@ -685,17 +697,31 @@ impl Leases {
         let burst = st.burst;
         for (member, tokens) in st.limits.iter_mut().zip(&mut st.tokens) {
             for (l, t) in member.iter_mut().zip(tokens.iter_mut()) {
-                let Some(&(interval, tolerance)) = given.next() else { return };
-                if interval == 0 || interval == l.interval && tolerance / interval == l.burst {
-                    continue;
-                }
-                let old = *l;
-                (l.interval, l.burst) = (interval, tolerance / interval);
-                *t = (*t * i128::from(interval) / i128::from(old.interval.max(1))).min(l.capacity(burst));
-                changed = true;
+                let Some(&limit) = given.next() else { break };
+                changed |= l.replace(t, limit, burst);
             }
         }
         if changed {
+            st.per_refresh = per_refresh(&self.settings, &st.limits);
+        }
+    }
+
+    /// This replica lowered limit `place` of `member` to `limit` (interval and tolerance,
+    /// ns) at `now`: its lease decides with it at once rather than from its next refresh
+    /// (lowering what a replica admits never breaks a bound; a raise waits for Redis, which
+    /// takes a replacement only if it moves the fleet's limit the same way).
+    pub(super) fn lower(&self, member: usize, place: usize, limit: (u64, u64), now: Instant) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        self.take_pending(st, now);
+        let burst = st.burst;
+        let (Some(l), Some(t)) = (
+            st.limits.get_mut(member).and_then(|m| m.get_mut(place)),
+            st.tokens.get_mut(member).and_then(|m| m.get_mut(place)),
+        ) else {
+            return;
+        };
+        if limit.0 > l.interval && l.replace(t, limit, burst) {
             st.per_refresh = per_refresh(&self.settings, &st.limits);
         }
     }

@@ -45,8 +45,10 @@ impl RedisAccounts {
     /// rates and bursts, such as the account's quota learned from its upstream. A lowered
     /// limit is charged with what the fleet admitted over the span the upstream counts
     /// (see the [module docs](self)). The change reaches Redis in the background, with the
-    /// settles, and every replica's next call. `now` is the caller's clock (a store on a
-    /// manual clock sends it; Redis's own otherwise).
+    /// settles, and every replica's next call; with
+    /// [`leases`](super::RedisAccountsBuilder::leases), this replica's lease decides with a
+    /// lowered limit at once, the others' from their next refresh. `now` is the caller's
+    /// clock (a store on a manual clock sends it; Redis's own otherwise).
     ///
     /// # Errors
     /// [`BuildError::Invalid`] when the store was not built with
@@ -110,8 +112,11 @@ impl RedisAccounts {
             ops.push(Op::Replace { member: index, limit: place, interval, tolerance, lowered: interval > was });
         }
         for op in ops {
-            if let Op::Replace { limit, interval, tolerance, .. } = op {
+            if let Op::Replace { limit, interval, tolerance, lowered, .. } = op {
                 shape[limit].current = (interval, tolerance);
+                if let Some(leases) = self.inner.leases.as_ref().filter(|_| lowered) {
+                    leases.lower(index, limit, (interval, tolerance), now);
+                }
             }
             self.inner.send(op);
         }

@@ -196,3 +196,20 @@ fn a_refresh_is_due_when_the_period_ends_or_the_demand_moves() {
     l.heard(at(0), said.clone(), None, None);
     assert!(l.due(at(50), &said, &full));
 }
+
+#[test]
+fn a_limit_this_replica_lowers_holds_at_once_and_a_raise_waits_for_redis() {
+    let l = leases();
+    l.granted((WHOLE, WHOLE, 0), at(10_000), at(0), at(0));
+    assert_eq!(l.fractions(at(0)), (WHOLE, WHOLE));
+    // Full at 1 s: 2 requests and 50 tokens. The token limit lowered to 10 a second with a
+    // burst of 5: the bucket keeps 5, and refills one token in 100 ms.
+    l.lower(0, 1, (100_000_000, 500_000_000), at(1000));
+    assert_eq!(l.decide(5, &[], at(1000)), Decision::Granted(0));
+    assert!(matches!(l.decide(1, &[], at(1000)), Decision::Refused(w) if w == Duration::from_millis(100)));
+    // A raise is not taken locally: the next refresh brings the fleet's limit.
+    l.lower(0, 1, (10_000_000, 500_000_000), at(1000));
+    assert!(matches!(l.decide(1, &[], at(1050)), Decision::Refused(_)));
+    l.take_limits(&[(100_000_000, 200_000_000), (10_000_000, 500_000_000)], at(1050));
+    assert_eq!(l.decide(1, &[], at(1100)), Decision::Granted(0), "at 100 a second");
+}
