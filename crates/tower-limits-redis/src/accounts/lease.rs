@@ -25,9 +25,9 @@
 //! replica's weights move three tenths of the way toward what each refresh reports: the
 //! requests waiting swing from one refresh to the next, and every part of a rate that
 //! moves between replicas is idle from the giver's confirmation (below) to the taker's
-//! next refresh. A band whose weight was
-//! zero counts at once: a replica's first demand (a fleet starting, or work after a quiet
-//! spell) would otherwise take five periods to reach its part. For the same reason a rate
+//! next refresh. A band whose weight was zero counts at once: a replica's first demand (a
+//! fleet starting, or work after a quiet spell) would otherwise take five periods to
+//! reach its part. For the same reason a rate
 //! part within 1% of the one held is left as it is, unless it grows into what no replica
 //! holds (that moves nobody's part, and left alone it would be nobody's).
 //!
@@ -99,16 +99,16 @@
 //!   burst grows keeps its tokens (a new lease starts empty, but for the unspent bursts);
 //!   one that shrinks drops what is above its new capacity as the report that confirms
 //!   its smaller part is sent, and gives it back (the least part over the limits) in that
-//!   report, whose counted
-//!   part shrinks by at least as much. The unspent part stays at most the part of the
-//!   bursts nobody is counted for (each grant takes from it no more than its counted part
-//!   grew), so the tokens held and the unspent bursts never sum to more than the bursts:
-//!   the fleet is one bucket that started full. A report whose answer is lost may have
-//!   been applied: its tokens are not given back twice.
+//!   report, whose counted part shrinks by at least as much. The unspent part stays at
+//!   most the part of the bursts nobody is counted for (each grant takes from it no more
+//!   than its counted part grew), so the tokens held and the unspent bursts never sum to
+//!   more than the bursts: the fleet is one bucket that started full. A report whose
+//!   answer is lost may have been applied: its tokens are not given back twice.
 //!
-//! A replaced limit holds for a replica from its next refresh (the replica that lowered it,
-//! at once): until then it refills at the limit it knew, so for up to one period between refreshes (the calm period while
-//! the fleet is settled) and the call after a lowering the fleet may charge the old rate.
+//! A replaced limit holds for a replica from its next refresh (the replica that lowered
+//! it, at once): until then it refills at the limit it knew, so for up to one period
+//! between refreshes (the calm period while the fleet is settled) and the call after a
+//! lowering the fleet may charge the old rate.
 //!
 //! As in memory, a settle that charges more than a grant took is a debt of the bucket
 //! that granted it, repaid by its refill; the fleet may exceed the bound by the overrun
