@@ -100,7 +100,9 @@ fn a_grown_lease_keeps_its_tokens_and_a_shrunk_one_drops_them_when_it_reports() 
     assert_eq!(l.decide(1, &[], at(14_000)), Decision::Granted(0));
     l.granted((WHOLE / 2, WHOLE / 2, 0), at(20_000), at(14_000), at(14_000));
     // Refilled at the whole rate until then: 2 requests and 50 tokens, half of each above
-    // the smaller part.
+    // the smaller part. A report computed but not sent (not due) drops nothing.
+    assert_eq!(l.report(at(15_000), false).using, (WHOLE / 2, WHOLE / 2));
+    assert_eq!(l.fractions(at(15_000)), (WHOLE, WHOLE));
     assert_eq!(l.shrink(at(16_000)), WHOLE / 2);
     assert_eq!(l.shrink(at(16_000)), 0, "given back once");
     assert_eq!(l.decide(1, &[], at(16_000)), Decision::Granted(0));
