@@ -21,7 +21,7 @@ use std::time::Duration;
 use tower_limits_core::Instant;
 
 use super::Shares;
-use super::table::{EARLIEST, Table};
+use super::table::{EARLIEST, Table, clock_arg, micros_arg};
 use crate::backend::Inner;
 use crate::backend::call::int_array;
 use crate::connection::RedisConnection;
@@ -322,17 +322,13 @@ pub(super) async fn send(sender: &Inner, table: &Table, now: Option<Instant>, pa
 
 /// The keys and arguments of a `G` call of `parts`, for `sender` (its clock).
 fn call_of(sender: &Inner, now: Option<Instant>, parts: &[Part]) -> (Vec<Arc<str>>, Vec<String>) {
-    let now_us = match now {
-        Some(now) if sender.settings.manual_clock => (now.as_nanos() / 1000).to_string(),
-        _ => String::new(),
-    };
-    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
+    let now_us = clock_arg(now.filter(|_| sender.settings.manual_clock));
     let mut keys = Vec::new();
     let mut args = vec!["G".to_owned(), String::new(), now_us, "0".into(), "0".into()];
     args.push(parts.len().to_string());
     for part in parts {
         let Some(t) = &part.member.shares else { continue };
-        args.extend([t.replica.to_string(), us(t.settings.lifetime), us(t.permit_lease)]);
+        args.extend([t.replica.to_string(), micros_arg(t.settings.lifetime), micros_arg(t.permit_lease)]);
         args.push(part.keys.len().to_string());
         args.extend(part.args.iter().cloned());
         keys.extend(part.keys.iter().cloned());

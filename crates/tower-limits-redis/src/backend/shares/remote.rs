@@ -54,7 +54,7 @@ impl Inner {
         let Some(table) = &self.shares else { return };
         let gone = table.adjust(self, &grant.local, now, &units);
         let mut keys = Vec::new();
-        let mut args = table.args_head(self, "S", now);
+        let mut args = table.args_head(self, "S", now, table.permit_lease);
         for part in grant.pooled.iter().chain(&gone) {
             let n = units(part);
             let Some(l) = self.limits[part.limit].share else { continue };
@@ -363,11 +363,12 @@ async fn take_from_pools(
         inner.limits[p.limit].share.is_some_and(|l| !l.window && !l.permits && l.burst < table.settings.min_burst)
     };
     let book = cold.len() == 1 && thin(&cold[0]);
-    let mut args = table.args_head(&inner, if book { "Q" } else { "P" }, now);
-    if book {
-        // (Q: how long at least a booking is held once due, in place of the permits' lease.)
-        args[4] = u64::try_from(table.settings.refresh.as_micros()).unwrap_or(u64::MAX).to_string();
-    }
+    let mut args = if book {
+        // (How long at least a booking is held once due, in place of the permits' lease.)
+        table.args_head(&inner, "Q", now, table.settings.refresh)
+    } else {
+        table.args_head(&inner, "P", now, table.permit_lease)
+    };
     let mut keys = Vec::with_capacity(cold.len());
     for part in &cold {
         let Some(l) = inner.limits[part.limit].share else { continue };

@@ -596,11 +596,24 @@ impl Table {
         gone
     }
 
-    pub(super) fn args_head<'a>(&'a self, inner: &Inner, op: &'a str, now: Instant) -> Vec<String> {
-        let now_us = if inner.settings.manual_clock { (now.as_nanos() / 1000).to_string() } else { String::new() };
-        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string();
-        vec![op.to_owned(), self.replica.to_string(), now_us, us(self.settings.lifetime), us(self.permit_lease)]
+    /// The first arguments of a call of `op` by `inner` at `now`: the operation, the
+    /// replica, the caller's clock, the shares' lifetime and `held` (how long a permit is
+    /// leased; for a booking, how long at least it is held once due).
+    pub(super) fn args_head(&self, inner: &Inner, op: &str, now: Instant, held: Duration) -> Vec<String> {
+        let now = clock_arg(inner.settings.manual_clock.then_some(now));
+        vec![op.to_owned(), self.replica.to_string(), now, micros_arg(self.settings.lifetime), micros_arg(held)]
     }
+}
+
+/// The caller's clock as the script is told it: microseconds of a manual clock, or empty
+/// for the server's own.
+pub(super) fn clock_arg(manual: Option<Instant>) -> String {
+    manual.map_or_else(String::new, |now| (now.as_nanos() / 1000).to_string())
+}
+
+/// A duration as the script is told it, in microseconds.
+pub(super) fn micros_arg(d: Duration) -> String {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).to_string()
 }
 
 /// The window of `info` holding `now`: its start and end as the script is told
