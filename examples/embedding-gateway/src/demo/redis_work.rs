@@ -131,15 +131,12 @@ impl RedisWork {
 fn replace(arg: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(arg.len());
     let mut at = 0;
-    while at < arg.len() {
-        if arg[at..].starts_with(from) {
-            out.extend_from_slice(to);
-            at += from.len();
-        } else {
-            out.push(arg[at]);
-            at += 1;
-        }
+    for found in memchr::memmem::find_iter(arg, from) {
+        out.extend_from_slice(&arg[at..found]);
+        out.extend_from_slice(to);
+        at = found + from.len();
     }
+    out.extend_from_slice(&arg[at..]);
     out
 }
 
@@ -150,4 +147,17 @@ async fn cpu_seconds(conn: &mut MultiplexedConnection) -> Result<f64, tower::Box
         info.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0)
     };
     Ok(field("used_cpu_user:") + field("used_cpu_sys:"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_namespace_is_replaced_wherever_it_occurs() {
+        let arg = b"egw-1:pool:{accounts}:leases egw-1:x";
+        assert_eq!(
+            super::replace(arg, b"egw-1", b"egw-1-replay0"),
+            b"egw-1-replay0:pool:{accounts}:leases egw-1-replay0:x"
+        );
+        assert_eq!(super::replace(b"none here", b"egw-1", b"y"), b"none here");
+    }
 }
