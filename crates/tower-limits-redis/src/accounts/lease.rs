@@ -175,8 +175,13 @@ use std::time::Duration;
 
 use tower_limits_core::Instant;
 
+mod limit;
+mod report;
 mod settings;
 
+use limit::per_refresh;
+pub(super) use limit::{LeasedLimit, least_part};
+pub(super) use report::{Report, Sent};
 pub use settings::AccountLeases;
 
 /// The whole pool, in the millionths leases are counted in.
@@ -208,86 +213,6 @@ pub(super) const CONFIRM_US: u64 = 5_000;
 /// How long after the instant of a refresh its answer is taken to have come, for a
 /// request refused meanwhile to decide again (ns).
 const ANSWERED: u64 = 2_000_000;
-
-/// The requests the members allow in one refresh period, together.
-fn per_refresh(settings: &AccountLeases, limits: &[Vec<LeasedLimit>]) -> f64 {
-    let refresh_ns = settings.refresh().as_nanos() as f64;
-    limits
-        .iter()
-        .filter_map(|member| member.iter().find(|l| !l.cost))
-        .map(|l| refresh_ns / l.interval.max(1) as f64)
-        .sum()
-}
-
-/// The smallest fraction (in millionths) whose part of every limit's burst holds one
-/// request of `cost`.
-pub(super) fn least_part(limits: &[Vec<LeasedLimit>], cost: u64) -> u64 {
-    limits
-        .iter()
-        .flatten()
-        .map(|l| {
-            let need = if l.cost { cost.clamp(1, l.burst.max(1)) } else { 1 };
-            (u128::from(need) * u128::from(WHOLE)).div_ceil(u128::from(l.burst.max(1))) as u64
-        })
-        .max()
-        .unwrap_or(1)
-        .clamp(1, WHOLE)
-}
-
-/// One limit of a member, as its bucket is sized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct LeasedLimit {
-    /// Nanoseconds per unit at the limit's rate.
-    pub(super) interval: u64,
-    pub(super) burst: u64,
-    /// Counts the request's cost (else one per request).
-    pub(super) cost: bool,
-}
-
-impl LeasedLimit {
-    /// One unit, in the bucket's scale (a unit's interval times [`WHOLE`]): a bucket
-    /// holding `fraction` of the rate refills `fraction` a nanosecond.
-    fn unit(&self) -> i128 {
-        i128::from(self.interval.max(1)) * i128::from(WHOLE)
-    }
-
-    fn capacity(&self, fraction: u64) -> i128 {
-        i128::from(self.burst) * i128::from(self.interval.max(1)) * i128::from(fraction)
-    }
-
-    /// The refill a nanosecond.
-    fn refill(fraction: u64) -> i128 {
-        i128::from(fraction)
-    }
-
-    fn need(&self, cost: u64) -> i128 {
-        i128::from(if self.cost { cost } else { 1 }) * self.unit()
-    }
-
-    /// Takes `(interval, tolerance)` (ns) as the limit, its bucket `t` keeping the units it
-    /// holds up to its capacity at `fraction` of the burst; whether the limit changed.
-    fn replace(&mut self, t: &mut i128, (interval, tolerance): (u64, u64), fraction: u64) -> bool {
-        if interval == 0 || interval == self.interval && tolerance / interval == self.burst {
-            return false;
-        }
-        let old = self.interval.max(1);
-        (self.interval, self.burst) = (interval, tolerance / interval);
-        *t = (*t * i128::from(interval) / i128::from(old)).min(self.capacity(fraction));
-        true
-    }
-}
-
-/// What a lease refresh tells Redis: see [`Leases::report`].
-pub(super) struct Report {
-    /// The rate and burst fractions the replica may still be using.
-    pub(super) using: (u64, u64),
-    /// The most rate it could use.
-    pub(super) cap: u64,
-    /// The least burst part that holds the largest request it was asked lately.
-    pub(super) least: u64,
-    /// What the report stands for: admitted, refused, the largest cost.
-    pub(super) counts: (u64, u64, u64),
-}
 
 /// What the local lease decided.
 #[derive(Debug, PartialEq, Eq)]
@@ -368,51 +293,6 @@ struct State {
     /// When the next refresh's answer may change the lease: the period's refresh, or the
     /// early one Redis asked for.
     next: Instant,
-}
-
-/// What a report said of the replica's demand, to tell whether it moved since: a lease
-/// refresh is due early when it did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Sent {
-    /// The bands some tenant waits in (bit `b` for band `b`), and whether any tenant has
-    /// requests waiting or in flight.
-    bands: u64,
-    active: bool,
-    /// Could use everything (refusing, or with requests waiting) and held less.
-    short: bool,
-    /// The least burst part it needs, and whether the burst part it held was smaller.
-    least: u64,
-    cramped: bool,
-}
-
-impl Sent {
-    /// The demand in `reported` and `report`.
-    pub(super) fn of(reported: &[tower_limits_core::fleet::TenantDemand], report: &Report) -> Sent {
-        Sent {
-            bands: reported.iter().fold(0, |bands, d| bands | d.bands),
-            active: reported.iter().any(|d| d.outstanding > 0),
-            // (Short: it could use everything, refusing or with requests waiting, and
-            // holds less. A replica below its part wants twice what it admitted, which
-            // swings around what it holds from one period to the next.)
-            short: report.cap >= WHOLE && report.using.0.saturating_add(DEAD) < WHOLE,
-            least: report.least,
-            cramped: report.least > report.using.1,
-        }
-    }
-
-    /// Whether the demand moved from `self` to `now`, for a replica holding `held` of the
-    /// rate and wanting at most `cap`: a band started or stopped waiting, the replica
-    /// turned idle or busy, short of its part or no longer short, its requests outgrew its
-    /// burst part, or it holds a tenth of the whole more than it could use. (Tenants
-    /// coming and going within a band, and the counts of requests waiting, swing from one
-    /// instant to the next: they count at the next period.)
-    fn moved(&self, now: &Sent, held: u64, cap: u64) -> bool {
-        self.bands != now.bands
-            || self.active != now.active
-            || self.short != now.short
-            || (now.cramped && now.least > self.least)
-            || cap + LARGE < held
-    }
 }
 
 impl Leases {
